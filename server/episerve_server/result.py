@@ -1,0 +1,56 @@
+"""The planner's output: one columnar batch, plus a per-sample view for tests and tools."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True)
+class ImageColumn:
+    """Frames of one camera output: ``index`` points into ``BatchResult.frames[source]``.
+
+    ``index`` is (B, W) for a window, (B,) without a time axis.
+    """
+
+    source: str
+    index: np.ndarray
+
+
+@dataclass(frozen=True, slots=True)
+class BatchResult:
+    episodes: list[str]
+    frame_index: np.ndarray  # (B,) int64
+    fps: np.ndarray  # (B,) float32
+    embodiments: list[str]
+    arrays: dict[str, np.ndarray]  # numeric outputs and masks, float32, batch first
+    images: dict[str, ImageColumn]
+    frames: dict[str, list[bytes]]  # zarr key -> the distinct JPEG frames of the batch
+    texts: dict[str, list[list[str]]]
+
+    def __len__(self) -> int:
+        return len(self.episodes)
+
+    @property
+    def nbytes(self) -> int:
+        n = sum(a.nbytes for a in self.arrays.values())
+        n += sum(c.index.nbytes for c in self.images.values())
+        n += sum(len(b) for fs in self.frames.values() for b in fs)
+        return n + sum(len(t) for ts in self.texts.values() for s in ts for t in s)
+
+    def sample(self, b: int) -> dict[str, Any]:
+        """Sample ``b`` as plain values: arrays (copies), raw JPEG bytes, lists of texts."""
+        out: dict[str, Any] = {name: arr[b].copy() for name, arr in self.arrays.items()}
+        for name, col in self.images.items():
+            frames = self.frames[col.source]
+            idx = col.index[b]
+            out[name] = frames[int(idx)] if idx.ndim == 0 else [frames[int(k)] for k in idx]
+        for name, texts in self.texts.items():
+            out[name] = list(texts[b])
+        out["episode_hash"] = self.episodes[b]
+        out["embodiment"] = self.embodiments[b]
+        out["fps"] = float(self.fps[b])
+        out["frame_index"] = int(self.frame_index[b])
+        return out

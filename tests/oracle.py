@@ -1,0 +1,316 @@
+"""The per-entry reference reader: SPEC section 2 written out literally.
+
+Everything else in the test suite that checks a read (the batch planner, the daemon, the client
+Dataset) is compared against :func:`oracle_sample`. It is deliberately naive:
+
+- every frame index is computed in a plain Python loop, straight from the rule text;
+- each keymap entry is one zarr call through zarr's plain sync API, on its own;
+- it shares no code with ``episerve_server`` or ``episerve_client``.
+
+It is slow on purpose. Do not make it clever: its only job is to be obviously right.
+
+Values are returned undecoded and untensored: numeric windows as float32 ``np.ndarray``, JPEG (or
+any variable-length-bytes) frames as raw ``bytes`` (a ``list[bytes]`` for a window), annotation
+texts as ``list[str]``.
+"""
+
+from __future__ import annotations
+
+import json
+import operator
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zarr
+
+KEY_TYPES = frozenset(
+    {"camera_keys", "proprio_keys", "action_keys", "annotation_keys", "metadata_keys"}
+)
+ANNOTATIONS_ARRAY = "annotations"  # the array the annotation cutoff reads, whatever the keymap says
+
+RULE_ANNOTATION = 1
+RULE_HORIZON = 2
+RULE_HISTORY = 3
+RULE_LAG = 4
+RULE_SINGLE = 5
+
+
+class OracleReadError(Exception):
+    """A store, array or attribute cannot serve the sample. The message names episode and key."""
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """One valid annotation span [start_idx, end_idx), in the order listed in the array."""
+
+    text: str
+    start_idx: int
+    end_idx: int
+
+    def contains(self, i: int) -> bool:
+        return self.start_idx <= i < self.end_idx
+
+
+def frames(x: float, fps: float) -> int:
+    """SPEC section 2: ``frames(x) = max(1, round(x * fps))`` with Python's built-in round."""
+    return max(1, round(x * fps))
+
+
+def entry_rule(spec: Mapping[str, Any]) -> int:
+    """The number of the first SPEC section 2 rule that matches this keymap entry."""
+    key_type = spec["key_type"]
+    if key_type not in KEY_TYPES:
+        raise ValueError(f"unknown key_type {key_type!r}; expected one of {sorted(KEY_TYPES)}")
+    if key_type == "annotation_keys":
+        return RULE_ANNOTATION
+    if spec.get("horizon") is not None:
+        return RULE_HORIZON
+    history = spec.get("history")
+    if history is not None and history > 1:
+        return RULE_HISTORY
+    if key_type == "camera_keys" and history is not None:
+        return RULE_HISTORY
+    if spec.get("lag_s") is not None:
+        return RULE_LAG
+    return RULE_SINGLE
+
+
+def action_chunk_indices(
+    i: int, horizon: int, total_frames: int, cutoff_end: int | None = None
+) -> tuple[list[int], list[float]]:
+    """Rule 2: rows [i, min(i+H, T, cutoff_end)), then the last of them repeated up to H rows.
+
+    Returns the H row indices and the mask (1.0 real row, 0.0 padded row).
+    """
+    end = min(i + horizon, total_frames)
+    if cutoff_end is not None:
+        end = min(end, cutoff_end)
+    indices: list[int] = []
+    mask: list[float] = []
+    for h in range(horizon):
+        row = i + h
+        if row < end:
+            indices.append(row)
+            mask.append(1.0)
+        else:
+            indices.append(end - 1)
+            mask.append(0.0)
+    return indices, mask
+
+
+def history_indices(i: int, history: int, stride: int, lag: int | None) -> tuple[list[int], list[float]]:
+    """Rule 3: K indices oldest first, ending at ``i - lag`` (or i), spaced ``stride``.
+
+    An index below 0 is replaced by the oldest index (in list order) that is >= 0, or by 0 if
+    there is none; a replaced index is a padded row (mask 0.0).
+    """
+    newest = i - lag if lag is not None else i
+    raw: list[int] = []
+    for k in range(history):
+        raw.append(newest - stride * (history - 1 - k))
+    replacement = 0
+    for index in raw:
+        if index >= 0:
+            replacement = index
+            break
+    indices: list[int] = []
+    mask: list[float] = []
+    for index in raw:
+        if index >= 0:
+            indices.append(index)
+            mask.append(1.0)
+        else:
+            indices.append(replacement)
+            mask.append(0.0)
+    return indices, mask
+
+
+def lag_index(i: int, lag: int) -> int:
+    """Rule 4: the single frame ``max(0, i - frames(lag_s))``."""
+    return max(0, i - lag)
+
+
+def read_spans(group: zarr.Group, episode_hash: str, key: str) -> list[Span]:
+    """Every valid span of annotation array ``key``, in listed order.
+
+    Spans with ``end_idx <= start_idx`` or a negative ``start_idx`` are dropped here, so they are
+    ignored everywhere.
+    """
+    arr = _open_array(group, episode_hash, key)
+    raw = arr[...]
+    spans: list[Span] = []
+    for n, element in enumerate(np.asarray(raw, dtype=object).reshape(-1)):
+        try:
+            record = json.loads(_as_bytes(element).decode("utf-8"))
+            span = Span(str(record["text"]), int(record["start_idx"]), int(record["end_idx"]))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise OracleReadError(
+                f"episode {episode_hash!r} key {key!r}: annotation {n} is not "
+                f"JSON {{text, start_idx, end_idx}}: {element!r}"
+            ) from exc
+        if span.end_idx <= span.start_idx or span.start_idx < 0:
+            continue
+        spans.append(span)
+    return spans
+
+
+def cutoff_end(spans: list[Span], i: int) -> int | None:
+    """The end of the span listed LAST among those containing i, or None if none contains i."""
+    end: int | None = None
+    for span in spans:
+        if span.contains(i):
+            end = span.end_idx
+    return end
+
+
+def oracle_sample(
+    root: str | Path,
+    episode_hash: str,
+    frame: int,
+    keymap: Mapping[str, Mapping[str, Any]],
+    *,
+    annotation_cutoff: bool = False,
+) -> dict[str, Any]:
+    """Read one sample of ``<root>/<episode_hash>.zarr`` at ``frame``, entry by entry (SPEC §2)."""
+    group = _open_episode(root, episode_hash)
+    total_frames, fps, embodiment = _episode_attrs(group, episode_hash)
+    i = operator.index(frame)
+    if not 0 <= i < total_frames:
+        raise IndexError(
+            f"episode {episode_hash!r}: frame {i} is outside [0, {total_frames}) (total_frames)"
+        )
+
+    cutoff_spans: list[Span] | None = None
+    out: dict[str, Any] = {}
+    masks: dict[str, np.ndarray] = {}
+    for output_key, spec in keymap.items():
+        key = spec["zarr_key"]
+        key_type = spec["key_type"]
+        rule = entry_rule(spec)
+
+        if rule == RULE_ANNOTATION:
+            spans = read_spans(group, episode_hash, key)
+            out[output_key] = [span.text for span in spans if span.contains(i)]
+            continue
+
+        arr = _open_array(group, episode_hash, key)
+        if rule == RULE_HORIZON:
+            horizon = _positive_int(spec, "horizon", episode_hash, output_key)
+            end: int | None = None
+            if annotation_cutoff and key_type == "action_keys":
+                if cutoff_spans is None:
+                    cutoff_spans = read_spans(group, episode_hash, ANNOTATIONS_ARRAY)
+                end = cutoff_end(cutoff_spans, i)
+            indices, mask = action_chunk_indices(i, horizon, total_frames, end)
+            out[output_key] = _read_window(arr, indices, episode_hash, key)
+            if key_type == "action_keys" and "action_pad_mask" not in masks:
+                masks["action_pad_mask"] = np.array(mask, dtype=np.float32)
+        elif rule == RULE_HISTORY:
+            history = _positive_int(spec, "history", episode_hash, output_key)
+            if spec.get("history_stride_s") is not None:
+                stride = frames(spec["history_stride_s"], fps)
+            else:
+                stride = operator.index(spec.get("history_stride", 1))
+            lag = frames(spec["lag_s"], fps) if spec.get("lag_s") is not None else None
+            indices, mask = history_indices(i, history, stride, lag)
+            out[output_key] = _read_window(arr, indices, episode_hash, key)
+            if key_type == "camera_keys":
+                masks[f"{output_key}_mask"] = np.array(mask, dtype=np.float32)
+            elif "proprio_history_mask" not in masks:
+                masks["proprio_history_mask"] = np.array(mask, dtype=np.float32)
+        elif rule == RULE_LAG:
+            index = lag_index(i, frames(spec["lag_s"], fps))
+            out[output_key] = _single(_read_window(arr, [index], episode_hash, key))
+        else:
+            out[output_key] = _single(_read_window(arr, [i], episode_hash, key))
+
+    for mask_key, mask_value in masks.items():
+        if mask_key in out:
+            raise ValueError(f"keymap output key {mask_key!r} collides with a mask of that name")
+        out[mask_key] = mask_value
+    for meta_key in ("episode_hash", "embodiment", "fps", "frame_index"):
+        if meta_key in out:
+            raise ValueError(f"keymap output key {meta_key!r} collides with a metadata key")
+    out["episode_hash"] = episode_hash
+    out["embodiment"] = embodiment
+    out["fps"] = float(fps)
+    out["frame_index"] = i
+    return out
+
+
+# --- plain zarr access -------------------------------------------------------------------------
+
+
+def _open_episode(root: str | Path, episode_hash: str) -> zarr.Group:
+    path = Path(root) / f"{episode_hash}.zarr"
+    try:
+        return zarr.open_group(path, mode="r")
+    except Exception as exc:
+        raise OracleReadError(f"episode {episode_hash!r}: cannot open group {str(path)!r}") from exc
+
+
+def _episode_attrs(group: zarr.Group, episode_hash: str) -> tuple[int, float, str]:
+    try:
+        attrs = dict(group.attrs)
+        return int(attrs["total_frames"]), attrs["fps"], str(attrs["embodiment"])
+    except Exception as exc:
+        raise OracleReadError(
+            f"episode {episode_hash!r}: unreadable attributes total_frames/fps/embodiment"
+        ) from exc
+
+
+def _open_array(group: zarr.Group, episode_hash: str, key: str) -> zarr.Array:
+    try:
+        arr = group[key]
+    except Exception as exc:
+        raise OracleReadError(f"episode {episode_hash!r} key {key!r}: missing array") from exc
+    if not isinstance(arr, zarr.Array):
+        raise OracleReadError(f"episode {episode_hash!r} key {key!r}: is a group, not an array")
+    return arr
+
+
+def _read_window(arr: zarr.Array, indices: list[int], episode_hash: str, key: str) -> Any:
+    """One zarr call for all rows of one entry: float32 ndarray or list[bytes], one per index."""
+    rows = arr.shape[0]
+    for index in indices:
+        if index >= rows:
+            raise OracleReadError(
+                f"episode {episode_hash!r} key {key!r}: array has {rows} rows, "
+                f"window needs row {index}"
+            )
+    try:
+        data = arr.get_orthogonal_selection((np.array(indices, dtype=np.int64),))
+    except Exception as exc:
+        raise OracleReadError(
+            f"episode {episode_hash!r} key {key!r}: read of rows {indices} failed: {exc}"
+        ) from exc
+    if arr.dtype == np.dtype(object):
+        return [_as_bytes(element) for element in data]
+    return np.array(data, dtype=np.float32, copy=True)
+
+
+def _single(window: Any) -> Any:
+    """The one row of a one-index window, without the time axis (an ndarray even if 0-d)."""
+    if isinstance(window, list):
+        return window[0]
+    return window[0, ...].copy()
+
+
+def _as_bytes(element: Any) -> bytes:
+    if isinstance(element, (bytes, bytearray, memoryview, np.bytes_)):
+        return bytes(element)
+    if isinstance(element, str):
+        return element.encode("utf-8")
+    raise TypeError(f"expected a bytes element, got {type(element).__name__}")
+
+
+def _positive_int(spec: Mapping[str, Any], name: str, episode_hash: str, output_key: str) -> int:
+    value = operator.index(spec[name])
+    if value < 1:
+        raise ValueError(
+            f"episode {episode_hash!r} entry {output_key!r}: {name} must be >= 1, got {value!r}"
+        )
+    return value
