@@ -101,16 +101,16 @@ def action_chunk_indices(
     return indices, mask
 
 
-def history_indices(i: int, history: int, stride: int, lag: int | None) -> tuple[list[int], list[float]]:
+def history_indices(
+    i: int, history: int, stride: int, lag: int | None
+) -> tuple[list[int], list[float]]:
     """Rule 3: K indices oldest first, ending at ``i - lag`` (or i), spaced ``stride``.
 
     An index below 0 is replaced by the oldest index (in list order) that is >= 0, or by 0 if
     there is none; a replaced index is a padded row (mask 0.0).
     """
     newest = i - lag if lag is not None else i
-    raw: list[int] = []
-    for k in range(history):
-        raw.append(newest - stride * (history - 1 - k))
+    raw = [newest - stride * (history - 1 - k) for k in range(history)]
     replacement = 0
     for index in raw:
         if index >= 0:
@@ -254,7 +254,7 @@ def _open_episode(root: str | Path, episode_hash: str) -> zarr.Group:
 
 def _episode_attrs(group: zarr.Group, episode_hash: str) -> tuple[int, float, str]:
     try:
-        attrs = dict(group.attrs)
+        attrs: dict[str, Any] = dict(group.attrs)
         return int(attrs["total_frames"]), attrs["fps"], str(attrs["embodiment"])
     except Exception as exc:
         raise OracleReadError(
@@ -262,7 +262,7 @@ def _episode_attrs(group: zarr.Group, episode_hash: str) -> tuple[int, float, st
         ) from exc
 
 
-def _open_array(group: zarr.Group, episode_hash: str, key: str) -> zarr.Array:
+def _open_array(group: zarr.Group, episode_hash: str, key: str) -> zarr.Array[Any]:
     try:
         arr = group[key]
     except Exception as exc:
@@ -272,7 +272,7 @@ def _open_array(group: zarr.Group, episode_hash: str, key: str) -> zarr.Array:
     return arr
 
 
-def _read_window(arr: zarr.Array, indices: list[int], episode_hash: str, key: str) -> Any:
+def _read_window(arr: zarr.Array[Any], indices: list[int], episode_hash: str, key: str) -> Any:
     """One zarr call for all rows of one entry: float32 ndarray or list[bytes], one per index."""
     rows = arr.shape[0]
     for index in indices:
@@ -282,7 +282,7 @@ def _read_window(arr: zarr.Array, indices: list[int], episode_hash: str, key: st
                 f"window needs row {index}"
             )
     try:
-        data = arr.get_orthogonal_selection((np.array(indices, dtype=np.int64),))
+        data: Any = arr.get_orthogonal_selection((np.array(indices, dtype=np.int64),))
     except Exception as exc:
         raise OracleReadError(
             f"episode {episode_hash!r} key {key!r}: read of rows {indices} failed: {exc}"

@@ -70,7 +70,8 @@ def ramp_offset(episode_no: int, key: str) -> float:
 
 def ramp_row(episode_no: int, key: str, t: int) -> np.ndarray:
     """Row t of MECKA key ``key`` in episode ``episode_no``, as written by write_ramp_episode."""
-    return ramp_values(t + 1, MECKA_KEYS[key], offset=ramp_offset(episode_no, key))[t]
+    values = ramp_values(t + 1, MECKA_KEYS[key], offset=ramp_offset(episode_no, key))
+    return np.array(values[t])
 
 
 def frame_colour(episode_no: int, t: int) -> tuple[int, int, int]:
@@ -96,7 +97,7 @@ def _mean_colour(rgb: np.ndarray) -> np.ndarray:
         image = np.moveaxis(image, 0, -1)
     if image.shape[-1] != 3:
         raise ValueError(f"expected an HxWx3 or 3xHxW image, got shape {image.shape!r}")
-    mean = image.reshape(-1, 3).astype(np.float64).mean(axis=0)
+    mean: np.ndarray = image.reshape(-1, 3).astype(np.float64).mean(axis=0)
     if np.issubdtype(image.dtype, np.floating):
         mean = mean * 255.0
     return mean
@@ -104,14 +105,14 @@ def _mean_colour(rgb: np.ndarray) -> np.ndarray:
 
 def decode_frame_id(rgb: np.ndarray) -> int:
     """Frame index t (mod 1024) of a decoded frame_jpeg image (HxWx3 uint8 or CHW float)."""
-    r, g, _ = (int(round((c - _HALF) / _STEP)) for c in _mean_colour(rgb))
+    r, g, _ = (int(np.rint((c - _HALF) / _STEP)) for c in _mean_colour(rgb))
     return g * 32 + r
 
 
 def decode_frame_episode(rgb: np.ndarray) -> int:
     """Episode number (mod 32) of a decoded frame_jpeg image (HxWx3 uint8 or CHW float)."""
     blue = _mean_colour(rgb)[2]
-    return int(round((blue - _HALF) / _STEP))
+    return int(np.rint((blue - _HALF) / _STEP))
 
 
 def default_annotations(total_frames: int) -> list[dict[str, Any]]:

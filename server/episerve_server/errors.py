@@ -5,12 +5,14 @@
     │   ├── KeymapError          a bad keymap entry or field
     │   └── InvalidEpisodeId     a malformed or path-like episode id
     ├── EpisodeNotFound          NOT_FOUND          (also LookupError)
+    ├── UnknownKeymap            NOT_FOUND          a keymap id not registered here
     ├── FrameOutOfRange          OUT_OF_RANGE       (also IndexError)
     ├── FailedPrecondition       FAILED_PRECONDITION
     │   ├── ShortArrayError      an array holds fewer rows than a window needs
     │   └── BrokenEpisodeError   an episode that failed to open
     ├── DataLossError            DATA_LOSS          a corrupt or undecodable chunk
     ├── LimitExceeded            RESOURCE_EXHAUSTED a batch, window or response over a limit
+    │   ├── ResponseTooLarge     the response would pass the byte limit: split the batch
     │   └── Overloaded           too many concurrent reads (transient)
     ├── Unavailable              UNAVAILABLE        the daemon is draining (transient)
     └── Cancelled                CANCELLED          the caller went away or its deadline passed
@@ -82,6 +84,10 @@ class LimitExceeded(EpiserveError):
     code = "RESOURCE_EXHAUSTED"
 
 
+class ResponseTooLarge(LimitExceeded):
+    """The response would pass the byte limit; the message says how to split the batch."""
+
+
 class Overloaded(LimitExceeded):
     """Too many reads in flight: transient, the client backs off and retries."""
 
@@ -92,3 +98,9 @@ class Unavailable(EpiserveError):
 
 class Cancelled(EpiserveError):
     code = "CANCELLED"
+
+
+class UnknownKeymap(EpiserveError, LookupError):
+    """A keymap id this daemon has not registered (e.g. after a restart): register again."""
+
+    code = "NOT_FOUND"

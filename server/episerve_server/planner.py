@@ -23,7 +23,7 @@ from .errors import (
     FrameOutOfRange,
     InvalidArgument,
     KeymapError,
-    LimitExceeded,
+    ResponseTooLarge,
     ShortArrayError,
     Unavailable,
 )
@@ -298,9 +298,9 @@ def _decode_all(work: list[tuple[_Table, int, Any]]) -> list[Chunk]:
     return out
 
 
-def _too_big(nbytes: int, limit: int, batch: int) -> LimitExceeded:
+def _too_big(nbytes: int, limit: int, batch: int) -> ResponseTooLarge:
     fit = max(1, batch * limit // max(nbytes, 1))
-    return LimitExceeded(
+    return ResponseTooLarge(
         f"the response would be {nbytes} bytes, over the limit of {limit} bytes; "
         f"split the batch into requests of at most {fit} samples"
     )

@@ -122,7 +122,7 @@ def _finger_points(curl: np.ndarray, mirror: bool) -> np.ndarray:
     pts[:, 1] = (-0.022, 0.028, -0.012)
     for j, length in enumerate((0.035, 0.03, 0.026)):
         c = curl * (0.6 + 0.3 * j)
-        step = np.stack([-0.75 + 0.9 * c, 0.62 + 0.1 * c, -0.25 - 0.5 * c], -1)
+        step = np.stack([-0.55 + 0.8 * c, 0.8 + 0.1 * c, -0.3 - 0.5 * c], -1)
         step /= np.linalg.norm(step, axis=-1, keepdims=True)
         pts[:, 2 + j] = pts[:, 1 + j] + length * step
     if mirror:
@@ -205,3 +205,362 @@ def _motion(rng: np.random.Generator, total: int, fps: int) -> tuple[_Motion, st
                      {active: curl, idle: i_curl}, _wobble(rng, total, fps, 0.004, 3),
                      head_q, cup, goal)
     return motion, active, times
+
+
+def _annotations(rng: np.random.Generator, times: np.ndarray, total: int, cup: str,
+                 target: str, active: str) -> list[dict[str, Any]]:
+    """Spans that mostly tile the episode; some overlap their neighbour or the whole task."""
+    t = np.round(times).astype(int)
+
+    def early() -> int:
+        return int(rng.integers(2, 8)) if rng.random() < 0.4 else 0
+
+    spans = [
+        (f"reach for the {cup} cup", t[1], t[3]),
+        (str(rng.choice([f"pick up the {cup} cup", f"grab the {cup} cup"])), t[3] - early(), t[5]),
+        (str(rng.choice([f"place it on the {target}", f"move the cup onto the {target}"])),
+         t[5] - early(), t[8]),
+        ("let go of the cup", t[8] - early(), t[9]),
+        (f"move the {active} hand back", t[9], total),
+    ]
+    if rng.random() < 0.35:
+        spans.insert(0, (f"put the {cup} cup on the {target}", 0, total))
+    return [{"text": text, "start_idx": int(max(a, 0)), "end_idx": int(min(b, total))}
+            for text, a, b in spans if min(b, total) > max(a, 0)]
+
+
+# --- camera-frame numbers -----------------------------------------------------------------
+
+def _to_camera(motion: _Motion, points: np.ndarray) -> np.ndarray:
+    """World points (T, N, 3) -> camera frame (T, N, 3)."""
+    rot = _qmat(motion.head_q)
+    return np.einsum("tji,tnj->tni", rot, points - motion.head[:, None, :])
+
+
+def _hand_world(motion: _Motion, hand: str) -> np.ndarray:
+    local = _finger_points(motion.curl[hand], mirror=hand == "left")
+    rot = _qmat(motion.hand_q[hand])
+    return motion.wrist[hand][:, None, :] + np.einsum("tij,tnj->tni", rot, local)
+
+
+def _numeric(motion: _Motion, keypoints: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    out: dict[str, np.ndarray] = {}
+    for hand, kp in keypoints.items():
+        out[f"{hand}.obs_keypoints"] = kp.reshape(len(kp), 63).astype(np.float32)
+        q = _qcontinuous(_qmul(_qconj(motion.head_q), motion.hand_q[hand]))
+        out[f"{hand}.obs_wrist_pose"] = np.hstack([kp[:, 0], q]).astype(np.float32)
+    head = np.hstack([motion.head, _qcontinuous(motion.head_q)])
+    out["obs_head_pose"] = head.astype(np.float32)
+    return dict(sorted(out.items()))
+
+
+def _project(k: np.ndarray, p: np.ndarray) -> np.ndarray:
+    z = np.maximum(p[..., 2:3], 0.05)
+    return p[..., :2] / z * k[0, 0] + k[:2, 2]
+
+
+# --- the static background ----------------------------------------------------------------
+
+def _value_noise(rng: np.random.Generator, u: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """Smooth value noise at non-negative grid coordinates (bilinear with smoothstep)."""
+    i, j = np.floor(v).astype(np.intp), np.floor(u).astype(np.intp)
+    grid = rng.standard_normal((int(i.max()) + 2, int(j.max()) + 2)).astype(np.float32)
+    fv, fu = v - i, u - j
+    fv, fu = fv * fv * (3 - 2 * fv), fu * fu * (3 - 2 * fu)
+    top = grid[i, j] * (1 - fu) + grid[i, j + 1] * fu
+    return top + (grid[i + 1, j] * (1 - fu) + grid[i + 1, j + 1] * fu - top) * fv
+
+
+def _boxes(rng: np.random.Generator) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """One or two boxes at the back of the table: (low corner, high corner, colour)."""
+    out = []
+    for x in rng.choice([-0.3, -0.12, 0.12, 0.3], size=int(rng.integers(1, 3)), replace=False):
+        size = rng.uniform((0.07, 0.05, 0.05), (0.14, 0.2, 0.1))
+        centre = np.array([x + rng.uniform(-0.04, 0.04), TABLE_Y - size[1] / 2,
+                           WALL_Z - size[2] / 2 - rng.uniform(0.01, 0.12)])
+        out.append((centre - size / 2, centre + size / 2, rng.uniform(40, 230, 3)))
+    return out
+
+
+def _footprint_dist(x: np.ndarray, z: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    dx = np.maximum(np.maximum(lo[0] - x, x - hi[0]), 0)
+    dz = np.maximum(np.maximum(lo[2] - z, z - hi[2]), 0)
+    return np.hypot(dx, dz)
+
+
+def _table(rng: np.random.Generator, x: np.ndarray, z: np.ndarray, goal: np.ndarray,
+           target: str, boxes: list[Any]) -> np.ndarray:
+    wood = np.array([150, 104, 64]) * rng.uniform(0.75, 1.25) + rng.uniform(-15, 15, 3)
+    grain = np.sin(2 * np.pi * (z * 28 + 0.9 * _value_noise(rng, (x + 2) * 3, z * 30)))
+    blotch = _value_noise(rng, (x + 2) * 10, z * 10)
+    light = 0.78 + 0.32 * np.exp(-((x - rng.uniform(-0.3, 0.3)) ** 2 + (z - 0.5) ** 2) / 0.2)
+    rgb = ((0.86 + 0.07 * grain + 0.04 * blotch) * light)[..., None] * wood
+    lo, hi = goal - (0.12, 0, 0.085), goal + (0.12, 0, 0.085)
+    dist = _footprint_dist(x, z, lo, hi)
+    inside, rim = dist == 0, _footprint_dist(x, z, lo + 0.012, hi - 0.012) > 0
+    tone = np.array(TARGETS[target]) * (0.95 + 0.05 * blotch)[..., None]
+    rgb = np.where(inside[..., None], tone * np.where(rim, 1.35, 1.0)[..., None], rgb)
+    shadow = 1 - 0.25 * np.exp(-dist / 0.01) * ~inside
+    for b_lo, b_hi, _ in boxes:
+        shadow = shadow * (1 - 0.45 * np.exp(-_footprint_dist(x, z, b_lo, b_hi) / 0.03))
+    return rgb * shadow[..., None]
+
+
+def _wall(rng: np.random.Generator, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    paint = np.array([210, 205, 195]) * rng.uniform(0.8, 1.1) + rng.uniform(-20, 20, 3)
+    shade = 0.82 + 0.25 * (y + 0.5) + 0.03 * _value_noise(rng, (x + 2) * 6, (y + 1) * 6)
+    corner = 1 - 0.35 * np.exp(-(TABLE_Y - y) / 0.02)
+    return (shade * corner)[..., None] * paint
+
+
+def _background(rng: np.random.Generator, k: np.ndarray, width: int, height: int,
+                margin: int, goal: np.ndarray, target: str) -> np.ndarray:
+    """Ray-cast the table, wall and boxes once, ``margin`` pixels wider on every side."""
+    v, u = np.mgrid[-margin:height + margin, -margin:width + margin].astype(np.float32)
+    ray = np.stack([(u - k[0, 2]) / k[0, 0], (v - k[1, 2]) / k[1, 1], np.ones_like(u)], -1)
+    ray = ray @ _qmat(_qaxis(0, -PITCH))[0].T.astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        s_table = np.where(ray[..., 1] > 0, TABLE_Y / ray[..., 1], np.inf)
+        on_table = s_table * ray[..., 2] < WALL_Z
+        s = np.where(on_table, s_table, WALL_Z / ray[..., 2])
+    hit = s[..., None] * ray
+    boxes = _boxes(rng)
+    rgb = np.where(on_table[..., None], _table(rng, hit[..., 0], hit[..., 2], goal, target, boxes),
+                   _wall(rng, hit[..., 0], hit[..., 1]))
+    for lo, hi, colour in boxes:
+        rgb = _box(rgb, ray, s, lo, hi, colour)
+    return np.clip(rgb, 0, 255).astype(np.uint8)
+
+
+def _box(rgb: np.ndarray, ray: np.ndarray, s: np.ndarray, lo: np.ndarray, hi: np.ndarray,
+         colour: np.ndarray) -> np.ndarray:
+    """Paint an axis-aligned box where rays hit it before anything else (slab test)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        t1, t2 = lo / ray, hi / ray
+        near = np.minimum(t1, t2)
+        t_in, t_out = near.max(-1), np.maximum(t1, t2).min(-1)
+        hit = (t_in < t_out) & (t_in > 0) & (t_in < s)
+        height = np.where(hit, t_in, 0) * ray[..., 1]
+    face_shade = np.array([0.62, 1.0, 0.8])[near.argmax(-1)]
+    band = np.abs((height - lo[1]) / (hi[1] - lo[1]) - 0.45) < 0.15
+    tint = np.where(band[..., None], 255 - colour, colour)
+    s[...] = np.where(hit, t_in, s)
+    return np.where(hit[..., None], face_shade[..., None] * tint, rgb)
+
+
+# --- per-frame drawing --------------------------------------------------------------------
+
+def _capsule(inside: np.ndarray, origin: tuple[int, int], a: np.ndarray, b: np.ndarray,
+             r: float) -> None:
+    """Max ``(r^2 - d^2) / 2r``, about how deep (px) a pixel lies in the capsule, into a buffer
+    whose (0, 0) is pixel ``origin``."""
+    (ax, ay), (bx, by), (ox, oy) = a.tolist(), b.tolist(), origin
+    x0, x1 = max(int(min(ax, bx) - r) - ox, 0), min(int(max(ax, bx) + r) + 2 - ox, inside.shape[1])
+    y0, y1 = max(int(min(ay, by) - r) - oy, 0), min(int(max(ay, by) + r) + 2 - oy, inside.shape[0])
+    if x0 >= x1 or y0 >= y1:
+        return
+    px = np.arange(x0 + ox - ax, x1 + ox - ax, dtype=np.float32)[None, :]
+    py = np.arange(y0 + oy - ay, y1 + oy - ay, dtype=np.float32)[:, None]
+    ux, uy = bx - ax, by - ay
+    inv = 1.0 / max(ux * ux + uy * uy, 1e-6)
+    t = px * (ux * inv) + py * (uy * inv)
+    np.minimum(np.maximum(t, 0, out=t), 1, out=t)
+    dx, dy = px - t * ux, py - t * uy
+    d2 = np.multiply(dx, dx, out=dx)
+    d2 += dy * dy
+    d2 *= -0.5 / r
+    d2 += 0.5 * r
+    np.maximum(inside[y0:y1, x0:x1], d2, out=inside[y0:y1, x0:x1])
+
+
+def _paint_capsules(frame: np.ndarray, segs: np.ndarray, radii: np.ndarray,
+                    colour: np.ndarray) -> None:
+    """Blend the union of capsules ``segs`` (n, 2, 2) in ``colour``, with rounded shading."""
+    lo = np.maximum(np.floor(segs.min(axis=(0, 1)) - radii.max()), 0).astype(int)
+    hi = np.minimum(np.ceil(segs.max(axis=(0, 1)) + radii.max()) + 2,
+                    (frame.shape[1], frame.shape[0])).astype(int)
+    if np.any(hi <= lo):
+        return
+    inside = np.full((hi[1] - lo[1], hi[0] - lo[0]), -1.0, np.float32)
+    origin = (int(lo[0]), int(lo[1]))
+    for (a, b), r in zip(segs, radii.tolist(), strict=True):
+        _capsule(inside, origin, a, b, r)
+    alpha = np.clip(inside + 0.5, 0, 1)
+    gain = np.sqrt(np.clip(inside * (1.5 / float(np.median(radii))), 0, 1))
+    gain *= 0.5
+    gain += 0.5
+    _blend(frame, origin, alpha, gain, colour)
+
+
+def _blend(frame: np.ndarray, origin: tuple[int, int], alpha: np.ndarray, gain: np.ndarray | None,
+           colour: np.ndarray | None) -> None:
+    """``frame = frame * (1 - alpha) + alpha * gain * colour`` over a window at ``origin``.
+
+    The window is handled as (h, 3w) rows: numpy is slow on a trailing axis of length 3.
+    """
+    (x0, y0), (h, w) = origin, alpha.shape
+    region = frame.reshape(frame.shape[0], -1)[y0:y0 + h, 3 * x0:3 * (x0 + w)]
+    out = region * np.repeat(1 - alpha, 3, axis=1)
+    if gain is not None and colour is not None:
+        out += np.repeat(alpha * gain, 3, axis=1) * np.tile(colour.astype(np.float32), w)
+    region[...] = out
+
+
+def _paint_ellipse(frame: np.ndarray, centre: np.ndarray, radii: np.ndarray,
+                   strength: float) -> None:
+    """Darken a soft ellipse: a contact shadow on the table."""
+    x0, y0 = np.maximum(np.floor(centre - radii), 0).astype(int)
+    x1, y1 = np.minimum(np.ceil(centre + radii) + 1, (frame.shape[1], frame.shape[0])).astype(int)
+    if x0 >= x1 or y0 >= y1 or strength <= 0:
+        return
+    ex = ((np.arange(x0, x1, dtype=np.float32) - centre[0]) / radii[0])[None, :] ** 2
+    ey = ((np.arange(y0, y1, dtype=np.float32) - centre[1]) / radii[1])[:, None] ** 2
+    _blend(frame, (x0, y0), strength * np.clip(1 - ex - ey, 0, 1), None, None)
+
+
+def _paint_cup(frame: np.ndarray, top: np.ndarray, bottom: np.ndarray, r: float, k: float,
+               colour: np.ndarray) -> None:
+    """An upright cylinder: shaded body, a light rim and a dark inside, ellipses squashed by k."""
+    x0 = max(int(min(top[0], bottom[0]) - r) - 1, 0)
+    x1 = min(int(max(top[0], bottom[0]) + r) + 2, frame.shape[1])
+    y0, y1 = max(int(top[1] - k * r) - 1, 0), min(int(bottom[1] + k * r) + 2, frame.shape[0])
+    if x0 >= x1 or y0 >= y1:
+        return
+    u = np.arange(x0, x1, dtype=np.float32)[None, :]
+    v = np.arange(y0, y1, dtype=np.float32)[:, None]
+    s = np.clip((v - top[1]) / max(bottom[1] - top[1], 1e-3), 0, 1)
+    du = (u - top[0] - s * (bottom[0] - top[0])) / r
+    side = np.sqrt(np.clip(1 - du * du, 0, 1))
+    alpha = (np.clip((1 - np.abs(du)) * r + 0.5, 0, 1) * np.clip(v - top[1] + k * r * side, 0, 1)
+             * np.clip(bottom[1] + k * r * side - v + 0.5, 0, 1))
+    light = 0.35 + 0.65 * side * (0.8 - 0.3 * du) + 0.5 * np.exp(-(((du + 0.45) / 0.12) ** 2))
+    lid = ((u - top[0]) / r) ** 2 + ((v - top[1]) / max(k * r, 1e-3)) ** 2
+    light = np.where(lid < 1, np.where(lid < 0.7, 0.4, 1.25), light)
+    gain = np.minimum(light, 255 / max(float(colour.max()), 1.0))
+    _blend(frame, (x0, y0), alpha, gain, colour)
+
+
+# --- rendering an episode -----------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class _Geometry:
+    """Image-space geometry of every frame, computed up front for the render loop."""
+
+    shift: np.ndarray                               # (T, 2) background offset in pixels
+    hands: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]  # per hand, see _limb
+    depth: np.ndarray                               # (hands, T) mean keypoint depth
+    shadows: list[tuple[np.ndarray, np.ndarray, np.ndarray]]  # centre, radii, strength
+    cup: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # top, bottom, r, squash
+
+
+def _clip_near(a: np.ndarray, b: np.ndarray, z_min: float = 0.15) -> np.ndarray:
+    """Move ``b`` along a->b so that it lies in front of the plane z = z_min."""
+    cut = (b[..., 2] < z_min) & (a[..., 2] > z_min)
+    frac = (a[..., 2] - z_min) / np.where(cut, a[..., 2] - b[..., 2], 1.0)
+    return np.where(cut[..., None], a + (b - a) * frac[..., None], b)
+
+
+def _limb(motion: _Motion, hand: str, kp: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Capsules (T, n, 2, 2) and radii (T, n) for the hand and the sleeve of one arm."""
+    side = 1.0 if hand == "right" else -1.0
+    arm = np.array([side * 0.25, 0.35, -1.0]) / np.linalg.norm([side * 0.25, 0.35, -1.0])
+    wrist = motion.wrist[hand][:, None, :]
+    pts = _to_camera(motion, wrist + arm * np.array([0.0, 0.07, 0.06, 0.34])[:, None])
+    elbow, skin_end = _clip_near(pts[:, 2], pts[:, 3]), _clip_near(pts[:, 0], pts[:, 1])
+    a = np.concatenate([kp[:, [i for i, _, _ in BONES]], pts[:, :1]], axis=1)
+    b = np.concatenate([kp[:, [j for _, j, _ in BONES]], skin_end[:, None]], axis=1)
+    radius = np.array([r for _, _, r in BONES] + [0.027])
+    f = k[0, 0]
+    hand_r = f * radius / np.maximum((a[..., 2] + b[..., 2]) / 2, 0.05)
+    sleeve = np.stack([pts[:, 2], elbow], axis=1)
+    sleeve_r = f * 0.042 / np.maximum(sleeve[..., 2].mean(axis=1, keepdims=True), 0.05)
+    return (np.stack([_project(k, a), _project(k, b)], axis=2), hand_r,
+            _project(k, sleeve)[:, None], sleeve_r)
+
+
+def _shadow(motion: _Motion, k: np.ndarray, world: np.ndarray, size: float,
+            strength: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A contact shadow on the table under world points (T, 3)."""
+    lift = TABLE_Y - world[:, 1]
+    floor = _to_camera(motion, (world * (1, 0, 1) + (0, TABLE_Y, 0))[:, None])[:, 0]
+    r = k[0, 0] * size / np.maximum(floor[:, 2], 0.05)
+    dim = strength * np.clip(1 - lift / 0.2, 0, 1)
+    return _project(k, floor), np.stack([r, 0.6 * r], axis=-1), dim
+
+
+def _cup_geometry(motion: _Motion, k: np.ndarray) -> tuple[np.ndarray, ...]:
+    ends = _to_camera(motion, motion.cup[:, None] - np.array([[0.0, CUP_H, 0.0], [0, 0, 0]]))
+    mid = ends.mean(axis=1)
+    up = -_qmat(motion.head_q)[:, 1, :]
+    squash = np.abs(np.einsum("ti,ti->t", mid / np.linalg.norm(mid, axis=1, keepdims=True), up))
+    r = k[0, 0] * CUP_R / np.maximum(mid[:, 2], 0.05)
+    px = _project(k, ends)
+    return px[:, 0], px[:, 1], r, squash
+
+
+def _geometry(motion: _Motion, kp: dict[str, np.ndarray], k: np.ndarray,
+              margin: int) -> _Geometry:
+    nominal = _Motion(motion.wrist, motion.hand_q, motion.curl, motion.head * 0,
+                      _qaxis(0, -PITCH).repeat(len(motion.head), 0), motion.cup, motion.goal)
+    ref = np.array([[[0.0, TABLE_Y, 0.55]]]).repeat(len(motion.head), 0)
+    shift = _project(k, _to_camera(motion, ref)) - _project(k, _to_camera(nominal, ref))
+    palms = {h: (motion.wrist[h] + _hand_world(motion, h)[:, 9]) / 2 for h in kp}
+    shadows = [_shadow(motion, k, p, 0.07, 0.45) for p in palms.values()]
+    shadows.append(_shadow(motion, k, motion.cup, 0.05, 0.5))
+    return _Geometry(
+        shift=np.clip(np.round(shift[:, 0]), -margin, margin).astype(int),
+        hands=[_limb(motion, h, kp[h], k) for h in kp],  # type: ignore[misc]
+        depth=np.stack([kp[h][..., 2].mean(axis=1) for h in kp]),
+        shadows=shadows, cup=_cup_geometry(motion, k),  # type: ignore[arg-type]
+    )
+
+
+def _render(background: np.ndarray, geo: _Geometry, t: int, size: tuple[int, int],
+            colours: tuple[np.ndarray, np.ndarray, np.ndarray]) -> bytes:
+    (width, height), (skin, sleeve, cup) = size, colours
+    margin = (background.shape[1] - width) // 2
+    x0, y0 = margin - geo.shift[t]
+    frame = background[y0:y0 + height, x0:x0 + width].copy()
+    for centre, radii, dim in geo.shadows:
+        _paint_ellipse(frame, centre[t], radii[t], float(dim[t]))
+    top, bottom, r, squash = geo.cup
+    _paint_cup(frame, top[t], bottom[t], float(r[t]), float(squash[t]), cup)
+    for h in np.argsort(-geo.depth[:, t]):
+        segs, radii, sleeve_segs, sleeve_r = geo.hands[h]
+        _paint_capsules(frame, sleeve_segs[t], sleeve_r[t], sleeve)
+        _paint_capsules(frame, segs[t], radii[t], skin)
+    return simplejpeg.encode_jpeg(frame, quality=JPEG_QUALITY, colorsubsampling="420")
+
+
+def synth_episode(rng: np.random.Generator, total_frames: int, *, width: int = 640,
+                  height: int = 360, fps: int = 30) -> SynthEpisode:
+    """A seeded, natural-looking human bimanual episode of ``total_frames`` frames.
+
+    Numeric keys: ``{left,right}.obs_keypoints`` (T, 63), ``{left,right}.obs_wrist_pose`` and
+    ``obs_head_pose`` (T, 7), all float32; camera ``images.front_1`` (``width`` x ``height``).
+    """
+    motion, active, times = _motion(rng, total_frames, fps)
+    cup, target = str(rng.choice(list(CUPS))), str(rng.choice(list(TARGETS)))
+    k = intrinsics(width, height)
+    kp = {h: _to_camera(motion, _hand_world(motion, h)) for h in ("left", "right")}
+    margin = int(0.1 * width)
+    background = _background(rng, k, width, height, margin, motion.goal, target)
+    geo = _geometry(motion, kp, k, margin)
+    tone = int(rng.integers(len(SKIN)))
+    colours = (np.array(SKIN[tone], np.float32) * rng.uniform(0.9, 1.05),
+               np.array(SLEEVE[int(rng.integers(len(SLEEVE)))], np.float32),
+               np.array(CUPS[cup], np.float32))
+    frames = [_render(background, geo, t, (width, height), colours) for t in range(total_frames)]
+    return SynthEpisode(
+        numeric=_numeric(motion, kp),
+        jpeg={"images.front_1": frames},
+        annotations=_annotations(rng, times, total_frames, cup, target, active),
+        extra_attrs={
+            "task_name": f"{cup}_cup_to_{target}",
+            "task_description": f"Pick up the {cup} cup with the {active} hand "
+                                f"and put it on the {target}.",
+            "intrinsics": k.tolist(),
+            "camera_frame": "opencv",
+            "quaternion_order": "wxyz",
+        },
+    )

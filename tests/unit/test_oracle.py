@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import sys
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +61,7 @@ def load_keymap(name: str) -> dict[str, dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def roots(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
+def roots(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     out: dict[str, Path] = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -70,7 +69,7 @@ def roots(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]
             root = tmp_path_factory.mktemp(f"ramp_{layout}")
             assert ramp.write_ramp_dataset(root, layout=layout) == sorted(TOTAL)
             out[layout] = root
-    yield out
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -120,9 +119,7 @@ def test_ramp_values_formula() -> None:
 
 
 def test_ramp_offsets_distinct_and_exact_in_float32() -> None:
-    offsets = {
-        ramp.ramp_offset(ep, key) for ep in range(6) for key in ramp.MECKA_KEYS
-    }
+    offsets = {ramp.ramp_offset(ep, key) for ep in range(6) for key in ramp.MECKA_KEYS}
     assert len(offsets) == 6 * len(ramp.MECKA_KEYS)
     for offset in offsets:
         extreme = np.float64(offset) + 999 * 1000 + 999
@@ -208,8 +205,12 @@ def test_single_frame_has_no_time_axis(root: Path) -> None:
 
 def test_metadata_fields(root: Path) -> None:
     out = read(root, FPS15, 7, {})
-    assert out == {"episode_hash": FPS15, "embodiment": "human_bimanual", "fps": 15.0,
-                   "frame_index": 7}
+    assert out == {
+        "episode_hash": FPS15,
+        "embodiment": "human_bimanual",
+        "fps": 15.0,
+        "frame_index": 7,
+    }
     assert isinstance(out["fps"], float)
     assert isinstance(out["frame_index"], int)
 
@@ -354,14 +355,20 @@ def test_history_k4_at_start(root: Path) -> None:
     np.testing.assert_array_equal(out["h"], rows(ONE_CHUNK, "right.obs_wrist_pose", [0] * 4))
     np.testing.assert_array_equal(out["proprio_history_mask"], np.array([0, 0, 0, 1], np.float32))
     out = read(root, ONE_CHUNK, 99, keymap)
-    np.testing.assert_array_equal(out["h"], rows(ONE_CHUNK, "right.obs_wrist_pose", [96, 97, 98, 99]))
+    np.testing.assert_array_equal(
+        out["h"], rows(ONE_CHUNK, "right.obs_wrist_pose", [96, 97, 98, 99])
+    )
     np.testing.assert_array_equal(out["proprio_history_mask"], np.ones(4, np.float32))
 
 
 def test_history_stride(root: Path) -> None:
     keymap = {
-        "h": {"zarr_key": "obs_head_pose", "key_type": "proprio_keys", "history": 3,
-              "history_stride": 5},
+        "h": {
+            "zarr_key": "obs_head_pose",
+            "key_type": "proprio_keys",
+            "history": 3,
+            "history_stride": 5,
+        },
     }
     out = read(root, LONG, 12, keymap)
     np.testing.assert_array_equal(out["h"], rows(LONG, "obs_head_pose", [2, 7, 12]))
@@ -372,10 +379,19 @@ def test_history_stride(root: Path) -> None:
 
 def test_history_stride_s_follows_fps(root: Path) -> None:
     keymap = {
-        "m": {"zarr_key": "images.front_1", "key_type": "camera_keys", "history": 4,
-              "history_stride_s": 0.5},
-        "k": {"zarr_key": "left.obs_keypoints", "key_type": "proprio_keys", "history": 2,
-              "history_stride_s": 0.5, "history_stride": 99},
+        "m": {
+            "zarr_key": "images.front_1",
+            "key_type": "camera_keys",
+            "history": 4,
+            "history_stride_s": 0.5,
+        },
+        "k": {
+            "zarr_key": "left.obs_keypoints",
+            "key_type": "proprio_keys",
+            "history": 2,
+            "history_stride_s": 0.5,
+            "history_stride": 99,
+        },
     }
     # fps 30: frames(0.5) = 15
     out = read(root, LONG, 50, keymap)
@@ -392,8 +408,7 @@ def test_history_stride_s_follows_fps(root: Path) -> None:
 
 def test_history_with_lag(root: Path) -> None:
     keymap = {
-        "h": {"zarr_key": "obs_head_pose", "key_type": "proprio_keys", "history": 2,
-              "lag_s": 0.1},
+        "h": {"zarr_key": "obs_head_pose", "key_type": "proprio_keys", "history": 2, "lag_s": 0.1},
     }
     out = read(root, LONG, 20, keymap)  # frames(0.1) = 3 at 30 fps: newest 17
     np.testing.assert_array_equal(out["h"], rows(LONG, "obs_head_pose", [16, 17]))
@@ -418,8 +433,12 @@ def test_proprio_history_mask_from_first_non_camera_window(root: Path) -> None:
     keymap = {
         "cam": {"zarr_key": "images.front_1", "key_type": "camera_keys", "history": 3},
         "one": {"zarr_key": "obs_head_pose", "key_type": "proprio_keys", "history": 1},
-        "first": {"zarr_key": "obs_head_pose", "key_type": "action_keys", "history": 3,
-                  "history_stride": 2},
+        "first": {
+            "zarr_key": "obs_head_pose",
+            "key_type": "action_keys",
+            "history": 3,
+            "history_stride": 2,
+        },
         "second": {"zarr_key": "obs_head_pose", "key_type": "proprio_keys", "history": 5},
     }
     out = read(root, SHORT, 1, keymap)
@@ -466,8 +485,12 @@ def test_windows_match_spec_shortcuts(root: Path, i: int, k: int, h: int) -> Non
 def test_lag_only(root: Path, episode: str, i: int, lag_s: float, expected: int) -> None:
     keymap = {
         "cam": {"zarr_key": "images.front_1", "key_type": "camera_keys", "lag_s": lag_s},
-        "pose": {"zarr_key": "obs_head_pose", "key_type": "proprio_keys", "lag_s": lag_s,
-                 "history": 1},
+        "pose": {
+            "zarr_key": "obs_head_pose",
+            "key_type": "proprio_keys",
+            "lag_s": lag_s,
+            "history": 1,
+        },
     }
     out = read(root, episode, i, keymap)
     assert isinstance(out["cam"], bytes)
@@ -512,7 +535,7 @@ def test_outputs_share_no_memory(root: Path) -> None:
     out = read(root, LONG, 5, keymap)
     arrays = [v for v in out.values() if isinstance(v, np.ndarray)]
     for n, a in enumerate(arrays):
-        for b in arrays[n + 1:]:
+        for b in arrays[n + 1 :]:
             assert not np.shares_memory(a, b)
 
 
@@ -549,14 +572,17 @@ def test_mecka_keymap(root: Path) -> None:
             hist = [span[0]] * (4 - len(span)) + span
             for side in ("left", "right"):
                 kp, wp = f"{side}.obs_keypoints", f"{side}.obs_wrist_pose"
-                np.testing.assert_array_equal(out[f"{side}.action_keypoints"],
-                                              rows(episode, kp, chunk))
-                np.testing.assert_array_equal(out[f"{side}.action_wrist_pose"],
-                                              rows(episode, wp, chunk))
+                np.testing.assert_array_equal(
+                    out[f"{side}.action_keypoints"], rows(episode, kp, chunk)
+                )
+                np.testing.assert_array_equal(
+                    out[f"{side}.action_wrist_pose"], rows(episode, wp, chunk)
+                )
                 np.testing.assert_array_equal(out[kp], rows(episode, kp, hist))
                 np.testing.assert_array_equal(out[wp], rows(episode, wp, hist))
-            np.testing.assert_array_equal(out["obs_head_pose"],
-                                          rows(episode, "obs_head_pose", [i])[0])
+            np.testing.assert_array_equal(
+                out["obs_head_pose"], rows(episode, "obs_head_pose", [i])[0]
+            )
             assert frame_ids(out["observations.images.front_img_1"]) == i
             assert "whole" in out["annotations"]
             real = min(30, total - i)
@@ -569,8 +595,15 @@ def test_mecka_keymap(root: Path) -> None:
             )
             assert out["frame_index"] == i
             assert out["fps"] == float(FPS[episode])
-            expected_keys = {*keymap, "action_pad_mask", "proprio_history_mask", "episode_hash",
-                             "embodiment", "fps", "frame_index"}
+            expected_keys = {
+                *keymap,
+                "action_pad_mask",
+                "proprio_history_mask",
+                "episode_hash",
+                "embodiment",
+                "fps",
+                "frame_index",
+            }
             assert out.keys() == expected_keys
 
 
@@ -585,14 +618,16 @@ def test_camera_history_keymap(root: Path) -> None:
         raw = [i - stride * n for n in (3, 2, 1, 0)]
         oldest = next(t for t in raw if t >= 0)
         assert frame_ids(out["front_mem"]) == [t if t >= 0 else oldest for t in raw]
-        np.testing.assert_array_equal(out["front_mem_mask"],
-                                      np.array([t >= 0 for t in raw], np.float32))
+        np.testing.assert_array_equal(
+            out["front_mem_mask"], np.array([t >= 0 for t in raw], np.float32)
+        )
         head_raw = [i - 10, i - 5, i]
         head_oldest = next(t for t in head_raw if t >= 0)
         head_ts = [t if t >= 0 else head_oldest for t in head_raw]
         np.testing.assert_array_equal(out["head"], rows(episode, "obs_head_pose", head_ts))
-        np.testing.assert_array_equal(out["proprio_history_mask"],
-                                      np.array([t >= 0 for t in head_raw], np.float32))
+        np.testing.assert_array_equal(
+            out["proprio_history_mask"], np.array([t >= 0 for t in head_raw], np.float32)
+        )
         chunk = [min(i + h, total - 1) for h in range(50)]
         np.testing.assert_array_equal(out["actions"], rows(episode, "left.obs_wrist_pose", chunk))
         assert out["action_pad_mask"].sum() == min(50, total - i)
@@ -601,8 +636,7 @@ def test_camera_history_keymap(root: Path) -> None:
 @pytest.mark.parametrize("layout", ["unsharded", "v2"])
 @pytest.mark.parametrize("keymap_name", ["mecka_keypoints_k4.yaml", "camera_history.yaml"])
 @pytest.mark.parametrize("cutoff", [False, True])
-def test_layouts_agree(roots: dict[str, Path], layout: str, keymap_name: str,
-                       cutoff: bool) -> None:
+def test_layouts_agree(roots: dict[str, Path], layout: str, keymap_name: str, cutoff: bool) -> None:
     keymap = load_keymap(keymap_name)
     for episode, total in TOTAL.items():
         for i in sorted({0, 1, 33, total // 2, total - 1}):

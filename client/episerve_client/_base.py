@@ -1,0 +1,256 @@
+"""What ``Client`` and ``AsyncClient`` share: everything but the I/O.
+
+Calls are planned by generators that yield lists of operations (``Call`` or ``Sleep``) and
+receive their outcomes; the sync and async clients only execute them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import time
+from collections.abc import Generator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeAlias
+
+import numpy as np
+
+from . import convert
+from .channel import TLS, check_token_transport, parse_targets
+from .convert import ReadResult
+from .errors import (
+    DeadlineExceeded,
+    EpiserveError,
+    InvalidArgument,
+    ResponseTooLarge,
+    Unavailable,
+    UnknownKeymap,
+)
+
+DEFAULT_TIMEOUT_S = 120.0
+DEFAULT_BACKOFF_INITIAL_S = 0.05
+DEFAULT_BACKOFF_MAX_S = 2.0
+DEFAULT_DOWN_S = 2.0
+
+KeymapLike: TypeAlias = Mapping[str, Mapping[str, Any]] | str | Path
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    target: str
+    method: str
+    payload: bytes
+    timeout_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Sleep:
+    seconds: float
+
+
+Op: TypeAlias = Call | Sleep
+Outcome: TypeAlias = bytes | EpiserveError | None
+Flow: TypeAlias = Generator[list[Op], list[Outcome], Any]
+
+
+def load_keymap(keymap: KeymapLike) -> dict[str, dict[str, Any]]:
+    """A keymap from a mapping or a YAML file, as users keep them."""
+    if isinstance(keymap, str | Path):
+        import yaml
+
+        path = Path(keymap)
+        if not path.is_file():
+            raise InvalidArgument(f"keymap file {str(path)!r} does not exist")
+        keymap = yaml.safe_load(path.read_text())
+    if not isinstance(keymap, Mapping) or not keymap:
+        raise InvalidArgument(f"a keymap is a non-empty mapping, got {keymap!r}")
+    return {str(k): dict(v) if isinstance(v, Mapping) else v for k, v in keymap.items()}
+
+
+class Router:
+    """Episode affinity over replicas (rendezvous hashing), skipping ones marked down."""
+
+    def __init__(self, targets: tuple[str, ...], down_s: float) -> None:
+        self.targets, self.down_s = targets, down_s
+        self._down_until: dict[str, float] = {}
+
+    def order(self, episode: str) -> list[str]:
+        def score(t: str) -> bytes:
+            return hashlib.blake2b(f"{t}\0{episode}".encode(), digest_size=8).digest()
+
+        return sorted(self.targets, key=score, reverse=True)
+
+    def pick(self, episode: str) -> str:
+        now = time.monotonic()
+        ranked = self.order(episode)
+        up = [t for t in ranked if self._down_until.get(t, 0.0) <= now]
+        if up:
+            return up[0]
+        return min(ranked, key=lambda t: self._down_until[t])  # all down: soonest back
+
+    def mark_down(self, target: str) -> None:
+        if len(self.targets) > 1:
+            self._down_until[target] = time.monotonic() + self.down_s
+
+    def route(self, samples: Sequence[tuple[str, int]], pending: list[int],
+              max_per_call: int) -> list[tuple[str, list[int]]]:
+        groups: dict[str, list[int]] = {}
+        for i in pending:
+            groups.setdefault(self.pick(samples[i][0]), []).append(i)
+        return [(t, idx[k : k + max_per_call]) for t, idx in groups.items()
+                for k in range(0, len(idx), max_per_call)]
+
+
+class BaseClient:
+    def __init__(self, target: str | Sequence[str], *, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 token: str = "", tls: TLS | None = None, plaintext_token_ok: bool = False,
+                 backoff_initial_s: float = DEFAULT_BACKOFF_INITIAL_S,
+                 backoff_max_s: float = DEFAULT_BACKOFF_MAX_S,
+                 down_s: float = DEFAULT_DOWN_S, max_response_bytes: int = 0) -> None:
+        self.targets = parse_targets(target)
+        for t in self.targets:
+            check_token_transport(t, token, tls, plaintext_token_ok)
+        if timeout_s <= 0:
+            raise InvalidArgument(f"timeout_s must be > 0, got {timeout_s!r}")
+        self.timeout_s, self.token, self.tls = timeout_s, token, tls
+        self.backoff_initial_s, self.backoff_max_s = backoff_initial_s, backoff_max_s
+        self.max_response_bytes = max_response_bytes
+        self.router = Router(self.targets, down_s)
+        self._keymap_ids: dict[tuple[str, str], str] = {}
+
+    @property
+    def wait_for_ready(self) -> bool:
+        """One daemon: ride out its restart. Several: fail over instead of waiting."""
+        return len(self.targets) == 1
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self.token}"),) if self.token else ()
+
+    def backoff(self, attempt: int) -> float:
+        """Full jitter: uniform in [0, min(max, initial * 2**attempt)]."""
+        cap = min(self.backoff_max_s, self.backoff_initial_s * 2**attempt)
+        return random.uniform(0, cap)
+
+    # -- flows --------------------------------------------------------------------------
+
+    def unary_flow(self, method: str, payload: bytes, target: str | None = None,
+                   timeout_s: float | None = None) -> Flow:
+        deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        targets = [target] if target else list(self.targets)
+        attempt = 0
+        while True:
+            t = targets[attempt % len(targets)]
+            [out] = yield [Call(t, method, payload, _left(deadline))]
+            if isinstance(out, bytes):
+                return out
+            assert isinstance(out, EpiserveError)
+            if not out.transient or _left(deadline) <= 0.01:
+                raise _final(out, deadline)
+            yield [Sleep(min(self.backoff(attempt), _left(deadline)))]
+            attempt += 1
+
+    def read_flow(self, keymap: KeymapLike, samples: Sequence[tuple[str, int]], *,
+                  annotation_cutoff: bool = False, timeout_s: float | None = None) -> Flow:
+        km = load_keymap(keymap)
+        km_key = json.dumps(km, sort_keys=True, default=str)
+        samples = [(str(e), int(f)) for e, f in samples]
+        if not samples:
+            raise InvalidArgument("read() needs at least one sample")
+        deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        pending, parts = list(range(len(samples))), []
+        max_per_call, attempt = len(samples), 0
+        while pending:
+            groups = self.router.route(samples, pending, max_per_call)
+            yield from self._register(km, km_key, {t for t, _ in groups}, deadline)
+            calls = [
+                Call(t, "Read", convert.read_request(
+                    [samples[i] for i in idx], keymap_id=self._keymap_ids.get((t, km_key), ""),
+                    annotation_cutoff=annotation_cutoff,
+                    max_response_bytes=self.max_response_bytes), _left(deadline))
+                for t, idx in groups
+            ]
+            outcomes = yield calls
+            pending, retry_after = [], False
+            for (t, idx), out in zip(groups, outcomes):
+                if isinstance(out, bytes):
+                    parts.append((idx, convert.read_result(out)))
+                    continue
+                assert isinstance(out, EpiserveError)
+                if isinstance(out, UnknownKeymap):
+                    self._keymap_ids.pop((t, km_key), None)
+                elif isinstance(out, ResponseTooLarge) and len(idx) > 1:
+                    max_per_call = max(1, min(max_per_call, len(idx)) // 2)
+                elif out.transient and _left(deadline) > 0.01:
+                    if isinstance(out, Unavailable):
+                        self.router.mark_down(t)
+                    retry_after = True
+                else:
+                    raise _final(out, deadline)
+                pending.extend(idx)
+            if retry_after:
+                yield [Sleep(min(self.backoff(attempt), _left(deadline)))]
+                attempt += 1
+        return merge_results(parts, len(samples))
+
+    def _register(self, km: dict[str, Any], km_key: str, targets: set[str],
+                  deadline: float) -> Generator[list[Op], list[Outcome], None]:
+        need = sorted(t for t in targets if (t, km_key) not in self._keymap_ids)
+        if not need:
+            return
+        payload = convert.register_request(km)
+        outcomes = yield [Call(t, "RegisterKeymap", payload, _left(deadline)) for t in need]
+        for t, out in zip(need, outcomes):
+            if isinstance(out, bytes):
+                self._keymap_ids[(t, km_key)] = convert.keymap_id(out)
+            elif isinstance(out, EpiserveError) and not out.transient:
+                raise out
+            # a transient failure leaves the id unset: the Read then fails over or retries
+
+
+def _left(deadline: float) -> float:
+    return max(0.0, deadline - time.monotonic())
+
+
+def _final(err: EpiserveError, deadline: float) -> EpiserveError:
+    if err.transient and _left(deadline) <= 0.01:
+        return DeadlineExceeded(f"gave up at the deadline; last error: {err.message}",
+                                episode=err.episode, key=err.key, target=err.target)
+    return err
+
+
+def merge_results(parts: list[tuple[list[int], ReadResult]], n: int) -> ReadResult:
+    """Put per-replica results back in request order, as one columnar batch."""
+    if len(parts) == 1 and parts[0][0] == list(range(n)):
+        return parts[0][1]
+    order = np.empty(n, np.int64)
+    pos = 0
+    for idx, _ in parts:
+        order[idx] = np.arange(pos, pos + len(idx))
+        pos += len(idx)
+    results = [r for _, r in parts]
+
+    def cat(values: list[Any]) -> list[Any]:
+        flat = [v for vs in values for v in vs]
+        return [flat[k] for k in order]
+
+    out = ReadResult(
+        episodes=cat([r.episodes for r in results]),
+        frame_index=np.concatenate([r.frame_index for r in results])[order],
+        fps=np.concatenate([r.fps for r in results])[order],
+        embodiments=cat([r.embodiments for r in results]),
+    )
+    for name in results[0].arrays:
+        out.arrays[name] = np.concatenate([r.arrays[name] for r in results])[order]
+    for name in results[0].texts:
+        out.texts[name] = cat([r.texts[name] for r in results])
+    for source in results[0].frames:
+        offsets = np.cumsum([0] + [len(r.frames[source]) for r in results])
+        out.frames[source] = [f for r in results for f in r.frames[source]]
+        for name, (src, _) in results[0].images.items():
+            if src == source:
+                index = np.concatenate([r.images[name][1] + off
+                                        for r, off in zip(results, offsets)])
+                out.images[name] = (source, index[order].astype(np.int32))
+    return out

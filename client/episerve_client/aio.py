@@ -1,0 +1,98 @@
+"""The asyncio client: the same calls as ``Client``, awaited."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+
+from . import convert
+from ._base import BaseClient, Call, Flow, KeymapLike, Op, Outcome, Sleep
+from .channel import CHANNEL_OPTIONS, SERVICE
+from .convert import Listing, ReadResult
+from .errors import from_rpc_error
+
+
+class AsyncClient(BaseClient):
+    """Like ``Client``; channels belong to the event loop of the process that made them."""
+
+    _channels: dict[str, grpc.aio.Channel]
+    _pid: int
+
+    def __init__(self, target: str | Sequence[str], **options: Any) -> None:
+        super().__init__(target, **options)
+        self._channels, self._pid = {}, os.getpid()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_channels"] = {}
+        return state
+
+    async def aclose(self) -> None:
+        if self._pid == os.getpid():
+            await asyncio.gather(*(c.close() for c in self._channels.values()))
+        self._channels = {}
+
+    async def list_episodes(self, *, timeout_s: float | None = None) -> Listing:
+        data = await self._run(self.unary_flow("ListEpisodes", b"", None, timeout_s))
+        return convert.listing(data)
+
+    async def stats(self, *, target: str | None = None,
+                    timeout_s: float | None = None) -> dict[str, Any]:
+        return convert.stats(await self._run(self.unary_flow("GetStats", b"", target, timeout_s)))
+
+    async def read(self, keymap: KeymapLike, samples: Sequence[tuple[str, int]], *,
+                   annotation_cutoff: bool = False,
+                   timeout_s: float | None = None) -> ReadResult:
+        result: ReadResult = await self._run(self.read_flow(
+            keymap, samples, annotation_cutoff=annotation_cutoff, timeout_s=timeout_s))
+        return result
+
+    # -- I/O ------------------------------------------------------------------------------
+
+    def _channel(self, target: str) -> grpc.aio.Channel:
+        if self._pid != os.getpid():
+            self._channels, self._pid = {}, os.getpid()
+        channel = self._channels.get(target)
+        if channel is None:
+            if self.tls is not None:
+                channel = grpc.aio.secure_channel(target, self.tls.credentials(),
+                                                  CHANNEL_OPTIONS)
+            else:
+                channel = grpc.aio.insecure_channel(target, CHANNEL_OPTIONS)
+            self._channels[target] = channel
+        return channel
+
+    async def _run(self, flow: Flow) -> Any:
+        try:
+            ops = next(flow)
+            while True:
+                ops = flow.send(await self._execute(ops))
+        except StopIteration as done:
+            return done.value
+
+    async def _execute(self, ops: list[Op]) -> list[Outcome]:
+        if len(ops) == 1 and isinstance(ops[0], Sleep):
+            await asyncio.sleep(ops[0].seconds)
+            return [None]
+        return list(await asyncio.gather(*(self._call(op) for op in ops
+                                           if isinstance(op, Call))))
+
+    async def _call(self, call: Call) -> Outcome:
+        stub = self._channel(call.target).unary_unary(SERVICE + call.method)
+        try:
+            data: bytes = await stub(call.payload, timeout=max(call.timeout_s, 0.001),
+                                     metadata=self.metadata(),
+                                     wait_for_ready=self.wait_for_ready)
+        except grpc.RpcError as exc:
+            return from_rpc_error(exc, call.target)
+        return data

@@ -1,0 +1,82 @@
+"""Targets, channel options and credentials, shared by ``Client`` and ``AsyncClient``."""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from .errors import InvalidArgument
+
+SERVICE = "/episerve.v1.EpiServe/"
+# Keepalive: every 30 s, above the daemon's 10 s minimum ping interval, so the daemon never
+# answers too_many_pings (episerve_server.server.MIN_PING_INTERVAL_MS).
+KEEPALIVE_TIME_MS = 30_000
+CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.max_receive_message_length", 256 * 2**20),
+    ("grpc.max_send_message_length", 64 * 2**20),
+    ("grpc.enable_retries", 0),  # the client retries itself, with jittered backoff
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1_000),
+)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TLS:
+    """Paths to PEM files. ``ca`` verifies the daemon; ``cert``/``key`` are for mutual TLS."""
+
+    ca: str = ""
+    cert: str = ""
+    key: str = ""
+    server_name: str = ""
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        def read(p: str) -> bytes | None:
+            return Path(p).read_bytes() if p else None
+
+        return grpc.ssl_channel_credentials(read(self.ca), read(self.key), read(self.cert))
+
+
+def parse_targets(target: str | Sequence[str]) -> tuple[str, ...]:
+    items = [target] if isinstance(target, str) else list(target)
+    out = []
+    for t in items:
+        if not isinstance(t, str) or not t.strip():
+            raise InvalidArgument(f"a target is 'host:port' or 'unix:///path', got {t!r}")
+        out.append(t.strip())
+    if not out:
+        raise InvalidArgument("at least one target is needed")
+    return tuple(dict.fromkeys(out))
+
+
+def is_local(target: str) -> bool:
+    """A unix socket or a loopback address: where a plaintext token cannot be sniffed."""
+    if target.startswith("unix:"):
+        return True
+    host = target.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_token_transport(target: str, token: str, tls: TLS | None,
+                          plaintext_token_ok: bool) -> None:
+    if not token or tls is not None:
+        return
+    if not plaintext_token_ok or not is_local(target):
+        raise InvalidArgument(
+            f"refusing to send a token in plaintext to {target!r}: use tls=TLS(...), or, for "
+            "a unix socket or loopback target only, pass plaintext_token_ok=True"
+        )

@@ -1,0 +1,99 @@
+"""The blocking client. Its channels are made lazily, per process."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+
+from . import convert
+from ._base import BaseClient, Call, Flow, KeymapLike, Op, Outcome, Sleep
+from .channel import CHANNEL_OPTIONS, SERVICE
+from .convert import Listing, ReadResult
+from .errors import from_rpc_error
+
+
+class Client(BaseClient):
+    """``Client("unix:///run/episerve.sock")``, ``Client("host:50051")`` or a list of targets.
+
+    Safe to build before a fork: no channel exists until the first call in a process.
+    """
+
+    _channels: dict[str, grpc.Channel]
+    _pid: int
+
+    def __init__(self, target: str | Sequence[str], **options: Any) -> None:
+        super().__init__(target, **options)
+        self._channels, self._pid = {}, os.getpid()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_channels"] = {}
+        return state
+
+    def close(self) -> None:
+        if self._pid == os.getpid():
+            for channel in self._channels.values():
+                channel.close()
+        self._channels = {}
+
+    def list_episodes(self, *, timeout_s: float | None = None) -> Listing:
+        return convert.listing(self._run(self.unary_flow("ListEpisodes", b"", None, timeout_s)))
+
+    def stats(self, *, target: str | None = None, timeout_s: float | None = None) -> dict[str, Any]:
+        return convert.stats(self._run(self.unary_flow("GetStats", b"", target, timeout_s)))
+
+    def read(self, keymap: KeymapLike, samples: Sequence[tuple[str, int]], *,
+             annotation_cutoff: bool = False, timeout_s: float | None = None) -> ReadResult:
+        result: ReadResult = self._run(self.read_flow(
+            keymap, samples, annotation_cutoff=annotation_cutoff, timeout_s=timeout_s))
+        return result
+
+    # -- I/O ------------------------------------------------------------------------------
+
+    def _channel(self, target: str) -> grpc.Channel:
+        if self._pid != os.getpid():  # forked: the parent's channels are not ours to use
+            self._channels, self._pid = {}, os.getpid()
+        channel = self._channels.get(target)
+        if channel is None:
+            if self.tls is not None:
+                channel = grpc.secure_channel(target, self.tls.credentials(), CHANNEL_OPTIONS)
+            else:
+                channel = grpc.insecure_channel(target, CHANNEL_OPTIONS)
+            self._channels[target] = channel
+        return channel
+
+    def _run(self, flow: Flow) -> Any:
+        try:
+            ops = next(flow)
+            while True:
+                ops = flow.send(self._execute(ops))
+        except StopIteration as done:
+            return done.value
+
+    def _execute(self, ops: list[Op]) -> list[Outcome]:
+        if len(ops) == 1 and isinstance(ops[0], Sleep):
+            time.sleep(ops[0].seconds)
+            return [None]
+        futures = [self._start(op) for op in ops if isinstance(op, Call)]
+        out: list[Outcome] = []
+        for op, fut in zip(ops, futures):
+            try:
+                out.append(fut.result())
+            except grpc.RpcError as exc:
+                out.append(from_rpc_error(exc, op.target))  # type: ignore[union-attr]
+        return out
+
+    def _start(self, call: Call) -> Any:
+        stub = self._channel(call.target).unary_unary(SERVICE + call.method)
+        return stub.future(call.payload, timeout=max(call.timeout_s, 0.001),
+                           metadata=self.metadata(), wait_for_ready=self.wait_for_ready)

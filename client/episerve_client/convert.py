@@ -1,0 +1,145 @@
+"""The client's only contact with the generated protobuf classes: requests to bytes,
+responses to plain dataclasses and numpy arrays."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from google.protobuf.message import DecodeError
+
+from episerve_proto.v1 import episerve_pb2 as pb
+
+from .errors import DataLossError
+
+_OPTIONAL = ("horizon", "history", "history_stride", "history_stride_s", "lag_s")
+
+
+@dataclass(frozen=True, slots=True)
+class EpisodeInfo:
+    hash: str
+    total_frames: int
+    fps: float
+    embodiment: str
+    features: dict[str, Any]
+    attrs: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Listing:
+    episodes: list[EpisodeInfo]
+    broken: dict[str, str]
+
+
+@dataclass(slots=True)
+class ReadResult:
+    """One batch, columnar. Arrays are writable and own their memory."""
+
+    episodes: list[str]
+    frame_index: np.ndarray
+    fps: np.ndarray
+    embodiments: list[str]
+    arrays: dict[str, np.ndarray] = field(default_factory=dict)
+    images: dict[str, tuple[str, np.ndarray]] = field(default_factory=dict)  # source, index
+    frames: dict[str, list[bytes]] = field(default_factory=dict)
+    texts: dict[str, list[list[str]]] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.episodes)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays.values()) + sum(
+            len(f) for fs in self.frames.values() for f in fs)
+
+
+def keymap_message(keymap: Mapping[str, Mapping[str, Any]]) -> Any:
+    msg = pb.Keymap()
+    for name, spec in keymap.items():
+        entry = msg.entries.add(name=str(name), zarr_key=str(spec.get("zarr_key", "")),
+                                key_type=str(spec.get("key_type", "")))
+        for opt in _OPTIONAL:
+            value = spec.get(opt)
+            if value is not None:
+                setattr(entry, opt, value)
+    return msg
+
+
+def register_request(keymap: Mapping[str, Mapping[str, Any]]) -> bytes:
+    return pb.RegisterKeymapRequest(keymap=keymap_message(keymap)).SerializeToString()  # type: ignore[no-any-return]
+
+
+def read_request(samples: Sequence[tuple[str, int]], *, keymap_id: str = "",
+                 keymap: Mapping[str, Mapping[str, Any]] | None = None,
+                 annotation_cutoff: bool = False, max_response_bytes: int = 0) -> bytes:
+    msg = pb.ReadRequest(
+        episodes=[s[0] for s in samples], frames=[int(s[1]) for s in samples],
+        annotation_cutoff=annotation_cutoff, max_response_bytes=max_response_bytes,
+    )
+    if keymap is not None:
+        msg.keymap.CopyFrom(keymap_message(keymap))
+    else:
+        msg.keymap_id = keymap_id
+    return msg.SerializeToString()  # type: ignore[no-any-return]
+
+
+def empty_request() -> bytes:
+    return b""
+
+
+def _parse(cls: Any, data: bytes) -> Any:
+    msg = cls()
+    try:
+        msg.ParseFromString(data)
+    except DecodeError as exc:
+        raise DataLossError(f"the daemon's response could not be parsed ({exc})") from exc
+    return msg
+
+
+def keymap_id(data: bytes) -> str:
+    return str(_parse(pb.RegisterKeymapResponse, data).keymap_id)
+
+
+def read_result(data: bytes) -> ReadResult:
+    msg = _parse(pb.ReadResponse, data)
+    out = ReadResult(
+        episodes=list(msg.episodes),
+        frame_index=np.array(msg.frame_index, dtype=np.int64),
+        fps=np.array(msg.fps, dtype=np.float32),
+        embodiments=list(msg.embodiments),
+    )
+    for t in msg.arrays:
+        # frombuffer views the response's bytes, which are read-only: one copy makes each
+        # output writable and its own.
+        out.arrays[t.name] = np.frombuffer(t.data, dtype=t.dtype).reshape(tuple(t.shape)).copy()
+    for col in msg.images:
+        index = np.frombuffer(col.index, dtype="<i4").reshape(tuple(col.shape))
+        out.images[col.name] = (col.source, index)
+    for src in msg.frames:
+        out.frames[src.key] = list(src.frames)
+    for col in msg.texts:
+        out.texts[col.name] = [list(s.texts) for s in col.samples]
+    return out
+
+
+def listing(data: bytes) -> Listing:
+    msg = _parse(pb.ListEpisodesResponse, data)
+    episodes = [
+        EpisodeInfo(e.hash, e.total_frames, e.fps, e.embodiment,
+                    json.loads(e.features_json or "{}"), json.loads(e.attrs_json or "{}"))
+        for e in msg.episodes
+    ]
+    return Listing(episodes, {b.hash: b.reason for b in msg.broken})
+
+
+def stats(data: bytes) -> dict[str, Any]:
+    msg = _parse(pb.GetStatsResponse, data)
+    out: dict[str, Any] = dict(msg.counters)
+    out["episodes"] = {
+        ep: {"chunks_fetched": c.chunks_fetched, "read_rpcs": c.read_rpcs}
+        for ep, c in sorted(msg.episodes.items())
+    }
+    return out

@@ -1,0 +1,168 @@
+"""Fixtures shared by the test suites: one event loop, ramped datasets, planners over them.
+
+The planner keeps loop-bound state between reads (shard-index futures, a semaphore), as the
+daemon does on its single loop, so every read of one catalog runs on the same session loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from episerve_server.cache import ChunkCache  # noqa: E402
+from episerve_server.catalog import Catalog  # noqa: E402
+from episerve_server.keymap import Keymap  # noqa: E402
+from episerve_server.planner import Planner, ReadOptions  # noqa: E402
+from episerve_server.result import BatchResult  # noqa: E402
+from episerve_server.stats import Stats  # noqa: E402
+from episerve_server.store import open_root  # noqa: E402
+
+from tests import oracle, ramp  # noqa: E402
+
+T = TypeVar("T")
+LAYOUTS = ("sharded", "unsharded", "v2")
+# Per episode of ramp.RAMP_DATASET: a different layout and chunk length in one root.
+MIXED = {"ep000a": ("sharded", 100), "ep001b": ("unsharded", 64),
+         "ep002c": ("v2", 7), "ep003d": ("sharded", 33)}
+DATASETS = (*LAYOUTS, "mixed")
+
+
+class LoopRunner:
+    """Runs coroutines to completion on one event loop kept for the whole session."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+
+    def __call__(self, coro: Coroutine[Any, Any, T]) -> T:
+        return self.loop.run_until_complete(coro)
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.loop.shutdown_default_executor())
+        self.loop.close()
+
+
+@dataclass
+class Served:
+    """A dataset root opened the way the daemon opens it: counting store, catalog, planner."""
+
+    root: Path
+    stats: Stats
+    catalog: Catalog
+    planner: Planner
+    run: LoopRunner
+
+    def read(self, keymap: Mapping[str, Any] | Keymap, samples: Sequence[tuple[str, int]],
+             *, cutoff: bool = False) -> BatchResult:
+        km = keymap if isinstance(keymap, Keymap) else Keymap.parse(keymap)
+        options = ReadOptions(annotation_cutoff=cutoff)
+        return self.run(self.planner.read(km, list(samples), options))
+
+
+@pytest.fixture(scope="session")
+def run() -> Iterator[LoopRunner]:
+    runner = LoopRunner()
+    yield runner
+    runner.close()
+
+
+@pytest.fixture(scope="session")
+def serve(run: LoopRunner) -> Callable[..., Served]:
+    """``serve(root, cache_bytes=0)``: a freshly scanned catalog and planner with own stats."""
+
+    def make(root: Path, cache_bytes: int = 0) -> Served:
+        stats = Stats()
+        catalog = Catalog(open_root(str(root), stats=stats))
+        run(catalog.scan())
+        planner = Planner(catalog, ChunkCache(cache_bytes, stats), stats)
+        return Served(Path(root), stats, catalog, planner, run)
+
+    return make
+
+
+def write_mixed_dataset(root: Path) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    for h, no, total, fps in ramp.RAMP_DATASET:
+        layout, chunk_rows = MIXED[h]
+        ramp.write_ramp_episode(root, h, episode_no=no, total_frames=total, fps=fps,
+                                layout=layout, chunk_rows=chunk_rows)
+
+
+@pytest.fixture(scope="session")
+def ramp_roots(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The standard ramped dataset in each layout, plus one root mixing layouts and chunks."""
+    base = tmp_path_factory.mktemp("ramp")
+    roots = {}
+    for layout in LAYOUTS:
+        roots[layout] = base / layout
+        ramp.write_ramp_dataset(roots[layout], layout=layout)
+    roots["mixed"] = base / "mixed"
+    write_mixed_dataset(roots["mixed"])
+    return roots
+
+
+@pytest.fixture(scope="session")
+def ramp_served(ramp_roots: dict[str, Path],
+                serve: Callable[..., Served]) -> dict[tuple[str, bool], Served]:
+    """Long-lived planners per (dataset, cache on): their state carries across tests."""
+    return {(name, cached): serve(root, 4 << 20 if cached else 0)
+            for name, root in ramp_roots.items() for cached in (False, True)}
+
+
+_ORACLE_MEMO: dict[tuple[str, str, int, str, bool], dict[str, Any]] = {}
+
+
+def oracle_of(root: Path, episode: str, frame: int, keymap: Mapping[str, Any],
+              cutoff: bool = False) -> dict[str, Any]:
+    """The per-entry oracle's sample, memoized (it is slow on purpose)."""
+    key = (str(root), episode, int(frame), json.dumps(keymap, sort_keys=True), cutoff)
+    if key not in _ORACLE_MEMO:
+        _ORACLE_MEMO[key] = oracle.oracle_sample(root, episode, int(frame), keymap,
+                                                 annotation_cutoff=cutoff)
+    return _ORACLE_MEMO[key]
+
+
+def assert_same_sample(got: Mapping[str, Any], want: Mapping[str, Any], where: object) -> None:
+    """Same keys; arrays equal in shape, dtype and value; everything else ``==``."""
+    assert set(got) == set(want), (where, sorted(set(got) ^ set(want)))
+    for key, expected in want.items():
+        value = got[key]
+        if isinstance(expected, np.ndarray):
+            assert isinstance(value, np.ndarray), (where, key, type(value))
+            assert value.dtype == expected.dtype, (where, key, value.dtype, expected.dtype)
+            assert value.shape == expected.shape, (where, key, value.shape, expected.shape)
+            assert np.array_equal(value, expected), (where, key, value, expected)
+        else:
+            assert type(value) is type(expected), (where, key, type(value), type(expected))
+            assert value == expected, (where, key, value, expected)
+
+
+def assert_matches_oracle(served: Served, result: BatchResult, keymap: Mapping[str, Any],
+                          samples: Sequence[tuple[str, int]], cutoff: bool = False) -> None:
+    assert len(result) == len(samples)
+    for b, (episode, frame) in enumerate(samples):
+        want = oracle_of(served.root, episode, frame, keymap, cutoff)
+        assert_same_sample(result.sample(b), want, (b, episode, frame, cutoff))
+
+
+@pytest.fixture(scope="session")
+def matches_oracle() -> Callable[..., None]:
+    """``matches_oracle(served, result, keymap, samples, cutoff=False)``."""
+    return assert_matches_oracle
+
+
+@pytest.fixture(scope="session")
+def oracle_memo() -> Callable[..., dict[str, Any]]:
+    """``oracle_memo(root, episode, frame, keymap, cutoff=False)``."""
+    return oracle_of
