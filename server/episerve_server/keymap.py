@@ -178,7 +178,9 @@ def _seconds(name: str, spec: Mapping[str, Any], field: str) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise KeymapError(f"output key {name!r}: {field} must be a number of seconds, got {value!r}")
+        raise KeymapError(
+            f"output key {name!r}: {field} must be a number of seconds, got {value!r}"
+        )
     if not math.isfinite(value) or not 0 < value <= 3600:
         raise KeymapError(
             f"output key {name!r}: {field} must be in (0, 3600] seconds "

@@ -268,7 +268,9 @@ def build_reader(episode: str, name: str, array: AsyncArray[Any], store: Countin
     return KeyedReader(info, decoder, store, _key_fn(meta, prefix, len(shape)))
 
 
-def _key_fn(meta: ArrayV2Metadata | ArrayV3Metadata, prefix: str, ndim: int) -> Callable[[int], str]:
+def _key_fn(
+    meta: ArrayV2Metadata | ArrayV3Metadata, prefix: str, ndim: int
+) -> Callable[[int], str]:
     zeros = (0,) * (ndim - 1)
     return lambda c: f"{prefix}/{meta.encode_chunk_key((c, *zeros))}"
 

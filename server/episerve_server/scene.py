@@ -25,11 +25,12 @@ SLEEVE = ((40, 52, 80), (70, 70, 74), (120, 30, 40), (190, 190, 185))
 CUPS = {"red": (200, 40, 35), "blue": (40, 85, 190), "green": (50, 150, 70)}
 TARGETS = {"tray": (70, 72, 80), "mat": (60, 120, 90)}
 #: (start point, end point, radius in metres) of the capsules a hand is drawn with.
+#: The last finger capsule spans PIP to tip: the bend at DIP is a few pixels at most.
 BONES = (
-    (0, 5, 0.021), (0, 9, 0.022), (0, 13, 0.021), (0, 17, 0.019), (5, 17, 0.014),
+    (0, 5, 0.021), (0, 9, 0.023), (0, 17, 0.02), (5, 17, 0.014),
     (0, 1, 0.019), (1, 2, 0.013), (2, 3, 0.0095), (3, 4, 0.0085),
-    *((b + j, b + j + 1, 0.009 - 0.001 * j - 0.0006 * (b == 17)) for b in (5, 9, 13, 17)
-      for j in range(3)),
+    *((b + j, b + 2 * j + 1, 0.009 - 0.0015 * j - 0.0006 * (b == 17)) for b in (5, 9, 13, 17)
+      for j in range(2)),
 )
 
 
@@ -61,8 +62,10 @@ def _qaxis(axis: int, angle: np.ndarray | float) -> np.ndarray:
 def _qmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     aw, ax, ay, az = np.moveaxis(a, -1, 0)
     bw, bx, by, bz = np.moveaxis(b, -1, 0)
-    return np.stack([aw * bw - ax * bx - ay * by - az * bz, aw * bx + ax * bw + ay * bz - az * by,
-                     aw * by - ax * bz + ay * bw + az * bx, aw * bz + ax * by - ay * bx + az * bw], -1)
+    return np.stack([aw * bw - ax * bx - ay * by - az * bz,
+                     aw * bx + ax * bw + ay * bz - az * by,
+                     aw * by - ax * bz + ay * bw + az * bx,
+                     aw * bz + ax * by - ay * bx + az * bw], -1)
 
 
 def _qmat(q: np.ndarray) -> np.ndarray:
@@ -160,9 +163,10 @@ def _active_hand(rng: np.random.Generator, times: np.ndarray, total: int, fps: i
     grip = np.array([side * 0.03, -0.05, -0.085])
     rest = np.array([side * rng.uniform(0.13, 0.18), TABLE_Y - 0.1, rng.uniform(0.22, 0.28)])
     grasp, place = start + grip, goal + grip
-    release = place + (side * 0.02, -0.04, -0.07)
-    keys = [rest, rest, grasp + (0, -0.07, -0.08), grasp, grasp, grasp + (0, -0.12, 0),
-            place + (0, -0.1, 0), place, place, release, rest, rest]
+    release = place + np.array([side * 0.02, -0.04, -0.07])
+    up = np.array([0.0, -1.0, 0.0])
+    keys = [rest, rest, grasp + np.array([0, -0.07, -0.08]), grasp, grasp, grasp + 0.12 * up,
+            place + 0.1 * up, place, place, release, rest, rest]
     wrist = _min_jerk(list(times), keys, total) + _wobble(rng, total, fps, 0.004, 3)
     curl = _min_jerk(list(times), [.3, .3, .08, .55, .6, .6, .6, .6, .55, .1, .3, .3], total)
     roll = _min_jerk(list(times), [0, 0, .6, 1, 1, 1, 1, 1, 1, .5, .1, .1], total)
@@ -260,15 +264,19 @@ def _project(k: np.ndarray, p: np.ndarray) -> np.ndarray:
 
 
 # --- the static background ----------------------------------------------------------------
+# Images here are channel-first (3, H, W): numpy is slow on a trailing axis of length 3.
 
 def _value_noise(rng: np.random.Generator, u: np.ndarray, v: np.ndarray) -> np.ndarray:
     """Smooth value noise at non-negative grid coordinates (bilinear with smoothstep)."""
     i, j = np.floor(v).astype(np.intp), np.floor(u).astype(np.intp)
-    grid = rng.standard_normal((int(i.max()) + 2, int(j.max()) + 2)).astype(np.float32)
+    cols = int(j.max()) + 2
+    grid = rng.standard_normal((int(i.max()) + 2) * cols).astype(np.float32)
+    at = i * cols + j
     fv, fu = v - i, u - j
     fv, fu = fv * fv * (3 - 2 * fv), fu * fu * (3 - 2 * fu)
-    top = grid[i, j] * (1 - fu) + grid[i, j + 1] * fu
-    return top + (grid[i + 1, j] * (1 - fu) + grid[i + 1, j + 1] * fu - top) * fv
+    top = grid.take(at) * (1 - fu) + grid.take(at + 1) * fu
+    bottom = grid.take(at + cols) * (1 - fu) + grid.take(at + cols + 1) * fu
+    return top + (bottom - top) * fv
 
 
 def _boxes(rng: np.random.Generator) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
@@ -291,61 +299,75 @@ def _footprint_dist(x: np.ndarray, z: np.ndarray, lo: np.ndarray, hi: np.ndarray
 def _table(rng: np.random.Generator, x: np.ndarray, z: np.ndarray, goal: np.ndarray,
            target: str, boxes: list[Any]) -> np.ndarray:
     wood = np.array([150, 104, 64]) * rng.uniform(0.75, 1.25) + rng.uniform(-15, 15, 3)
+    x, z = np.clip(x, -2, 2), np.clip(z, 0, WALL_Z)
     grain = np.sin(2 * np.pi * (z * 28 + 0.9 * _value_noise(rng, (x + 2) * 3, z * 30)))
     blotch = _value_noise(rng, (x + 2) * 10, z * 10)
     light = 0.78 + 0.32 * np.exp(-((x - rng.uniform(-0.3, 0.3)) ** 2 + (z - 0.5) ** 2) / 0.2)
-    rgb = ((0.86 + 0.07 * grain + 0.04 * blotch) * light)[..., None] * wood
-    lo, hi = goal - (0.12, 0, 0.085), goal + (0.12, 0, 0.085)
+    half = np.array([0.12, 0.0, 0.085])
+    lo, hi = goal - half, goal + half
     dist = _footprint_dist(x, z, lo, hi)
     inside, rim = dist == 0, _footprint_dist(x, z, lo + 0.012, hi - 0.012) > 0
-    tone = np.array(TARGETS[target]) * (0.95 + 0.05 * blotch)[..., None]
-    rgb = np.where(inside[..., None], tone * np.where(rim, 1.35, 1.0)[..., None], rgb)
     shadow = 1 - 0.25 * np.exp(-dist / 0.01) * ~inside
     for b_lo, b_hi, _ in boxes:
-        shadow = shadow * (1 - 0.45 * np.exp(-_footprint_dist(x, z, b_lo, b_hi) / 0.03))
-    return rgb * shadow[..., None]
+        shadow *= 1 - 0.45 * np.exp(-_footprint_dist(x, z, b_lo, b_hi) / 0.03)
+    plain = (0.86 + 0.07 * grain + 0.04 * blotch) * light * shadow
+    mat = (0.95 + 0.05 * blotch) * np.where(rim, 1.35, 1.0) * shadow
+    tone = np.array(TARGETS[target], np.float32)
+    return np.where(inside, mat * tone[:, None, None], plain * wood[:, None, None])
 
 
 def _wall(rng: np.random.Generator, x: np.ndarray, y: np.ndarray) -> np.ndarray:
     paint = np.array([210, 205, 195]) * rng.uniform(0.8, 1.1) + rng.uniform(-20, 20, 3)
+    x, y = np.clip(x, -2, 2), np.clip(y, -1, TABLE_Y)
     shade = 0.82 + 0.25 * (y + 0.5) + 0.03 * _value_noise(rng, (x + 2) * 6, (y + 1) * 6)
-    corner = 1 - 0.35 * np.exp(-(TABLE_Y - y) / 0.02)
-    return (shade * corner)[..., None] * paint
+    shade *= 1 - 0.35 * np.exp(-(TABLE_Y - y) / 0.02)
+    return shade * paint[:, None, None]
 
 
 def _background(rng: np.random.Generator, k: np.ndarray, width: int, height: int,
                 margin: int, goal: np.ndarray, target: str) -> np.ndarray:
     """Ray-cast the table, wall and boxes once, ``margin`` pixels wider on every side."""
     v, u = np.mgrid[-margin:height + margin, -margin:width + margin].astype(np.float32)
-    ray = np.stack([(u - k[0, 2]) / k[0, 0], (v - k[1, 2]) / k[1, 1], np.ones_like(u)], -1)
-    ray = ray @ _qmat(_qaxis(0, -PITCH))[0].T.astype(np.float32)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        s_table = np.where(ray[..., 1] > 0, TABLE_Y / ray[..., 1], np.inf)
-        on_table = s_table * ray[..., 2] < WALL_Z
-        s = np.where(on_table, s_table, WALL_Z / ray[..., 2])
-    hit = s[..., None] * ray
+    cam = ((u - k[0, 2]) / k[0, 0], (v - k[1, 2]) / k[1, 1], np.float32(1))
+    rot = _qmat(_qaxis(0, -PITCH))[0].astype(np.float32)
+    ray = np.stack([sum(rot[i, j] * cam[j] for j in range(3)) for i in range(3)])
+    with np.errstate(divide="ignore"):
+        s_table = np.where(ray[1] > 0, TABLE_Y / ray[1], np.inf)
+    on_table = s_table * ray[2] < WALL_Z
+    s = np.where(on_table, s_table, WALL_Z / ray[2])
+    hit = s * ray
     boxes = _boxes(rng)
-    rgb = np.where(on_table[..., None], _table(rng, hit[..., 0], hit[..., 2], goal, target, boxes),
-                   _wall(rng, hit[..., 0], hit[..., 1]))
+    rgb = np.where(on_table, _table(rng, hit[0], hit[2], goal, target, boxes),
+                   _wall(rng, hit[0], hit[1]))
     for lo, hi, colour in boxes:
-        rgb = _box(rgb, ray, s, lo, hi, colour)
-    return np.clip(rgb, 0, 255).astype(np.uint8)
+        window = _box_window(k, margin, lo, hi, s.shape)
+        _box(rgb[(slice(None), *window)], ray[(slice(None), *window)], s[window], lo, hi, colour)
+    return np.ascontiguousarray(np.clip(rgb, 0, 255).astype(np.uint8).transpose(1, 2, 0))
+
+
+def _box_window(k: np.ndarray, margin: int, lo: np.ndarray, hi: np.ndarray,
+                shape: tuple[int, ...]) -> tuple[slice, slice]:
+    """The canvas window that a box's eight corners project into."""
+    corners = np.array(np.meshgrid(*zip(lo, hi, strict=True))).reshape(3, -1).T
+    px = _project(k, corners @ _qmat(_qaxis(0, -PITCH))[0]) + margin
+    (x0, y0), (x1, y1) = np.floor(px.min(0)).astype(int), np.ceil(px.max(0)).astype(int) + 2
+    return slice(max(y0, 0), min(y1, shape[0])), slice(max(x0, 0), min(x1, shape[1]))
 
 
 def _box(rgb: np.ndarray, ray: np.ndarray, s: np.ndarray, lo: np.ndarray, hi: np.ndarray,
-         colour: np.ndarray) -> np.ndarray:
-    """Paint an axis-aligned box where rays hit it before anything else (slab test)."""
+         colour: np.ndarray) -> None:
+    """Paint an axis-aligned box in place where rays hit it before anything else (slab test)."""
     with np.errstate(divide="ignore", invalid="ignore"):
-        t1, t2 = lo / ray, hi / ray
+        t1, t2 = lo[:, None, None] / ray, hi[:, None, None] / ray
         near = np.minimum(t1, t2)
-        t_in, t_out = near.max(-1), np.maximum(t1, t2).min(-1)
+        t_in, t_out = near.max(0), np.maximum(t1, t2).min(0)
         hit = (t_in < t_out) & (t_in > 0) & (t_in < s)
-        height = np.where(hit, t_in, 0) * ray[..., 1]
-    face_shade = np.array([0.62, 1.0, 0.8])[near.argmax(-1)]
+    height = np.where(hit, t_in, 0) * ray[1]
     band = np.abs((height - lo[1]) / (hi[1] - lo[1]) - 0.45) < 0.15
-    tint = np.where(band[..., None], 255 - colour, colour)
+    face = np.array([0.62, 1.0, 0.8])[near.argmax(0)]
+    tint = np.where(band, (255 - colour)[:, None, None], colour[:, None, None])
+    rgb[...] = np.where(hit, face * tint, rgb)
     s[...] = np.where(hit, t_in, s)
-    return np.where(hit[..., None], face_shade[..., None] * tint, rgb)
 
 
 # --- per-frame drawing --------------------------------------------------------------------

@@ -12,6 +12,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
+
 import grpc
 
 from . import convert

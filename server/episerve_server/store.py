@@ -64,7 +64,9 @@ class CountingStore(WrapperStore[Store]):
         return await self._store.get_partial_values(prototype, key_ranges)
 
 
-def open_root(root: str, *, stats: Stats, storage_options: dict[str, Any] | None = None) -> CountingStore:
+def open_root(
+    root: str, *, stats: Stats, storage_options: dict[str, Any] | None = None
+) -> CountingStore:
     """A read-only store for a local folder or an fsspec URL such as ``s3://bucket/prefix``."""
     if "://" in root and not root.startswith("file://"):
         inner: Store = FsspecStore.from_url(

@@ -17,7 +17,7 @@ import os
 import shutil
 import warnings
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any, Literal
 
@@ -28,6 +28,8 @@ import zarr
 from tqdm import tqdm
 from zarr.codecs import ZstdCodec
 from zarr.errors import UnstableSpecificationWarning
+
+from episerve_server.scene import synth_episode
 
 Layout = Literal["sharded", "unsharded", "v2"]
 LAYOUTS: tuple[Layout, ...] = ("sharded", "unsharded", "v2")
@@ -167,7 +169,8 @@ def _group_attrs(
     for key, values in numeric.items():
         arr = np.asarray(values)
         shape = list(arr.shape[1:])
-        features[key] = {"dtype": str(arr.dtype), "shape": shape, "names": feature_names(key, shape)}
+        names = feature_names(key, shape)
+        features[key] = {"dtype": str(arr.dtype), "shape": shape, "names": names}
     for key, frames in jpeg.items():
         height, width, _, _ = simplejpeg.decode_jpeg_header(frames[0])
         features[key] = {"dtype": "jpeg", "shape": [int(height), int(width), 3]}
@@ -205,7 +208,7 @@ def make_dataset(
     min_frames: int = 120,
     max_frames: int = 700,
     fps: int = 30,
-    layout: str = "sharded",
+    layout: Layout = "sharded",
     progress: bool = True,
     workers: int | None = None,
 ) -> list[Path]:
@@ -221,14 +224,15 @@ def make_dataset(
     Path(out).mkdir(parents=True, exist_ok=True)
     jobs = [(str(out), seed, i, min_frames, max_frames, fps, layout) for i in range(episodes)]
     workers = min(os.cpu_count() or 1, episodes) if workers is None else workers
-    bar = tqdm(total=episodes, unit="ep", disable=not progress, desc="episodes")
-    with bar:
+    with tqdm(total=episodes, unit="episode", disable=not progress, desc="writing") as bar:
         if workers <= 1:
             return [_tick(bar, _write_synth(*job)) for job in jobs]
-        ctx = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+        spawn = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(max_workers=workers, mp_context=spawn) as pool:
             futures = [pool.submit(_write_synth, *job) for job in jobs]
-            return [_tick(bar, f.result()) for f in futures]
+            for done in as_completed(futures):
+                _tick(bar, done.result())
+            return [f.result() for f in futures]
 
 
 def _tick(bar: tqdm[Any], path: Path) -> Path:
@@ -237,16 +241,14 @@ def _tick(bar: tqdm[Any], path: Path) -> Path:
 
 
 def _write_synth(
-    out: str, seed: int, index: int, min_frames: int, max_frames: int, fps: int, layout: str
+    out: str, seed: int, index: int, min_frames: int, max_frames: int, fps: int, layout: Layout
 ) -> Path:
-    """Process-pool worker: synthesise and write episode ``index``."""
-    from episerve_server.scene import synth_episode
-
+    """Synthesise and write episode ``index``; a top-level function, so spawn can pickle it."""
     rng = np.random.default_rng([seed, index])
     total = int(rng.integers(min_frames, max_frames + 1))
     ep = synth_episode(rng, total, fps=fps)
     return write_episode(
         out, episode_hash(seed, index), total_frames=total, fps=fps, embodiment=EMBODIMENT,
         numeric=ep.numeric, jpeg=ep.jpeg, annotations=ep.annotations,
-        extra_attrs=ep.extra_attrs, layout=layout,  # type: ignore[arg-type]
+        extra_attrs=ep.extra_attrs, layout=layout,
     )

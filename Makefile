@@ -1,0 +1,59 @@
+# episerve: `make demo` and `make test` set up everything they need in .venv.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo serve test test-all load bench bench-core bench-daemon bench-client lint typecheck protos protos-check clean
+
+setup: $(STAMP)
+
+# torch first, pinned: that build is the CPU one on local disk; the range in pyproject is
+# then already satisfied, so nothing large is downloaded.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[server,client,video,s3,lightning,dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/episerve demo
+
+serve: $(STAMP)
+	$(VENV)/bin/episerve serve
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+test-all: $(STAMP)
+	$(PY) -m pytest -m ''
+
+load: $(STAMP)
+	$(PY) -m pytest -m load tests/load
+
+bench: bench-core bench-daemon bench-client
+
+bench-core: $(STAMP)
+	$(PY) benchmarks/bench_core.py
+
+bench-daemon: $(STAMP)
+	$(PY) benchmarks/bench_daemon.py
+
+bench-client: $(STAMP)
+	$(PY) benchmarks/bench_client.py
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check server client tests benchmarks protos/generate.py
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy server/episerve_server client/episerve_client
+
+protos: $(STAMP)
+	$(PY) protos/generate.py
+
+protos-check: $(STAMP)
+	$(PY) protos/generate.py --check
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis out

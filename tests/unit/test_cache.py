@@ -1,0 +1,163 @@
+"""The chunk cache: LRU order under a byte budget, its counters and gauges."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from episerve_server.cache import ChunkCache, chunk_nbytes
+from episerve_server.stats import Stats
+
+
+def chunk(nbytes: int, value: float = 0.0) -> np.ndarray:
+    assert nbytes % 4 == 0
+    return np.full(nbytes // 4, value, np.float32)
+
+
+def key(n: int, episode: str = "ep") -> tuple[str, str, int]:
+    return (episode, "k", n)
+
+
+def test_chunk_nbytes() -> None:
+    assert chunk_nbytes(chunk(400)) == 400
+    assert chunk_nbytes([b"abc", b""]) == 3 + 0 + 2 * 64
+    assert chunk_nbytes([]) == 0
+
+
+def test_lru_eviction_order_under_a_byte_budget() -> None:
+    stats = Stats()
+    cache = ChunkCache(300, stats)
+    for n in range(3):
+        cache.put(key(n), chunk(100, n))
+    assert stats.cache_evictions == 0
+    assert stats.cache_bytes == 300 and stats.cache_entries == 3
+    hit = cache.get(key(0))  # 0 becomes the most recently used; 1 is now the oldest
+    assert hit is not None and float(hit[0]) == 0.0
+    cache.put(key(3), chunk(100, 3))
+    assert stats.cache_evictions == 1
+    assert cache.get(key(1)) is None
+    for n in (0, 2, 3):
+        got = cache.get(key(n))
+        assert got is not None and float(got[0]) == n
+    # one big chunk pushes out as many old ones as it needs, oldest first (now 0, then 2)
+    cache.put(key(4), chunk(200, 4))
+    assert stats.cache_evictions == 3
+    assert cache.get(key(0)) is None and cache.get(key(2)) is None
+    assert cache.get(key(3)) is not None and cache.get(key(4)) is not None
+    assert stats.cache_bytes == 300 and stats.cache_entries == 2
+
+
+def test_hit_and_miss_counters() -> None:
+    stats = Stats()
+    cache = ChunkCache(1000, stats)
+    assert cache.get(key(1)) is None
+    cache.put(key(1), chunk(8))
+    assert cache.get(key(1)) is not None
+    assert cache.get(key(1)) is not None
+    assert cache.get(key(2)) is None
+    assert (stats.cache_hits, stats.cache_misses, stats.cache_evictions) == (2, 2, 0)
+
+
+def test_budget_zero_stores_nothing() -> None:
+    stats = Stats()
+    cache = ChunkCache(0, stats)
+    assert not cache.enabled
+    cache.put(key(1), chunk(4))
+    cache.put(key(2), [b"jpeg"])
+    assert cache.get(key(1)) is None and cache.get(key(2)) is None
+    assert stats.cache_hits == 0 and stats.cache_misses == 2
+    assert stats.cache_bytes == 0 and stats.cache_entries == 0 and stats.cache_evictions == 0
+
+
+def test_a_chunk_over_the_budget_is_not_stored_and_evicts_nothing() -> None:
+    stats = Stats()
+    cache = ChunkCache(100, stats)
+    cache.put(key(1), chunk(40))
+    cache.put(key(2), chunk(104))
+    assert cache.get(key(2)) is None
+    assert cache.get(key(1)) is not None
+    assert stats.cache_evictions == 0 and stats.cache_bytes == 40
+
+
+def test_replacing_a_key_does_not_count_it_twice() -> None:
+    stats = Stats()
+    cache = ChunkCache(100, stats)
+    cache.put(key(1), chunk(60, 1))
+    cache.put(key(1), chunk(60, 2))
+    assert stats.cache_bytes == 60 and stats.cache_entries == 1
+    assert stats.cache_evictions == 0
+    got = cache.get(key(1))
+    assert got is not None and float(got[0]) == 2.0
+
+
+def test_bytes_chunks_are_sized_by_their_frames() -> None:
+    stats = Stats()
+    cache = ChunkCache(2 * (100 + 64), stats)
+    cache.put(key(1), [b"x" * 100])
+    cache.put(key(2), [b"y" * 100])
+    assert stats.cache_evictions == 0
+    cache.put(key(3), [b"z" * 100])
+    assert stats.cache_evictions == 1
+    assert cache.get(key(1)) is None
+    assert cache.get(key(3)) == [b"z" * 100]
+
+
+def test_drop_episode_removes_only_that_episode() -> None:
+    stats = Stats()
+    cache = ChunkCache(1000, stats)
+    cache.put(key(1, "a"), chunk(100))
+    cache.put(key(2, "a"), chunk(100))
+    cache.put(key(1, "b"), chunk(100))
+    cache.drop_episode("a")
+    assert stats.cache_bytes == 100 and stats.cache_entries == 1
+    assert cache.get(key(1, "a")) is None and cache.get(key(2, "a")) is None
+    assert cache.get(key(1, "b")) is not None
+    assert stats.cache_evictions == 0
+
+
+def test_negative_budget_is_refused() -> None:
+    with pytest.raises(ValueError, match="-1"):
+        ChunkCache(-1, Stats())
+
+
+ops = st.lists(
+    st.tuples(st.sampled_from(["get", "put"]), st.integers(0, 7), st.integers(1, 40)),
+    max_size=80,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(budget=st.sampled_from([0, 4, 40, 100, 160]), script=ops)
+def test_matches_a_reference_lru(budget: int, script: list[tuple[str, int, int]]) -> None:
+    stats = Stats()
+    cache = ChunkCache(budget, stats)
+    model: OrderedDict[int, int] = OrderedDict()  # key -> size in bytes, oldest first
+    hits = misses = evictions = 0
+    for op, k, words in script:
+        size = 4 * words
+        if op == "get":
+            got = cache.get(key(k))
+            if k in model:
+                hits += 1
+                model.move_to_end(k)
+                assert got is not None and got.nbytes == model[k]
+            else:
+                misses += 1
+                assert got is None
+        elif budget and size <= budget:
+            model.pop(k, None)
+            model[k] = size
+            while sum(model.values()) > budget:
+                model.popitem(last=False)
+                evictions += 1
+            cache.put(key(k), chunk(size))
+        else:
+            cache.put(key(k), chunk(size))
+    assert (stats.cache_hits, stats.cache_misses, stats.cache_evictions) == (
+        hits, misses, evictions)
+    assert stats.cache_bytes == sum(model.values())
+    assert stats.cache_entries == len(model)

@@ -1,0 +1,697 @@
+"""The batch read planner against the per-entry oracle, its chunk accounting and its errors.
+
+SPEC section 2 (what a sample is) and section 3 (how a batch is read). Every value the
+planner returns is compared with ``tests/oracle.py``, which reads entry by entry through
+zarr's plain API; the chunk counts are compared with windows computed from the SPEC rules.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numcodecs
+import numpy as np
+import pytest
+import yaml
+import zarr
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from zarr.codecs import BytesCodec, ShardingCodec, ZstdCodec
+
+from episerve_server.errors import (
+    DataLossError,
+    EpiserveError,
+    EpisodeNotFound,
+    FrameOutOfRange,
+    InvalidArgument,
+    InvalidEpisodeId,
+    KeymapError,
+    ShortArrayError,
+)
+from episerve_server.keymap import Keymap
+from episerve_server.planner import ReadOptions
+from tests import oracle, ramp
+
+CAMERA = ramp.CAMERA_KEY
+MECKA = list(ramp.MECKA_KEYS)
+EPISODES = {h: (total, fps) for h, _, total, fps in ramp.RAMP_DATASET}
+DATASETS = ("sharded", "unsharded", "v2", "mixed")
+NUMERIC_LAYOUTS = ("sharded", "unsharded", "v2")
+
+
+def e(zarr_key: str, key_type: str, **fields: Any) -> dict[str, Any]:
+    return {"zarr_key": zarr_key, "key_type": key_type, **fields}
+
+
+KEYMAPS: dict[str, dict[str, dict[str, Any]]] = {
+    # the same content as /work/shared/keymaps/mecka_keypoints_k4.yaml
+    "mecka_keypoints_k4": {
+        "observations.images.front_img_1": e(CAMERA, "camera_keys"),
+        "left.action_keypoints": e("left.obs_keypoints", "action_keys", horizon=30),
+        "right.action_keypoints": e("right.obs_keypoints", "action_keys", horizon=30),
+        "left.action_wrist_pose": e("left.obs_wrist_pose", "proprio_keys", horizon=30),
+        "right.action_wrist_pose": e("right.obs_wrist_pose", "proprio_keys", horizon=30),
+        "left.obs_keypoints": e("left.obs_keypoints", "proprio_keys", history=4),
+        "right.obs_keypoints": e("right.obs_keypoints", "proprio_keys", history=4),
+        "left.obs_wrist_pose": e("left.obs_wrist_pose", "proprio_keys", history=4),
+        "right.obs_wrist_pose": e("right.obs_wrist_pose", "proprio_keys", history=4),
+        "obs_head_pose": e("obs_head_pose", "proprio_keys"),
+        "annotations": e("annotations", "annotation_keys"),
+    },
+    # the same content as /work/shared/keymaps/camera_history.yaml
+    "camera_history": {
+        "front": e(CAMERA, "camera_keys"),
+        "front_hist": e(CAMERA, "camera_keys", lag_s=1.0),
+        "front_mem": e(CAMERA, "camera_keys", history=4, history_stride_s=0.5),
+        "head": e("obs_head_pose", "proprio_keys", history=3, history_stride=5),
+        "actions": e("left.obs_wrist_pose", "action_keys", horizon=50),
+    },
+    "history_one": {
+        "head": e("obs_head_pose", "proprio_keys", history=1),
+        "cam": e(CAMERA, "camera_keys", history=1),
+        "cam_lag": e(CAMERA, "camera_keys", history=1, lag_s=0.5),
+        "wrist_lag": e("left.obs_wrist_pose", "proprio_keys", history=1, lag_s=0.2),
+        "kp": e("left.obs_keypoints", "metadata_keys", history=1),
+    },
+    "annotations": {
+        "task": e("annotations", "annotation_keys"),
+        "act": e("left.obs_wrist_pose", "action_keys", horizon=20),
+        "act_kp": e("right.obs_keypoints", "action_keys", horizon=7),
+        "prop_chunk": e("right.obs_wrist_pose", "proprio_keys", horizon=20),
+        "task_again": e("annotations", "annotation_keys", horizon=4),
+    },
+    "lag_only": {
+        "head_lag": e("obs_head_pose", "proprio_keys", lag_s=0.1),
+        "cam_lag": e(CAMERA, "camera_keys", lag_s=1.0),
+        "kp_lag": e("left.obs_keypoints", "metadata_keys", lag_s=0.5),
+        "far_lag": e("right.obs_wrist_pose", "proprio_keys", lag_s=20.0),
+    },
+    "two_horizons": {
+        "short": e("left.obs_wrist_pose", "action_keys", horizon=5),
+        "long": e("left.obs_wrist_pose", "action_keys", horizon=60),
+        "longer": e("right.obs_wrist_pose", "action_keys", horizon=120),
+        "hist": e("left.obs_wrist_pose", "proprio_keys", history=6, history_stride=3),
+        "cam_mem": e(CAMERA, "camera_keys", history=3, history_stride=40),
+    },
+}
+WITH_ANNOTATIONS = {"mecka_keypoints_k4", "annotations"}
+CASES = [(name, False) for name in KEYMAPS] + [
+    ("mecka_keypoints_k4", True), ("annotations", True), ("two_horizons", True)]
+
+
+def without_annotations(keymap: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {k: v for k, v in keymap.items() if v["key_type"] != "annotation_keys"}
+
+
+def standard_batch() -> list[tuple[str, int]]:
+    """Both ends and the middle of every episode, episodes interleaved, some repeated."""
+    samples = [(h, f) for h, (total, _) in EPISODES.items()
+               for f in sorted({0, 1, total // 2, total - 2, total - 1})]
+    mixed = sorted(samples, key=lambda s: (s[1] % 7, s[0]))
+    return [*mixed, ("ep003d", 0), mixed[0], ("ep003d", 128), ("ep003d", 128), mixed[-1]]
+
+
+BATCH = standard_batch()
+
+
+def test_keymap_constants_match_the_shared_yaml() -> None:
+    repo = Path(__file__).resolve().parents[2]
+    found = 0
+    for directory in (repo.parent / "shared" / "keymaps",
+                      repo / "client" / "episerve_client" / "keymaps"):
+        for name in ("mecka_keypoints_k4", "camera_history"):
+            path = directory / f"{name}.yaml"
+            if path.exists():
+                found += 1
+                assert yaml.safe_load(path.read_text()) == KEYMAPS[name], path
+    if not found:
+        pytest.skip("no keymap YAML files to compare with")
+
+
+# -- planner == oracle ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("cached", [False, True], ids=["nocache", "cache"])
+@pytest.mark.parametrize("dataset", DATASETS)
+@pytest.mark.parametrize(("name", "cutoff"), CASES)
+def test_planner_matches_oracle(name: str, cutoff: bool, dataset: str, cached: bool,
+                                ramp_served: dict[Any, Any], matches_oracle: Any) -> None:
+    served = ramp_served[dataset, cached]
+    keymap = KEYMAPS[name]
+    result = served.read(keymap, BATCH, cutoff=cutoff)
+    matches_oracle(served, result, keymap, BATCH, cutoff)
+
+
+def test_cutoff_changes_the_action_chunk(ramp_served: dict[Any, Any]) -> None:
+    """Guards the comparison above: the cutoff cases really differ from the plain ones."""
+    served = ramp_served["sharded", False]
+    samples = [("ep003d", 70)]  # in "grasp" [64, 128), listed after "reach" and "whole"
+    on = served.read(KEYMAPS["annotations"], samples, cutoff=True).sample(0)
+    off = served.read(KEYMAPS["annotations"], samples, cutoff=False).sample(0)
+    assert on["action_pad_mask"].sum() == 20 and off["action_pad_mask"].sum() == 20
+    samples = [("ep003d", 120)]  # "grasp" ends at 128: 8 real rows of 20
+    on = served.read(KEYMAPS["annotations"], samples, cutoff=True).sample(0)
+    off = served.read(KEYMAPS["annotations"], samples, cutoff=False).sample(0)
+    assert on["action_pad_mask"].tolist() == [1.0] * 8 + [0.0] * 12
+    assert off["action_pad_mask"].tolist() == [1.0] * 20
+    assert np.array_equal(on["act"][8:], np.repeat(on["act"][7:8], 12, axis=0))
+    # proprio_keys are never cut, whatever their window
+    assert np.array_equal(on["prop_chunk"], off["prop_chunk"])
+    assert on["task"] == off["task"] == ["whole", "grasp"]
+
+
+# -- random keymaps and batches ------------------------------------------------------------------
+
+SECONDS = st.sampled_from([0.02, 1 / 30, 0.1, 0.25, 0.5, 1.0, 2.5, 9.0])
+WINDOW_TYPES = ["camera_keys", "proprio_keys", "action_keys", "metadata_keys"]
+
+
+@st.composite
+def random_keymaps(draw: st.DrawFn, annotations: bool = True) -> dict[str, dict[str, Any]]:
+    keymap: dict[str, dict[str, Any]] = {}
+    types = [*WINDOW_TYPES, "annotation_keys"] if annotations else WINDOW_TYPES
+    for j in range(draw(st.integers(1, 6))):
+        key_type = draw(st.sampled_from(types))
+        if key_type == "annotation_keys":
+            fields: dict[str, Any] = e("annotations", key_type)
+        elif key_type == "camera_keys":
+            fields = e(draw(st.sampled_from([CAMERA, *MECKA])), key_type)
+        else:
+            fields = e(draw(st.sampled_from([*MECKA, CAMERA])), key_type)
+        for field, strategy in {"horizon": st.integers(1, 130), "history": st.integers(1, 9),
+                                "history_stride": st.integers(1, 40),
+                                "history_stride_s": SECONDS, "lag_s": SECONDS}.items():
+            if draw(st.integers(0, 2)) == 0:
+                fields[field] = draw(strategy)
+        keymap[f"k{j}"] = fields
+    return keymap
+
+
+@st.composite
+def random_batches(draw: st.DrawFn) -> list[tuple[str, int]]:
+    samples = []
+    for _ in range(draw(st.integers(1, 8))):
+        h = draw(st.sampled_from(sorted(EPISODES)))
+        total = EPISODES[h][0]
+        frame = draw(st.one_of(st.sampled_from([0, 1, total - 2, total - 1]),
+                               st.integers(0, total - 1)))
+        samples.append((h, frame))
+    return samples
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(keymap=random_keymaps(), samples=random_batches(), cutoff=st.booleans(),
+       dataset=st.sampled_from(DATASETS), cached=st.booleans())
+def test_random_keymaps_match_oracle(keymap: dict[str, dict[str, Any]],
+                                     samples: list[tuple[str, int]], cutoff: bool,
+                                     dataset: str, cached: bool, ramp_served: dict[Any, Any],
+                                     matches_oracle: Any) -> None:
+    served = ramp_served[dataset, cached]
+    result = served.read(keymap, samples, cutoff=cutoff)
+    matches_oracle(served, result, keymap, samples, cutoff)
+
+
+# -- chunk accounting ----------------------------------------------------------------------------
+
+_CHUNK_ROWS: dict[tuple[str, str, str], int] = {}
+
+
+def chunk_rows(root: Path, episode: str, key: str) -> int:
+    """The inner chunk length as zarr itself reports it."""
+    memo = (str(root), episode, key)
+    if memo not in _CHUNK_ROWS:
+        _CHUNK_ROWS[memo] = int(zarr.open_array(root / f"{episode}.zarr" / key, mode="r").chunks[0])
+    return _CHUNK_ROWS[memo]
+
+
+def entry_rows(fields: dict[str, Any], i: int, total: int, fps: int) -> list[int]:
+    """The rows one entry reads at frame i, from the SPEC rules as the oracle spells them."""
+    rule = oracle.entry_rule(fields)
+    if rule == oracle.RULE_HORIZON:
+        return oracle.action_chunk_indices(i, fields["horizon"], total)[0]
+    if rule == oracle.RULE_HISTORY:
+        if fields.get("history_stride_s") is not None:
+            stride = oracle.frames(fields["history_stride_s"], fps)
+        else:
+            stride = fields.get("history_stride", 1)
+        lag = oracle.frames(fields["lag_s"], fps) if fields.get("lag_s") is not None else None
+        return oracle.history_indices(i, fields["history"], stride, lag)[0]
+    if rule == oracle.RULE_LAG:
+        return [oracle.lag_index(i, oracle.frames(fields["lag_s"], fps))]
+    return [i]
+
+
+def expected_chunks(root: Path, keymap: dict[str, dict[str, Any]],
+                    samples: list[tuple[str, int]]) -> Counter[str]:
+    """Per episode: the distinct (zarr key, chunk) pairs the batch's windows touch."""
+    touched = set()
+    for h, i in samples:
+        total, fps = EPISODES[h]
+        for fields in keymap.values():
+            if oracle.entry_rule(fields) == oracle.RULE_ANNOTATION:
+                continue
+            key = fields["zarr_key"]
+            c = chunk_rows(root, h, key)
+            touched |= {(h, key, row // c) for row in entry_rows(fields, i, total, fps)}
+    return Counter(h for h, _, _ in touched)
+
+
+def fetched(stats: Any) -> dict[str, int]:
+    return {h: c.chunks_fetched for h, c in stats.episodes.items()}
+
+
+def delta(after: dict[str, int], before: dict[str, int]) -> Counter[str]:
+    return Counter({h: n - before.get(h, 0) for h, n in after.items() if n != before.get(h, 0)})
+
+
+@pytest.mark.parametrize("dataset", DATASETS)
+@pytest.mark.parametrize("name", ["mecka_keypoints_k4", "camera_history", "two_horizons",
+                                  "lag_only", "history_one"])
+def test_cache_off_fetches_exactly_the_touched_chunks(name: str, dataset: str,
+                                                      ramp_roots: dict[str, Path],
+                                                      serve: Callable[..., Any]) -> None:
+    served = serve(ramp_roots[dataset], 0)
+    keymap = without_annotations(KEYMAPS[name])
+    served.read(keymap, BATCH)
+    want = expected_chunks(served.root, keymap, BATCH)
+    assert delta(fetched(served.stats), {}) == want
+    assert served.stats.chunks_fetched == sum(want.values())
+    # the same batch again, with the cache off, fetches the same chunks once more
+    served.read(keymap, BATCH)
+    assert served.stats.chunks_fetched == 2 * sum(want.values())
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(keymap=random_keymaps(annotations=False), samples=random_batches(),
+       dataset=st.sampled_from(DATASETS))
+def test_random_reads_fetch_the_union_of_their_windows(keymap: dict[str, dict[str, Any]],
+                                                       samples: list[tuple[str, int]],
+                                                       dataset: str,
+                                                       ramp_served: dict[Any, Any]) -> None:
+    served = ramp_served[dataset, False]
+    before = fetched(served.stats)
+    served.read(keymap, samples)
+    assert delta(fetched(served.stats), before) == expected_chunks(served.root, keymap, samples)
+
+
+@pytest.mark.parametrize("dataset", DATASETS)
+def test_far_apart_jpeg_frames_fetch_two_chunks_not_the_gap(dataset: str,
+                                                            ramp_roots: dict[str, Path],
+                                                            serve: Callable[..., Any]) -> None:
+    served = serve(ramp_roots[dataset], 0)
+    keymap = {"cam": e(CAMERA, "camera_keys")}
+    result = served.read(keymap, [("ep003d", 3), ("ep003d", 90), ("ep003d", 3)])
+    assert served.stats.episodes["ep003d"].chunks_fetched == 2
+    assert served.stats.chunks_fetched == 2
+    assert set(served.stats.episodes) == {"ep003d"}
+    frame_bytes = len(ramp.frame_jpeg(3, 3)) + len(ramp.frame_jpeg(3, 90))
+    assert served.stats.bytes_fetched <= frame_bytes + 64
+    assert result.frames[CAMERA] == [ramp.frame_jpeg(3, 3), ramp.frame_jpeg(3, 90)]
+    # a strided camera memory reads its K frames, never the rows between them
+    served.read({"mem": e(CAMERA, "camera_keys", history=4, history_stride=30)},
+                [("ep003d", 200)])
+    assert served.stats.episodes["ep003d"].chunks_fetched == 2 + 4
+
+
+@pytest.mark.parametrize("dataset", DATASETS)
+def test_cache_on_second_read_fetches_nothing(dataset: str, ramp_roots: dict[str, Path],
+                                              serve: Callable[..., Any],
+                                              matches_oracle: Any) -> None:
+    served = serve(ramp_roots[dataset], 64 << 20)
+    keymap = KEYMAPS["mecka_keypoints_k4"]
+    served.read(keymap, BATCH, cutoff=True)
+    first = served.stats.snapshot()
+    assert first["chunks_fetched"] > 0 and first["cache_misses"] > 0
+    assert first["cache_hits"] == 0
+    result = served.read(keymap, BATCH, cutoff=True)
+    second = served.stats.snapshot()
+    assert second["chunks_fetched"] == first["chunks_fetched"]
+    assert second["store_reads"] == first["store_reads"]
+    assert second["episodes"] == {h: {**c, "read_rpcs": c["read_rpcs"] + 1}
+                                  for h, c in first["episodes"].items()}
+    assert second["cache_misses"] == first["cache_misses"]
+    assert second["cache_hits"] - first["cache_hits"] == first["cache_misses"]
+    matches_oracle(served, result, keymap, BATCH, True)
+
+
+# -- metadata ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("cache_bytes", [0, 64 << 20])
+@pytest.mark.parametrize("dataset", DATASETS)
+def test_no_metadata_requests_after_warm_up(dataset: str, cache_bytes: int,
+                                            ramp_roots: dict[str, Path],
+                                            serve: Callable[..., Any]) -> None:
+    served = serve(ramp_roots[dataset], cache_bytes)
+    assert served.stats.metadata_requests > 0  # opening the catalog reads metadata
+    warm = [(h, 0) for h in EPISODES]
+    served.read(KEYMAPS["mecka_keypoints_k4"], warm, cutoff=True)
+    metadata, reads = served.stats.metadata_requests, served.stats.store_reads
+    for frames in ([1, 5, 9, 2], [20, 99, 100, 256], [36, 50, 14, 130]):
+        samples = [(h, min(f, EPISODES[h][0] - 1)) for h, f in zip(EPISODES, frames)]
+        for name in ("mecka_keypoints_k4", "camera_history", "two_horizons"):
+            served.read(KEYMAPS[name], samples, cutoff=True)
+    assert served.stats.metadata_requests == metadata
+    assert served.stats.store_reads > reads or cache_bytes
+
+
+# -- isolation -----------------------------------------------------------------------------------
+
+def numeric_outputs(sample: dict[str, Any]) -> Iterator[tuple[str, np.ndarray]]:
+    return ((k, v) for k, v in sample.items() if isinstance(v, np.ndarray))
+
+
+@pytest.mark.parametrize("dataset", ["sharded", "mixed"])
+def test_no_two_outputs_share_memory(dataset: str, ramp_served: dict[Any, Any]) -> None:
+    served = ramp_served[dataset, True]
+    keymap = {**KEYMAPS["mecka_keypoints_k4"], **KEYMAPS["camera_history"],
+              "same_as_head": e("obs_head_pose", "proprio_keys")}
+    samples = [("ep003d", 5), ("ep003d", 5), ("ep000a", 36), ("ep003d", 6)]
+    for _ in range(2):  # the second read comes from the cache
+        result = served.read(keymap, samples, cutoff=True)
+        arrays = list(result.arrays.items())
+        for (n1, a1), (n2, a2) in itertools.combinations(arrays, 2):
+            assert not np.shares_memory(a1, a2), (n1, n2)
+        for name, arr in arrays:
+            assert arr.flags.writeable, name
+            assert arr.dtype == np.float32, name
+        outs = [(b, k, v) for b in range(len(samples)) for k, v in
+                numeric_outputs(result.sample(b))]
+        outs += [(-1, k, v) for k, v in arrays]
+        for (b1, k1, v1), (b2, k2, v2) in itertools.combinations(outs, 2):
+            assert not np.shares_memory(v1, v2), (b1, k1, b2, k2)
+
+
+@pytest.mark.parametrize("dataset", ["sharded", "unsharded", "v2", "mixed"])
+def test_writing_into_outputs_changes_nothing_else(dataset: str, ramp_served: dict[Any, Any],
+                                                   matches_oracle: Any) -> None:
+    served = ramp_served[dataset, True]
+    keymap = KEYMAPS["mecka_keypoints_k4"]
+    samples = [("ep003d", 40), ("ep003d", 41), ("ep001b", 99), ("ep003d", 40)]
+    first = served.read(keymap, samples, cutoff=True)
+    second = served.read(keymap, samples, cutoff=True)
+    keep = {k: v.copy() for k, v in second.arrays.items()}
+    for arr in first.arrays.values():
+        arr[...] = -7.0
+    for texts in first.texts.values():
+        for t in texts:
+            t.append("scribble")
+    for frames in first.frames.values():
+        frames[:] = [b"x"] * len(frames)
+    for k, v in second.arrays.items():
+        assert np.array_equal(v, keep[k]), k
+    sample = second.sample(0)
+    for _, arr in numeric_outputs(sample):
+        arr += 1000.0
+    matches_oracle(served, second, keymap, samples, True)
+    third = served.read(keymap, samples, cutoff=True)
+    matches_oracle(served, third, keymap, samples, True)
+
+
+@pytest.mark.parametrize("name", ["mecka_keypoints_k4", "camera_history", "lag_only",
+                                  "history_one"])
+def test_result_does_not_depend_on_entry_order(name: str, ramp_served: dict[Any, Any],
+                                               matches_oracle: Any) -> None:
+    served = ramp_served["mixed", False]
+    keymap = KEYMAPS[name]
+    items = list(keymap.items())
+    orders = [items, items[::-1]] + [random.Random(seed).sample(items, len(items))
+                                     for seed in range(3)]
+    reference = [served.read(keymap, BATCH, cutoff=True).sample(b) for b in range(len(BATCH))]
+    for order in orders:
+        shuffled = dict(order)
+        result = served.read(shuffled, BATCH, cutoff=True)
+        matches_oracle(served, result, shuffled, BATCH, True)
+        for b in range(len(BATCH)):
+            got = result.sample(b)
+            assert set(got) == set(reference[b])
+            for k, v in reference[b].items():
+                if isinstance(v, np.ndarray):
+                    assert np.array_equal(got[k], v), (b, k)
+                else:
+                    assert got[k] == v, (b, k)
+
+
+# -- more layouts, dtypes and feature shapes -----------------------------------------------------
+
+def _add_array(group: zarr.Group, name: str, data: np.ndarray, layout: str,
+               chunks: tuple[int, ...], shards: tuple[int, ...] | None = None,
+               **extra: Any) -> None:
+    kwargs: dict[str, Any] = {"shape": data.shape, "dtype": data.dtype, "chunks": chunks}
+    if data.dtype != object:
+        kwargs["fill_value"] = 0
+    if layout == "v2":
+        kwargs["compressors"] = None if data.dtype == object else numcodecs.Zstd(level=1)
+    else:
+        if layout == "sharded" and shards is not None:
+            kwargs["shards"] = shards
+        kwargs["compressors"] = None if data.dtype == object else [ZstdCodec(level=1)]
+    kwargs.update(extra)
+    if data.dtype == object:
+        kwargs["dtype"] = zarr.dtype.VariableLengthBytes()
+    group.create_array(name, **kwargs)[...] = data
+
+
+def write_extras_episode(root: Path, h: str, no: int, total: int, layout: str,
+                         annotations: list[dict[str, Any]] | None) -> None:
+    t = np.arange(total)
+    sparse = (t[:, None] * 1000 + np.arange(4) + 1).astype(np.float32)
+    sparse[(t >= 100) & (t < 200)] = 0.0  # a whole chunk of fill value: never written
+    numeric = {
+        "x.int32": ramp.ramp_values(total, (3,), "int32", offset=no * 100),
+        "x.f64": ramp.ramp_values(total, (2, 3), "float64", offset=0.5),
+        "x.u8": ((t[:, None] * 7 + np.arange(5)) % 256).astype(np.uint8),
+        "x.bool": (t[:, None] + np.arange(2)) % 3 == 0,
+        "x.scalar": (t * 2 + 0.25).astype(np.float32),
+        "x.sparse": sparse,
+    }
+    ramp.write_ramp_episode(root, h, episode_no=no, total_frames=total, layout=layout,
+                            annotations=annotations, extra_numeric=numeric)
+    group = zarr.open_group(root / f"{h}.zarr", mode="r+")
+    big_endian = (t[:, None] * 10 + np.arange(4)).astype(">i2")
+    if layout == "v2":
+        _add_array(group, "x.be", big_endian, layout, (50, 4))
+    else:
+        _add_array(group, "x.be", big_endian, layout, (50, 4), (100, 4),
+                   serializer=BytesCodec(endian="big"))
+    # chunked across the feature axis too: read through zarr's own getitem
+    _add_array(group, "x.fallback", ramp.ramp_values(total, (6,), offset=7), layout,
+               (50, 2), (100, 6))
+    # several shards per array, the last one partial
+    _add_array(group, "x.multishard", ramp.ramp_values(total, (3,), offset=9), layout,
+               (20, 3), (60, 3))
+    start = ramp.ramp_values(total, (3,), offset=11)
+    if layout == "sharded":
+        codec = ShardingCodec(chunk_shape=(25, 3), codecs=[BytesCodec(), ZstdCodec()],
+                              index_location="start")
+        _add_array(group, "x.start", start, "unsharded", (100, 3), serializer=codec,
+                   compressors=None)
+    else:
+        _add_array(group, "x.start", start, layout, (25, 3))
+    side = np.empty(total, dtype=object)
+    side[:] = [ramp.frame_jpeg(no + 10, i) for i in range(total)]
+    _add_array(group, "images.side", side, layout, (1,), (total,))
+
+
+EXTRAS_KEYMAP = {
+    "i32": e("x.int32", "proprio_keys", history=3, history_stride=2),
+    "f64": e("x.f64", "action_keys", horizon=12),
+    "u8": e("x.u8", "metadata_keys"),
+    "be": e("x.be", "proprio_keys", lag_s=0.5),
+    "be_chunk": e("x.be", "action_keys", horizon=70),
+    "bool": e("x.bool", "proprio_keys", history=2),
+    "scalar": e("x.scalar", "action_keys", horizon=5),
+    "scalar_now": e("x.scalar", "proprio_keys"),
+    "sparse": e("x.sparse", "action_keys", horizon=150),
+    "sparse_now": e("x.sparse", "proprio_keys"),
+    "fallback": e("x.fallback", "proprio_keys", history=4, history_stride=20),
+    "fallback_chunk": e("x.fallback", "action_keys", horizon=70),
+    "multi": e("x.multishard", "action_keys", horizon=90),
+    "multi_lag": e("x.multishard", "proprio_keys", lag_s=2.0),
+    "start": e("x.start", "action_keys", horizon=40),
+    "start_hist": e("x.start", "proprio_keys", history=5, history_stride=30),
+    "side": e("images.side", "camera_keys", history=3, history_stride=10),
+    "front": e(CAMERA, "camera_keys"),
+    "text": e("annotations", "annotation_keys"),
+}
+EXTRAS_BATCH = [("xb", f) for f in (0, 1, 99, 100, 128, 199, 200, 255, 256)] + [
+    ("xa", f) for f in (0, 1, 18, 35, 36)] + [("xb", 100), ("xa", 0), ("xb", 60)]
+
+
+@pytest.fixture(scope="module")
+def extras_served(tmp_path_factory: pytest.TempPathFactory,
+                  serve: Callable[..., Any]) -> dict[str, Any]:
+    out = {}
+    for layout in NUMERIC_LAYOUTS:
+        root = tmp_path_factory.mktemp(f"extras_{layout}")
+        write_extras_episode(root, "xa", 0, 37, layout, annotations=[])
+        write_extras_episode(root, "xb", 1, 257, layout, annotations=None)
+        out[layout] = serve(root, 1 << 20)
+    return out
+
+
+@pytest.mark.parametrize("cutoff", [False, True])
+@pytest.mark.parametrize("layout", NUMERIC_LAYOUTS)
+def test_dtypes_shapes_and_odd_layouts_match_oracle(layout: str, cutoff: bool,
+                                                    extras_served: dict[str, Any],
+                                                    matches_oracle: Any) -> None:
+    served = extras_served[layout]
+    assert served.catalog.broken_listing() == {}
+    for _ in range(2):  # cold, then from the cache
+        result = served.read(EXTRAS_KEYMAP, EXTRAS_BATCH, cutoff=cutoff)
+        matches_oracle(served, result, EXTRAS_KEYMAP, EXTRAS_BATCH, cutoff)
+    sample = result.sample(0)
+    assert sample["f64"].shape == (12, 2, 3)
+    assert sample["scalar"].shape == (5,) and sample["scalar_now"].shape == ()
+
+
+# -- errors --------------------------------------------------------------------------------------
+
+SINGLE = {"w": e("left.obs_wrist_pose", "proprio_keys")}
+
+
+def test_frame_out_of_range(ramp_served: dict[Any, Any]) -> None:
+    served = ramp_served["sharded", True]
+    for frame in (-1, 37, 38, 10**9):
+        with pytest.raises(FrameOutOfRange) as info:
+            served.read(SINGLE, [("ep000a", 0), ("ep000a", frame)])
+        assert "'ep000a'" in str(info.value) and repr(frame) in str(info.value)
+        assert isinstance(info.value, IndexError)
+    with pytest.raises(FrameOutOfRange):
+        served.read(SINGLE, [("ep000a", True)])
+    result = served.read(SINGLE, [("ep000a", np.int64(36))])
+    assert result.sample(0)["frame_index"] == 36
+
+
+def test_unknown_episode_and_missing_key(ramp_served: dict[Any, Any]) -> None:
+    served = ramp_served["sharded", True]
+    with pytest.raises(EpisodeNotFound, match="'nosuch'"):
+        served.read(SINGLE, [("ep000a", 0), ("nosuch", 0)])
+    keymap = {**SINGLE, "bad": e("left.obs_fingers", "proprio_keys")}
+    with pytest.raises(KeymapError) as info:
+        served.read(keymap, [("ep003d", 0)])
+    message = str(info.value)
+    assert "'bad'" in message and "'left.obs_fingers'" in message and "'ep003d'" in message
+    with pytest.raises(InvalidArgument):
+        served.run(served.planner.read(Keymap.parse(SINGLE), [], ReadOptions()))
+    for bad in ("..", "../ep000a", "/etc", "ep000a/../ep001b", "x\x00", "．．"):
+        with pytest.raises(InvalidEpisodeId):
+            served.read(SINGLE, [(bad, 0)])
+    assert served.read(SINGLE, [("ep000a", 3)]).sample(0)["frame_index"] == 3
+
+
+@pytest.fixture(scope="module", params=NUMERIC_LAYOUTS)
+def short_served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+                 serve: Callable[..., Any]) -> Any:
+    """Episode "shorty" (T=150) whose wrist pose holds 120 rows and camera 120 frames."""
+    layout = request.param
+    root = tmp_path_factory.mktemp(f"short_{layout}")
+    ramp.write_ramp_episode(root, "fine", episode_no=1, total_frames=150, layout=layout)
+    ramp.write_ramp_episode(root, "shorty", episode_no=4, total_frames=150, layout=layout)
+    group = zarr.open_group(root / "shorty.zarr", mode="r+")
+    del group["left.obs_wrist_pose"]
+    del group[CAMERA]
+    wrist = ramp.ramp_values(120, (7,), offset=ramp.ramp_offset(4, "left.obs_wrist_pose"))
+    _add_array(group, "left.obs_wrist_pose", wrist, layout, (100, 7), (200, 7))
+    frames = np.empty(120, dtype=object)
+    frames[:] = [ramp.frame_jpeg(4, i) for i in range(120)]
+    _add_array(group, CAMERA, frames, layout, (1,), (120,))
+    return serve(root, 1 << 20)
+
+
+@pytest.mark.parametrize(("keymap", "frame", "key"), [
+    (SINGLE, 130, "left.obs_wrist_pose"),
+    (SINGLE, 149, "left.obs_wrist_pose"),
+    ({"a": e("left.obs_wrist_pose", "action_keys", horizon=30)}, 100, "left.obs_wrist_pose"),
+    ({"c": e(CAMERA, "camera_keys")}, 125, CAMERA),
+    ({"c": e(CAMERA, "camera_keys", history=3, history_stride=10)}, 140, CAMERA),
+])
+def test_short_array_names_episode_and_key(keymap: dict[str, Any], frame: int, key: str,
+                                           short_served: Any, matches_oracle: Any) -> None:
+    served = short_served
+    samples = [("fine", 149), ("shorty", frame)]
+
+    def batches() -> Iterator[Any]:  # as a DataLoader would consume it
+        yield served.read(keymap, samples)
+
+    with pytest.raises(ShortArrayError) as info:
+        list(batches())
+    assert not isinstance(info.value, StopIteration)
+    message = str(info.value)
+    assert "'shorty'" in message and repr(key) in message
+    assert info.value.episode == "shorty" and info.value.key == key
+    # windows inside the stored rows still read, and other episodes are untouched
+    ok = [("shorty", 10), ("shorty", 119), ("fine", 149)]
+    matches_oracle(served, served.read(keymap, ok), keymap, ok)
+    reason = served.catalog.broken_listing()["shorty"]
+    assert repr(key) in reason and "120" in reason
+
+
+def _corrupt_chunk(array_dir: Path, layout: str, chunk: int, ndim: int) -> None:
+    """Overwrite every byte of one inner chunk with garbage, in place."""
+    garbage = b"\xde\xad\xbe\xef"
+    tail = "/".join(["0"] * (ndim - 1))
+    if layout == "sharded":
+        shard = array_dir / "c" / "0" / tail
+        meta = zarr.open_array(array_dir, mode="r")
+        per_shard = meta.shards[0] // meta.chunks[0]
+        blob = bytearray(shard.read_bytes())
+        index = np.frombuffer(bytes(blob[-(16 * per_shard + 4):-4]), "<u8").reshape(-1, 2)
+        offset, length = (int(v) for v in index[chunk])
+        assert 0 < offset and offset + length < len(blob) - 16 * per_shard
+        blob[offset:offset + length] = (garbage * length)[:length]
+        shard.write_bytes(bytes(blob))
+        return
+    path = array_dir / "c" / str(chunk) / tail if layout == "unsharded" else \
+        array_dir / ".".join([str(chunk), *["0"] * (ndim - 1)])
+    size = path.stat().st_size
+    path.write_bytes((garbage * size)[:size])
+
+
+@pytest.mark.parametrize("layout", NUMERIC_LAYOUTS)
+def test_corrupt_chunk_is_data_loss(layout: str, tmp_path: Path, serve: Callable[..., Any],
+                                    matches_oracle: Any) -> None:
+    for h, no, total, fps in ramp.RAMP_DATASET[::3]:
+        ramp.write_ramp_episode(tmp_path, h, episode_no=no, total_frames=total, fps=fps,
+                                layout=layout)
+    _corrupt_chunk(tmp_path / "ep003d.zarr" / "left.obs_keypoints", layout, 1, 2)
+    served = serve(tmp_path, 1 << 20)
+    kp = {"kp": e("left.obs_keypoints", "proprio_keys")}
+    chunked = {"kp": e("left.obs_keypoints", "action_keys", horizon=30)}
+    for keymap, frame in ((kp, 150), (chunked, 90), (kp, 150)):
+        with pytest.raises(DataLossError) as info:
+            served.read(keymap, [("ep000a", 3), ("ep003d", frame)])
+        assert "'ep003d'" in str(info.value) and "'left.obs_keypoints'" in str(info.value)
+        assert info.value.key == "left.obs_keypoints"
+    ok = [("ep003d", 50), ("ep003d", 250), ("ep000a", 36)]
+    for keymap in (kp, KEYMAPS["camera_history"]):
+        matches_oracle(served, served.read(keymap, ok), keymap, ok)
+
+
+def test_truncated_shard_is_data_loss(tmp_path: Path, serve: Callable[..., Any]) -> None:
+    ramp.write_ramp_episode(tmp_path, "ep", episode_no=0, total_frames=257)
+    shard = tmp_path / "ep.zarr" / "obs_head_pose" / "c" / "0" / "0"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    served = serve(tmp_path, 0)
+    with pytest.raises(DataLossError) as info:
+        served.read({"h": e("obs_head_pose", "proprio_keys")}, [("ep", 5)])
+    assert "'ep'" in str(info.value) and "'obs_head_pose'" in str(info.value)
+
+
+def test_batch_whose_episodes_disagree_on_a_feature_shape(tmp_path: Path,
+                                                          serve: Callable[..., Any]) -> None:
+    """Episodes whose arrays have different feature shapes cannot share a batch column: the
+    read must fail with a domain error naming the key, not a raw numpy exception."""
+    ramp.write_ramp_episode(tmp_path, "seven", episode_no=0, total_frames=50)
+    ramp.write_ramp_episode(tmp_path, "four", episode_no=1, total_frames=50,
+                            extra_numeric={"obs_head_pose": ramp.ramp_values(50, (4,))})
+    served = serve(tmp_path, 0)
+    keymap = {"h": e("obs_head_pose", "proprio_keys")}
+    assert served.read(keymap, [("seven", 1)]).sample(0)["h"].shape == (7,)
+    assert served.read(keymap, [("four", 1)]).sample(0)["h"].shape == (4,)
+    with pytest.raises(EpiserveError) as info:
+        served.read(keymap, [("seven", 1), ("four", 1)])
+    assert "'obs_head_pose'" in str(info.value)
