@@ -52,7 +52,8 @@ class DaemonProcess:
                     ready.set()
             ready.set()
 
-        threading.Thread(target=pump, daemon=True).start()
+        self._pump = threading.Thread(target=pump, daemon=True)
+        self._pump.start()
         deadline = time.monotonic() + timeout_s
         while not ready.wait(0.05):
             if time.monotonic() > deadline:
@@ -77,12 +78,20 @@ class DaemonProcess:
                 self.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
                 self.kill()
+        self._release()
         return self.proc.returncode
 
     def kill(self) -> None:
+        """SIGKILL: no drain, as when a node dies."""
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
+        self._release()
+
+    def _release(self) -> None:
+        self._pump.join(5)
+        if self.proc.stdout is not None and not self._pump.is_alive():
+            self.proc.stdout.close()
 
     def __enter__(self) -> DaemonProcess:
         return self

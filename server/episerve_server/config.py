@@ -47,6 +47,8 @@ class ServerConfig:
     tls_client_ca: str = ""
     s3_endpoint: str = ""
     log_level: str = "INFO"
+    max_store_concurrency: int = 64
+    inject_latency_s: float = 0.0  # fault injection for tests: delay every store request
 
     @property
     def tls(self) -> bool:
@@ -72,7 +74,7 @@ class ServerConfig:
             raise ValueError("--tls-cert and --tls-key go together")
         if self.tls_client_ca and not self.tls_cert:
             raise ValueError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
-        for name in ("max_batch", "max_window", "max_concurrent_reads"):
+        for name in ("max_batch", "max_window", "max_concurrent_reads", "max_store_concurrency"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
 
@@ -118,4 +120,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-client-ca", help="CA for client certificates: mutual TLS")
     p.add_argument("--s3-endpoint", help="endpoint URL of an S3-compatible store")
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING (default INFO)")
+    p.add_argument("--max-store-concurrency", type=int, help="store requests in flight "
+                   "(default 64)")
+    p.add_argument("--inject-latency-s", type=float, help=argparse.SUPPRESS)
     return p

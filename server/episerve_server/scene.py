@@ -418,14 +418,18 @@ def _blend(frame: np.ndarray, origin: tuple[int, int], alpha: np.ndarray, gain: 
            colour: np.ndarray | None) -> None:
     """``frame = frame * (1 - alpha) + alpha * gain * colour`` over a window at ``origin``.
 
-    The window is handled as (h, 3w) rows: numpy is slow on a trailing axis of length 3.
+    One channel at a time: numpy is slow on a trailing axis of length 3.
     """
     (x0, y0), (h, w) = origin, alpha.shape
-    region = frame.reshape(frame.shape[0], -1)[y0:y0 + h, 3 * x0:3 * (x0 + w)]
-    out = region * np.repeat(1 - alpha, 3, axis=1)
-    if gain is not None and colour is not None:
-        out += np.repeat(alpha * gain, 3, axis=1) * np.tile(colour.astype(np.float32), w)
-    region[...] = out
+    window = frame[y0:y0 + h, x0:x0 + w]
+    keep = 1 - alpha
+    paint = None if gain is None or colour is None else alpha * gain
+    for c in range(3):
+        channel = window[..., c]
+        out = channel * keep
+        if paint is not None and colour is not None:
+            out += paint * float(colour[c])
+        channel[...] = out
 
 
 def _paint_ellipse(frame: np.ndarray, centre: np.ndarray, radii: np.ndarray,

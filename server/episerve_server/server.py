@@ -69,10 +69,11 @@ class Daemon:
 async def start(config: ServerConfig, *, stats: Stats | None = None) -> Daemon:
     stats = stats or Stats()
     store = open_root(config.root, stats=stats, storage_options=_storage_options(config))
+    store.latency_s = config.inject_latency_s
     cache = ChunkCache(config.cache_bytes, stats)
     catalog = Catalog(store, allow=config.allow, on_drop=cache.drop_episode)
     await catalog.scan()
-    planner = Planner(catalog, cache, stats)
+    planner = Planner(catalog, cache, stats, fetch_limit=config.max_store_concurrency)
     service = ReadService(config, catalog, planner, stats)
     metrics = _metrics(config, service)
     interceptors: list[grpc.aio.ServerInterceptor] = [LoggingInterceptor(metrics)]
