@@ -114,10 +114,15 @@ def ramp_roots(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def ramp_served(ramp_roots: dict[str, Path],
-                serve: Callable[..., Served]) -> dict[tuple[str, bool], Served]:
-    """Long-lived planners per (dataset, cache on): their state carries across tests."""
-    return {(name, cached): serve(root, 4 << 20 if cached else 0)
-            for name, root in ramp_roots.items() for cached in (False, True)}
+                serve: Callable[..., Served]) -> dict[tuple[str, bool | str], Served]:
+    """Long-lived planners per (dataset, cache): their state carries across tests.
+
+    The cache is off (False), roomy (True), or "tiny": smaller than a few numeric chunks,
+    so it evicts in the middle of a batch.
+    """
+    budgets: dict[bool | str, int] = {False: 0, True: 4 << 20, "tiny": 48 << 10}
+    return {(name, cache): serve(root, budget)
+            for name, root in ramp_roots.items() for cache, budget in budgets.items()}
 
 
 _ORACLE_MEMO: dict[tuple[str, str, int, str, bool], dict[str, Any]] = {}

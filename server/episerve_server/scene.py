@@ -20,6 +20,7 @@ TABLE_Y, WALL_Z, PITCH = 0.45, 0.85, 0.78
 CUP_R, CUP_H = 0.035, 0.09
 FOCAL_PER_WIDTH = 460.0 / 640.0
 JPEG_QUALITY = 85
+CAMERA_KEY = "images.front_1"
 SKIN = ((224, 172, 140), (198, 134, 100), (141, 85, 54), (236, 192, 160))
 SLEEVE = ((40, 52, 80), (70, 70, 74), (120, 30, 40), (190, 190, 185))
 CUPS = {"red": (200, 40, 35), "blue": (40, 85, 190), "green": (50, 150, 70)}
@@ -77,7 +78,7 @@ def _qmat(q: np.ndarray) -> np.ndarray:
 
 
 def _qconj(q: np.ndarray) -> np.ndarray:
-    return q * np.array([1.0, -1.0, -1.0, -1.0])
+    return np.asarray(q * np.array([1.0, -1.0, -1.0, -1.0]))
 
 
 def _qcontinuous(q: np.ndarray) -> np.ndarray:
@@ -96,7 +97,7 @@ def _min_jerk(times: list[float], values: list[Any], total: int) -> np.ndarray:
     k = np.clip(np.searchsorted(times, t, side="right") - 1, 0, len(times) - 2)
     t0, t1 = np.asarray(times)[k], np.asarray(times)[k + 1]
     s = np.clip((t - t0) / np.maximum(t1 - t0, 1e-9), 0.0, 1.0)[:, None]
-    return keys[k] + (10 * s**3 - 15 * s**4 + 6 * s**5) * (keys[k + 1] - keys[k])
+    return np.asarray(keys[k] + (10 * s**3 - 15 * s**4 + 6 * s**5) * (keys[k + 1] - keys[k]))
 
 
 def _wobble(rng: np.random.Generator, total: int, fps: int, amp: float, dims: int) -> np.ndarray:
@@ -105,16 +106,17 @@ def _wobble(rng: np.random.Generator, total: int, fps: int, amp: float, dims: in
     freq = rng.uniform(0.1, 1.2, (1, dims, 3))
     phase = rng.uniform(0, 2 * np.pi, (1, dims, 3))
     weight = rng.uniform(0.3, 1.0, (1, dims, 3)) * amp / 1.8
-    return np.sum(weight * np.sin(2 * np.pi * freq * t + phase), axis=-1)
+    return np.asarray(np.sum(weight * np.sin(2 * np.pi * freq * t + phase), axis=-1))
 
 
 def _finger_points(curl: np.ndarray, mirror: bool) -> np.ndarray:
     """Hand-local keypoints (T, 21, 3): x across the palm, y along the fingers, z dorsal."""
     pts = np.zeros((curl.size, 21, 3))
-    bases = ((-0.03, 0.085, 0.05, 0.24), (-0.008, 0.092, 0.0, 0.4), (0.013, 0.085, -0.04, 0.5),
-             (0.031, 0.074, -0.09, 0.7))
-    for f, (bx, by, splay, lenscale) in enumerate(bases):
-        seg = np.array([0.042, 0.026, 0.021]) * (1.0 - 0.12 * f * lenscale)
+    # Knuckle (MCP) x, y, splay angle and length scale of the index, middle, ring, pinky.
+    bases = ((-0.03, 0.085, 0.05, 0.95), (-0.008, 0.092, 0.0, 1.0), (0.013, 0.085, -0.04, 0.94),
+             (0.031, 0.074, -0.09, 0.78))
+    for f, (bx, by, splay, scale) in enumerate(bases):
+        seg = np.array([0.042, 0.026, 0.021]) * scale
         pts[:, 5 + 4 * f] = (bx, by, 0.0)
         phi = np.zeros_like(curl)
         for j, (length, bend) in enumerate(zip(seg, (1.3, 1.6, 1.0), strict=True)):
@@ -153,7 +155,7 @@ def _phase_times(rng: np.random.Generator, total: int) -> np.ndarray:
     place held, released, at rest, end."""
     gaps = rng.uniform(0.8, 1.2, 11) * np.array([8, 14, 8, 3, 6, 17, 8, 3, 6, 14, 13])
     times = np.concatenate([[0.0], np.cumsum(gaps)])
-    return times * (total - 1) / times[-1]
+    return np.asarray(times * (total - 1) / times[-1])
 
 
 def _active_hand(rng: np.random.Generator, times: np.ndarray, total: int, fps: int,
@@ -238,13 +240,13 @@ def _annotations(rng: np.random.Generator, times: np.ndarray, total: int, cup: s
 def _to_camera(motion: _Motion, points: np.ndarray) -> np.ndarray:
     """World points (T, N, 3) -> camera frame (T, N, 3)."""
     rot = _qmat(motion.head_q)
-    return np.einsum("tji,tnj->tni", rot, points - motion.head[:, None, :])
+    return np.asarray(np.einsum("tji,tnj->tni", rot, points - motion.head[:, None, :]))
 
 
 def _hand_world(motion: _Motion, hand: str) -> np.ndarray:
     local = _finger_points(motion.curl[hand], mirror=hand == "left")
     rot = _qmat(motion.hand_q[hand])
-    return motion.wrist[hand][:, None, :] + np.einsum("tij,tnj->tni", rot, local)
+    return np.asarray(motion.wrist[hand][:, None, :] + np.einsum("tij,tnj->tni", rot, local))
 
 
 def _numeric(motion: _Motion, keypoints: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -260,7 +262,7 @@ def _numeric(motion: _Motion, keypoints: dict[str, np.ndarray]) -> dict[str, np.
 
 def _project(k: np.ndarray, p: np.ndarray) -> np.ndarray:
     z = np.maximum(p[..., 2:3], 0.05)
-    return p[..., :2] / z * k[0, 0] + k[:2, 2]
+    return np.asarray(p[..., :2] / z * k[0, 0] + k[:2, 2])
 
 
 # --- the static background ----------------------------------------------------------------
@@ -276,7 +278,7 @@ def _value_noise(rng: np.random.Generator, u: np.ndarray, v: np.ndarray) -> np.n
     fv, fu = fv * fv * (3 - 2 * fv), fu * fu * (3 - 2 * fu)
     top = grid.take(at) * (1 - fu) + grid.take(at + 1) * fu
     bottom = grid.take(at + cols) * (1 - fu) + grid.take(at + cols + 1) * fu
-    return top + (bottom - top) * fv
+    return np.asarray(top + (bottom - top) * fv)
 
 
 def _boxes(rng: np.random.Generator) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
@@ -293,7 +295,7 @@ def _boxes(rng: np.random.Generator) -> list[tuple[np.ndarray, np.ndarray, np.nd
 def _footprint_dist(x: np.ndarray, z: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     dx = np.maximum(np.maximum(lo[0] - x, x - hi[0]), 0)
     dz = np.maximum(np.maximum(lo[2] - z, z - hi[2]), 0)
-    return np.hypot(dx, dz)
+    return np.asarray(np.hypot(dx, dz))
 
 
 def _table(rng: np.random.Generator, x: np.ndarray, z: np.ndarray, goal: np.ndarray,
@@ -313,7 +315,7 @@ def _table(rng: np.random.Generator, x: np.ndarray, z: np.ndarray, goal: np.ndar
     plain = (0.86 + 0.07 * grain + 0.04 * blotch) * light * shadow
     mat = (0.95 + 0.05 * blotch) * np.where(rim, 1.35, 1.0) * shadow
     tone = np.array(TARGETS[target], np.float32)
-    return np.where(inside, mat * tone[:, None, None], plain * wood[:, None, None])
+    return np.asarray(np.where(inside, mat * tone[:, None, None], plain * wood[:, None, None]))
 
 
 def _wall(rng: np.random.Generator, x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -468,15 +470,18 @@ def _paint_cup(frame: np.ndarray, top: np.ndarray, bottom: np.ndarray, r: float,
 
 # --- rendering an episode -----------------------------------------------------------------
 
+_Arrays4 = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+
 @dataclass(frozen=True, slots=True)
 class _Geometry:
     """Image-space geometry of every frame, computed up front for the render loop."""
 
     shift: np.ndarray                               # (T, 2) background offset in pixels
-    hands: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]  # per hand, see _limb
+    hands: list[_Arrays4]                           # per hand, see _limb
     depth: np.ndarray                               # (hands, T) mean keypoint depth
     shadows: list[tuple[np.ndarray, np.ndarray, np.ndarray]]  # centre, radii, strength
-    cup: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # top, bottom, r, squash
+    cup: _Arrays4                                   # top, bottom, radius, squash
 
 
 def _clip_near(a: np.ndarray, b: np.ndarray, z_min: float = 0.15) -> np.ndarray:
@@ -486,7 +491,7 @@ def _clip_near(a: np.ndarray, b: np.ndarray, z_min: float = 0.15) -> np.ndarray:
     return np.where(cut[..., None], a + (b - a) * frac[..., None], b)
 
 
-def _limb(motion: _Motion, hand: str, kp: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, ...]:
+def _limb(motion: _Motion, hand: str, kp: np.ndarray, k: np.ndarray) -> _Arrays4:
     """Capsules (T, n, 2, 2) and radii (T, n) for the hand and the sleeve of one arm."""
     side = 1.0 if hand == "right" else -1.0
     arm = np.array([side * 0.25, 0.35, -1.0]) / np.linalg.norm([side * 0.25, 0.35, -1.0])
@@ -514,7 +519,7 @@ def _shadow(motion: _Motion, k: np.ndarray, world: np.ndarray, size: float,
     return _project(k, floor), np.stack([r, 0.6 * r], axis=-1), dim
 
 
-def _cup_geometry(motion: _Motion, k: np.ndarray) -> tuple[np.ndarray, ...]:
+def _cup_geometry(motion: _Motion, k: np.ndarray) -> _Arrays4:
     ends = _to_camera(motion, motion.cup[:, None] - np.array([[0.0, CUP_H, 0.0], [0, 0, 0]]))
     mid = ends.mean(axis=1)
     up = -_qmat(motion.head_q)[:, 1, :]
@@ -535,9 +540,9 @@ def _geometry(motion: _Motion, kp: dict[str, np.ndarray], k: np.ndarray,
     shadows.append(_shadow(motion, k, motion.cup, 0.05, 0.5))
     return _Geometry(
         shift=np.clip(np.round(shift[:, 0]), -margin, margin).astype(int),
-        hands=[_limb(motion, h, kp[h], k) for h in kp],  # type: ignore[misc]
+        hands=[_limb(motion, h, kp[h], k) for h in kp],
         depth=np.stack([kp[h][..., 2].mean(axis=1) for h in kp]),
-        shadows=shadows, cup=_cup_geometry(motion, k),  # type: ignore[arg-type]
+        shadows=shadows, cup=_cup_geometry(motion, k),
     )
 
 
@@ -555,7 +560,8 @@ def _render(background: np.ndarray, geo: _Geometry, t: int, size: tuple[int, int
         segs, radii, sleeve_segs, sleeve_r = geo.hands[h]
         _paint_capsules(frame, sleeve_segs[t], sleeve_r[t], sleeve)
         _paint_capsules(frame, segs[t], radii[t], skin)
-    return simplejpeg.encode_jpeg(frame, quality=JPEG_QUALITY, colorsubsampling="420")
+    jpeg: bytes = simplejpeg.encode_jpeg(frame, quality=JPEG_QUALITY, colorsubsampling="420")
+    return jpeg
 
 
 def synth_episode(rng: np.random.Generator, total_frames: int, *, width: int = 640,
@@ -579,7 +585,7 @@ def synth_episode(rng: np.random.Generator, total_frames: int, *, width: int = 6
     frames = [_render(background, geo, t, (width, height), colours) for t in range(total_frames)]
     return SynthEpisode(
         numeric=_numeric(motion, kp),
-        jpeg={"images.front_1": frames},
+        jpeg={CAMERA_KEY: frames},
         annotations=_annotations(rng, times, total_frames, cup, target, active),
         extra_attrs={
             "task_name": f"{cup}_cup_to_{target}",

@@ -167,7 +167,7 @@ async def _rescan_loop(service: ReadService, every_s: float) -> None:
     while True:
         await asyncio.sleep(every_s)
         try:
-            await service.rescan(force=True)
+            await service.rescan()
         except Exception:
             log.exception("rescan of the root failed; will retry")
 

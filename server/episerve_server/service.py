@@ -35,7 +35,6 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = "episerve.v1.EpiServe"
 MAX_KEYMAPS = 1024
-RESCAN_MIN_INTERVAL_S = 1.0
 OFFLOAD_ENCODE_BYTES = 1 << 20
 
 Handler = Callable[["ReadService", bytes, grpc.aio.ServicerContext], Awaitable[bytes]]
@@ -82,6 +81,7 @@ class ReadService:
         self.draining = False
         self.inflight = 0
         self._last_scan = 0.0
+        self._scan_lock = asyncio.Lock()
 
     def handlers(self) -> grpc.GenericRpcHandler:
         methods = {
@@ -95,10 +95,17 @@ class ReadService:
             {name: grpc.unary_unary_rpc_method_handler(fn) for name, fn in methods.items()},
         )
 
-    async def rescan(self, *, force: bool = False) -> None:
-        now = time.monotonic()
-        if force or now - self._last_scan >= RESCAN_MIN_INTERVAL_S:
-            self._last_scan = now
+    async def rescan(self, since: float | None = None) -> None:
+        """Rescan the root, unless a scan that started after ``since`` already ran.
+
+        Concurrent callers coalesce onto one scan: a storm of unknown ids lists the root
+        once, not once per request.
+        """
+        since = time.monotonic() if since is None else since
+        async with self._scan_lock:
+            if self._last_scan > since:
+                return
+            self._last_scan = time.monotonic()
             await self.catalog.scan()
 
     @_rpc
@@ -143,6 +150,7 @@ class ReadService:
             self.inflight -= 1
 
     async def _read(self, request: bytes) -> bytes:
+        arrived = time.monotonic()
         call = convert.parse_read(request)
         if len(call.samples) > self.config.max_batch:
             raise LimitExceeded(
@@ -158,7 +166,7 @@ class ReadService:
         try:
             result = await self.planner.read(keymap, call.samples, options)
         except EpisodeNotFound:
-            await self.rescan()  # an episode added since the last scan becomes readable
+            await self.rescan(arrived)  # an episode added since the last scan is readable
             result = await self.planner.read(keymap, call.samples, options)
         if result.nbytes >= OFFLOAD_ENCODE_BYTES:
             data = await asyncio.to_thread(convert.encode_result, result)

@@ -35,7 +35,6 @@ Layout = Literal["sharded", "unsharded", "v2"]
 LAYOUTS: tuple[Layout, ...] = ("sharded", "unsharded", "v2")
 ZSTD_LEVEL = 3
 EMBODIMENT = "human_bimanual"
-CAMERA_KEY = "images.front_1"
 
 
 def write_episode(
@@ -63,7 +62,7 @@ def write_episode(
     if path.exists():
         shutil.rmtree(path)
     padded = math.ceil(total_frames / chunk_rows) * chunk_rows
-    fmt = 2 if layout == "v2" else 3
+    fmt: Literal[2, 3] = 2 if layout == "v2" else 3
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UnstableSpecificationWarning)
         group = zarr.open_group(path, mode="w", zarr_format=fmt)
@@ -87,6 +86,8 @@ def _validate(
     chunk_rows: int,
     numeric_pad: str,
 ) -> None:
+    if not episode or "/" in episode or "\\" in episode or episode in (".", ".."):
+        raise ValueError(f"episode {episode!r}: expected a folder name, not a path")
     if layout not in LAYOUTS:
         raise ValueError(f"episode {episode!r}: layout {layout!r} is not one of {LAYOUTS}")
     if numeric_pad not in ("zeros", "edge"):
@@ -97,7 +98,12 @@ def _validate(
             f"got chunk_rows={chunk_rows!r}, total_frames={total_frames!r}"
         )
     for key, values in numeric.items():
-        shape = np.shape(values)
+        shape, kind = np.shape(values), np.asarray(values).dtype.kind
+        if kind not in "biuf":
+            raise ValueError(
+                f"episode {episode!r}, key {key!r}: expected a numeric dtype, "
+                f"got {np.asarray(values).dtype!r}"
+            )
         if not shape or shape[0] != total_frames:
             raise ValueError(
                 f"episode {episode!r}, key {key!r}: expected {total_frames} rows "

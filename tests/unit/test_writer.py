@@ -51,6 +51,10 @@ def _open(path: Path) -> zarr.Group:
         return zarr.open_group(path, mode="r")
 
 
+def _attrs(group: zarr.Group) -> dict[str, Any]:
+    return dict(group.attrs)
+
+
 def _read(group: zarr.Group, key: str) -> Any:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UnstableSpecificationWarning)
@@ -67,14 +71,15 @@ def _write(root: Path, **kwargs: Any) -> Path:
         "annotations": ANNOTATIONS, "extra_attrs": {"task_name": "cup", "intrinsics": [[1]]},
     }
     args.update(kwargs)
-    return write_episode(root, "ep_1", **args)
+    path: Path = write_episode(root, "ep_1", **args)
+    return path
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_round_trip_attributes(tmp_path: Path, layout: Any) -> None:
     path = _write(tmp_path, layout=layout)
     assert path == tmp_path / "ep_1.zarr"
-    attrs = dict(_open(path).attrs)
+    attrs = _attrs(_open(path))
     assert (attrs["total_frames"], attrs["fps"], attrs["embodiment"]) == (T, 30, "human_bimanual")
     assert (attrs["task_name"], attrs["intrinsics"]) == ("cup", [[1]])
     features = attrs["features"]
@@ -180,6 +185,7 @@ def test_overwrites_an_existing_episode(tmp_path: Path) -> None:
         ({"jpeg": {"images.front_1": _jpegs(3)}}, r"'images\.front_1'.*got 3"),
         ({"layout": "v4"}, r"layout 'v4'"),
         ({"chunk_rows": 0}, r"chunk_rows=0"),
+        ({"numeric": {"names": np.array([["a"]] * T)}}, r"'names'.*numeric dtype"),
     ],
 )
 def test_validation_names_episode_and_key(
@@ -188,6 +194,13 @@ def test_validation_names_episode_and_key(
     with pytest.raises(ValueError, match=rf"episode 'ep_1'.*{pattern}"):
         _write(tmp_path, **kwargs)
     assert not (tmp_path / "ep_1.zarr").exists()
+
+
+@pytest.mark.parametrize("name", ["", "..", "../escape", "a/b"])
+def test_rejects_path_like_names(tmp_path: Path, name: str) -> None:
+    with pytest.raises(ValueError, match="not a path"):
+        write_episode(tmp_path / "root", name, total_frames=1, fps=30, embodiment="x",
+                      numeric={}, jpeg={}, annotations=[])
 
 
 @settings(max_examples=15, deadline=None)
@@ -219,8 +232,10 @@ def test_padding_property(total: int, chunk_rows: int, feature: list[int], pad: 
 def dataset(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
     """Two short episodes, written by two spawned worker processes."""
     out = tmp_path_factory.mktemp("synth")
-    return make_dataset(out, episodes=2, seed=3, min_frames=120, max_frames=150, progress=False,
-                        workers=2)
+    paths: list[Path] = make_dataset(
+        out, episodes=2, seed=3, min_frames=120, max_frames=150, progress=False, workers=2
+    )
+    return paths
 
 
 def test_dataset_names_and_attributes(dataset: list[Path]) -> None:
@@ -228,7 +243,7 @@ def test_dataset_names_and_attributes(dataset: list[Path]) -> None:
     for path in dataset:
         assert re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", path.name.removesuffix(".zarr"))
         group = _open(path)
-        attrs = dict(group.attrs)
+        attrs = _attrs(group)
         assert 120 <= attrs["total_frames"] <= 150
         assert (attrs["fps"], attrs["embodiment"]) == (30, "human_bimanual")
         assert set(attrs["features"]) == {*MECKA_KEYS, "images.front_1", "annotations"}
@@ -244,7 +259,7 @@ def test_dataset_names_and_attributes(dataset: list[Path]) -> None:
 
 def test_dataset_frames_look_like_video(dataset: list[Path]) -> None:
     group = _open(dataset[0])
-    total = group.attrs["total_frames"]
+    total = _attrs(group)["total_frames"]
     _, frames = _read(group, "images.front_1")
     sizes = [len(f) for f in frames[:total]]
     assert min(sizes) > 10_000
@@ -258,7 +273,7 @@ def test_dataset_frames_look_like_video(dataset: list[Path]) -> None:
 
 def test_dataset_numbers_are_smooth_and_coherent(dataset: list[Path]) -> None:
     group = _open(dataset[1])
-    total = group.attrs["total_frames"]
+    total = _attrs(group)["total_frames"]
     for key in MECKA_KEYS:
         _, data = _read(group, key)
         real = data[:total].astype(np.float64)
@@ -278,7 +293,7 @@ def test_dataset_numbers_are_smooth_and_coherent(dataset: list[Path]) -> None:
 
 def test_dataset_annotations(dataset: list[Path]) -> None:
     group = _open(dataset[0])
-    total = group.attrs["total_frames"]
+    total = _attrs(group)["total_frames"]
     _, raw = _read(group, "annotations")
     spans = [json.loads(bytes(s)) for s in raw]
     assert len(spans) >= 3

@@ -1,0 +1,102 @@
+"""Daemon lifecycle: drain on SIGTERM, cancellation, hot add, broken episodes."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from episerve_client import Client, convert, errors
+from tests import ramp
+
+SLOW = ("--inject-latency-s", "0.1", "--max-store-concurrency", "1", "--cache-bytes", "0")
+KEYPOINTS = {"k": {"zarr_key": "left.obs_keypoints", "key_type": "proprio_keys"}}
+CAMERA = {"front": {"zarr_key": "images.front_1", "key_type": "camera_keys"}}
+
+
+def _health(target: str) -> int:
+    with grpc.insecure_channel(target) as ch:
+        reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2)
+        return int(reply.status)
+
+
+def test_sigterm_drains_in_flight_reads(ramp_roots: dict[str, Path], start_daemon: Any) -> None:
+    d = start_daemon(ramp_roots["sharded"], *SLOW, "--grace-s", "10")
+    samples = [("ep003d", f) for f in range(0, 257, 2)]  # apart: one store call each, 0.1 s
+    outcome: dict[str, Any] = {}
+
+    def read() -> None:
+        with Client(d.target) as c:
+            outcome["result"] = c.read(CAMERA, samples[:20])
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    time.sleep(0.8)  # the read is in flight: 20 chunks x 0.1 s
+    started = time.monotonic()
+    d.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.2)
+    assert _health(d.target) == health_pb2.HealthCheckResponse.NOT_SERVING
+    with grpc.insecure_channel(d.target) as ch, pytest.raises(grpc.RpcError) as refused:
+        ch.unary_unary("/episerve.v1.EpiServe/Read")(
+            convert.read_request([("ep000a", 0)], keymap=KEYPOINTS), timeout=5)
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    reader.join(15)
+    assert len(outcome["result"]) == 20
+    assert d.proc.wait(15) == 0
+    assert time.monotonic() - started < 10
+
+
+def test_cancelled_read_stops_its_store_reads(ramp_roots: dict[str, Path],
+                                              start_daemon: Any) -> None:
+    d = start_daemon(ramp_roots["sharded"], *SLOW)
+    samples = [("ep003d", f) for f in range(0, 200, 2)]  # 100 store calls: 10 s uncancelled
+    with Client(d.target) as c:
+        before = c.stats()["store_reads"]
+        with pytest.raises(errors.DeadlineExceeded):
+            c.read(CAMERA, samples, timeout_s=0.6)
+        time.sleep(0.3)
+        after_cancel = c.stats()["store_reads"]
+        time.sleep(1.0)
+        later = c.stats()["store_reads"]
+    assert later == after_cancel, "store reads went on after the read was cancelled"
+    assert after_cancel - before < 20
+
+
+def test_episode_added_while_serving_becomes_readable(tmp_path: Path, start_daemon: Any,
+                                                      make_client: Any) -> None:
+    ramp.write_ramp_episode(tmp_path, "first", episode_no=0, total_frames=50)
+    client = make_client(start_daemon(tmp_path).target)
+    assert [e.hash for e in client.list_episodes().episodes] == ["first"]
+    ramp.write_ramp_episode(tmp_path, "second", episode_no=1, total_frames=60)
+    result = client.read(KEYPOINTS, [("second", 59)])  # an unknown id triggers a rescan
+    assert result.arrays["k"][0, 0] == ramp.ramp_row(1, "left.obs_keypoints", 59)[0]
+    ramp.write_ramp_episode(tmp_path, "third", episode_no=2, total_frames=70)
+    listed = {e.hash: e.total_frames for e in client.list_episodes().episodes}
+    assert listed == {"first": 50, "second": 60, "third": 70}
+
+
+def test_broken_episode_is_listed_and_the_rest_keep_serving(tmp_path: Path, start_daemon: Any,
+                                                            make_client: Any) -> None:
+    ramp.write_ramp_dataset(tmp_path)
+    meta = tmp_path / "ep001b.zarr" / "zarr.json"
+    doc = json.loads(meta.read_text())
+    del doc["attributes"]["total_frames"]
+    meta.write_text(json.dumps(doc))
+    (tmp_path / "ep002c.zarr" / "zarr.json").write_text("{ not json")
+    client = make_client(start_daemon(tmp_path).target)
+    listing = client.list_episodes()
+    assert sorted(listing.broken) == ["ep001b", "ep002c"]
+    assert "total_frames" in listing.broken["ep001b"]
+    assert [e.hash for e in listing.episodes] == ["ep000a", "ep003d"]
+    with pytest.raises(errors.BrokenEpisodeError) as info:
+        client.read(KEYPOINTS, [("ep001b", 0)])
+    assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "'ep001b'" in str(info.value) and "total_frames" in str(info.value)
+    assert client.read(KEYPOINTS, [("ep003d", 3)]).arrays["k"].shape == (1, 63)
