@@ -62,7 +62,10 @@ class SampleBatch(Sequence[dict[str, Any]]):
     def replace(self, b: int, other: SampleBatch) -> None:
         """Put ``other``'s single sample at position ``b`` (a retried sample)."""
         for k, v in self.arrays.items():
-            v[b] = other.arrays[k][0]
+            row = other.arrays[k][0]
+            if v.shape[1:] != row.shape:  # a placeholder for a column that failed throughout
+                v = self.arrays[k] = np.zeros((len(v), *row.shape), row.dtype)
+            v[b] = row
         for k, v in self.objects.items():
             v[b] = other.objects[k][0]
         self.episode_hash[b] = other.episode_hash[0]

@@ -215,7 +215,7 @@ class Planner:
         c1 = int(table.packed[last]) % int(_M)
         reader = table.reader_of[ep_pos]
         raws = await self._fetch_raw(reader, c0, c1)
-        if any(r is None for r in raws):
+        if reader.missing_may_mean_deleted and any(r is None for r in raws):
             await self._check_present(reader)
         return raws
 

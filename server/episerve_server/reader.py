@@ -95,8 +95,18 @@ class Decoder:
             ) from exc
 
 
+class ShardVanished(FileNotFoundError):
+    """A shard whose index was read is gone: the episode may have been deleted."""
+
+
 class ChunkReader:
-    """Fetches raw chunks [first, last] of one array; ``decode`` turns them into chunks."""
+    """Fetches raw chunks [first, last] of one array; ``decode`` turns them into chunks.
+
+    A missing chunk is the fill value (zarr skips chunks equal to it), returned as None.
+    """
+
+    #: True where a missing chunk may also mean a deleted episode (one object per chunk).
+    missing_may_mean_deleted = False
 
     def __init__(self, info: ArrayInfo, decoder: Decoder) -> None:
         self.info = info
@@ -108,6 +118,8 @@ class ChunkReader:
 
 class KeyedReader(ChunkReader):
     """One store object per chunk: v3 unsharded and v2."""
+
+    missing_may_mean_deleted = True
 
     def __init__(self, info: ArrayInfo, decoder: Decoder, store: CountingStore,
                  key_of: Callable[[int], str]) -> None:
@@ -170,7 +182,9 @@ class ShardedReader(ChunkReader):
         return [next(it) if p else None for p in present]
 
     def _require(self, buf: Any, key: str, nbytes: int) -> bytes:
-        data = b"" if buf is None else buf.to_bytes()
+        if buf is None:
+            raise ShardVanished(f"shard {key!r} of episode {self.info.episode!r} is gone")
+        data = buf.to_bytes()
         if len(data) != nbytes:
             raise self._loss(f"shard {key!r} returned {len(data)} bytes, expected {nbytes}")
         return data

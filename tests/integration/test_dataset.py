@@ -1,0 +1,206 @@
+"""WindowDataset through real DataLoader workers (fork, spawn, persistent) and a real daemon."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from episerve_client import Client, WindowDataset, collate, errors
+from episerve_client.jpeg import decode_rgb
+from episerve_client.launch import DaemonProcess
+from episerve_server.writer import write_episode
+from tests import ramp
+from tests.conftest import oracle_of
+from tests.unit.test_planner import KEYMAPS
+
+EPISODES = ["ep000a", "ep002c"]  # 37 + 101 frames
+INDICES = [0, 1, 2, 35, 36, 37, 38, 60, 99, 100, 136, 137]
+
+
+def expected(root: Path, episode: str, frame: int, keymap: dict[str, Any],
+             cutoff: bool) -> dict[str, Any]:
+    """The oracle's sample with frames decoded as the client decodes them."""
+    out = dict(oracle_of(root, episode, frame, keymap, cutoff))
+    for name, value in out.items():
+        if isinstance(value, bytes):
+            out[name] = _chw(value)
+        elif isinstance(value, list) and value and isinstance(value[0], bytes):
+            out[name] = np.stack([_chw(v) for v in value])
+    return out
+
+
+def _chw(jpeg: bytes) -> np.ndarray:
+    return decode_rgb(jpeg).transpose(2, 0, 1).astype(np.float32) * np.float32(1 / 255)
+
+
+def assert_batch_matches(batch: dict[str, Any], root: Path, keymap: dict[str, Any],
+                         cutoff: bool) -> None:
+    for b, (episode, frame) in enumerate(zip(batch["episode_hash"],
+                                             batch["frame_index"].tolist())):
+        want = expected(root, episode, frame, keymap, cutoff)
+        assert set(batch) == set(want), sorted(set(batch) ^ set(want))
+        for key, value in want.items():
+            got = batch[key][b]
+            if isinstance(value, np.ndarray):
+                assert isinstance(got, torch.Tensor) and got.dtype == torch.float32, key
+                np.testing.assert_allclose(got.numpy(), value, rtol=0, atol=1e-6, err_msg=key)
+            elif key == "fps":
+                assert float(got) == value
+            else:
+                assert (got.item() if isinstance(got, torch.Tensor) else got) == value, key
+
+
+@pytest.fixture(scope="module")
+def daemon(ramp_roots: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Any:
+    sock = tmp_path_factory.mktemp("ds") / "d.sock"
+    d = DaemonProcess(ramp_roots["sharded"], "--rescan-s", "0", unix=sock)
+    yield d
+    d.stop()
+
+
+CASES = [
+    ("mecka_keypoints_k4", True, "fork", False),
+    ("mecka_keypoints_k4", False, "spawn", False),
+    ("camera_history", False, "fork", True),
+    ("history_one", False, "fork", False),
+    ("annotations", True, "fork", False),
+]
+
+
+@pytest.mark.parametrize(("name", "cutoff", "context", "persistent"), CASES)
+def test_dataloader_matches_oracle(name: str, cutoff: bool, context: str, persistent: bool,
+                                   daemon: DaemonProcess, ramp_roots: dict[str, Path]) -> None:
+    keymap = KEYMAPS[name]
+    ds = WindowDataset(daemon.target, keymap, episodes=EPISODES, annotation_cutoff=cutoff)
+    assert len(ds) == 37 + 101
+    loader = DataLoader(ds, batch_size=4, sampler=INDICES, num_workers=2, collate_fn=collate,
+                        multiprocessing_context=context, persistent_workers=persistent)
+    for _ in range(2 if persistent else 1):
+        seen = []
+        for batch in loader:
+            assert_batch_matches(batch, ramp_roots["sharded"], keymap, cutoff)
+            seen += [ds.locate(g) for g in INDICES[len(seen) : len(seen) + len(batch["fps"])]]
+            assert list(zip(batch["episode_hash"], batch["frame_index"].tolist())) == seen[-len(
+                batch["fps"]):]
+        assert len(seen) == len(INDICES)
+
+
+def test_default_collate_and_getitem_give_spec_samples(daemon: DaemonProcess) -> None:
+    ds = WindowDataset(daemon.target, KEYMAPS["mecka_keypoints_k4"], embodiment_ids={
+        "human_bimanual": 3})
+    sample = ds[40]
+    assert sample["episode_hash"] == "ep001b" and sample["frame_index"] == 3
+    assert sample["embodiment"] == 3
+    assert sample["fps"].dtype == torch.float32 and sample["fps"].ndim == 0
+    assert sample["observations.images.front_img_1"].shape == (3, 24, 32)
+    batch = next(iter(DataLoader(ds, batch_size=3, num_workers=0)))
+    assert batch["left.action_keypoints"].shape == (3, 30, 63)
+    assert batch["embodiment"].tolist() == [3, 3, 3]
+
+
+def test_outputs_share_no_memory(daemon: DaemonProcess) -> None:
+    ds = WindowDataset(daemon.target, KEYMAPS["camera_history"])
+    batch = collate(ds.__getitems__([0, 5, 5, 300]))
+    tensors = [v for v in batch.values() if isinstance(v, torch.Tensor)]
+    for i, a in enumerate(tensors):
+        for b in tensors[i + 1 :]:
+            assert a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+    samples = [ds[5], ds[5]]
+    samples[0]["front"].fill_(7.0)
+    assert float(samples[1]["front"].max()) <= 1.0
+
+
+def test_one_read_rpc_per_batch(daemon: DaemonProcess) -> None:
+    ds = WindowDataset(daemon.target, KEYMAPS["mecka_keypoints_k4"])
+    with Client(daemon.target) as c:
+        before = c.stats()["read_rpcs"]
+        loader = DataLoader(ds, batch_size=16, shuffle=True, num_workers=2, collate_fn=collate)
+        batches = sum(1 for _ in loader)
+        assert batches == -(-len(ds) // 16)
+        assert c.stats()["read_rpcs"] - before == batches
+
+
+def test_daemon_killed_mid_epoch_every_index_once(ramp_roots: dict[str, Path],
+                                                  tmp_path: Path) -> None:
+    sock = tmp_path / "restart.sock"
+    first = DaemonProcess(ramp_roots["sharded"], "--rescan-s", "0", unix=sock)
+    ds = WindowDataset(first.target, KEYMAPS["mecka_keypoints_k4"])
+    loader = DataLoader(ds, batch_size=8, shuffle=True, num_workers=2, collate_fn=collate)
+    restarted: list[DaemonProcess] = []
+
+    def restart() -> None:
+        first.kill()
+        time.sleep(1.0)
+        restarted.append(DaemonProcess(ramp_roots["sharded"], "--rescan-s", "0", unix=sock))
+
+    delivered = []
+    try:
+        for n, batch in enumerate(loader):
+            delivered += list(zip(batch["episode_hash"], batch["frame_index"].tolist()))
+            if n == 5:
+                threading.Thread(target=restart).start()
+        assert first.proc.returncode is not None and restarted
+        assert sorted(delivered) == sorted(ds.locate(g) for g in range(len(ds)))
+        assert len(set(delivered)) == len(delivered) == len(ds)
+    finally:
+        first.kill()
+        for d in restarted:
+            d.stop()
+
+
+def _episode_with_bad_frames(root: Path, h: str, total: int, bad: set[int]) -> None:
+    import warnings
+
+    import zarr
+
+    frames = [ramp.frame_jpeg(5, t) for t in range(total)]
+    write_episode(root, h, total_frames=total, fps=30, embodiment="human_bimanual",
+                  numeric={"obs_head_pose": ramp.ramp_values(total, (7,))},
+                  jpeg={"images.front_1": frames}, annotations=[])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        array = zarr.open_group(root / f"{h}.zarr", mode="a")["images.front_1"]
+        for t in bad:
+            array[t : t + 1] = np.array([b"\xff\xd8 not a jpeg"], dtype=object)
+
+
+def test_undecodable_frame_retries_at_another_frame(tmp_path: Path) -> None:
+    _episode_with_bad_frames(tmp_path, "bad", 40, bad={7})
+    _episode_with_bad_frames(tmp_path, "hopeless", 12, bad=set(range(12)))
+    keymap = {"front": {"zarr_key": "images.front_1", "key_type": "camera_keys"},
+              "head": {"zarr_key": "obs_head_pose", "key_type": "proprio_keys"}}
+    with DaemonProcess(tmp_path, unix=tmp_path / "s.sock") as d:
+        ds = WindowDataset(d.target, keymap, episodes=["bad"])
+        for _ in range(5):
+            sample = ds[7]
+            f = sample["frame_index"]
+            assert f != 7 and 0 <= f < 40
+            assert ramp.decode_frame_id(sample["front"].numpy()) == f
+            assert sample["head"][0] == ramp.ramp_values(40, (7,))[f, 0]
+        assert ds[8]["frame_index"] == 8
+        with pytest.raises(errors.DataLossError) as info:
+            WindowDataset(d.target, keymap, episodes=["bad", "hopeless"])[40 + 3]
+        assert "'hopeless'" in str(info.value) and "12" in str(info.value)
+
+
+def test_clear_errors_fail_fast(daemon: DaemonProcess, tmp_path: Path) -> None:
+    start = time.monotonic()
+    with pytest.raises((errors.Unavailable, errors.DeadlineExceeded)) as info:
+        WindowDataset(f"unix://{tmp_path}/nobody.sock", KEYMAPS["mecka_keypoints_k4"],
+                      connect_timeout_s=2)
+    assert time.monotonic() - start < 10
+    assert "nobody.sock" in str(info.value)
+    with pytest.raises(errors.EpisodeNotFound, match="'ep404'"):
+        WindowDataset(daemon.target, KEYMAPS["mecka_keypoints_k4"], episodes=["ep404"])
+    with pytest.raises(errors.KeymapError, match="horizon"):
+        WindowDataset(daemon.target, {"a": {"zarr_key": "obs_head_pose",
+                                            "key_type": "action_keys", "horizon": 0}})
+    with pytest.raises(errors.KeymapError, match="'nope'"):
+        WindowDataset(daemon.target, {"a": {"zarr_key": "nope", "key_type": "action_keys"}})
