@@ -144,10 +144,13 @@ class ReadService:
                 f"{self.config.max_concurrent_reads}; back off and retry"
             )
         self.inflight += 1
+        start = time.perf_counter_ns()
         try:
-            return await self._read(request)
+            data = await self._read(request)
         finally:
             self.inflight -= 1
+        self.stats.read_ns += time.perf_counter_ns() - start
+        return data
 
     async def _read(self, request: bytes) -> bytes:
         arrived = time.monotonic()

@@ -21,6 +21,7 @@ COUNTERS = (
     "cache_evictions",
     "bytes_fetched",
     "bytes_sent",
+    "read_ns",
 )
 
 
@@ -42,6 +43,7 @@ class Stats:
     cache_evictions: int = 0
     bytes_fetched: int = 0
     bytes_sent: int = 0
+    read_ns: int = 0  # time spent serving successful Reads, parse to serialized response
     cache_bytes: int = 0
     cache_entries: int = 0
     episodes: defaultdict[str, EpisodeCounters] = field(

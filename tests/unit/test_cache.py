@@ -6,11 +6,10 @@ from collections import OrderedDict
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from episerve_server.cache import ChunkCache, chunk_nbytes
 from episerve_server.stats import Stats
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 
 def chunk(nbytes: int, value: float = 0.0) -> np.ndarray:
@@ -34,21 +33,27 @@ def test_lru_eviction_order_under_a_byte_budget() -> None:
     for n in range(3):
         cache.put(key(n), chunk(100, n))
     assert stats.cache_evictions == 0
-    assert stats.cache_bytes == 300 and stats.cache_entries == 3
+    assert stats.cache_bytes == 300
+    assert stats.cache_entries == 3
     hit = cache.get(key(0))  # 0 becomes the most recently used; 1 is now the oldest
-    assert hit is not None and float(hit[0]) == 0.0
+    assert hit is not None
+    assert float(hit[0]) == 0.0
     cache.put(key(3), chunk(100, 3))
     assert stats.cache_evictions == 1
     assert cache.get(key(1)) is None
     for n in (0, 2, 3):
         got = cache.get(key(n))
-        assert got is not None and float(got[0]) == n
+        assert got is not None
+        assert float(got[0]) == n
     # one big chunk pushes out as many old ones as it needs, oldest first (now 0, then 2)
     cache.put(key(4), chunk(200, 4))
     assert stats.cache_evictions == 3
-    assert cache.get(key(0)) is None and cache.get(key(2)) is None
-    assert cache.get(key(3)) is not None and cache.get(key(4)) is not None
-    assert stats.cache_bytes == 300 and stats.cache_entries == 2
+    assert cache.get(key(0)) is None
+    assert cache.get(key(2)) is None
+    assert cache.get(key(3)) is not None
+    assert cache.get(key(4)) is not None
+    assert stats.cache_bytes == 300
+    assert stats.cache_entries == 2
 
 
 def test_hit_and_miss_counters() -> None:
@@ -68,9 +73,13 @@ def test_budget_zero_stores_nothing() -> None:
     assert not cache.enabled
     cache.put(key(1), chunk(4))
     cache.put(key(2), [b"jpeg"])
-    assert cache.get(key(1)) is None and cache.get(key(2)) is None
-    assert stats.cache_hits == 0 and stats.cache_misses == 2
-    assert stats.cache_bytes == 0 and stats.cache_entries == 0 and stats.cache_evictions == 0
+    assert cache.get(key(1)) is None
+    assert cache.get(key(2)) is None
+    assert stats.cache_hits == 0
+    assert stats.cache_misses == 2
+    assert stats.cache_bytes == 0
+    assert stats.cache_entries == 0
+    assert stats.cache_evictions == 0
 
 
 def test_a_chunk_over_the_budget_is_not_stored_and_evicts_nothing() -> None:
@@ -80,7 +89,8 @@ def test_a_chunk_over_the_budget_is_not_stored_and_evicts_nothing() -> None:
     cache.put(key(2), chunk(104))
     assert cache.get(key(2)) is None
     assert cache.get(key(1)) is not None
-    assert stats.cache_evictions == 0 and stats.cache_bytes == 40
+    assert stats.cache_evictions == 0
+    assert stats.cache_bytes == 40
 
 
 def test_replacing_a_key_does_not_count_it_twice() -> None:
@@ -88,10 +98,12 @@ def test_replacing_a_key_does_not_count_it_twice() -> None:
     cache = ChunkCache(100, stats)
     cache.put(key(1), chunk(60, 1))
     cache.put(key(1), chunk(60, 2))
-    assert stats.cache_bytes == 60 and stats.cache_entries == 1
+    assert stats.cache_bytes == 60
+    assert stats.cache_entries == 1
     assert stats.cache_evictions == 0
     got = cache.get(key(1))
-    assert got is not None and float(got[0]) == 2.0
+    assert got is not None
+    assert float(got[0]) == 2.0
 
 
 def test_bytes_chunks_are_sized_by_their_frames() -> None:
@@ -113,8 +125,10 @@ def test_drop_episode_removes_only_that_episode() -> None:
     cache.put(key(2, "a"), chunk(100))
     cache.put(key(1, "b"), chunk(100))
     cache.drop_episode("a")
-    assert stats.cache_bytes == 100 and stats.cache_entries == 1
-    assert cache.get(key(1, "a")) is None and cache.get(key(2, "a")) is None
+    assert stats.cache_bytes == 100
+    assert stats.cache_entries == 1
+    assert cache.get(key(1, "a")) is None
+    assert cache.get(key(2, "a")) is None
     assert cache.get(key(1, "b")) is not None
     assert stats.cache_evictions == 0
 
@@ -144,7 +158,8 @@ def test_matches_a_reference_lru(budget: int, script: list[tuple[str, int, int]]
             if k in model:
                 hits += 1
                 model.move_to_end(k)
-                assert got is not None and got.nbytes == model[k]
+                assert got is not None
+                assert got.nbytes == model[k]
             else:
                 misses += 1
                 assert got is None

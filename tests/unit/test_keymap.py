@@ -5,11 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from episerve_server.errors import InvalidArgument, KeymapError
 from episerve_server.keymap import Keymap, Rule
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 
 def entry(**fields: Any) -> dict[str, Any]:
@@ -57,8 +56,10 @@ def test_mask_sources_follow_entry_order() -> None:
         "act_b": entry(key_type="action_keys", horizon=9),
         "prop_b": entry(history=2),
     })
-    assert km.action_mask_entry is not None and km.action_mask_entry.name == "act_a"
-    assert km.proprio_mask_entry is not None and km.proprio_mask_entry.name == "prop_a"
+    assert km.action_mask_entry is not None
+    assert km.action_mask_entry.name == "act_a"
+    assert km.proprio_mask_entry is not None
+    assert km.proprio_mask_entry.name == "prop_a"
     assert [e.name for e in km] == ["cam", "prop1", "act_nohorizon", "act_a", "prop_a",
                                     "act_b", "prop_b"]
     assert km.zarr_keys == frozenset({"obs_head_pose"})
@@ -78,8 +79,10 @@ def test_annotation_keys_are_not_zarr_reads() -> None:
 
 def test_numbers_are_normalised() -> None:
     spec = parse_one(history=3, history_stride_s=1, lag_s=2)
-    assert spec.history_stride_s == 1.0 and isinstance(spec.history_stride_s, float)
-    assert spec.lag_s == 2.0 and isinstance(spec.lag_s, float)
+    assert spec.history_stride_s == 1.0
+    assert isinstance(spec.history_stride_s, float)
+    assert spec.lag_s == 2.0
+    assert isinstance(spec.lag_s, float)
     assert spec.history_stride == 1
 
 

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import numpy as np
 import pytest
+from episerve_server.keymap import Keymap, KeySpec
+from episerve_server.windows import chunk_runs, frames, merge_intervals, row_runs, window
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from episerve_server.keymap import Keymap, KeySpec
-from episerve_server.windows import chunk_runs, frames, merge_intervals, row_runs, window
 from tests import oracle
 
 
@@ -89,12 +90,12 @@ def test_merged_groups_cover_exactly_the_touched_chunks(intervals: list[tuple[in
     # every row lies in exactly one group, and groups are sorted and disjoint
     for r in rows:
         assert sum(s <= r < e for s, e in groups) == 1
-    assert all(e1 <= s2 for (_, e1), (s2, _) in zip(groups, groups[1:]))
+    assert all(e1 <= s2 for (_, e1), (s2, _) in itertools.pairwise(groups))
     # groups never touch a chunk no window touches: their chunks are exactly rows // chunk
     group_chunks = {c for s, e in groups for c in range(s // chunk, (e - 1) // chunk + 1)}
     assert group_chunks == {r // chunk for r in rows}
     # two groups are never in the same or adjacent chunks (else they would have merged)
-    for (_, e1), (s2, _) in zip(groups, groups[1:]):
+    for (_, e1), (s2, _) in itertools.pairwise(groups):
         assert s2 // chunk > (e1 - 1) // chunk + 1
 
 
@@ -135,7 +136,8 @@ def test_horizon_window_stops_at_the_cutoff_before_padding() -> None:
 def test_horizon_longer_than_the_episode() -> None:
     rows, mask = rows_of(spec(horizon=6), [1], 3)
     assert rows.tolist() == [[1, 2, 2, 2, 2, 2]]
-    assert mask is not None and mask.tolist() == [[1, 1, 0, 0, 0, 0]]
+    assert mask is not None
+    assert mask.tolist() == [[1, 1, 0, 0, 0, 0]]
 
 
 def test_history_window_repeats_the_oldest_real_row() -> None:
@@ -150,14 +152,16 @@ def test_history_window_repeats_the_oldest_real_row() -> None:
 def test_history_with_stride_fills_with_the_oldest_index_not_zero() -> None:
     rows, mask = rows_of(spec(history=3, history_stride=3), [4, 1, 9], 20)
     assert rows.tolist() == [[1, 1, 4], [1, 1, 1], [3, 6, 9]]
-    assert mask is not None and mask.tolist() == [[0, 1, 1], [0, 0, 1], [1, 1, 1]]
+    assert mask is not None
+    assert mask.tolist() == [[0, 1, 1], [0, 0, 1], [1, 1, 1]]
 
 
 def test_history_with_lag_and_nothing_real_is_all_zero() -> None:
     s = spec(history=3, lag_s=0.1)  # lag = 3 frames at 30 fps
     rows, mask = rows_of(s, [2, 5, 20], 30)
     assert rows.tolist() == [[0, 0, 0], [0, 1, 2], [15, 16, 17]]
-    assert mask is not None and mask.tolist() == [[0, 0, 0], [1, 1, 1], [1, 1, 1]]
+    assert mask is not None
+    assert mask.tolist() == [[0, 0, 0], [1, 1, 1], [1, 1, 1]]
 
 
 def test_history_stride_seconds_depends_on_fps() -> None:
@@ -176,10 +180,12 @@ def test_history_stride_seconds_wins_over_history_stride() -> None:
 def test_camera_history_one_keeps_a_time_axis() -> None:
     rows, mask = rows_of(spec(history=1, key_type="camera_keys"), [0, 7], 10)
     assert rows.tolist() == [[0], [7]]
-    assert mask is not None and mask.tolist() == [[1], [1]]
+    assert mask is not None
+    assert mask.tolist() == [[1], [1]]
     rows, mask = rows_of(spec(history=1, lag_s=1.0, key_type="camera_keys"), [10, 40], 50)
     assert rows.tolist() == [[0], [10]]
-    assert mask is not None and mask.tolist() == [[0], [1]]
+    assert mask is not None
+    assert mask.tolist() == [[0], [1]]
 
 
 def test_lag_window_clamps_at_zero_and_depends_on_fps() -> None:

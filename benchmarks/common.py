@@ -1,0 +1,78 @@
+"""Shared benchmark setup: the dataset, the keymap, random batches, timing, tables."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+MECKA = yaml.safe_load((REPO / "client/episerve_client/keymaps/mecka_keypoints_k4.yaml")
+                       .read_text())
+NUMERIC_MECKA = {k: v for k, v in MECKA.items()
+                 if v["key_type"] not in ("camera_keys", "annotation_keys")}
+
+
+def args(description: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--root", default="data/bench", help="dataset (written if missing)")
+    p.add_argument("--episodes", type=int, default=200)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args()
+
+
+def ensure_dataset(root: str, episodes: int) -> list[tuple[str, int]]:
+    """(hash, total_frames) of every episode, writing the dataset first if needed."""
+    import json
+
+    path = Path(root)
+    if len(list(path.glob("*.zarr"))) < episodes:
+        from episerve_server.writer import make_dataset
+
+        make_dataset(path, episodes=episodes, seed=1)
+    out = []
+    for ep in sorted(path.glob("*.zarr"))[:episodes]:
+        attrs = json.loads((ep / "zarr.json").read_text())["attributes"]
+        out.append((ep.name[: -len(".zarr")], int(attrs["total_frames"])))
+    return out
+
+
+def random_batches(episodes: list[tuple[str, int]], n: int, batch: int,
+                   seed: int) -> list[list[tuple[str, int]]]:
+    rng = np.random.default_rng(seed)
+    starts = np.concatenate([[0], np.cumsum([t for _, t in episodes])])
+    out = []
+    for _ in range(n):
+        gs = rng.integers(0, starts[-1], size=batch)
+        e = np.searchsorted(starts, gs, side="right") - 1
+        out.append([(episodes[k][0], int(g - starts[k])) for k, g in zip(e, gs)])
+    return out
+
+
+def timed(fn: Callable[[], Any], reps: int) -> list[float]:
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def median(xs: Sequence[float]) -> float:
+    return statistics.median(xs)
+
+
+def table(rows: list[tuple[str, ...]], header: tuple[str, ...]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    line = "| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |"
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    body = ["| " + " | ".join(str(c).ljust(w) for c, w in zip(r, widths)) + " |" for r in rows]
+    return "\n".join([line, sep, *body])
