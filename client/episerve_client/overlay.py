@@ -8,7 +8,7 @@ Points are in the camera frame: x right, y down, z forward, in metres.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -84,3 +84,38 @@ def overlay(frame: np.ndarray, k: np.ndarray, gt: np.ndarray | None = None,
             draw_trace(draw, uv, front, color)
     caption(draw, text, img.width)
     return img
+
+
+def _numpy(value: Any) -> np.ndarray:
+    """A tensor (on any device, with or without grad) or array-like as a numpy array."""
+    if hasattr(value, "detach"):
+        value = value.detach().cpu().numpy()
+    return np.asarray(value)
+
+
+def batch_overlays(batch: Mapping[str, Any], attrs: Mapping[str, Mapping[str, Any]], *,
+                   camera_key: str, action_key: str, pred: Any = None,
+                   text_key: str = "annotations") -> Iterator[tuple[str, Image.Image]]:
+    """(episode hash, overlay image) for each sample of a collated batch, in batch order.
+
+    ``batch[camera_key]`` is [B, C, H, W] (or [B, T, C, H, W]: the last frame is drawn);
+    ``batch[action_key]`` and ``pred`` are [B, horizon, D] windows whose first three
+    columns are camera-frame xyz. ``attrs`` maps episode hash to its attributes, for the
+    intrinsics (the default pinhole when absent). The caption is the episode, the frame
+    index and the sample's annotation texts under ``text_key``, if the batch has them.
+    """
+    frames = _numpy(batch[camera_key])
+    if frames.ndim == 5:
+        frames = frames[:, -1]
+    gt = _numpy(batch[action_key])[..., :3]
+    predicted = None if pred is None else _numpy(pred)[..., :3]
+    texts = batch.get(text_key)
+    index = _numpy(batch["frame_index"])
+    height, width = frames.shape[-2:] if frames.dtype != np.uint8 else frames.shape[1:3]
+    for b, episode in enumerate(batch["episode_hash"]):
+        k = intrinsics(attrs.get(episode, {}), width, height)
+        text = f"{episode} #{int(index[b])}"
+        if texts is not None and texts[b]:
+            text += ": " + " / ".join(texts[b])
+        yield episode, overlay(frames[b], k, gt=gt[b],
+                               pred=None if predicted is None else predicted[b], text=text)

@@ -13,6 +13,8 @@ from zarr.storage import FsspecStore, LocalStore, WrapperStore
 
 from .stats import Stats
 
+# Matches ServerConfig.max_store_concurrency's default.
+DEFAULT_MAX_CONNECTIONS = 64
 METADATA_NAMES = frozenset({"zarr.json", ".zarray", ".zattrs", ".zgroup", ".zmetadata"})
 
 
@@ -65,13 +67,40 @@ class CountingStore(WrapperStore[Store]):
 
 
 def open_root(
-    root: str, *, stats: Stats, storage_options: dict[str, Any] | None = None
+    root: str,
+    *,
+    stats: Stats,
+    storage_options: dict[str, Any] | None = None,
+    max_connections: int = DEFAULT_MAX_CONNECTIONS,
 ) -> CountingStore:
-    """A read-only store for a local folder or an fsspec URL such as ``s3://bucket/prefix``."""
+    """A read-only store for a local folder or an fsspec URL such as ``s3://bucket/prefix``.
+
+    S3 reads take the endpoint and credentials from the usual ``AWS_*`` variables unless
+    ``storage_options`` say otherwise (see :func:`object_store_options`).
+    """
     if "://" in root and not root.startswith("file://"):
-        inner: Store = FsspecStore.from_url(
-            root, storage_options=storage_options or {}, read_only=True
-        )
+        options = object_store_options(root, storage_options, max_connections)
+        inner: Store = FsspecStore.from_url(root, storage_options=options, read_only=True)
     else:
         inner = LocalStore(root.removeprefix("file://"), read_only=True)
     return CountingStore(inner, stats)
+
+
+def object_store_options(root: str, storage_options: dict[str, Any] | None,
+                         max_connections: int = DEFAULT_MAX_CONNECTIONS) -> dict[str, Any]:
+    """fsspec options for ``root``: the caller's, over the daemon's defaults.
+
+    - No listings cache: fsspec keeps directory listings forever by default, so a rescan
+      would never see an episode uploaded after the first listing.
+    - S3: a connection pool as large as the daemon's store concurrency (botocore's default
+      of 10 would queue the planner's concurrent chunk reads behind each other).
+    """
+    options: dict[str, Any] = {"use_listings_cache": False}
+    if root.split("://", 1)[0] in {"s3", "s3a"}:
+        options["config_kwargs"] = {"max_pool_connections": max_connections}
+    for key, value in (storage_options or {}).items():
+        if isinstance(value, dict) and isinstance(options.get(key), dict):
+            options[key] = {**options[key], **value}
+        else:
+            options[key] = value
+    return options

@@ -146,16 +146,24 @@ def test_rescan_adds_and_drops_episodes(tmp_path: Path, serve: Callable[..., Any
     matches_oracle(served, served.read(KEYMAP, samples), KEYMAP, samples)
 
 
-def test_episode_deleted_while_served_is_not_found(tmp_path: Path,
+@pytest.mark.parametrize("warm", [False, True], ids=["cold", "warm"])
+@pytest.mark.parametrize("layout", ["sharded", "unsharded", "v2"])
+def test_episode_deleted_while_served_is_not_found(layout: str, warm: bool, tmp_path: Path,
                                                    serve: Callable[..., Any]) -> None:
-    ramp.write_ramp_episode(tmp_path, "one", episode_no=0, total_frames=30)
-    ramp.write_ramp_episode(tmp_path, "gone", episode_no=1, total_frames=30)
+    """A deleted episode is NOT_FOUND, never served as fill values (zeros, empty frames)."""
+    ramp.write_ramp_episode(tmp_path, "one", episode_no=0, total_frames=30, layout=layout)
+    ramp.write_ramp_episode(tmp_path, "gone", episode_no=1, total_frames=30, layout=layout)
     served = serve(tmp_path, 0)
+    keymap = {"h": KEYMAP["head"], "f": KEYMAP["front"]}
+    if warm:  # the shard indexes are loaded and kept before the folder goes
+        served.read(keymap, [("gone", 1)])
     shutil.rmtree(tmp_path / "gone.zarr")
     with pytest.raises(EpisodeNotFound, match="'gone'"):
-        served.read({"h": KEYMAP["head"]}, [("gone", 5)])
+        served.read(keymap, [("gone", 5)])
     assert "gone" not in served.catalog.episodes
-    assert served.read({"h": KEYMAP["head"]}, [("one", 5)]).sample(0)["h"].shape == (3, 7)
+    with pytest.raises(EpisodeNotFound):
+        served.read(keymap, [("one", 5), ("gone", 5)])
+    assert served.read(keymap, [("one", 5)]).sample(0)["h"].shape == (3, 7)
 
 
 BAD_IDS = ["", ".", "..", "../x", "x/..", "/etc", "/etc/passwd", "a/b", "a\\b", "x\x00",
