@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/episerve demo
+	$(VENV)/bin/episerve demo $(DEMO_ARGS)
 
 serve: $(STAMP)
 	$(VENV)/bin/episerve serve

@@ -117,5 +117,17 @@ def batch_overlays(batch: Mapping[str, Any], attrs: Mapping[str, Mapping[str, An
         text = f"{episode} #{int(index[b])}"
         if texts is not None and texts[b]:
             text += ": " + " / ".join(texts[b])
-        yield episode, overlay(frames[b], k, gt=gt[b],
-                               pred=None if predicted is None else predicted[b], text=text)
+        img = overlay(frames[b], k, gt=gt[b], pred=None if predicted is None else predicted[b],
+                      text=text)
+        legend(ImageDraw.Draw(img), img.width, pred=predicted is not None)
+        yield episode, img
+
+
+def legend(draw: ImageDraw.ImageDraw, width: int, *, pred: bool = True) -> None:
+    """"GT" in green and "pred" in red at the right end of the caption bar."""
+    labels = [("GT", GT_COLOR), *([("pred", PRED_COLOR)] if pred else [])]
+    x = width - 6 - sum(draw.textlength(t) + 8 for t, _ in labels)
+    draw.rectangle((x - 4, 0, width, 18), fill=(0, 0, 0))
+    for text, color in labels:
+        draw.text((x, 3), text, fill=color)
+        x += draw.textlength(text) + 8
