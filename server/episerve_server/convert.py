@@ -14,7 +14,6 @@ from google.protobuf.message import DecodeError, Message
 from .catalog import Episode
 from .errors import InvalidArgument
 from .keymap import Keymap
-from .result import BatchResult
 
 _SPEC_FIELDS = ("horizon", "history", "history_stride", "history_stride_s", "lag_s")
 
@@ -86,27 +85,6 @@ def keymap_id(keymap: Keymap) -> str:
 
 def encode_keymap_id(kid: str) -> bytes:
     return pb.RegisterKeymapResponse(keymap_id=kid).SerializeToString()  # type: ignore[no-any-return]
-
-
-def encode_result(result: BatchResult) -> bytes:
-    msg = pb.ReadResponse(
-        episodes=result.episodes,
-        frame_index=result.frame_index.tolist(),
-        fps=result.fps.tolist(),
-        embodiments=result.embodiments,
-    )
-    for name, arr in result.arrays.items():
-        msg.arrays.add(name=name, dtype=arr.dtype.str, shape=arr.shape, data=arr.tobytes())
-    for name, col in result.images.items():
-        msg.images.add(name=name, source=col.source, shape=col.index.shape,
-                       index=col.index.astype("<i4").tobytes())
-    for key, frames in result.frames.items():
-        msg.frames.add(key=key, frames=frames)
-    for name, per_sample in result.texts.items():
-        column = msg.texts.add(name=name)
-        for texts in per_sample:
-            column.samples.add(texts=texts)
-    return msg.SerializeToString()  # type: ignore[no-any-return]
 
 
 def encode_listing(episodes: Iterable[Episode], broken: dict[str, str]) -> bytes:

@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
-from . import convert
+from . import convert, wire
 from .catalog import Catalog
 from .config import ServerConfig
 from .errors import (
@@ -172,9 +172,9 @@ class ReadService:
             await self.rescan(arrived)  # an episode added since the last scan is readable
             result = await self.planner.read(keymap, call.samples, options)
         if result.nbytes >= OFFLOAD_ENCODE_BYTES:
-            data = await asyncio.to_thread(convert.encode_result, result)
+            data = await asyncio.to_thread(wire.encode_result, result)
         else:
-            data = convert.encode_result(result)
+            data = wire.encode_result(result)
         self.stats.read_rpcs += 1
         self.stats.bytes_sent += len(data)
         return data

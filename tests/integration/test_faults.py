@@ -148,7 +148,7 @@ def _break(root: Path, case: str) -> None:
         shard = array / "c" / "0" / "0"
         with shard.open("r+b") as f:
             f.seek(-SHARD_INDEX_BYTES, os.SEEK_END)
-            f.write(b"\x00" * 8)
+            f.write(b"\x13" * 8)
     elif case == "plaintrunc":
         os.truncate(array / "c" / "0" / "0", 5)
     elif case == "v2corrupt":

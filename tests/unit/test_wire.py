@@ -1,0 +1,69 @@
+"""The hand-written ReadResponse encoder against messages built with the generated class."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from episerve_proto.v1 import episerve_pb2 as pb
+from episerve_server import wire
+from episerve_server.result import BatchResult, ImageColumn
+from tests.unit.test_planner import BATCH, KEYMAPS
+
+
+def reference(result: BatchResult) -> Any:
+    msg = pb.ReadResponse(episodes=result.episodes, frame_index=result.frame_index.tolist(),
+                          fps=result.fps.tolist(), embodiments=result.embodiments)
+    for name, arr in result.arrays.items():
+        msg.arrays.add(name=name, dtype=arr.dtype.str, shape=arr.shape, data=arr.tobytes())
+    for name, col in result.images.items():
+        msg.images.add(name=name, source=col.source, shape=col.index.shape,
+                       index=col.index.astype("<i4").tobytes())
+    for key, frames in result.frames.items():
+        msg.frames.add(key=key, frames=frames)
+    for name, per_sample in result.texts.items():
+        column = msg.texts.add(name=name)
+        for texts in per_sample:
+            column.samples.add(texts=texts)
+    return msg
+
+
+def test_planner_results_encode_like_the_generated_class(ramp_served: dict[Any, Any]) -> None:
+    served = ramp_served["sharded", True]
+    for name in ("mecka_keypoints_k4", "camera_history", "annotations"):
+        result = served.read(KEYMAPS[name], BATCH)
+        assert pb.ReadResponse.FromString(wire.encode_result(result)) == reference(result)
+
+
+texts = st.lists(st.lists(st.text(max_size=20), max_size=3))
+
+
+@settings(max_examples=150, deadline=None)
+@given(b=st.integers(1, 6), w=st.integers(1, 5), names=st.lists(st.text(min_size=1,
+       max_size=12), min_size=1, max_size=3, unique=True), data=st.data())
+def test_random_results_encode_like_the_generated_class(b: int, w: int, names: list[str],
+                                                        data: st.DataObject) -> None:
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    frames = [rng.bytes(data.draw(st.integers(0, 300))) for _ in range(data.draw(
+        st.integers(1, 4)))]
+    result = BatchResult(
+        episodes=[data.draw(st.text(max_size=8)) for _ in range(b)],
+        frame_index=rng.integers(0, 2**40, size=b),
+        fps=rng.random(b).astype(np.float32) * 60,
+        embodiments=[data.draw(st.text(max_size=8)) for _ in range(b)],
+        arrays={n: rng.standard_normal((b, w, 3)).astype(np.float32) for n in names},
+        images={"cam": ImageColumn("src", rng.integers(0, len(frames), (b, w)).astype(np.int32))},
+        frames={"src": frames},
+        texts={"t": [data.draw(st.lists(st.text(max_size=20), max_size=3)) for _ in range(b)]},
+    )
+    assert pb.ReadResponse.FromString(wire.encode_result(result)) == reference(result)
+
+
+def test_varint_matches_protobuf() -> None:
+    for n in (0, 1, 127, 128, 300, 2**31, 2**63 - 1, -1):
+        msg = pb.ReadResponse(frame_index=[n])
+        assert msg.SerializeToString() == b"\x12" + wire.varint(len(wire.varint(n))) + \
+            wire.varint(n)
