@@ -22,7 +22,7 @@ from zarr.storage import StorePath
 
 from .errors import BrokenEpisodeError, EpisodeNotFound, InvalidEpisodeId
 from .reader import ChunkReader, build_reader
-from .store import CountingStore
+from .store import METADATA_NAMES, CountingStore
 
 log = logging.getLogger(__name__)
 
@@ -169,15 +169,21 @@ async def open_episode(store: CountingStore, name: str) -> Episode:
     try:
         group = await zasync.open_group(store=StorePath(store, name + SUFFIX), mode="r")
         attrs = dict(group.attrs)
-        arrays = [(k, a) async for k, a in group.arrays()]
+        keys = sorted({k async for k in store.list_dir(name + SUFFIX)} - METADATA_NAMES)
     except Exception as exc:
         raise BrokenEpisodeError(
-            f"unreadable metadata ({type(exc).__name__}: {exc})", episode=name
+            f"unreadable group metadata ({type(exc).__name__}: {exc})", episode=name
         ) from exc
     total, fps, embodiment = _core_attrs(name, attrs)
     episode = Episode(name, total, fps, embodiment, attrs, {})
-    for key, array in sorted(arrays):
-        _add_array(episode, store, key, array)
+    members = await asyncio.gather(*(group.getitem(k) for k in keys), return_exceptions=True)
+    for key, member in zip(keys, members):
+        if isinstance(member, AsyncArray):
+            _add_array(episode, store, key, member)
+        elif isinstance(member, BaseException) and not isinstance(member, KeyError):
+            episode.problems[key] = (
+                f"array {key!r} has unreadable metadata ({type(member).__name__}: {member})"
+            )
     return episode
 
 

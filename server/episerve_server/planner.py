@@ -19,6 +19,7 @@ from .annotations import cutoff_ends, load_spans, texts_at
 from .cache import Chunk, ChunkCache
 from .catalog import Catalog, Episode
 from .errors import (
+    DataLossError,
     EpisodeNotFound,
     FrameOutOfRange,
     InvalidArgument,
@@ -28,7 +29,7 @@ from .errors import (
     Unavailable,
 )
 from .keymap import Keymap, KeySpec, Rule
-from .reader import ChunkReader, Raw, decode_chunk
+from .reader import ChunkReader, Raw, decode_chunk, episode_exists
 from .result import BatchResult, ImageColumn
 from .stats import Stats
 from .windows import Window, window
@@ -164,6 +165,14 @@ class Planner:
     def _table(self, key: str, keymap: Keymap, batch: _Batch,
                windows: dict[str, Window]) -> _Table:
         readers = [e.readers[key] for e in batch.episodes]
+        shapes = {(r.info.feature, r.info.is_bytes) for r in readers}
+        if len(shapes) > 1:
+            seen = {(r.info.feature, r.info.is_bytes): r.info.episode for r in readers}
+            raise InvalidArgument(
+                f"key {key!r} has different feature shapes in one batch: "
+                + ", ".join(f"episode {ep!r}: {s!r}" for (s, _), ep in sorted(seen.items())),
+                episode=readers[0].info.episode, key=key,
+            )
         rows_cap = np.array([r.info.rows for r in readers], np.int64)
         chunk_rows = np.array([r.info.chunk_rows for r in readers], np.int64)
         eps, rows = _key_rows(key, keymap, batch, windows)
@@ -215,8 +224,10 @@ class Planner:
         c1 = int(table.packed[last]) % int(_M)
         reader = table.reader_of[ep_pos]
         raws = await self._fetch_raw(reader, c0, c1)
-        if reader.missing_may_mean_deleted and any(r is None for r in raws):
+        unknown = {c0 + k for k, r in enumerate(raws) if r is None} - reader.absent
+        if unknown:  # for one-object chunks, missing may mean deleted: check once per chunk
             await self._check_present(reader)
+            reader.absent |= unknown
         return raws
 
     async def _fetch_raw(self, reader: ChunkReader, first: int, last: int) -> list[Any]:
@@ -225,9 +236,13 @@ class Planner:
         async with self._sem:
             try:
                 raws = await reader.fetch(first, last)
-            except FileNotFoundError:
+            except FileNotFoundError as exc:
                 await self._check_present(reader)
-                raise
+                info = reader.info
+                raise DataLossError(
+                    f"episode {info.episode!r} key {info.name!r}: data went missing "
+                    f"({exc})", episode=info.episode, key=info.name,
+                ) from exc
             except (OSError, TimeoutError) as exc:
                 info = reader.info
                 raise Unavailable(
@@ -242,9 +257,7 @@ class Planner:
     async def _check_present(self, reader: ChunkReader) -> None:
         """Missing data may mean the episode folder was deleted: then drop it, NOT_FOUND."""
         episode = reader.info.episode
-        store = self.catalog.store
-        base = f"{episode}.zarr"
-        if await store.exists(f"{base}/zarr.json") or await store.exists(f"{base}/.zgroup"):
+        if await episode_exists(self.catalog.store, episode):
             return
         self.catalog.drop(episode)
         raise EpisodeNotFound(

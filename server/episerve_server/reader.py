@@ -105,12 +105,11 @@ class ChunkReader:
     A missing chunk is the fill value (zarr skips chunks equal to it), returned as None.
     """
 
-    #: True where a missing chunk may also mean a deleted episode (one object per chunk).
-    missing_may_mean_deleted = False
-
     def __init__(self, info: ArrayInfo, decoder: Decoder) -> None:
         self.info = info
         self.decode = decoder
+        #: chunks found missing and confirmed to be fill (the episode still exists)
+        self.absent: set[int] = set()
 
     async def fetch(self, first: int, last: int) -> list[Raw]:
         raise NotImplementedError
@@ -118,8 +117,6 @@ class ChunkReader:
 
 class KeyedReader(ChunkReader):
     """One store object per chunk: v3 unsharded and v2."""
-
-    missing_may_mean_deleted = True
 
     def __init__(self, info: ArrayInfo, decoder: Decoder, store: CountingStore,
                  key_of: Callable[[int], str]) -> None:
@@ -210,7 +207,9 @@ class ShardedReader(ChunkReader):
         nbytes = 16 * self.per_shard + (4 if self.index_crc else 0)
         rng = SuffixByteRequest(nbytes) if self.at_end else RangeByteRequest(0, nbytes)
         buf = await self.store.get_index(self.key_of(shard), default_buffer_prototype(), rng)
-        if buf is None:
+        if buf is None:  # all fill, or the episode is gone: asked once per shard
+            if not await episode_exists(self.store, self.info.episode):
+                raise ShardVanished(f"episode {self.info.episode!r} is gone")
             return None
         data = buf.to_bytes()
         if len(data) != nbytes:
@@ -244,6 +243,11 @@ class FallbackReader(ChunkReader):
             ) from exc
         return [_pad_rows(rows[k * c : (k + 1) * c], c, self.info.is_bytes)
                 for k in range(last - first + 1)]
+
+
+async def episode_exists(store: CountingStore, episode: str) -> bool:
+    base = f"{episode}.zarr"
+    return await store.exists(f"{base}/zarr.json") or await store.exists(f"{base}/.zgroup")
 
 
 def _pad_rows(rows: Any, c: int, is_bytes: bool) -> Chunk:

@@ -42,7 +42,7 @@ class BatchResult:
 
     def sample(self, b: int) -> dict[str, Any]:
         """Sample ``b`` as plain values: arrays (copies), raw JPEG bytes, lists of texts."""
-        out: dict[str, Any] = {name: arr[b].copy() for name, arr in self.arrays.items()}
+        out: dict[str, Any] = {name: arr[b, ...].copy() for name, arr in self.arrays.items()}
         for name, col in self.images.items():
             frames = self.frames[col.source]
             idx = col.index[b]

@@ -55,6 +55,10 @@ class CountingStore(WrapperStore[Store]):
             await asyncio.sleep(self.latency_s)
         return await self._store.get(key, prototype, byte_range)
 
+    async def exists(self, key: str) -> bool:
+        self.stats.metadata_requests += 1
+        return await self._store.exists(key)
+
     async def get_partial_values(
         self,
         prototype: BufferPrototype,

@@ -1,0 +1,86 @@
+"""What the DDP worker scripts share: the episode split, the tiny model, request records.
+
+The ramp dataset's ``ep002c`` (101 frames at 15 fps) is the pinned video episode. No metric
+or training loader reads it, so every read of it the daemon counts is a video read (or the
+one probe ``WindowDataset`` makes when rank 0 builds the video dataset).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from episerve_client.batch import SampleBatch
+from episerve_client.client import Client
+from episerve_client.dataset import WindowDataset
+from episerve_client.demo import bundled_keymap
+
+PINNED = "ep002c"
+PINNED_FPS = 15
+METRIC_EPISODES = ("ep000a",)
+TRAIN_EPISODES = ("ep001b", "ep003d")
+EPOCHS = 3
+EVERY_N_EPOCHS = 2
+VIDEO_EPOCHS = (0, 2)  # every 2 epochs, and the final one (2) of 3
+VIDEO_BATCH = 16
+MAX_BATCHES = 4  # 64 of the pinned episode's 101 frames per video pass
+BATCH = 8
+CAMERA_KEY = "observations.images.front_img_1"
+ACTION_KEY = "left.action_keypoints"
+OBS_KEY = "left.obs_keypoints"
+SCALE = 1e-7  # ramp values reach ~1.6e7; the tiny model sees them scaled to ~1
+KEYMAP = bundled_keymap()
+
+
+class RecordingDataset(WindowDataset):
+    """Appends the episodes of every batch it reads, as a JSON line, to ``log_path``."""
+
+    log_path: str | None = None
+
+    def read_batch(self, samples: Sequence[tuple[str, int]]) -> SampleBatch:
+        if self.log_path is not None:
+            line = json.dumps(sorted({episode for episode, _ in samples})) + "\n"
+            with open(self.log_path, "a") as f:  # O_APPEND: workers' lines never interleave
+                f.write(line)
+        return super().read_batch(samples)
+
+
+def recording(target: str, episodes: Sequence[str], log_path: Path) -> RecordingDataset:
+    ds = RecordingDataset(target, KEYMAP, episodes=list(episodes))
+    ds.log_path = str(log_path)
+    return ds
+
+
+def tiny_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Linear(4 * 63, 30 * 3)
+
+
+def features(batch: Mapping[str, Any]) -> torch.Tensor:
+    return batch[OBS_KEY].flatten(1) * SCALE  # type: ignore[no-any-return]
+
+
+def targets(batch: Mapping[str, Any]) -> torch.Tensor:
+    return batch[ACTION_KEY][..., :3].flatten(1) * SCALE  # type: ignore[no-any-return]
+
+
+def predict(model: torch.nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
+    """The predicted action window, [B, 30, 3] camera-frame xyz in the data's units."""
+    with torch.no_grad():
+        return model(features(batch)).view(-1, 30, 3) / SCALE  # type: ignore[no-any-return]
+
+
+def pinned_counters(target: str, label: str) -> dict[str, Any]:
+    with Client(target) as client:
+        counters = client.stats()["episodes"].get(PINNED, {"read_rpcs": 0, "chunks_fetched": 0})
+    return {"label": label, **counters}
+
+
+def write_result(out: Path, rank: int, result: Mapping[str, Any]) -> None:
+    tmp = out / f".rank{rank}.json.tmp"
+    tmp.write_text(json.dumps({"rank": rank, "pid": os.getpid(), **result}))
+    tmp.replace(out / f"rank{rank}.json")
