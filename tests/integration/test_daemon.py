@@ -200,3 +200,25 @@ def test_keymap_by_id_and_inline_give_the_same_result(
     assert by_id.arrays.keys() == inline.arrays.keys()
     for k in by_id.arrays:
         assert np.array_equal(by_id.arrays[k], inline.arrays[k])
+
+
+def test_one_log_line_per_rpc_with_its_request_id(ramp_roots: dict[str, Path],
+                                                 start_daemon: Any) -> None:
+    from episerve_client import convert
+
+    d = start_daemon(ramp_roots["sharded"], "--log-level", "INFO")
+    with _channel(d.target) as ch:
+        read = ch.unary_unary("/episerve.v1.EpiServe/Read")
+        ok = convert.read_request([("ep000a", 1)], keymap=CAMERA_ONLY)
+        bad = convert.read_request([("ep000a", 99)], keymap=CAMERA_ONLY)
+        read(ok, metadata=(("x-request-id", "req-ok-1"),), timeout=5)
+        with pytest.raises(grpc.RpcError):
+            read(bad, metadata=(("x-request-id", "req-bad-2"),), timeout=5)
+        read(ok, timeout=5)
+    d.stop()
+    rpc_lines = [line for line in d.lines if " rpc " in line and "INFO" in line]
+    assert len(rpc_lines) == 3
+    assert any("req-ok-1" in line and "/Read OK" in line for line in rpc_lines)
+    assert any("req-bad-2" in line and "OUT_OF_RANGE" in line for line in rpc_lines)
+    warnings = [line for line in d.lines if "WARNING" in line and "'ep000a'" in line]
+    assert len(warnings) == 1 and "99" in warnings[0]

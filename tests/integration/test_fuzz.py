@@ -17,6 +17,7 @@ import ctypes
 import json
 import math
 import os
+import re
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -61,6 +62,12 @@ PATH_LIKE = [
 ABSENT = ["outside", "outside.zarr", "ep000a.zarr", "epXYZ"]
 ZARR_KEYS_HOSTILE = ["../outside.zarr/left.obs_keypoints", "/etc/passwd", "..", ".",
                      "zarr.json", "left.obs_keypoints/c/0/0", "left.obs_keypoints\x00", ""]
+# Unexpected-exception answers that a strict-xfail test below reproduces. The fuzz counts
+# them as KNOWN_BUG instead of failing on them again; remove an entry with its fix.
+KNOWN_BUGS = {
+    "truth value of an array with more than one element is ambiguous":
+        "test_annotation_keys_on_a_numeric_array_is_a_keymap_error",
+}
 
 
 @dataclass
@@ -71,6 +78,7 @@ class Fuzzed:
     watch: Inotify
     keymap_id: str
     outcomes: dict[str, Counter[str]] = field(default_factory=dict)
+    reasons: Counter[str] = field(default_factory=Counter)
     _calls: dict[str, Any] = field(default_factory=dict)
 
     def send(self, test: str, method: str, payload: bytes) -> tuple[str, str]:
@@ -83,11 +91,20 @@ class Fuzzed:
             code, details = "OK", ""
         except grpc.RpcError as exc:
             code, details = exc.code().name, exc.details() or ""
+        if "this is a bug" in details and any(sig in details for sig in KNOWN_BUGS):
+            code = "KNOWN_BUG"
         self.outcomes.setdefault(test, Counter())[code] += 1
         assert code not in NEVER, (method, payload[:200], code, details)
-        assert "this is a bug" not in details, (method, payload[:200], details)
+        assert code == "KNOWN_BUG" or "this is a bug" not in details, (method, payload[:200],
+                                                                       details)
+        self.reasons[f"{code} {_shape(details)}"] += 1
         assert self.daemon.proc.poll() is None, "the daemon died"
         return code, details
+
+
+def _shape(details: str) -> str:
+    """An error message with its values masked, to count kinds of answers."""
+    return re.sub(r"'[^']*'|\d+|\([^)]*\)", "_", details)[:90]
 
 
 class Inotify:
@@ -141,7 +158,8 @@ def fuzzed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fuzzed]:
     summary = {"requests": sum(sum(c.values()) for c in fz.outcomes.values()),
                "seconds": round(time.monotonic() - started, 1),
                "by_test": {t: dict(c.most_common()) for t, c in fz.outcomes.items()},
-               "by_code": dict(sum(fz.outcomes.values(), Counter()).most_common())}
+               "by_code": dict(sum(fz.outcomes.values(), Counter()).most_common()),
+               "top_answers": dict(fz.reasons.most_common(25))}
     out = tmp_path_factory.getbasetemp() / "fuzz_summary.json"
     out.write_text(json.dumps(summary, indent=2) + "\n")
     print(f"\nfuzz summary ({out}):\n{json.dumps(summary, indent=2)}")
@@ -376,6 +394,17 @@ def test_mutated_valid_requests_get_deliberate_answers(fuzzed: Fuzzed, which: in
                                                        ops: list[tuple[str, int, bytes]]) -> None:
     method, payload = _valid_payloads(fuzzed.keymap_id)[which]
     fuzzed.send("mutated_requests", method, _mutate(payload, ops))
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "bug: an annotation_keys entry naming a numeric array fails inside "
+    "annotations._parse ('if not item' on a numpy row) and is answered as "
+    "FAILED_PRECONDITION 'this is a bug' instead of a KeymapError"))
+def test_annotation_keys_on_a_numeric_array_is_a_keymap_error(fuzzed: Fuzzed) -> None:
+    km = {"text": {"zarr_key": "left.obs_keypoints", "key_type": "annotation_keys"}}
+    with Client(fuzzed.daemon.target) as c, pytest.raises(errors.KeymapError) as info:
+        c.read(km, [("ep000a", 0)])
+    assert "'text'" in str(info.value) and "'left.obs_keypoints'" in str(info.value)
 
 
 def test_the_daemon_is_healthy_after_the_fuzz(fuzzed: Fuzzed) -> None:
