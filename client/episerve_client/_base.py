@@ -164,7 +164,7 @@ class BaseClient:
         while pending:
             groups = self.router.route(samples, pending, max_per_call)
             yield from self._register(km, km_key, {t for t, _ in groups}, deadline)
-            calls = [
+            calls: list[Op] = [
                 Call(t, "Read", convert.read_request(
                     [samples[i] for i in idx], keymap_id=self._keymap_ids.get((t, km_key), ""),
                     annotation_cutoff=annotation_cutoff,
@@ -200,7 +200,8 @@ class BaseClient:
         if not need:
             return
         payload = convert.register_request(km)
-        outcomes = yield [Call(t, "RegisterKeymap", payload, _left(deadline)) for t in need]
+        ops: list[Op] = [Call(t, "RegisterKeymap", payload, _left(deadline)) for t in need]
+        outcomes = yield ops
         for t, out in zip(need, outcomes):
             if isinstance(out, bytes):
                 self._keymap_ids[(t, km_key)] = convert.keymap_id(out)

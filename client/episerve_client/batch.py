@@ -66,8 +66,8 @@ class SampleBatch(Sequence[dict[str, Any]]):
             if v.shape[1:] != row.shape:  # a placeholder for a column that failed throughout
                 v = self.arrays[k] = np.zeros((len(v), *row.shape), row.dtype)
             v[b] = row
-        for k, v in self.objects.items():
-            v[b] = other.objects[k][0]
+        for k, items in self.objects.items():
+            items[b] = other.objects[k][0]
         self.episode_hash[b] = other.episode_hash[0]
         self.frame_index[b] = other.frame_index[0]
         self.fps[b] = other.fps[0]

@@ -160,7 +160,7 @@ def from_rpc_error(exc: grpc.RpcError, target: str = "") -> EpiserveError:
 
 def _trailers(exc: grpc.RpcError) -> list[tuple[str, Any]]:
     try:
-        return list(exc.trailing_metadata() or ())  # type: ignore[attr-defined]
+        return list(exc.trailing_metadata() or ())
     except Exception:
         return []
 

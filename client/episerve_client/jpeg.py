@@ -15,7 +15,7 @@ class FrameDecodeError(ValueError):
 def decode_rgb(data: bytes) -> np.ndarray:
     """One JPEG to an HxWx3 uint8 array; ``FrameDecodeError`` when it is not a valid JPEG."""
     try:
-        img = simplejpeg.decode_jpeg(data, colorspace="RGB")
+        img: np.ndarray = simplejpeg.decode_jpeg(data, colorspace="RGB")
     except (ValueError, RuntimeError, TypeError) as exc:
         raise FrameDecodeError(str(exc) or "not a JPEG") from exc
     if img.ndim != 3 or img.shape[2] != 3:

@@ -29,7 +29,7 @@ async def load_spans(episode: Episode, key: str,
     raws = await fetch(reader, 0, n_chunks - 1) if n_chunks else []
     items: list[bytes] = []
     for k, raw in enumerate(raws):
-        items.extend(decode_chunk(reader, raw, k))  # type: ignore[arg-type]
+        items.extend(decode_chunk(reader, raw, k))
     spans = _parse(episode.hash, key, items[: info.rows])
     episode.spans[key] = spans
     return spans

@@ -113,7 +113,10 @@ class Catalog:
 
     def drop(self, episode_id: str) -> None:
         """Forget an episode whose folder went away while it was served."""
-        if self.episodes.pop(episode_id, None) is not None or self.broken.pop(episode_id, None):
+        known = episode_id in self.episodes or episode_id in self.broken
+        self.episodes.pop(episode_id, None)
+        self.broken.pop(episode_id, None)
+        if known:
             log.warning("episode %s was removed from the root; dropped", episode_id)
             if self.on_drop is not None:
                 self.on_drop(episode_id)

@@ -46,7 +46,7 @@ def _wrap(handler: grpc.RpcMethodHandler,
     )
 
 
-class LoggingInterceptor(grpc.aio.ServerInterceptor):
+class LoggingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     """At most one INFO line per RPC (method, code, duration, request id)."""
 
     def __init__(self, observer: RpcObserver | None = None) -> None:
@@ -83,7 +83,7 @@ def _code_name(context: grpc.aio.ServicerContext) -> str:
     return code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN"
 
 
-class TokenInterceptor(grpc.aio.ServerInterceptor):
+class TokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     """Requires ``authorization: Bearer <token>``; compares in constant time."""
 
     def __init__(self, token: str) -> None:

@@ -67,7 +67,7 @@ class _Table:
 
 class Planner:
     def __init__(self, catalog: Catalog, cache: ChunkCache, stats: Stats, *,
-                 fetch_limit: int = 64, offload_bytes: int = 256 << 10) -> None:
+                 fetch_limit: int = 64, offload_bytes: int = 1 << 20) -> None:
         self.catalog, self.cache, self.stats = catalog, cache, stats
         self.offload_bytes = offload_bytes
         self._fetch_limit = fetch_limit
@@ -80,12 +80,13 @@ class Planner:
         batch = self._resolve(keymap, samples)
         spans = await self._spans(keymap, batch, options)
         windows = self._windows(keymap, batch, spans, options)
-        self._check_numeric_size(keymap, batch, windows, options)
+        out_bytes = _output_bytes(keymap, batch, windows)
+        if options.max_response_bytes and out_bytes > options.max_response_bytes:
+            raise _too_big(out_bytes, options.max_response_bytes, len(samples))
         tables = {key: self._table(key, keymap, batch, windows) for key in sorted(keymap.zarr_keys)}
         await self._load(tables, batch)
-        result = await self._offload(
-            sum(a.nbytes for a in windows.values() if isinstance(a, Window) and a.rows.size > 4096),
-            _assemble, keymap, batch, windows, tables, spans,
+        result: BatchResult = await self._offload(
+            out_bytes, _assemble, keymap, batch, windows, tables, spans
         )
         if options.max_response_bytes and result.nbytes > options.max_response_bytes:
             raise _too_big(result.nbytes, options.max_response_bytes, len(samples))
@@ -147,20 +148,6 @@ class Planner:
             use_cut = cut if e.key_type == "action_keys" else None
             out[e.name] = window(e, batch.frame, batch.total, batch.fps, use_cut)
         return out
-
-    def _check_numeric_size(self, keymap: Keymap, batch: _Batch, windows: dict[str, Window],
-                            options: ReadOptions) -> None:
-        if not options.max_response_bytes:
-            return
-        total = 0
-        for e in keymap:
-            if e.rule is Rule.ANNOTATION:
-                continue
-            info = batch.episodes[0].readers[e.zarr_key].info
-            per_row = 4 * int(np.prod(info.feature)) if not info.is_bytes else 4
-            total += windows[e.name].rows.size * per_row
-        if total > options.max_response_bytes:
-            raise _too_big(total, options.max_response_bytes, len(batch.ep))
 
     def _table(self, key: str, keymap: Keymap, batch: _Batch,
                windows: dict[str, Window]) -> _Table:
@@ -271,6 +258,18 @@ class Planner:
         return fn(*args)
 
 
+def _output_bytes(keymap: Keymap, batch: _Batch, windows: dict[str, Window]) -> int:
+    """Bytes of the numeric outputs and frame indexes, known before anything is fetched."""
+    total = 0
+    for e in keymap:
+        if e.rule is Rule.ANNOTATION:
+            continue
+        info = batch.episodes[0].readers[e.zarr_key].info
+        per_row = 4 if info.is_bytes else 4 * int(np.prod(info.feature))
+        total += windows[e.name].rows.size * per_row
+    return total
+
+
 def _check_keys(keymap: Keymap, episode: Episode) -> None:
     for e in keymap:
         if e.zarr_key not in episode.readers:
@@ -376,7 +375,8 @@ def _distinct_frames(table: _Table) -> list[bytes]:
     c = table.chunk_rows[eps]
     pos = np.searchsorted(table.packed, eps * _M + rows // c)
     within = rows % c
-    return [table.chunks[p][r] for p, r in zip(pos.tolist(), within.tolist())]  # type: ignore[index]
+    chunks: list[Any] = table.chunks
+    return [chunks[p][r] for p, r in zip(pos.tolist(), within.tolist())]
 
 
 def _masks(keymap: Keymap, windows: dict[str, Window], arrays: dict[str, np.ndarray]) -> None:

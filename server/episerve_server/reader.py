@@ -184,7 +184,7 @@ class ShardedReader(ChunkReader):
         data = buf.to_bytes()
         if len(data) != nbytes:
             raise self._loss(f"shard {key!r} returned {len(data)} bytes, expected {nbytes}")
-        return data
+        return bytes(data)
 
     def _loss(self, what: str) -> DataLossError:
         info = self.info
@@ -241,7 +241,8 @@ class FallbackReader(ChunkReader):
                 f"{first}..{last} failed ({type(exc).__name__}: {exc})",
                 episode=self.info.episode, key=self.info.name,
             ) from exc
-        return [_pad_rows(rows[k * c : (k + 1) * c], c, self.info.is_bytes)
+        block: Any = rows
+        return [_pad_rows(block[k * c : (k + 1) * c], c, self.info.is_bytes)
                 for k in range(last - first + 1)]
 
 
@@ -311,7 +312,7 @@ def _sharded(episode: str, name: str, array: AsyncArray[Any], meta: ArrayV3Metad
     if decoder is None or not plain_index or inner[1:] != shape[1:] \
             or shard_shape[1:] != shape[1:] or shard_shape[0] % inner[0]:
         return FallbackReader(info, array, on_fallback_read)
-    endian = getattr(index_codecs[0].endian, "value", "little")
+    endian = getattr(getattr(index_codecs[0], "endian", None), "value", "little")
     return ShardedReader(
         info, decoder, store, _key_fn(meta, prefix, len(shape)),
         per_shard=shard_shape[0] // inner[0],
@@ -350,7 +351,7 @@ def _v3_decoder(info: ArrayInfo, codecs: Sequence[Any], array: AsyncArray[Any]) 
     dtype = array.dtype
     if not info.is_bytes and head.endian is not None:
         dtype = dtype.newbyteorder("<" if head.endian.value == "little" else ">")
-    ordered = tuple(m() for m in reversed(makers))  # type: ignore[misc]
+    ordered = tuple(m() for m in reversed(makers) if m is not None)
     return Decoder(info, ordered, dtype, _fill(array.metadata.fill_value, info))
 
 

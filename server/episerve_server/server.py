@@ -111,13 +111,13 @@ def _bind(server: grpc.aio.Server, config: ServerConfig) -> str:
 
 def _add_port(server: grpc.aio.Server, config: ServerConfig, where: str) -> int:
     if not config.tls:
-        return server.add_insecure_port(where)
+        return int(server.add_insecure_port(where))
     key = Path(config.tls_key).read_bytes()
     cert = Path(config.tls_cert).read_bytes()
     ca = Path(config.tls_client_ca).read_bytes() if config.tls_client_ca else None
     creds = grpc.ssl_server_credentials(((key, cert),), root_certificates=ca,
                                         require_client_auth=ca is not None)
-    return server.add_secure_port(where, creds)
+    return int(server.add_secure_port(where, creds))
 
 
 async def _health_server(config: ServerConfig, servicer: Any) -> grpc.aio.Server:

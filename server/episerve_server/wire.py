@@ -48,7 +48,7 @@ def _packed_ints(field: int, values: Iterable[int]) -> list[Buf]:
 
 
 def _raw(arr: np.ndarray) -> memoryview:
-    return memoryview(np.ascontiguousarray(arr)).cast("B")
+    return memoryview(np.ascontiguousarray(arr)).cast("B")  # type: ignore[arg-type]
 
 
 def _message(field: int, parts: list[Buf]) -> list[Buf]:

@@ -218,7 +218,7 @@ def _refused(target: str, tls: TLS) -> None:
         health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     with Client(target, timeout_s=1, tls=tls) as c, \
-            pytest.raises(errors.Unavailable | errors.DeadlineExceeded):
+            pytest.raises((errors.Unavailable, errors.DeadlineExceeded)):
         c.read(KEYPOINTS, [("ep000a", 0)])
 
 

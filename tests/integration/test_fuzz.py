@@ -27,13 +27,13 @@ from typing import Any
 
 import grpc
 import pytest
-from episerve_proto.v1 import episerve_pb2 as pb
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from episerve_client import Client, convert, errors
 from episerve_client.launch import DaemonProcess
+from episerve_proto.v1 import episerve_pb2 as pb
 from tests import ramp
 
 SERVICE = "/episerve.v1.EpiServe/"
@@ -97,7 +97,7 @@ class Fuzzed:
         assert code not in NEVER, (method, payload[:200], code, details)
         assert code == "KNOWN_BUG" or "this is a bug" not in details, (method, payload[:200],
                                                                        details)
-        self.reasons[f"{code} {_shape(details)}"] += 1
+        self.reasons[f"{test}: {code} {_shape(details)}"] += 1
         assert self.daemon.proc.poll() is None, "the daemon died"
         return code, details
 
@@ -159,7 +159,7 @@ def fuzzed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fuzzed]:
                "seconds": round(time.monotonic() - started, 1),
                "by_test": {t: dict(c.most_common()) for t, c in fz.outcomes.items()},
                "by_code": dict(sum(fz.outcomes.values(), Counter()).most_common()),
-               "top_answers": dict(fz.reasons.most_common(25))}
+               "top_answers": dict(fz.reasons.most_common(40))}
     out = tmp_path_factory.getbasetemp() / "fuzz_summary.json"
     out.write_text(json.dumps(summary, indent=2) + "\n")
     print(f"\nfuzz summary ({out}):\n{json.dumps(summary, indent=2)}")
@@ -300,7 +300,8 @@ def plausible_specs(draw: st.DrawFn, name: str) -> dict[str, Any]:
              "lag_s": st.floats(0.01, 3.0)}
     for field_name, values in small.items():
         if draw(st.integers(0, 2)) == 0:
-            spec[field_name] = draw(st.one_of(values, values, values, OPTIONAL[field_name]))
+            wild = draw(st.integers(0, 15)) == 0
+            spec[field_name] = draw(OPTIONAL[field_name] if wild else values)
     return spec
 
 
@@ -312,9 +313,9 @@ def plausible_reads(draw: st.DrawFn) -> bytes:
     for _ in range(draw(st.integers(1, 8))):
         episode = draw(st.sampled_from(REAL_IDS))
         msg.episodes.append(episode)
-        msg.frames.append(draw(st.one_of(st.integers(0, TOTALS[episode] - 1),
-                                         st.integers(0, TOTALS[episode] - 1),
-                                         st.integers(-1, 300))))
+        wide = draw(st.integers(0, 19)) == 0
+        msg.frames.append(draw(st.integers(-1, 300) if wide
+                               else st.integers(0, TOTALS[episode] - 1)))
     msg.annotation_cutoff = draw(st.booleans())
     if draw(st.integers(0, 4)) == 0:
         msg.max_response_bytes = draw(st.integers(0, 1 << 16))
@@ -331,7 +332,7 @@ def test_fuzzed_read_requests_get_deliberate_answers(fuzzed: Fuzzed, data: st.Da
     fuzzed.send("read_messages", "Read", data.draw(read_requests(fuzzed.keymap_id)))
 
 
-@settings(FUZZ, max_examples=1000)
+@settings(FUZZ, max_examples=800)
 @given(payload=plausible_reads())
 def test_plausible_read_requests_get_deliberate_answers(fuzzed: Fuzzed, payload: bytes) -> None:
     fuzzed.send("plausible_reads", "Read", payload)

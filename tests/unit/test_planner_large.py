@@ -1,0 +1,26 @@
+"""Batches big enough that decoding and assembly move off the event loop."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tests.conftest import assert_matches_oracle
+from tests.unit.test_planner import KEYMAPS
+
+
+def test_large_batch_is_assembled_off_the_loop_and_matches(ramp_served: dict[Any, Any]) -> None:
+    served = ramp_served["sharded", False]
+    samples = [("ep003d", f % 257) for f in range(0, 3 * 257, 3)]  # 257 samples
+    served.planner.offload_bytes = 64 << 10  # force the thread path on both stages
+    try:
+        result = served.read(KEYMAPS["mecka_keypoints_k4"], samples, cutoff=True)
+    finally:
+        served.planner.offload_bytes = 1 << 20
+    assert result.arrays["left.action_keypoints"].shape == (257, 30, 63)
+    picks = [0, 1, 128, 255, 256]
+    sub = [samples[b] for b in picks]
+    small = served.read(KEYMAPS["mecka_keypoints_k4"], sub, cutoff=True)
+    assert_matches_oracle(served, small, KEYMAPS["mecka_keypoints_k4"], sub, cutoff=True)
+    for k, b in enumerate(picks):
+        for name, arr in result.arrays.items():
+            assert (arr[b] == small.arrays[name][k]).all(), (name, b)
