@@ -100,3 +100,37 @@ def test_broken_episode_is_listed_and_the_rest_keep_serving(tmp_path: Path, star
     assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
     assert "'ep001b'" in str(info.value) and "total_frames" in str(info.value)
     assert client.read(KEYPOINTS, [("ep003d", 3)]).arrays["k"].shape == (1, 63)
+
+
+def test_async_client_rides_out_a_daemon_restart(ramp_roots: dict[str, Path],
+                                                 tmp_path: Path) -> None:
+    import asyncio
+
+    from episerve_client import AsyncClient
+    from episerve_client.launch import DaemonProcess
+
+    sock = tmp_path / "r.sock"
+    first = DaemonProcess(ramp_roots["sharded"], unix=sock)
+    restarted: list[DaemonProcess] = []
+
+    async def main() -> list[int]:
+        frames = []
+        async with AsyncClient(first.target, timeout_s=60) as client:
+            for f in range(0, 200, 10):
+                if f == 50:
+                    first.kill()
+                    loop = asyncio.get_running_loop()
+                    loop.call_later(1.0, lambda: restarted.append(
+                        DaemonProcess(ramp_roots["sharded"], unix=sock)))
+                result = await client.read(KEYPOINTS, [("ep003d", f)])
+                frames.append(int(result.frame_index[0]))
+                assert result.arrays["k"][0, 0] == ramp.ramp_row(3, "left.obs_keypoints", f)[0]
+        return frames
+
+    try:
+        assert asyncio.run(main()) == list(range(0, 200, 10))
+        assert restarted
+    finally:
+        first.kill()
+        for d in restarted:
+            d.stop()
