@@ -9,8 +9,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from episerve_proto.v1 import episerve_pb2 as pb
 from google.protobuf.message import DecodeError
+
+from episerve_proto.v1 import episerve_pb2 as pb
 
 from .errors import DataLossError
 

@@ -14,8 +14,7 @@ from .reader import ChunkReader, decode_chunk
 
 
 async def load_spans(episode: Episode, key: str,
-                     fetch: Callable[[ChunkReader, int, int], Awaitable[list[Any]]],
-                     offload: Callable[..., Awaitable[Any]]) -> list[Span]:
+                     fetch: Callable[[ChunkReader, int, int], Awaitable[list[Any]]]) -> list[Span]:
     """The valid spans of ``key``, in listed order; read once per episode, then kept."""
     cached = episode.spans.get(key)
     if cached is not None:

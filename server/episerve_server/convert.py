@@ -8,8 +8,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from episerve_proto.v1 import episerve_pb2 as pb
 from google.protobuf.message import DecodeError, Message
+
+from episerve_proto.v1 import episerve_pb2 as pb
 
 from .catalog import Episode
 from .errors import InvalidArgument

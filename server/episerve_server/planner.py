@@ -132,7 +132,7 @@ class Planner:
         out: dict[str, list[list[Any]]] = {}
         for key in sorted(keys):
             out[key] = list(await asyncio.gather(
-                *(load_spans(e, key, self._fetch_raw, self._offload) for e in batch.episodes)
+                *(load_spans(e, key, self._fetch_raw) for e in batch.episodes)
             ))
         return out
 

@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from episerve_proto.v1 import episerve_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from episerve_proto.v1 import episerve_pb2
 
 from .cache import ChunkCache
 from .catalog import Catalog
