@@ -14,7 +14,7 @@ from .batch import SampleBatch
 from .client import Client
 from .convert import EpisodeInfo, ReadResult
 from .errors import BrokenEpisodeError, DataLossError, EpisodeNotFound, InvalidArgument
-from .jpeg import decode_column
+from .jpeg import FrameSizeMismatch, decode_column
 
 DEFAULT_CONNECT_TIMEOUT_S = 15.0
 Transform = Callable[[dict[str, Any]], dict[str, Any]]
@@ -128,7 +128,16 @@ class WindowDataset(Dataset[dict[str, Any]]):
                 objects[name] = [frames[int(k)] if np.ndim(k) == 0 else [frames[int(j)]
                                  for j in k] for k in index]
                 continue
-            decoded, bad = decode_column(frames, index)
+            try:
+                decoded, bad = decode_column(frames, index)
+            except FrameSizeMismatch as exc:
+                episode = result.episodes[exc.position]
+                raise InvalidArgument(
+                    f"episode {episode!r} key {source!r} (output {name!r}): {exc}; a batch "
+                    "must hold frames of one size (batch episodes of one camera together, "
+                    "or resize in a transform with decode_images=False)",
+                    episode=episode, key=source,
+                ) from exc
             failed |= bad
             if decoded is None:
                 decoded = np.zeros((*index.shape, 3, 1, 1), np.float32)

@@ -12,6 +12,15 @@ class FrameDecodeError(ValueError):
     pass
 
 
+class FrameSizeMismatch(ValueError):
+    """Frames of one camera output differ in size within a batch: they cannot be stacked."""
+
+    def __init__(self, position: int, got: tuple[int, int], expected: tuple[int, int]) -> None:
+        super().__init__(f"frame of sample {position} is {got[0]}x{got[1]}, the batch's "
+                         f"others are {expected[0]}x{expected[1]}")
+        self.position, self.got, self.expected = position, got, expected
+
+
 def decode_rgb(data: bytes) -> np.ndarray:
     """One JPEG to an HxWx3 uint8 array; ``FrameDecodeError`` when it is not a valid JPEG."""
     try:
@@ -31,7 +40,7 @@ def decode_column(frames: list[bytes], index: np.ndarray) -> tuple[np.ndarray | 
     """Frames ``index`` (shape [B] or [B, K]) as [B, (K,) 3, H, W] float32.
 
     Returns the array (None if nothing decoded) and the sample positions whose frames
-    failed to decode or differ in size from the rest.
+    failed to decode. Frames that decode to a different size raise ``FrameSizeMismatch``.
     """
     flat = index.reshape(len(index), -1)
     decoded: dict[int, np.ndarray | None] = {}
@@ -50,8 +59,10 @@ def decode_column(frames: list[bytes], index: np.ndarray) -> tuple[np.ndarray | 
     for b, row in enumerate(flat.tolist()):
         for j, k in enumerate(row):
             img = decoded[k]
-            if img is None or img.shape[:2] != (h, w):
+            if img is None:
                 failed.add(b)
                 break
+            if img.shape[:2] != (h, w):
+                raise FrameSizeMismatch(b, img.shape[:2], (h, w))
             to_chw(img, view[b, j])
     return out, failed

@@ -204,3 +204,17 @@ def test_clear_errors_fail_fast(daemon: DaemonProcess, tmp_path: Path) -> None:
                                             "key_type": "action_keys", "horizon": 0}})
     with pytest.raises(errors.KeymapError, match="'nope'"):
         WindowDataset(daemon.target, {"a": {"zarr_key": "nope", "key_type": "action_keys"}})
+
+
+def test_mixed_frame_sizes_in_one_batch_are_a_clear_error(tmp_path: Path) -> None:
+    for h, (width, height) in {"small": (32, 24), "wide": (48, 24)}.items():
+        frames = [ramp.frame_jpeg(1, t, width=width, height=height) for t in range(20)]
+        write_episode(tmp_path, h, total_frames=20, fps=30, embodiment="human_bimanual",
+                      numeric={}, jpeg={"images.front_1": frames}, annotations=[])
+    keymap = {"front": {"zarr_key": "images.front_1", "key_type": "camera_keys"}}
+    with DaemonProcess(tmp_path, unix=tmp_path / "s.sock") as d:
+        ds = WindowDataset(d.target, keymap)
+        assert ds[0]["front"].shape == (3, 24, 32) and ds[20]["front"].shape == (3, 24, 48)
+        with pytest.raises(errors.InvalidArgument) as info:
+            ds.__getitems__([0, 1, 20])
+    assert "'wide'" in str(info.value) and "24x48" in str(info.value)
