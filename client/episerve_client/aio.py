@@ -66,7 +66,7 @@ class AsyncClient(BaseClient):
         if channel is None:
             if self.tls is not None:
                 channel = grpc.aio.secure_channel(target, self.tls.credentials(),
-                                                  CHANNEL_OPTIONS)
+                                                  self.tls.options())
             else:
                 channel = grpc.aio.insecure_channel(target, CHANNEL_OPTIONS)
             self._channels[target] = channel

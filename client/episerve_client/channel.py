@@ -27,6 +27,8 @@ CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1_000),
+    # A dns:/// name with several replicas behind it: spread calls over all of them.
+    ("grpc.service_config", '{"loadBalancingConfig": [{"round_robin": {}}]}'),
 )
 
 
@@ -38,6 +40,11 @@ class TLS:
     cert: str = ""
     key: str = ""
     server_name: str = ""
+
+    def options(self) -> tuple[tuple[str, Any], ...]:
+        if self.server_name:
+            return (*CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", self.server_name))
+        return CHANNEL_OPTIONS
 
     def credentials(self) -> grpc.ChannelCredentials:
         def read(p: str) -> bytes | None:

@@ -66,7 +66,7 @@ class Client(BaseClient):
         channel = self._channels.get(target)
         if channel is None:
             if self.tls is not None:
-                channel = grpc.secure_channel(target, self.tls.credentials(), CHANNEL_OPTIONS)
+                channel = grpc.secure_channel(target, self.tls.credentials(), self.tls.options())
             else:
                 channel = grpc.insecure_channel(target, CHANNEL_OPTIONS)
             self._channels[target] = channel

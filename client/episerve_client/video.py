@@ -182,7 +182,8 @@ class VideoWriter:
         size = (self._stream.width, self._stream.height)
         if img.size != size:
             img = _pad(img, size)
-        for packet in self._stream.encode(av.VideoFrame.from_image(img)):
+        picture = av.VideoFrame.from_ndarray(np.asarray(img), format="rgb24")
+        for packet in self._stream.encode(picture):
             self._container.mux(packet)
         self.frames += 1
 

@@ -48,6 +48,7 @@ class ServerConfig:
     s3_endpoint: str = ""
     log_level: str = "INFO"
     max_store_concurrency: int = 64
+    max_connection_age_s: float = 0.0
     inject_latency_s: float = 0.0  # fault injection for tests: delay every store request
 
     @property
@@ -122,5 +123,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING (default INFO)")
     p.add_argument("--max-store-concurrency", type=int, help="store requests in flight "
                    "(default 64)")
+    p.add_argument("--max-connection-age-s", type=float, help="close client connections "
+                   "after this long (they reconnect, maybe to a new replica); 0: never")
     p.add_argument("--inject-latency-s", type=float, help=argparse.SUPPRESS)
     return p

@@ -6,8 +6,8 @@ Only what the daemon does not count itself is kept here: RPCs by method and stat
 their latency, and the number of samples per Read.
 
 The HTTP server runs in a thread of prometheus-client's. Scrapes read plain integers that
-the event loop writes, which is safe under the GIL; nothing here iterates a dict the loop
-may be growing.
+the event loop writes, which is safe under the GIL; the one dict the loop may grow (the
+catalog's episodes) is copied in a single C call, never iterated in Python.
 """
 
 from __future__ import annotations
@@ -45,7 +45,6 @@ PREFIX = "episerve"
 RPC_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                        10.0, 30.0, 120.0)
 BATCH_SAMPLES_BUCKETS = tuple(float(2**k) for k in range(13))  # 1 .. 4096 (--max-batch)
-READ_METHOD = "/episerve.v1.EpiServe/Read"
 
 # Help for the ``Stats`` counters; a counter added there is exported with a generic help.
 COUNTER_HELP = {
@@ -120,7 +119,7 @@ class Metrics:
         self.registry.register(StatsCollector(service))
         self.registry.register(_InfoCollector(service.config))
         ProcessCollector(registry=self.registry)
-        self._samples_seen = service.stats.samples_read
+        service.on_batch = self.batch_samples.observe
         self._http: Any = None
 
     @classmethod
@@ -140,17 +139,6 @@ class Metrics:
         service, _, name = method.lstrip("/").rpartition("/")
         self.rpcs.labels(service, name, code).inc()
         self.rpc_seconds.labels(service, name).observe(seconds)
-        if method == READ_METHOD:
-            self._observe_batch(code)
-
-    def _observe_batch(self, code: str) -> None:
-        # The samples a Read planned are the growth of ``samples_read`` since the previous
-        # Read finished. Exact while Reads do not overlap; overlapping Reads keep the sum
-        # exact but may merge their sizes into one observation.
-        total = self.service.stats.samples_read
-        planned, self._samples_seen = total - self._samples_seen, total
-        if code == "OK" and planned > 0:
-            self.batch_samples.observe(planned)
 
     def close(self) -> None:
         if self._http is not None:

@@ -54,6 +54,7 @@ class Daemon:
     service: ReadService
     address: str
     extra_servers: list[Any]
+    metrics: Any = None
 
     async def drain(self) -> None:
         """Health NOT_SERVING, refuse new reads, let in-flight reads finish, then stop."""
@@ -65,11 +66,14 @@ class Daemon:
         await self.server.stop(max(0.1, deadline - time.monotonic()))
         for extra in self.extra_servers:
             await extra.stop(0)
+        if self.metrics is not None:
+            self.metrics.close()
 
 
 async def start(config: ServerConfig, *, stats: Stats | None = None) -> Daemon:
     stats = stats or Stats()
-    store = open_root(config.root, stats=stats, storage_options=_storage_options(config))
+    store = open_root(config.root, stats=stats, storage_options=_storage_options(config),
+                      max_connections=config.max_store_concurrency)
     store.latency_s = config.inject_latency_s
     cache = ChunkCache(config.cache_bytes, stats)
     catalog = Catalog(store, allow=config.allow, on_drop=cache.drop_episode)
@@ -80,7 +84,11 @@ async def start(config: ServerConfig, *, stats: Stats | None = None) -> Daemon:
     interceptors: list[grpc.aio.ServerInterceptor] = [LoggingInterceptor(metrics)]
     if config.token:
         interceptors.append(TokenInterceptor(config.token))
-    server = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
+    options = SERVER_OPTIONS
+    if config.max_connection_age_s > 0:  # GOAWAY old connections so new replicas get load
+        options += (("grpc.max_connection_age_ms", int(config.max_connection_age_s * 1000)),
+                    ("grpc.max_connection_age_grace_ms", int(config.grace_s * 1000)))
+    server = grpc.aio.server(interceptors=interceptors, options=options)
     server.add_generic_rpc_handlers((service.handlers(),))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -93,7 +101,7 @@ async def start(config: ServerConfig, *, stats: Stats | None = None) -> Daemon:
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return Daemon(config, server, health_servicer, service, address, extra)
+    return Daemon(config, server, health_servicer, service, address, extra, metrics)
 
 
 def _bind(server: grpc.aio.Server, config: ServerConfig) -> str:

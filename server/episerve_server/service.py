@@ -80,6 +80,7 @@ class ReadService:
         self.keymaps: OrderedDict[str, Keymap] = OrderedDict()
         self.draining = False
         self.inflight = 0
+        self.on_batch: Callable[[int], None] | None = None  # samples per successful Read
         self._last_scan = 0.0
         self._scan_lock = asyncio.Lock()
 
@@ -177,6 +178,8 @@ class ReadService:
             data = wire.encode_result(result)
         self.stats.read_rpcs += 1
         self.stats.bytes_sent += len(data)
+        if self.on_batch is not None:
+            self.on_batch(len(call.samples))
         return data
 
     def _registered(self, kid: str) -> Keymap:

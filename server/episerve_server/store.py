@@ -96,10 +96,12 @@ def object_store_options(root: str, storage_options: dict[str, Any] | None,
 
     - No listings cache: fsspec keeps directory listings forever by default, so a rescan
       would never see an episode uploaded after the first listing.
+    - No shared instance: fsspec hands out one cached filesystem per set of options, bound
+      to the event loop that made it; a store opened on another loop must get its own.
     - S3: a connection pool as large as the daemon's store concurrency (botocore's default
       of 10 would queue the planner's concurrent chunk reads behind each other).
     """
-    options: dict[str, Any] = {"use_listings_cache": False}
+    options: dict[str, Any] = {"use_listings_cache": False, "skip_instance_cache": True}
     if root.split("://", 1)[0] in {"s3", "s3a"}:
         options["config_kwargs"] = {"max_pool_connections": max_connections}
     for key, value in (storage_options or {}).items():
