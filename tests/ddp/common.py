@@ -7,13 +7,17 @@ one probe ``WindowDataset`` makes when rank 0 builds the video dataset).
 
 from __future__ import annotations
 
+import faulthandler
+import functools
 import json
 import os
+import signal
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+
 from episerve_client.batch import SampleBatch
 from episerve_client.client import Client
 from episerve_client.dataset import WindowDataset
@@ -34,6 +38,13 @@ ACTION_KEY = "left.action_keypoints"
 OBS_KEY = "left.obs_keypoints"
 SCALE = 1e-7  # ramp values reach ~1.6e7; the tiny model sees them scaled to ~1
 KEYMAP = bundled_keymap()
+# The metric and video loaders have a worker each; the training loader reads in the rank's
+# own process (it proves nothing here, and each spawned worker costs seconds of imports).
+# Workers are spawned, not forked: a process that has used gRPC (every rank has: building a
+# WindowDataset reads a probe batch) can deadlock a forked child's first RPC. Persistent, so
+# each loader starts its worker once, at its first iteration.
+LOADER_KWARGS: dict[str, Any] = {"num_workers": 1, "multiprocessing_context": "spawn",
+                                 "persistent_workers": True}
 
 
 class RecordingDataset(WindowDataset):
@@ -53,6 +64,17 @@ def recording(target: str, episodes: Sequence[str], log_path: Path) -> Recording
     ds = RecordingDataset(target, KEYMAP, episodes=list(episodes))
     ds.log_path = str(log_path)
     return ds
+
+
+def record_worker(path: str, loader: str, worker_id: int) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps({"loader": loader, "pid": os.getpid(), "worker": worker_id}) + "\n")
+
+
+def worker_kwargs(out: Path, rank: int, loader: str) -> dict[str, Any]:
+    """LOADER_KWARGS, and every worker start logged to ``out/workers.rank<r>.jsonl``."""
+    log = str(out / f"workers.rank{rank}.jsonl")
+    return {**LOADER_KWARGS, "worker_init_fn": functools.partial(record_worker, log, loader)}
 
 
 def tiny_model() -> torch.nn.Module:
@@ -78,6 +100,11 @@ def pinned_counters(target: str, label: str) -> dict[str, Any]:
     with Client(target) as client:
         counters = client.stats()["episodes"].get(PINNED, {"read_rpcs": 0, "chunks_fetched": 0})
     return {"label": label, **counters}
+
+
+def dump_stacks_on_sigusr1() -> None:
+    """The launcher sends SIGUSR1 to a run that timed out: every rank logs its stacks."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 def write_result(out: Path, rank: int, result: Mapping[str, Any]) -> None:

@@ -5,9 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from episerve_client.launch import DaemonProcess
+import pytest
 
-from tests.ddp.conftest import Launch
+from episerve_client.launch import DaemonProcess
+from tests.ddp.harness import Launch
+
+pytestmark = pytest.mark.slow
 
 
 def test_video_on_rank_zero_only_under_torch_ddp(daemon: DaemonProcess, launch: Launch,

@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler, Subset
+
 from episerve_client import collate
 from episerve_client.video import (
     EpochSchedule,
@@ -22,9 +26,6 @@ from episerve_client.video import (
     render_pass,
     video_loader,
 )
-from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, DistributedSampler, Subset
-
 from tests.ddp import common as c
 
 
@@ -33,25 +34,28 @@ def loaders(target: str, out: Path, rank: int) -> tuple[DataLoader[Any], DataLoa
     log = out / f"requests.rank{rank}.jsonl"
     train_ds = c.recording(target, c.TRAIN_EPISODES, log)
     subset = Subset(train_ds, range(0, len(train_ds), 12))  # 30 samples: 2 batches per rank
-    train = DataLoader(subset, batch_size=c.BATCH, num_workers=1, collate_fn=collate,
+    train = DataLoader(subset, batch_size=c.BATCH, collate_fn=collate,
                        sampler=DistributedSampler(subset, seed=0))
     metric_ds = c.recording(target, c.METRIC_EPISODES, log)
-    metric = DataLoader(metric_ds, batch_size=c.BATCH, num_workers=1, collate_fn=collate,
+    metric = DataLoader(metric_ds, batch_size=c.BATCH, collate_fn=collate,
+                        **c.worker_kwargs(out, rank, "metric"),
                         sampler=DistributedSampler(metric_ds, shuffle=False))
     # Rank 0 builds the video dataset (one probe read of the pinned episode) and sends it
     # over: rank 1 holds the same dataset and loader without ever asking for that episode.
     box = [c.recording(target, [c.PINNED], log) if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
     video_ds = box[0]
+    assert video_ds is not None
     video_ds.log_path = str(log)
     schedule = EpochSchedule(every_n_epochs=c.EVERY_N_EPOCHS, max_epochs=c.EPOCHS)
     video = video_loader(video_ds, batch_size=c.VIDEO_BATCH, max_batches=c.MAX_BATCHES,
-                         num_workers=1)
+                         **c.worker_kwargs(out, rank, "video"))
     gate = VizGatedLoader(video, schedule, max_batches=c.MAX_BATCHES)
     return train, metric, gate, schedule
 
 
 def main(target: str, out: Path) -> None:
+    c.dump_stacks_on_sigusr1()
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     train, metric, gate, schedule = loaders(target, out, rank)
@@ -75,7 +79,7 @@ def main(target: str, out: Path) -> None:
         result["gate_len"][epoch] = len(gate)
         frames: list[int] = []
 
-        def predict(batch: dict[str, Any], frames: list[int] = frames) -> torch.Tensor:
+        def predict(batch: Mapping[str, Any], frames: list[int] = frames) -> torch.Tensor:
             frames.extend(batch["frame_index"].tolist())
             return c.predict(model.module, batch)  # the bare module: DDP's forward syncs
 

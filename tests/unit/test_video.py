@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from fractions import Fraction
 from pathlib import Path
 from types import SimpleNamespace
@@ -13,8 +13,10 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from PIL import Image
+from torch.utils.data import DataLoader, default_collate
+
 from episerve_client.convert import EpisodeInfo
-from episerve_client.lightning import LightningVizGate, TrainerSchedule, gate_val_loader
 from episerve_client.overlay import DEFAULT_FOCAL_PER_WIDTH, batch_overlays, intrinsics, project
 from episerve_client.video import (
     EpochSchedule,
@@ -27,10 +29,6 @@ from episerve_client.video import (
     video_loader,
     write_video,
 )
-from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.combined_loader import CombinedLoader
-from PIL import Image
-from torch.utils.data import DataLoader, default_collate
 
 
 class RecordingLoader(DataLoader[Any]):
@@ -145,8 +143,6 @@ def test_uncapped_video_setup_is_refused_before_training() -> None:
     with pytest.raises(VideoConfigError, match="viz_max_batches is None"):
         PassRenderer("unused", 0, [episode("ep002c")], max_batches=None, camera_key="c",
                      action_key="a")
-    with pytest.raises(VideoConfigError, match="viz_max_batches is None"):
-        gate_val_loader(RecordingLoader(), SimpleNamespace(), max_batches=None)  # type: ignore[arg-type]
 
 
 def test_video_loader_bounds_its_sampler_to_the_cap() -> None:
@@ -156,28 +152,34 @@ def test_video_loader_bounds_its_sampler_to_the_cap() -> None:
     assert torch.cat(list(loader)).tolist() == list(range(24))
 
 
-# -- the Lightning adapter -------------------------------------------------------------------
+# -- the Lightning adapter (imported only here: Lightning takes seconds to import) ----------
 
 
-def trainer(epoch: int = 0, *, sanity: bool = False, fn: TrainerFn = TrainerFn.FITTING,
-            max_epochs: int = 3) -> Any:
+@pytest.fixture(scope="module")
+def adapter() -> Any:
+    return pytest.importorskip("episerve_client.lightning")
+
+
+def trainer(epoch: int = 0, *, sanity: bool = False, fn: str = "fit", max_epochs: int = 3) -> Any:
     return SimpleNamespace(sanity_checking=sanity, state=SimpleNamespace(fn=fn),
                            current_epoch=epoch, max_epochs=max_epochs)
 
 
-def test_trainer_schedule() -> None:
-    assert [TrainerSchedule(trainer(e), 2)() for e in range(3)] == [True, False, True]
-    assert not TrainerSchedule(trainer(0, sanity=True), 2)()
-    assert TrainerSchedule(trainer(1, fn=TrainerFn.VALIDATING), 2)()
+def test_trainer_schedule(adapter: Any) -> None:
+    assert [adapter.TrainerSchedule(trainer(e), 2)() for e in range(3)] == [True, False, True]
+    assert not adapter.TrainerSchedule(trainer(0, sanity=True), 2)()
+    assert adapter.TrainerSchedule(trainer(1, fn="validate"), 2)()
 
 
-def test_lightning_gate_reports_its_bound_even_when_closed(as_rank: Any) -> None:
+def test_lightning_gate_reports_its_bound_even_when_closed(adapter: Any, as_rank: Any) -> None:
     as_rank(1)
     loader = RecordingLoader(n=10, batch_size=2)
-    gate = LightningVizGate(loader, lambda: True, max_batches=3)
+    gate = adapter.LightningVizGate(loader, lambda: True, max_batches=3)
     assert len(gate) == 3
     assert list(gate) == []
     assert loader.iter_calls == 0
+    with pytest.raises(VideoConfigError, match="viz_max_batches is None"):
+        adapter.gate_val_loader(loader, trainer(), max_batches=None)
 
 
 # Lightning 2.6's CombinedLoader flattens with a torch pytree API that torch 2.13 deprecates.
@@ -185,11 +187,13 @@ LEAFSPEC_DEPRECATED = r"ignore:`isinstance\(treespec, LeafSpec\)` is deprecated:
 
 
 @pytest.mark.filterwarnings(LEAFSPEC_DEPRECATED)
-def test_sequential_combined_loader_never_iterates_a_closed_gate() -> None:
+def test_sequential_combined_loader_never_iterates_a_closed_gate(adapter: Any) -> None:
+    from lightning.pytorch.utilities.combined_loader import CombinedLoader
+
     video = RecordingLoader()
-    gate = gate_val_loader(video, trainer(1), max_batches=3, every_n_epochs=2)
+    gate = adapter.gate_val_loader(video, trainer(1), max_batches=3, every_n_epochs=2)
     combined = CombinedLoader([[10, 11, 12], gate], "sequential")
-    combined.limits = [3, len(gate)]
+    combined.limits = [3, len(gate)]  # as Lightning sets them: the gate's bound, 3
     assert [(b, i) for b, _, i in combined] == [(10, 0), (11, 0), (12, 0)]
     assert video.iter_calls == 0
 
@@ -275,7 +279,7 @@ def test_pass_renderer_writes_one_video_per_episode_at_its_fps(tmp_path: Path) -
 
 
 def test_pass_renderer_interrupted_mid_episode(tmp_path: Path) -> None:
-    def predict(b: dict[str, Any]) -> torch.Tensor:
+    def predict(b: Mapping[str, Any]) -> torch.Tensor:
         if int(b["frame_index"][0]) >= 4:
             raise RuntimeError("model failed")
         return b["act"]
