@@ -10,8 +10,8 @@ from typing import Any
 import grpc
 
 from . import convert
-from ._base import BaseClient, Call, Flow, KeymapLike, Op, Outcome, Sleep
-from .channel import CHANNEL_OPTIONS, SERVICE
+from ._base import BaseClient, Call, Flow, KeymapLike, Op, Outcome, Sleep, load_keymap
+from .channel import CHANNEL_OPTIONS, SERVICE, note_grpc_use
 from .convert import Listing, ReadResult
 from .errors import from_rpc_error
 
@@ -50,6 +50,13 @@ class AsyncClient(BaseClient):
                     timeout_s: float | None = None) -> dict[str, Any]:
         return convert.stats(await self._run(self.unary_flow("GetStats", b"", target, timeout_s)))
 
+    async def register_keymap(self, keymap: KeymapLike, *,
+                              timeout_s: float | None = None) -> str:
+        """Validate a keymap on the daemon; returns its id (a content hash)."""
+        payload = convert.register_request(load_keymap(keymap))
+        return convert.keymap_id(await self._run(self.unary_flow("RegisterKeymap", payload,
+                                                                 None, timeout_s)))
+
     async def read(self, keymap: KeymapLike, samples: Sequence[tuple[str, int]], *,
                    annotation_cutoff: bool = False,
                    timeout_s: float | None = None) -> ReadResult:
@@ -64,6 +71,7 @@ class AsyncClient(BaseClient):
             self._channels, self._pid = {}, os.getpid()
         channel = self._channels.get(target)
         if channel is None:
+            note_grpc_use()
             if self.tls is not None:
                 channel = grpc.aio.secure_channel(target, self.tls.credentials(),
                                                   self.tls.options())

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ipaddress
+import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,7 +14,12 @@ import grpc
 
 from .errors import InvalidArgument
 
+log = logging.getLogger(__name__)
+
 SERVICE = "/episerve.v1.EpiServe/"
+#: Processes that opened an episerve channel. A forked child inherits this set, which is how
+#: it can tell that gRPC was already running in its parent.
+_GRPC_PIDS: set[int] = set()
 # Keepalive: every 30 s, above the daemon's 10 s minimum ping interval, so the daemon never
 # answers too_many_pings (episerve_server.server.MIN_PING_INTERVAL_MS).
 KEEPALIVE_TIME_MS = 30_000
@@ -51,6 +58,26 @@ class TLS:
             return Path(p).read_bytes() if p else None
 
         return grpc.ssl_channel_credentials(read(self.ca), read(self.key), read(self.cert))
+
+
+def note_grpc_use() -> None:
+    """Record that this process uses gRPC; warn once in a child forked after its parent did.
+
+    gRPC does not survive ``fork``: a DataLoader worker forked from a process that had
+    already made calls can hang on its first one.
+    """
+    pid = os.getpid()
+    if pid in _GRPC_PIDS:
+        return
+    if _GRPC_PIDS:
+        log.warning(
+            "process %d was forked from a process that had already used gRPC (pid %s); "
+            "gRPC calls after such a fork can hang. Start DataLoader workers with "
+            "multiprocessing_context='spawn' or 'forkserver', or do not read through "
+            "episerve in the main process before the workers start", pid,
+            ", ".join(map(str, sorted(_GRPC_PIDS))),
+        )
+    _GRPC_PIDS.add(pid)
 
 
 def parse_targets(target: str | Sequence[str]) -> tuple[str, ...]:

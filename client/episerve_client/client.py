@@ -10,8 +10,8 @@ from typing import Any
 import grpc
 
 from . import convert
-from ._base import BaseClient, Call, Flow, KeymapLike, Op, Outcome, Sleep
-from .channel import CHANNEL_OPTIONS, SERVICE
+from ._base import BaseClient, Call, Flow, KeymapLike, Op, Outcome, Sleep, load_keymap
+from .channel import CHANNEL_OPTIONS, SERVICE, note_grpc_use
 from .convert import Listing, ReadResult
 from .errors import from_rpc_error
 
@@ -52,6 +52,12 @@ class Client(BaseClient):
     def stats(self, *, target: str | None = None, timeout_s: float | None = None) -> dict[str, Any]:
         return convert.stats(self._run(self.unary_flow("GetStats", b"", target, timeout_s)))
 
+    def register_keymap(self, keymap: KeymapLike, *, timeout_s: float | None = None) -> str:
+        """Validate a keymap on the daemon; returns its id (a content hash)."""
+        payload = convert.register_request(load_keymap(keymap))
+        return convert.keymap_id(self._run(self.unary_flow("RegisterKeymap", payload, None,
+                                                           timeout_s)))
+
     def read(self, keymap: KeymapLike, samples: Sequence[tuple[str, int]], *,
              annotation_cutoff: bool = False, timeout_s: float | None = None) -> ReadResult:
         result: ReadResult = self._run(self.read_flow(
@@ -65,6 +71,7 @@ class Client(BaseClient):
             self._channels, self._pid = {}, os.getpid()
         channel = self._channels.get(target)
         if channel is None:
+            note_grpc_use()
             if self.tls is not None:
                 channel = grpc.secure_channel(target, self.tls.credentials(), self.tls.options())
             else:

@@ -26,6 +26,7 @@ class EpisodeInfo:
     embodiment: str
     features: dict[str, Any]
     attrs: dict[str, Any]
+    arrays: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +130,8 @@ def listing(data: bytes) -> Listing:
     msg = _parse(pb.ListEpisodesResponse, data)
     episodes = [
         EpisodeInfo(e.hash, e.total_frames, e.fps, e.embodiment,
-                    json.loads(e.features_json or "{}"), json.loads(e.attrs_json or "{}"))
+                    json.loads(e.features_json or "{}"), json.loads(e.attrs_json or "{}"),
+                    tuple(e.arrays))
         for e in msg.episodes
     ]
     return Listing(episodes, {b.hash: b.reason for b in msg.broken})

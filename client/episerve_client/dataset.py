@@ -10,6 +10,7 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from ._base import KeymapLike, load_keymap
+from ._probe import check_keys, probe
 from .batch import SampleBatch
 from .client import Client
 from .convert import EpisodeInfo, ReadResult
@@ -23,9 +24,12 @@ Transform = Callable[[dict[str, Any]], dict[str, Any]]
 class WindowDataset(Dataset[dict[str, Any]]):
     """Samples over episodes sorted by hash; global index ``g`` -> (episode, frame).
 
-    Building it lists the episodes and checks the keymap against the daemon with one
-    short-lived channel, closed before returning, so DataLoader workers (fork or spawn)
-    start with none and each opens its own on first use.
+    Building it lists the episodes and validates the keymap (its fields on the daemon, its
+    zarr keys against every chosen episode) from a short-lived child interpreter, so the
+    building process never starts gRPC and can fork DataLoader workers safely; each worker
+    opens its own channel on first use. Reading through the dataset in the main process
+    before the DataLoader forks its workers starts gRPC there: use
+    ``multiprocessing_context="spawn"`` (or ``"forkserver"``) then.
     """
 
     def __init__(self, target: str | Sequence[str], keymap: KeymapLike, *,
@@ -42,15 +46,13 @@ class WindowDataset(Dataset[dict[str, Any]]):
         self.embodiment_ids = dict(embodiment_ids) if embodiment_ids is not None else None
         self.client_options = dict(client_options or {})
         self._client: Client | None = None
-        with Client(target, **self.client_options) as probe:
-            listing = probe.list_episodes(timeout_s=connect_timeout_s)
-            self.episodes = _select(listing.episodes, listing.broken, episodes)
-            self.camera_keys = {
-                name for name, spec in self.keymap.items()
-                if spec.get("key_type") == "camera_keys"
-            }
-            probe.read(self.keymap, [(self.episodes[0].hash, 0)],
-                       annotation_cutoff=annotation_cutoff, timeout_s=connect_timeout_s)
+        listing = probe(target, self.keymap, timeout_s=connect_timeout_s,
+                        client_options=self.client_options)
+        self.episodes = _select(listing.episodes, listing.broken, episodes)
+        check_keys(self.keymap, listing, [e.hash for e in self.episodes])
+        self.camera_keys = {
+            name for name, spec in self.keymap.items() if spec.get("key_type") == "camera_keys"
+        }
         lengths = np.array([e.total_frames for e in self.episodes], np.int64)
         self._starts = np.concatenate([[0], np.cumsum(lengths)])
         self._rng = random.Random()

@@ -95,7 +95,7 @@ def encode_listing(episodes: Iterable[Episode], broken: dict[str, str]) -> bytes
         msg.episodes.add(
             hash=e.hash, total_frames=e.total_frames, fps=e.fps, embodiment=e.embodiment,
             features_json=json.dumps(e.features, default=str),
-            attrs_json=json.dumps(attrs, default=str),
+            attrs_json=json.dumps(attrs, default=str), arrays=sorted(e.readers),
         )
     for h, reason in broken.items():
         msg.broken.add(hash=h, reason=reason)

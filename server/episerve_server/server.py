@@ -84,7 +84,7 @@ async def start(config: ServerConfig, *, stats: Stats | None = None) -> Daemon:
     interceptors: list[grpc.aio.ServerInterceptor] = [LoggingInterceptor(metrics)]
     if config.token:
         interceptors.append(TokenInterceptor(config.token))
-    options = SERVER_OPTIONS
+    options: tuple[tuple[str, int], ...] = SERVER_OPTIONS
     if config.max_connection_age_s > 0:  # GOAWAY old connections so new replicas get load
         options += (("grpc.max_connection_age_ms", int(config.max_connection_age_s * 1000)),
                     ("grpc.max_connection_age_grace_ms", int(config.grace_s * 1000)))

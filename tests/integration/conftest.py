@@ -43,6 +43,16 @@ def shared_daemons(ramp_roots: dict[str, Path],
         d.stop(timeout_s=15)
 
 
+def isolated(fn: Callable[..., Any], *args: Any, timeout_s: float = 300) -> Any:
+    """``fn(*args)`` in a fresh interpreter that has never used gRPC, so a DataLoader there
+    can fork its workers safely (gRPC does not survive fork). ``fn`` must be importable."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result(timeout=timeout_s)
+
+
 class SyncAsync:
     """An ``AsyncClient`` driven from sync test code, on its own event loop."""
 

@@ -18,6 +18,7 @@ from episerve_client.launch import DaemonProcess
 from episerve_server.writer import write_episode
 from tests import ramp
 from tests.conftest import oracle_of
+from tests.integration.conftest import isolated
 from tests.unit.test_planner import KEYMAPS
 
 EPISODES = ["ep000a", "ep002c"]  # 37 + 101 frames
@@ -74,22 +75,39 @@ CASES = [
 ]
 
 
+def load_batches(target: str, keymap: dict[str, Any], cutoff: bool, context: str,
+                 persistent: bool) -> list[list[dict[str, Any]]]:
+    """Every batch of one or two epochs over ``INDICES``, as numpy, with the (episode,
+    frame) each position was meant to hold. Runs in an isolated interpreter."""
+    ds = WindowDataset(target, keymap, episodes=EPISODES, annotation_cutoff=cutoff)
+    assert len(ds) == 37 + 101
+    loader = DataLoader(ds, batch_size=4, sampler=INDICES, num_workers=2, collate_fn=collate,
+                        multiprocessing_context=context, persistent_workers=persistent)
+    epochs = []
+    for _ in range(2 if persistent else 1):
+        batches = []
+        for batch in loader:
+            batches.append({k: v.numpy() if isinstance(v, torch.Tensor) else v
+                            for k, v in batch.items()})
+        epochs.append(batches)
+    return epochs
+
+
 @pytest.mark.parametrize(("name", "cutoff", "context", "persistent"), CASES)
 def test_dataloader_matches_oracle(name: str, cutoff: bool, context: str, persistent: bool,
                                    daemon: DaemonProcess, ramp_roots: dict[str, Path]) -> None:
     keymap = KEYMAPS[name]
-    ds = WindowDataset(daemon.target, keymap, episodes=EPISODES, annotation_cutoff=cutoff)
-    assert len(ds) == 37 + 101
-    loader = DataLoader(ds, batch_size=4, sampler=INDICES, num_workers=2, collate_fn=collate,
-                        multiprocessing_context=context, persistent_workers=persistent)
-    for _ in range(2 if persistent else 1):
-        seen = []
-        for batch in loader:
-            assert_batch_matches(batch, ramp_roots["sharded"], keymap, cutoff)
-            seen += [ds.locate(g) for g in INDICES[len(seen) : len(seen) + len(batch["fps"])]]
-            assert list(zip(batch["episode_hash"], batch["frame_index"].tolist())) == seen[-len(
-                batch["fps"]):]
-        assert len(seen) == len(INDICES)
+    epochs = isolated(load_batches, daemon.target, keymap, cutoff, context, persistent)
+    assert len(epochs) == (2 if persistent else 1)
+    for batches in epochs:
+        delivered = []
+        for batch in batches:
+            tensors = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v
+                       for k, v in batch.items()}
+            assert_batch_matches(tensors, ramp_roots["sharded"], keymap, cutoff)
+            delivered += list(zip(batch["episode_hash"], batch["frame_index"].tolist()))
+        starts = {"ep000a": 0, "ep002c": 37}
+        assert [starts[e] + f for e, f in delivered] == INDICES
 
 
 def test_default_collate_and_getitem_give_spec_samples(daemon: DaemonProcess) -> None:
@@ -117,20 +135,25 @@ def test_outputs_share_no_memory(daemon: DaemonProcess) -> None:
     assert float(samples[1]["front"].max()) <= 1.0
 
 
+def count_batches(target: str) -> int:
+    ds = WindowDataset(target, KEYMAPS["mecka_keypoints_k4"])
+    loader = DataLoader(ds, batch_size=16, shuffle=True, num_workers=2, collate_fn=collate)
+    batches = sum(1 for _ in loader)
+    assert batches == -(-len(ds) // 16)
+    return batches
+
+
 def test_one_read_rpc_per_batch(daemon: DaemonProcess) -> None:
-    ds = WindowDataset(daemon.target, KEYMAPS["mecka_keypoints_k4"])
     with Client(daemon.target) as c:
         before = c.stats()["read_rpcs"]
-        loader = DataLoader(ds, batch_size=16, shuffle=True, num_workers=2, collate_fn=collate)
-        batches = sum(1 for _ in loader)
-        assert batches == -(-len(ds) // 16)
+        batches = isolated(count_batches, daemon.target)
         assert c.stats()["read_rpcs"] - before == batches
 
 
-def test_daemon_killed_mid_epoch_every_index_once(ramp_roots: dict[str, Path],
-                                                  tmp_path: Path) -> None:
-    sock = tmp_path / "restart.sock"
-    first = DaemonProcess(ramp_roots["sharded"], "--rescan-s", "0", unix=sock)
+def epoch_with_a_restart(root: Path, sock: Path) -> tuple[list[tuple[str, int]],
+                                                            list[tuple[str, int]], bool]:
+    """An epoch during which the daemon is SIGKILLed and restarted on the same socket."""
+    first = DaemonProcess(root, "--rescan-s", "0", unix=sock)
     ds = WindowDataset(first.target, KEYMAPS["mecka_keypoints_k4"])
     loader = DataLoader(ds, batch_size=8, shuffle=True, num_workers=2, collate_fn=collate)
     restarted: list[DaemonProcess] = []
@@ -138,21 +161,29 @@ def test_daemon_killed_mid_epoch_every_index_once(ramp_roots: dict[str, Path],
     def restart() -> None:
         first.kill()
         time.sleep(1.0)
-        restarted.append(DaemonProcess(ramp_roots["sharded"], "--rescan-s", "0", unix=sock))
+        restarted.append(DaemonProcess(root, "--rescan-s", "0", unix=sock))
 
-    delivered = []
+    delivered: list[tuple[str, int]] = []
     try:
         for n, batch in enumerate(loader):
             delivered += list(zip(batch["episode_hash"], batch["frame_index"].tolist()))
             if n == 5:
                 threading.Thread(target=restart).start()
-        assert first.proc.returncode is not None and restarted
-        assert sorted(delivered) == sorted(ds.locate(g) for g in range(len(ds)))
-        assert len(set(delivered)) == len(delivered) == len(ds)
+        expected = [ds.locate(g) for g in range(len(ds))]
+        return delivered, expected, first.proc.returncode is not None and bool(restarted)
     finally:
         first.kill()
         for d in restarted:
             d.stop()
+
+
+def test_daemon_killed_mid_epoch_every_index_once(ramp_roots: dict[str, Path],
+                                                  tmp_path: Path) -> None:
+    delivered, expected, restarted = isolated(epoch_with_a_restart, ramp_roots["sharded"],
+                                              tmp_path / "restart.sock")
+    assert restarted
+    assert sorted(delivered) == sorted(expected)
+    assert len(set(delivered)) == len(delivered) == len(expected)
 
 
 def _episode_with_bad_frames(root: Path, h: str, total: int, bad: set[int]) -> None:

@@ -342,8 +342,10 @@ def test_replicas_split_episodes_and_fail_over(many_episodes: Path, start_daemon
     victim = max(targets, key=lambda t: len(share[t]))
     survivors = [t for t in targets if t != victim]
     where = {ds.locate(g): g for g in range(len(ds))}
+    # spawn: this process has used gRPC above, and gRPC does not survive a fork.
     loader = DataLoader(ds, batch_size=16, shuffle=True, num_workers=2, collate_fn=collate,
-                        generator=torch.Generator().manual_seed(0))
+                        generator=torch.Generator().manual_seed(0),
+                        multiprocessing_context="spawn")
     seen: Counter[int] = Counter()
     for n, batch in enumerate(loader):
         if n == len(loader) // 3:

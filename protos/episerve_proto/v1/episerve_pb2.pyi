@@ -131,20 +131,22 @@ class ListEpisodesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EpisodeInfo(_message.Message):
-    __slots__ = ("hash", "total_frames", "fps", "embodiment", "features_json", "attrs_json")
+    __slots__ = ("hash", "total_frames", "fps", "embodiment", "features_json", "attrs_json", "arrays")
     HASH_FIELD_NUMBER: _ClassVar[int]
     TOTAL_FRAMES_FIELD_NUMBER: _ClassVar[int]
     FPS_FIELD_NUMBER: _ClassVar[int]
     EMBODIMENT_FIELD_NUMBER: _ClassVar[int]
     FEATURES_JSON_FIELD_NUMBER: _ClassVar[int]
     ATTRS_JSON_FIELD_NUMBER: _ClassVar[int]
+    ARRAYS_FIELD_NUMBER: _ClassVar[int]
     hash: str
     total_frames: int
     fps: float
     embodiment: str
     features_json: str
     attrs_json: str
-    def __init__(self, hash: _Optional[str] = ..., total_frames: _Optional[int] = ..., fps: _Optional[float] = ..., embodiment: _Optional[str] = ..., features_json: _Optional[str] = ..., attrs_json: _Optional[str] = ...) -> None: ...
+    arrays: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, hash: _Optional[str] = ..., total_frames: _Optional[int] = ..., fps: _Optional[float] = ..., embodiment: _Optional[str] = ..., features_json: _Optional[str] = ..., attrs_json: _Optional[str] = ..., arrays: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class BrokenEpisode(_message.Message):
     __slots__ = ("hash", "reason")
