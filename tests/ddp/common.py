@@ -1,8 +1,8 @@
 """What the DDP worker scripts share: the episode split, the tiny model, request records.
 
 The ramp dataset's ``ep002c`` (101 frames at 15 fps) is the pinned video episode. No metric
-or training loader reads it, so every read of it the daemon counts is a video read (or the
-one probe ``WindowDataset`` makes when rank 0 builds the video dataset).
+or training loader reads it, and building a ``WindowDataset`` reads nothing, so every read of
+it the daemon counts is a video read.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ SCALE = 1e-7  # ramp values reach ~1.6e7; the tiny model sees them scaled to ~1
 KEYMAP = bundled_keymap()
 # The metric and video loaders have a worker each; the training loader reads in the rank's
 # own process (it proves nothing here, and each spawned worker costs seconds of imports).
-# Workers are spawned, not forked: a process that has used gRPC (every rank has: building a
-# WindowDataset reads a probe batch) can deadlock a forked child's first RPC. Persistent, so
+# Workers are spawned, not forked: a process that has used gRPC (every rank has: the training
+# loader reads in the rank's own process) can deadlock a forked child's first RPC. Persistent, so
 # each loader starts its worker once, at its first iteration.
 LOADER_KWARGS: dict[str, Any] = {"num_workers": 1, "multiprocessing_context": "spawn",
                                  "persistent_workers": True}

@@ -47,7 +47,7 @@ class VideoModule(pl.LightningModule):
         metric_ds = c.recording(self.target, c.METRIC_EPISODES, self.requests_log)
         metric = DataLoader(metric_ds, batch_size=c.BATCH, collate_fn=collate,
                             **c.worker_kwargs(self.out, rank, "metric"))
-        # Rank 0 builds the video dataset (one probe read of the pinned episode); the others
+        # Rank 0 builds the video dataset (which reads nothing); the others
         # receive it, so they never ask the daemon for that episode.
         video_ds = c.recording(self.target, [c.PINNED], self.requests_log) if rank == 0 else None
         video_ds = self.trainer.strategy.broadcast(video_ds, src=0)

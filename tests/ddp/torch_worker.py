@@ -40,7 +40,7 @@ def loaders(target: str, out: Path, rank: int) -> tuple[DataLoader[Any], DataLoa
     metric = DataLoader(metric_ds, batch_size=c.BATCH, collate_fn=collate,
                         **c.worker_kwargs(out, rank, "metric"),
                         sampler=DistributedSampler(metric_ds, shuffle=False))
-    # Rank 0 builds the video dataset (one probe read of the pinned episode) and sends it
+    # Rank 0 builds the video dataset (which reads nothing) and sends it
     # over: rank 1 holds the same dataset and loader without ever asking for that episode.
     box = [c.recording(target, [c.PINNED], log) if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
