@@ -78,11 +78,11 @@ class Planner:
         if not samples:
             raise InvalidArgument("a read needs at least one sample")
         batch = self._resolve(keymap, samples)
-        spans = await self._spans(keymap, batch, options)
-        windows = self._windows(keymap, batch, spans, options)
-        out_bytes = _output_bytes(keymap, batch, windows)
+        out_bytes = _output_bytes(keymap, batch)  # refuse before building anything large
         if options.max_response_bytes and out_bytes > options.max_response_bytes:
             raise _too_big(out_bytes, options.max_response_bytes, len(samples))
+        spans = await self._spans(keymap, batch, options)
+        windows = self._windows(keymap, batch, spans, options)
         tables = {key: self._table(key, keymap, batch, windows) for key in sorted(keymap.zarr_keys)}
         await self._load(tables, batch)
         result: BatchResult = await self._offload(
@@ -258,25 +258,32 @@ class Planner:
         return fn(*args)
 
 
-def _output_bytes(keymap: Keymap, batch: _Batch, windows: dict[str, Window]) -> int:
-    """Bytes of the numeric outputs and frame indexes, known before anything is fetched."""
+def _output_bytes(keymap: Keymap, batch: _Batch) -> int:
+    """Bytes of the numeric outputs and frame indexes, known before any window is built."""
     total = 0
     for e in keymap:
         if e.rule is Rule.ANNOTATION:
             continue
         info = batch.episodes[0].readers[e.zarr_key].info
         per_row = 4 if info.is_bytes else 4 * int(np.prod(info.feature))
-        total += windows[e.name].rows.size * per_row
+        total += len(batch.ep) * e.length * per_row
     return total
 
 
 def _check_keys(keymap: Keymap, episode: Episode) -> None:
     for e in keymap:
-        if e.zarr_key not in episode.readers:
+        reader = episode.readers.get(e.zarr_key)
+        if reader is None:
             why = episode.problems.get(e.zarr_key, "it has no such array")
             raise KeymapError(
                 f"output key {e.name!r}: episode {episode.hash!r} cannot serve zarr_key "
                 f"{e.zarr_key!r} ({why})", episode=episode.hash, key=e.zarr_key,
+            )
+        if e.rule is Rule.ANNOTATION and not reader.info.is_bytes:
+            raise KeymapError(
+                f"output key {e.name!r}: annotation_keys needs an array of JSON annotations, "
+                f"but {e.zarr_key!r} in episode {episode.hash!r} holds numbers",
+                episode=episode.hash, key=e.zarr_key,
             )
 
 
