@@ -23,6 +23,12 @@ async def load_spans(episode: Episode, key: str,
     if reader is None:  # the cutoff on an episode without annotations: nothing to cut
         episode.spans[key] = []
         return []
+    if not reader.info.is_bytes:
+        raise DataLossError(
+            f"episode {episode.hash!r} key {key!r}: annotations must be an array of JSON "
+            "annotations (variable-length bytes), but it holds numbers",
+            episode=episode.hash, key=key,
+        )
     info = reader.info
     n_chunks = -(-info.rows // info.chunk_rows)
     raws = await fetch(reader, 0, n_chunks - 1) if n_chunks else []

@@ -204,6 +204,29 @@ def test_episode_deleted_while_served_is_not_found_and_dropped(
         assert c.read(KEYPOINTS, [("healthy", 3)]).arrays["k"].shape == (1, 63)
 
 
+def test_numeric_annotations_array_with_the_cutoff_is_a_clear_error(tmp_path: Path,
+                                                                    start_daemon: Any) -> None:
+    import warnings
+
+    import numpy as np
+    import zarr
+
+    root = tmp_path / "root"
+    ramp.write_ramp_episode(root, "numann", episode_no=0, total_frames=50)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        group = zarr.open_group(root / "numann.zarr", mode="a")
+        del group["annotations"]
+        group.create_array("annotations", data=np.zeros((50, 3), np.float32), chunks=(50, 3))
+    action = {"a": {"zarr_key": "left.obs_keypoints", "key_type": "action_keys", "horizon": 5}}
+    with Client(start_daemon(root, "--log-level", "WARNING", unix=True).target) as c:
+        assert c.read(action, [("numann", 3)]).arrays["a"].shape == (1, 5, 63)
+        with pytest.raises(errors.EpiserveError) as info:
+            c.read(action, [("numann", 3)], annotation_cutoff=True)
+    assert "this is a bug" not in str(info.value)
+    assert "'numann'" in str(info.value) and "'annotations'" in str(info.value)
+
+
 # -- slow storage: a storm of reads past their deadline -------------------------------------
 
 
@@ -364,11 +387,6 @@ def test_a_request_for_gigabytes_is_refused_quickly_without_building_it(
     assert _health(d.target) == health_pb2.HealthCheckResponse.SERVING
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: Planner.read builds every window (B x W int64 per entry) before "
-    "_check_numeric_size refuses the response: a refusal costs ~36 MB and ~0.2 s of "
-    "blocked event loop per 1024-row entry at batch 4096, so one request with many "
-    "entries can exhaust the daemon's memory"))
 def test_refusing_a_huge_read_costs_no_more_than_the_request(ramp_roots: dict[str, Path],
                                                              start_daemon: Any) -> None:
     d = start_daemon(ramp_roots["sharded"], "--log-level", "WARNING", unix=True)

@@ -64,10 +64,7 @@ ZARR_KEYS_HOSTILE = ["../outside.zarr/left.obs_keypoints", "/etc/passwd", "..", 
                      "zarr.json", "left.obs_keypoints/c/0/0", "left.obs_keypoints\x00", ""]
 # Unexpected-exception answers that a strict-xfail test below reproduces. The fuzz counts
 # them as KNOWN_BUG instead of failing on them again; remove an entry with its fix.
-KNOWN_BUGS = {
-    "truth value of an array with more than one element is ambiguous":
-        "test_annotation_keys_on_a_numeric_array_is_a_keymap_error",
-}
+KNOWN_BUGS: dict[str, str] = {}
 
 
 @dataclass
@@ -397,10 +394,6 @@ def test_mutated_valid_requests_get_deliberate_answers(fuzzed: Fuzzed, which: in
     fuzzed.send("mutated_requests", method, _mutate(payload, ops))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: an annotation_keys entry naming a numeric array fails inside "
-    "annotations._parse ('if not item' on a numpy row) and is answered as "
-    "FAILED_PRECONDITION 'this is a bug' instead of a KeymapError"))
 def test_annotation_keys_on_a_numeric_array_is_a_keymap_error(fuzzed: Fuzzed) -> None:
     km = {"text": {"zarr_key": "left.obs_keypoints", "key_type": "annotation_keys"}}
     with Client(fuzzed.daemon.target) as c, pytest.raises(errors.KeymapError) as info:

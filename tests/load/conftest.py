@@ -8,6 +8,7 @@ otherwise a smaller realistic one is written to pytest's temp folder.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -93,8 +94,10 @@ class Sampler:
             self._stop.wait(self.every_s)
 
     def sample(self) -> dict[str, Any]:
+        extra = self.extra()  # first: a probe's connection is open before fds are counted
         rss, fds = proc_sample(self.pid)
-        s = {"t": round(time.monotonic() - self.t0, 1), "rss": rss, "fds": fds, **self.extra()}
+        s = {"t": round(time.monotonic() - self.t0, 1), "rss": rss, "fds": fds,
+             "loadavg": os.getloadavg()[0], **extra}
         self.samples.append(s)
         return s
 
