@@ -19,15 +19,15 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from baselines import PerEntryReader, PerKeyReader, window_rows  # noqa: E402
-from common import MECKA, NUMERIC_MECKA, ensure_dataset, table  # noqa: E402
-from torch.utils.data import DataLoader, Dataset, default_collate  # noqa: E402
+import numpy as np
+import torch
+from baselines import PerEntryReader, PerKeyReader, window_rows
+from common import MECKA, NUMERIC_MECKA, ensure_dataset, table
+from torch.utils.data import DataLoader, Dataset, default_collate
 
-from episerve_client import WindowDataset, collate  # noqa: E402
-from episerve_client.jpeg import decode_column, decode_rgb, to_chw  # noqa: E402
-from episerve_client.launch import DaemonProcess  # noqa: E402
+from episerve_client import WindowDataset, collate
+from episerve_client.jpeg import decode_column, decode_rgb, to_chw
+from episerve_client.launch import DaemonProcess
 
 WORKERS, BATCH = 2, 64
 

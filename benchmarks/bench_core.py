@@ -17,16 +17,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import numpy as np  # noqa: E402
-from baselines import PerEntryReader, PerKeyReader, read_all  # noqa: E402
-from common import MECKA, args, ensure_dataset, median, random_batches, table, timed  # noqa: E402
+import numpy as np
+from baselines import PerEntryReader, PerKeyReader, read_all
+from common import MECKA, args, ensure_dataset, median, random_batches, table, timed
 
-from episerve_server.cache import ChunkCache  # noqa: E402
-from episerve_server.catalog import Catalog  # noqa: E402
-from episerve_server.keymap import Keymap  # noqa: E402
-from episerve_server.planner import Planner  # noqa: E402
-from episerve_server.stats import Stats  # noqa: E402
-from episerve_server.store import open_root  # noqa: E402
+from episerve_server.cache import ChunkCache
+from episerve_server.catalog import Catalog
+from episerve_server.keymap import Keymap
+from episerve_server.planner import Planner
+from episerve_server.stats import Stats
+from episerve_server.store import open_root
 
 
 def planner_for(root: str, cache_bytes: int, loop: asyncio.AbstractEventLoop) -> Planner:

@@ -13,12 +13,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_core import planner_for  # noqa: E402
-from common import MECKA, args, ensure_dataset, median, random_batches, table, timed  # noqa: E402
+from bench_core import planner_for
+from common import MECKA, args, ensure_dataset, median, random_batches, table, timed
 
-from episerve_client import Client  # noqa: E402
-from episerve_client.launch import DaemonProcess  # noqa: E402
-from episerve_server.keymap import Keymap  # noqa: E402
+from episerve_client import Client
+from episerve_client.launch import DaemonProcess
+from episerve_server.keymap import Keymap
 
 
 def main() -> None:

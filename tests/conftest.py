@@ -21,15 +21,14 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from episerve_server.cache import ChunkCache  # noqa: E402
-from episerve_server.catalog import Catalog  # noqa: E402
-from episerve_server.keymap import Keymap  # noqa: E402
-from episerve_server.planner import Planner, ReadOptions  # noqa: E402
-from episerve_server.result import BatchResult  # noqa: E402
-from episerve_server.stats import Stats  # noqa: E402
-from episerve_server.store import open_root  # noqa: E402
-
-from tests import oracle, ramp  # noqa: E402
+from episerve_server.cache import ChunkCache
+from episerve_server.catalog import Catalog
+from episerve_server.keymap import Keymap
+from episerve_server.planner import Planner, ReadOptions
+from episerve_server.result import BatchResult
+from episerve_server.stats import Stats
+from episerve_server.store import open_root
+from tests import oracle, ramp
 
 T = TypeVar("T")
 LAYOUTS = ("sharded", "unsharded", "v2")

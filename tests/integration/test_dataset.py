@@ -83,14 +83,11 @@ def load_batches(target: str, keymap: dict[str, Any], cutoff: bool, context: str
     assert len(ds) == 37 + 101
     loader = DataLoader(ds, batch_size=4, sampler=INDICES, num_workers=2, collate_fn=collate,
                         multiprocessing_context=context, persistent_workers=persistent)
-    epochs = []
-    for _ in range(2 if persistent else 1):
-        batches = []
-        for batch in loader:
-            batches.append({k: v.numpy() if isinstance(v, torch.Tensor) else v
-                            for k, v in batch.items()})
-        epochs.append(batches)
-    return epochs
+    return [
+        [{k: v.numpy() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+         for batch in loader]
+        for _ in range(2 if persistent else 1)
+    ]
 
 
 @pytest.mark.parametrize(("name", "cutoff", "context", "persistent"), CASES)

@@ -6,10 +6,11 @@ from collections import OrderedDict
 
 import numpy as np
 import pytest
-from episerve_server.cache import ChunkCache, chunk_nbytes
-from episerve_server.stats import Stats
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from episerve_server.cache import ChunkCache, chunk_nbytes
+from episerve_server.stats import Stats
 
 
 def chunk(nbytes: int, value: float = 0.0) -> np.ndarray:

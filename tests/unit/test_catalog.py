@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from episerve_server.catalog import Catalog, validate_id
 from episerve_server.errors import (
     BrokenEpisodeError,
@@ -17,7 +18,6 @@ from episerve_server.errors import (
     InvalidEpisodeId,
     KeymapError,
 )
-
 from tests import ramp
 
 KEYMAP = {

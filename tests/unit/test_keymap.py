@@ -5,10 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from episerve_server.errors import InvalidArgument, KeymapError
-from episerve_server.keymap import Keymap, Rule
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from episerve_server.errors import InvalidArgument, KeymapError
+from episerve_server.keymap import Keymap, Rule
 
 
 def entry(**fields: Any) -> dict[str, Any]:

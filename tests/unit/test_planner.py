@@ -20,6 +20,17 @@ import numpy as np
 import pytest
 import yaml
 import zarr
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from zarr.codecs import (
+    BloscCodec,
+    BytesCodec,
+    Crc32cCodec,
+    GzipCodec,
+    ShardingCodec,
+    ZstdCodec,
+)
+
 from episerve_server.errors import (
     DataLossError,
     EpiserveError,
@@ -32,17 +43,6 @@ from episerve_server.errors import (
 )
 from episerve_server.keymap import Keymap
 from episerve_server.planner import ReadOptions
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-from zarr.codecs import (
-    BloscCodec,
-    BytesCodec,
-    Crc32cCodec,
-    GzipCodec,
-    ShardingCodec,
-    ZstdCodec,
-)
-
 from tests import oracle, ramp
 
 CAMERA = ramp.CAMERA_KEY

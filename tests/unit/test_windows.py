@@ -7,11 +7,11 @@ from typing import Any
 
 import numpy as np
 import pytest
-from episerve_server.keymap import Keymap, KeySpec
-from episerve_server.windows import chunk_runs, frames, merge_intervals, row_runs, window
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from episerve_server.keymap import Keymap, KeySpec
+from episerve_server.windows import chunk_runs, frames, merge_intervals, row_runs, window
 from tests import oracle
 
 
