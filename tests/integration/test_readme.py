@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import subprocess
@@ -61,6 +62,18 @@ def test_usage_examples_run(tmp_path: Path) -> None:
             assert result.returncode == 0, result.stderr
             for want in re.findall(r"# (torch\.Size\(\[.*?\]\)|\(\d+(?:, \d+)*\))", code):
                 assert want in result.stdout, (want, result.stdout)
+        loadtests = [line for block in _blocks("bash") for line in block.splitlines()
+                     if line.startswith("episerve loadtest")]
+        assert loadtests
+        for line in loadtests:
+            args = shlex.split(line.replace("/tmp/", f"{tmp_path}/"))
+            done = subprocess.run([sys.executable, "-m", "episerve_server.cli", *args[1:]],
+                                  text=True, capture_output=True, timeout=120, check=False)
+            assert done.returncode == 0, done.stdout + done.stderr
+            report = json.loads((tmp_path / "load.json").read_text())
+            assert report["codes"] == {"OK": report["codes"]["OK"]} and report["codes"]["OK"]
+            assert {"rpc_per_s", "samples_per_s", "mb_per_s", "cache_hit_rate",
+                    "latency_ms"} <= set(report)
 
 
 @pytest.mark.parametrize("path", ["docs/ARCHITECTURE.md", "deploy/README.md"])
