@@ -179,7 +179,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--root", default="data/bench")
     p.add_argument("--episodes", type=int, default=200)
-    p.add_argument("--batches", type=int, default=30)
+    p.add_argument("--batches", type=int, default=20)
     p.add_argument("--slow-batches", type=int, default=6, help="for the per-entry loader")
     opts = p.parse_args()
     episodes = ensure_dataset(opts.root, opts.episodes)
