@@ -195,16 +195,13 @@ class Planner:
         fetched = await asyncio.gather(*(self._fetch(t, a, b) for _, t, a, b in jobs))
         work = [(t, j, raw) for (_, t, a, _), raws in zip(jobs, fetched)
                 for j, raw in zip(range(a, a + len(raws)), raws)]
+        keys = [key for (key, _, a, _), raws in zip(jobs, fetched) for _ in raws]
         nbytes = sum(len(r) for _, _, r in work if isinstance(r, bytes))
         decoded = await self._offload(nbytes, _decode_all, work)
-        for (table, j, _), chunk in zip(work, decoded):
+        for key, (table, j, _), chunk in zip(keys, work, decoded):
             table.chunks[j] = chunk
-        for key, table in tables.items():
-            for j, pk in enumerate(table.packed.tolist()):
-                ep_pos, chunk_id = divmod(pk, int(_M))
-                chunk = table.chunks[j]
-                assert chunk is not None
-                self.cache.put((batch.episodes[ep_pos].hash, key, chunk_id), chunk)
+            ep_pos, chunk_id = divmod(int(table.packed[j]), int(_M))
+            self.cache.put((batch.episodes[ep_pos].hash, key, chunk_id), chunk)
 
     async def _fetch(self, table: _Table, first: int, last: int) -> list[Raw | Chunk]:
         ep_pos, c0 = divmod(int(table.packed[first]), int(_M))
