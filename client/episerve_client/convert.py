@@ -87,10 +87,6 @@ def read_request(samples: Sequence[tuple[str, int]], *, keymap_id: str = "",
     return msg.SerializeToString()  # type: ignore[no-any-return]
 
 
-def empty_request() -> bytes:
-    return b""
-
-
 def _parse(cls: Any, data: bytes) -> Any:
     msg = cls()
     try:

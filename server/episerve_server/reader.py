@@ -13,7 +13,7 @@ bytes/vlen-bytes and zstd/gzip/blosc/crc32c codecs. Anything else reads through 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
@@ -362,14 +362,3 @@ def _fill(value: Any, info: ArrayInfo) -> Any:
         return float(value)
     except (TypeError, ValueError):
         return 0.0
-
-
-async def gather_limited(coros: Sequence[Awaitable[Any]], limit: int) -> list[Any]:
-    """``asyncio.gather`` with at most ``limit`` awaitables running at once."""
-    sem = asyncio.Semaphore(limit)
-
-    async def run(c: Awaitable[Any]) -> Any:
-        async with sem:
-            return await c
-
-    return await asyncio.gather(*(run(c) for c in coros))
