@@ -134,3 +134,16 @@ def test_async_client_rides_out_a_daemon_restart(ramp_roots: dict[str, Path],
         first.kill()
         for d in restarted:
             d.stop()
+
+
+def test_max_connection_age_recycles_connections_without_failing_reads(
+        ramp_roots: dict[str, Path], start_daemon: Any) -> None:
+    d = start_daemon(ramp_roots["sharded"], "--max-connection-age-s", "0.5", "--grace-s", "2")
+    with Client(d.target, timeout_s=20) as client:
+        deadline = time.monotonic() + 2.5
+        reads = 0
+        while time.monotonic() < deadline:
+            assert client.read(KEYPOINTS, [("ep003d", reads % 257)]).frame_index[0] == reads % 257
+            reads += 1
+            time.sleep(0.05)
+    assert reads > 10
