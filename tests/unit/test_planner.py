@@ -57,7 +57,7 @@ def e(zarr_key: str, key_type: str, **fields: Any) -> dict[str, Any]:
 
 
 KEYMAPS: dict[str, dict[str, dict[str, Any]]] = {
-    # the same content as /work/shared/keymaps/mecka_keypoints_k4.yaml
+    # the same content as client/episerve_client/keymaps/mecka_keypoints_k4.yaml
     "mecka_keypoints_k4": {
         "observations.images.front_img_1": e(CAMERA, "camera_keys"),
         "left.action_keypoints": e("left.obs_keypoints", "action_keys", horizon=30),
@@ -71,7 +71,7 @@ KEYMAPS: dict[str, dict[str, dict[str, Any]]] = {
         "obs_head_pose": e("obs_head_pose", "proprio_keys"),
         "annotations": e("annotations", "annotation_keys"),
     },
-    # the same content as /work/shared/keymaps/camera_history.yaml
+    # the same content as client/episerve_client/keymaps/camera_history.yaml
     "camera_history": {
         "front": e(CAMERA, "camera_keys"),
         "front_hist": e(CAMERA, "camera_keys", lag_s=1.0),
