@@ -314,3 +314,21 @@ def _positive_int(spec: Mapping[str, Any], name: str, episode_hash: str, output_
             f"episode {episode_hash!r} entry {output_key!r}: {name} must be >= 1, got {value!r}"
         )
     return value
+
+
+def entry_indices(fields: dict[str, Any], i: int, total: int, fps: int,
+                  cutoff: int | None) -> tuple[list[int], list[float] | None]:
+    """Row indices (and mask, for windows) one keymap entry reads at frame i (rules 2-5)."""
+    rule = entry_rule(fields)
+    if rule == RULE_HORIZON:
+        return action_chunk_indices(i, fields["horizon"], total, cutoff)
+    if rule == RULE_HISTORY:
+        if fields.get("history_stride_s") is not None:
+            stride = frames(fields["history_stride_s"], fps)
+        else:
+            stride = fields.get("history_stride", 1)
+        lag = frames(fields["lag_s"], fps) if fields.get("lag_s") is not None else None
+        return history_indices(i, fields["history"], stride, lag)
+    if rule == RULE_LAG:
+        return [lag_index(i, frames(fields["lag_s"], fps))], None
+    return [i], None

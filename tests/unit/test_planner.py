@@ -254,19 +254,7 @@ def chunk_rows(root: Path, episode: str, key: str) -> int:
 
 def entry_rows(fields: dict[str, Any], i: int, total: int, fps: int) -> list[int]:
     """The rows one entry reads at frame i, from the SPEC rules as the oracle spells them."""
-    rule = oracle.entry_rule(fields)
-    if rule == oracle.RULE_HORIZON:
-        return oracle.action_chunk_indices(i, fields["horizon"], total)[0]
-    if rule == oracle.RULE_HISTORY:
-        if fields.get("history_stride_s") is not None:
-            stride = oracle.frames(fields["history_stride_s"], fps)
-        else:
-            stride = fields.get("history_stride", 1)
-        lag = oracle.frames(fields["lag_s"], fps) if fields.get("lag_s") is not None else None
-        return oracle.history_indices(i, fields["history"], stride, lag)[0]
-    if rule == oracle.RULE_LAG:
-        return [oracle.lag_index(i, oracle.frames(fields["lag_s"], fps))]
-    return [i]
+    return list(oracle.entry_indices(fields, i, total, fps, None)[0])
 
 
 def expected_chunks(root: Path, keymap: dict[str, dict[str, Any]],

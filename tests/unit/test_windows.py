@@ -204,23 +204,6 @@ def test_single_frame_window_has_no_mask() -> None:
 
 # -- window() against the oracle's literal index rules ------------------------------------------
 
-def oracle_indices(fields: dict[str, Any], i: int, total: int, fps: int,
-                   cutoff: int | None) -> tuple[list[int], list[float] | None]:
-    rule = oracle.entry_rule(fields)
-    if rule == oracle.RULE_HORIZON:
-        return oracle.action_chunk_indices(i, fields["horizon"], total, cutoff)
-    if rule == oracle.RULE_HISTORY:
-        if fields.get("history_stride_s") is not None:
-            stride = oracle.frames(fields["history_stride_s"], fps)
-        else:
-            stride = fields.get("history_stride", 1)
-        lag = oracle.frames(fields["lag_s"], fps) if fields.get("lag_s") is not None else None
-        return oracle.history_indices(i, fields["history"], stride, lag)
-    if rule == oracle.RULE_LAG:
-        return [oracle.lag_index(i, oracle.frames(fields["lag_s"], fps))], None
-    return [i], None
-
-
 seconds = st.sampled_from([0.02, 1 / 30, 0.1, 0.25, 0.5, 1.0, 2.5])
 
 
@@ -254,7 +237,7 @@ def test_window_matches_the_oracle_index_rules(fields: dict[str, Any], data: st.
         else None
     rows, mask = rows_of(s, frame, total, fps, cut)
     for b in range(n):
-        want_rows, want_mask = oracle_indices(fields, frame[b], total[b], fps[b],
+        want_rows, want_mask = oracle.entry_indices(fields, frame[b], total[b], fps[b],
                                               cut[b] if cut else None)
         assert rows[b].tolist() == want_rows, (b, fields)
         assert s.time_axis == (want_mask is not None), fields
