@@ -218,6 +218,13 @@ def _final(err: EpiserveError, deadline: float) -> EpiserveError:
     if err.transient and _left(deadline) <= 0.01:
         return DeadlineExceeded(f"gave up at the deadline; last error: {err.message}",
                                 episode=err.episode, key=err.key, target=err.target)
+    if isinstance(err, DeadlineExceeded) and err.target:
+        # With wait_for_ready a call waits for a connection, so a daemon that is down and a
+        # TLS or credentials mismatch both end here.
+        return DeadlineExceeded(
+            f"{err.message}: no answer from the daemon at {err.target!r} before the deadline "
+            "(is it running and reachable, and do its TLS settings match the client's?)",
+            episode=err.episode, key=err.key, target=err.target)
     return err
 
 
