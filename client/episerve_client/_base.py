@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 import time
 from collections.abc import Generator, Mapping, Sequence
@@ -18,7 +19,7 @@ from typing import Any, TypeAlias
 import numpy as np
 
 from . import convert
-from .channel import TLS, check_token_transport, parse_targets
+from .channel import TLS, check_token_transport, note_grpc_use, parse_targets
 from .convert import ReadResult
 from .errors import (
     DeadlineExceeded,
@@ -119,6 +120,32 @@ class BaseClient:
         self.max_response_bytes = max_response_bytes
         self.router = Router(self.targets, down_s)
         self._keymap_ids: dict[tuple[str, str], str] = {}
+        self._channels: dict[str, Any] = {}
+        self._pid = os.getpid()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_channels"] = {}  # channels never travel to another process
+        return state
+
+    def _channel(self, target: str) -> Any:
+        """This process's channel to ``target``, made on first use (never before a fork)."""
+        if self._pid != os.getpid():  # forked: the parent's channels are not ours to use
+            self._channels, self._pid = {}, os.getpid()
+        channel = self._channels.get(target)
+        if channel is None:
+            note_grpc_use()
+            channel = self._channels[target] = self._open_channel(target)
+        return channel
+
+    def _open_channel(self, target: str) -> Any:
+        raise NotImplementedError
+
+    def _take_channels(self) -> list[Any]:
+        """Forget every channel; returns the ones this process may close."""
+        mine = list(self._channels.values()) if self._pid == os.getpid() else []
+        self._channels = {}
+        return mine
 
     @property
     def wait_for_ready(self) -> bool:

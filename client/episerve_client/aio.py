@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -11,7 +10,7 @@ import grpc
 
 from . import convert
 from ._base import BaseClient, Call, Flow, KeymapLike, Op, Outcome, Sleep, load_keymap
-from .channel import CHANNEL_OPTIONS, SERVICE, note_grpc_use
+from .channel import CHANNEL_OPTIONS, SERVICE
 from .convert import Listing, ReadResult
 from .errors import from_rpc_error
 
@@ -19,28 +18,14 @@ from .errors import from_rpc_error
 class AsyncClient(BaseClient):
     """Like ``Client``; channels belong to the event loop of the process that made them."""
 
-    _channels: dict[str, grpc.aio.Channel]
-    _pid: int
-
-    def __init__(self, target: str | Sequence[str], **options: Any) -> None:
-        super().__init__(target, **options)
-        self._channels, self._pid = {}, os.getpid()
-
     async def __aenter__(self) -> AsyncClient:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_channels"] = {}
-        return state
-
     async def aclose(self) -> None:
-        if self._pid == os.getpid():
-            await asyncio.gather(*(c.close() for c in self._channels.values()))
-        self._channels = {}
+        await asyncio.gather(*(c.close() for c in self._take_channels()))
 
     async def list_episodes(self, *, timeout_s: float | None = None) -> Listing:
         data = await self._run(self.unary_flow("ListEpisodes", b"", None, timeout_s))
@@ -66,19 +51,10 @@ class AsyncClient(BaseClient):
 
     # -- I/O ------------------------------------------------------------------------------
 
-    def _channel(self, target: str) -> grpc.aio.Channel:
-        if self._pid != os.getpid():
-            self._channels, self._pid = {}, os.getpid()
-        channel = self._channels.get(target)
-        if channel is None:
-            note_grpc_use()
-            if self.tls is not None:
-                channel = grpc.aio.secure_channel(target, self.tls.credentials(),
-                                                  self.tls.options())
-            else:
-                channel = grpc.aio.insecure_channel(target, CHANNEL_OPTIONS)
-            self._channels[target] = channel
-        return channel
+    def _open_channel(self, target: str) -> grpc.aio.Channel:
+        if self.tls is not None:
+            return grpc.aio.secure_channel(target, self.tls.credentials(), self.tls.options())
+        return grpc.aio.insecure_channel(target, CHANNEL_OPTIONS)
 
     async def _run(self, flow: Flow) -> Any:
         try:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -11,7 +10,7 @@ import grpc
 
 from . import convert
 from ._base import BaseClient, Call, Flow, KeymapLike, Op, Outcome, Sleep, load_keymap
-from .channel import CHANNEL_OPTIONS, SERVICE, note_grpc_use
+from .channel import CHANNEL_OPTIONS, SERVICE
 from .convert import Listing, ReadResult
 from .errors import from_rpc_error
 
@@ -22,29 +21,15 @@ class Client(BaseClient):
     Safe to build before a fork: no channel exists until the first call in a process.
     """
 
-    _channels: dict[str, grpc.Channel]
-    _pid: int
-
-    def __init__(self, target: str | Sequence[str], **options: Any) -> None:
-        super().__init__(target, **options)
-        self._channels, self._pid = {}, os.getpid()
-
     def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_channels"] = {}
-        return state
-
     def close(self) -> None:
-        if self._pid == os.getpid():
-            for channel in self._channels.values():
-                channel.close()
-        self._channels = {}
+        for channel in self._take_channels():
+            channel.close()
 
     def list_episodes(self, *, timeout_s: float | None = None) -> Listing:
         return convert.listing(self._run(self.unary_flow("ListEpisodes", b"", None, timeout_s)))
@@ -66,18 +51,10 @@ class Client(BaseClient):
 
     # -- I/O ------------------------------------------------------------------------------
 
-    def _channel(self, target: str) -> grpc.Channel:
-        if self._pid != os.getpid():  # forked: the parent's channels are not ours to use
-            self._channels, self._pid = {}, os.getpid()
-        channel = self._channels.get(target)
-        if channel is None:
-            note_grpc_use()
-            if self.tls is not None:
-                channel = grpc.secure_channel(target, self.tls.credentials(), self.tls.options())
-            else:
-                channel = grpc.insecure_channel(target, CHANNEL_OPTIONS)
-            self._channels[target] = channel
-        return channel
+    def _open_channel(self, target: str) -> grpc.Channel:
+        if self.tls is not None:
+            return grpc.secure_channel(target, self.tls.credentials(), self.tls.options())
+        return grpc.insecure_channel(target, CHANNEL_OPTIONS)
 
     def _run(self, flow: Flow) -> Any:
         try:
