@@ -26,8 +26,8 @@ from common import MECKA, NUMERIC_MECKA, ensure_dataset, table
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 from episerve_client import WindowDataset, collate
-from episerve_client.jpeg import decode_column, decode_rgb, to_chw
-from episerve_client.launch import DaemonProcess
+from episerve_client.data.jpeg import decode_column, decode_rgb, to_chw
+from episerve_tools.launch import DaemonProcess
 
 WORKERS, BATCH = 2, 64
 

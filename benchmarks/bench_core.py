@@ -21,12 +21,12 @@ import numpy as np
 from baselines import PerEntryReader, PerKeyReader, read_all
 from common import MECKA, args, ensure_dataset, median, random_batches, table, timed
 
-from episerve_server.cache import ChunkCache
-from episerve_server.catalog import Catalog
-from episerve_server.keymap import Keymap
-from episerve_server.planner import Planner
-from episerve_server.stats import Stats
-from episerve_server.store import open_root
+from episerve_server.core.cache import ChunkCache
+from episerve_server.core.keymap import Keymap
+from episerve_server.core.stats import Stats
+from episerve_server.plan.planner import Planner
+from episerve_server.storage.catalog import Catalog
+from episerve_server.storage.store import open_root
 
 
 def planner_for(root: str, cache_bytes: int, loop: asyncio.AbstractEventLoop) -> Planner:

@@ -17,8 +17,8 @@ from bench_core import planner_for
 from common import MECKA, args, ensure_dataset, median, random_batches, table, timed
 
 from episerve_client import Client
-from episerve_client.launch import DaemonProcess
-from episerve_server.keymap import Keymap
+from episerve_server.core.keymap import Keymap
+from episerve_tools.launch import DaemonProcess
 
 
 def main() -> None:

@@ -32,7 +32,7 @@ import numpy as np
 from common import MECKA, ensure_dataset, random_batches, table
 
 from episerve_client import Client
-from episerve_client.launch import DaemonProcess
+from episerve_tools.launch import DaemonProcess
 
 BUCKET = "episodes"
 PREFIX = "bench"

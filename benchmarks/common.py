@@ -35,7 +35,7 @@ def ensure_dataset(root: str, episodes: int) -> list[tuple[str, int]]:
 
     path = Path(root)
     if len(list(path.glob("*.zarr"))) < episodes:
-        from episerve_server.writer import make_dataset
+        from episerve_tools.synth.writer import make_dataset
 
         make_dataset(path, episodes=episodes, seed=1)
     out = []

@@ -21,13 +21,13 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from episerve_server.cache import ChunkCache
-from episerve_server.catalog import Catalog
-from episerve_server.keymap import Keymap
-from episerve_server.planner import Planner, ReadOptions
-from episerve_server.result import BatchResult
-from episerve_server.stats import Stats
-from episerve_server.store import open_root
+from episerve_server.core.cache import ChunkCache
+from episerve_server.core.keymap import Keymap
+from episerve_server.core.result import BatchResult
+from episerve_server.core.stats import Stats
+from episerve_server.plan.planner import Planner, ReadOptions
+from episerve_server.storage.catalog import Catalog
+from episerve_server.storage.store import open_root
 from tests import oracle, ramp
 
 T = TypeVar("T")

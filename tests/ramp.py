@@ -154,7 +154,7 @@ def write_ramp_episode(
 ) -> Path:
     """Write one ramped episode (MECKA keys, ``images.front_1``, annotations); return its path."""
     # Imported here so that this module loads (for frame_jpeg, decode_frame_id) without the server.
-    from episerve_server.writer import write_episode
+    from episerve_tools.synth.writer import write_episode
 
     numeric: dict[str, np.ndarray] = {
         key: ramp_values(total_frames, feature, offset=ramp_offset(episode_no, key))

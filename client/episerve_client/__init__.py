@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .aio import AsyncClient
-from .channel import TLS
-from .client import Client
-from .convert import EpisodeInfo, Listing, ReadResult
+from episerve_client.aio import AsyncClient
+from episerve_client.channel import TLS
+from episerve_client.client import Client
+from episerve_client.convert import EpisodeInfo, Listing, ReadResult
 
 __all__ = [
     "TLS",
@@ -22,23 +22,23 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from .batch import SampleBatch
-    from .collation import collate
-    from .dataset import WindowDataset
+    from episerve_client.data.batch import SampleBatch
+    from episerve_client.data.collation import collate
+    from episerve_client.data.dataset import WindowDataset
 
 
 def __getattr__(name: str) -> Any:
     # torch is imported only when the Dataset side is used.
     if name == "WindowDataset":
-        from .dataset import WindowDataset
+        from episerve_client.data.dataset import WindowDataset
 
         return WindowDataset
     if name == "collate":
-        from .collation import collate
+        from episerve_client.data.collation import collate
 
         return collate
     if name == "SampleBatch":
-        from .batch import SampleBatch
+        from episerve_client.data.batch import SampleBatch
 
         return SampleBatch
     raise AttributeError(name)

@@ -18,10 +18,10 @@ from typing import Any, TypeAlias
 
 import numpy as np
 
-from . import convert
-from .channel import TLS, check_token_transport, note_grpc_use, parse_targets
-from .convert import ReadResult
-from .errors import (
+from episerve_client import convert
+from episerve_client.channel import TLS, check_token_transport, note_grpc_use, parse_targets
+from episerve_client.convert import ReadResult
+from episerve_client.errors import (
     DeadlineExceeded,
     EpiserveError,
     InvalidArgument,

@@ -15,9 +15,9 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .client import Client
-from .convert import Listing
-from .errors import DeadlineExceeded, EpiserveError, KeymapError
+from episerve_client.client import Client
+from episerve_client.convert import Listing
+from episerve_client.errors import DeadlineExceeded, EpiserveError, KeymapError
 
 
 def probe(target: str | Sequence[str], keymap: Mapping[str, Any], *, timeout_s: float,

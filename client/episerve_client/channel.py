@@ -12,7 +12,7 @@ from typing import Any
 
 import grpc
 
-from .errors import InvalidArgument
+from episerve_client.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
 
@@ -21,7 +21,7 @@ SERVICE = "/episerve.v1.EpiServe/"
 #: it can tell that gRPC was already running in its parent.
 _GRPC_PIDS: set[int] = set()
 # Keepalive: every 30 s, above the daemon's 10 s minimum ping interval, so the daemon never
-# answers too_many_pings (episerve_server.server.MIN_PING_INTERVAL_MS).
+# answers too_many_pings (episerve_server.rpc.daemon.MIN_PING_INTERVAL_MS).
 KEEPALIVE_TIME_MS = 30_000
 CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
     ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),

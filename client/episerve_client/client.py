@@ -8,11 +8,20 @@ from typing import Any
 
 import grpc
 
-from . import convert
-from ._base import BaseClient, Call, Flow, KeymapLike, Op, Outcome, Sleep, load_keymap
-from .channel import CHANNEL_OPTIONS, SERVICE
-from .convert import Listing, ReadResult
-from .errors import from_rpc_error
+from episerve_client import convert
+from episerve_client._base import (
+    BaseClient,
+    Call,
+    Flow,
+    KeymapLike,
+    Op,
+    Outcome,
+    Sleep,
+    load_keymap,
+)
+from episerve_client.channel import CHANNEL_OPTIONS, SERVICE
+from episerve_client.convert import Listing, ReadResult
+from episerve_client.errors import from_rpc_error
 
 
 class Client(BaseClient):

@@ -11,9 +11,8 @@ from typing import Any
 import numpy as np
 from google.protobuf.message import DecodeError
 
+from episerve_client.errors import DataLossError
 from episerve_proto.v1 import episerve_pb2 as pb
-
-from .errors import DataLossError
 
 _OPTIONAL = ("horizon", "history", "history_stride", "history_stride_s", "lag_s")
 

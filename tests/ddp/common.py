@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
-from episerve_client.batch import SampleBatch
 from episerve_client.client import Client
-from episerve_client.dataset import WindowDataset
-from episerve_client.demo import bundled_keymap
+from episerve_client.data.batch import SampleBatch
+from episerve_client.data.dataset import WindowDataset
+from episerve_tools.demo import bundled_keymap
 
 PINNED = "ep002c"
 PINNED_FPS = 15

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from episerve_client.launch import DaemonProcess
+from episerve_tools.launch import DaemonProcess
 from tests import ramp
 
 pytest.register_assert_rewrite("tests.ddp.harness")

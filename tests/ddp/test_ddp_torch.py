@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from episerve_client.launch import DaemonProcess
+from episerve_tools.launch import DaemonProcess
 from tests.ddp.harness import Launch
 
 pytestmark = pytest.mark.slow

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from episerve_client import AsyncClient, Client
-from episerve_client.launch import DaemonProcess
+from episerve_tools.launch import DaemonProcess
 
 
 @pytest.fixture

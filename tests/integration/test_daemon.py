@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from episerve_client import errors
-from episerve_client.launch import DaemonProcess
+from episerve_tools.launch import DaemonProcess
 from tests import ramp
 from tests.conftest import assert_same_sample, oracle_of
 from tests.unit.test_planner import BATCH, CASES, KEYMAPS

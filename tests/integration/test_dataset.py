@@ -13,9 +13,9 @@ import torch
 from torch.utils.data import DataLoader
 
 from episerve_client import Client, WindowDataset, collate, errors
-from episerve_client.jpeg import decode_rgb
-from episerve_client.launch import DaemonProcess
-from episerve_server.writer import write_episode
+from episerve_client.data.jpeg import decode_rgb
+from episerve_tools.launch import DaemonProcess
+from episerve_tools.synth.writer import write_episode
 from tests import ramp
 from tests.conftest import oracle_of
 from tests.integration.conftest import isolated

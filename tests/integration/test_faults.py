@@ -25,7 +25,7 @@ import simplejpeg
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from episerve_client import AsyncClient, Client, convert, errors
-from episerve_client.launch import DaemonProcess
+from episerve_tools.launch import DaemonProcess
 from tests import ramp
 
 KEYPOINTS = {"k": {"zarr_key": "left.obs_keypoints", "key_type": "proprio_keys"}}
@@ -326,7 +326,7 @@ def test_loadtest_cli_smoke_against_an_overloaded_daemon(ramp_roots: dict[str, P
     d = start_daemon(ramp_roots["sharded"], "--max-concurrent-reads", "2", "--cache-bytes", "0",
                      "--inject-latency-s", "0.005", "--log-level", "WARNING", unix=True)
     out = tmp_path / "load.json"
-    cmd = [sys.executable, "-m", "episerve_server.cli", "loadtest", d.target, "-c", "6",
+    cmd = [sys.executable, "-m", "episerve_tools.cli", "loadtest", d.target, "-c", "6",
            "-d", "3", "--warmup", "0.5", "--batch", "8", "--timeout-s", "20", "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=90, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -32,8 +32,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from episerve_client import Client, convert, errors
-from episerve_client.launch import DaemonProcess
 from episerve_proto.v1 import episerve_pb2 as pb
+from episerve_tools.launch import DaemonProcess
 from tests import ramp
 
 SERVICE = "/episerve.v1.EpiServe/"

@@ -107,7 +107,7 @@ def test_async_client_rides_out_a_daemon_restart(ramp_roots: dict[str, Path],
     import asyncio
 
     from episerve_client import AsyncClient
-    from episerve_client.launch import DaemonProcess
+    from episerve_tools.launch import DaemonProcess
 
     sock = tmp_path / "r.sock"
     first = DaemonProcess(ramp_roots["sharded"], unix=sock)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from episerve_client.launch import DaemonProcess
+from episerve_tools.launch import DaemonProcess
 
 REPO = Path(__file__).resolve().parents[2]
 README = (REPO / "README.md").read_text()
@@ -44,7 +44,7 @@ def test_usage_examples_run(tmp_path: Path) -> None:
     make_line, serve_line = (line for line in shell.splitlines() if line.strip())
     make_args = shlex.split(make_line.replace("/tmp/", f"{tmp_path}/"))
     assert make_args[0] == "episerve"
-    subprocess.run([sys.executable, "-m", "episerve_server.cli", *make_args[1:]], check=True,
+    subprocess.run([sys.executable, "-m", "episerve_tools.cli", *make_args[1:]], check=True,
                    timeout=300, capture_output=True)
     serve_args = shlex.split(serve_line.replace("/tmp/", f"{tmp_path}/"))
     assert serve_args[:2] == ["episerve", "serve"]
@@ -67,7 +67,7 @@ def test_usage_examples_run(tmp_path: Path) -> None:
         assert loadtests
         for line in loadtests:
             args = shlex.split(line.replace("/tmp/", f"{tmp_path}/"))
-            done = subprocess.run([sys.executable, "-m", "episerve_server.cli", *args[1:]],
+            done = subprocess.run([sys.executable, "-m", "episerve_tools.cli", *args[1:]],
                                   text=True, capture_output=True, timeout=120, check=False)
             assert done.returncode == 0, done.stdout + done.stderr
             report = json.loads((tmp_path / "load.json").read_text())

@@ -34,7 +34,7 @@ def _complete(root: Path, episodes: int) -> bool:
 def load_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if _complete(BENCH, BENCH_EPISODES):
         return BENCH
-    from episerve_server.writer import make_dataset
+    from episerve_tools.synth.writer import make_dataset
 
     root = tmp_path_factory.mktemp("load_data")
     make_dataset(root, episodes=64, min_frames=120, max_frames=300, progress=False)
@@ -46,7 +46,7 @@ def loadtest() -> Callable[..., dict[str, Any]]:
     """``loadtest(target, *args, out=path)``: run ``episerve loadtest``; return its JSON."""
 
     def run(target: str, *args: str, out: Path, limit_s: float) -> dict[str, Any]:
-        cmd = [sys.executable, "-m", "episerve_server.cli", "loadtest", target, *args,
+        cmd = [sys.executable, "-m", "episerve_tools.cli", "loadtest", target, *args,
                "--json", str(out)]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=limit_s,
                               check=False)

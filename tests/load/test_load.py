@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from episerve_client import Client
-from episerve_client.launch import DaemonProcess
+from episerve_tools.launch import DaemonProcess
 
 STEPS = ((1, 15.0), (4, 15.0), (16, 15.0), (64, 60.0))  # (clients, seconds)
 WARMUP_S = 5.0

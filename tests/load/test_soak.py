@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from episerve_client import Client
-from episerve_client.launch import DaemonProcess
+from episerve_tools.launch import DaemonProcess
 
 CLIENTS = 16
 WARMUP_S = 60.0

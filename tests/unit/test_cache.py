@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from episerve_server.cache import ChunkCache, chunk_nbytes
-from episerve_server.stats import Stats
+from episerve_server.core.cache import ChunkCache, chunk_nbytes
+from episerve_server.core.stats import Stats
 
 
 def chunk(nbytes: int, value: float = 0.0) -> np.ndarray:

@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 
-from episerve_server.catalog import Catalog, validate_id
 from episerve_server.errors import (
     BrokenEpisodeError,
     EpisodeNotFound,
@@ -18,6 +17,7 @@ from episerve_server.errors import (
     InvalidEpisodeId,
     KeymapError,
 )
+from episerve_server.storage.catalog import Catalog, validate_id
 from tests import ramp
 
 KEYMAP = {

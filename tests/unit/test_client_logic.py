@@ -14,7 +14,7 @@ from episerve_client._base import BaseClient, Call, Router, Sleep, merge_results
 from episerve_client.channel import KEEPALIVE_TIME_MS, check_token_transport, is_local
 from episerve_client.convert import ReadResult
 from episerve_server import errors as server_errors
-from episerve_server.server import MIN_PING_INTERVAL_MS, SERVER_OPTIONS
+from episerve_server.rpc.daemon import MIN_PING_INTERVAL_MS, SERVER_OPTIONS
 
 
 def test_keepalive_settings_agree() -> None:

@@ -28,8 +28,8 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from episerve_server.config import ENV_PREFIX, ServerConfig, parse_bytes
-from episerve_server.metrics import Metrics
-from episerve_server.stats import Stats
+from episerve_server.core.stats import Stats
+from episerve_server.rpc.metrics import Metrics
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from episerve_server.core.keymap import Keymap, Rule
 from episerve_server.errors import InvalidArgument, KeymapError
-from episerve_server.keymap import Keymap, Rule
 
 
 def entry(**fields: Any) -> dict[str, Any]:

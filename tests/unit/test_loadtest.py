@@ -13,8 +13,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from episerve_client import errors, loadtest
-from episerve_client.loadtest import Budget, Sampler, Tally
+from episerve_client import errors
+from episerve_tools import loadtest
+from episerve_tools.loadtest import Budget, Sampler, Tally
 
 
 def test_percentiles_interpolate_like_numpy() -> None:

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 _REPO = Path(__file__).resolve().parents[2]
 try:  # the server package may not be installed into the venv yet
-    import episerve_server.writer  # noqa: F401
+    import episerve_tools.synth.writer  # noqa: F401
 except ImportError:
     sys.path.insert(0, str(_REPO / "server"))
 try:

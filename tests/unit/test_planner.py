@@ -31,6 +31,7 @@ from zarr.codecs import (
     ZstdCodec,
 )
 
+from episerve_server.core.keymap import Keymap
 from episerve_server.errors import (
     DataLossError,
     EpiserveError,
@@ -41,8 +42,7 @@ from episerve_server.errors import (
     KeymapError,
     ShortArrayError,
 )
-from episerve_server.keymap import Keymap
-from episerve_server.planner import ReadOptions
+from episerve_server.plan.planner import ReadOptions
 from tests import oracle, ramp
 
 CAMERA = ramp.CAMERA_KEY

@@ -17,8 +17,8 @@ from PIL import Image
 from torch.utils.data import DataLoader, default_collate
 
 from episerve_client.convert import EpisodeInfo
-from episerve_client.overlay import DEFAULT_FOCAL_PER_WIDTH, batch_overlays, intrinsics, project
-from episerve_client.video import (
+from episerve_client.viz.overlay import DEFAULT_FOCAL_PER_WIDTH, batch_overlays, intrinsics, project
+from episerve_client.viz.video import (
     EpochSchedule,
     PassRenderer,
     VideoConfigError,
@@ -157,7 +157,7 @@ def test_video_loader_bounds_its_sampler_to_the_cap() -> None:
 
 @pytest.fixture(scope="module")
 def adapter() -> Any:
-    return pytest.importorskip("episerve_client.lightning")
+    return pytest.importorskip("episerve_client.viz.lightning")
 
 
 def trainer(epoch: int = 0, *, sanity: bool = False, fn: str = "fit", max_epochs: int = 3) -> Any:

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from episerve_server.keymap import Keymap, KeySpec
-from episerve_server.windows import chunk_runs, frames, merge_intervals, row_runs, window
+from episerve_server.core.keymap import Keymap, KeySpec
+from episerve_server.core.windows import chunk_runs, frames, merge_intervals, row_runs, window
 from tests import oracle
 
 

@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from episerve_proto.v1 import episerve_pb2 as pb
-from episerve_server import wire
-from episerve_server.result import BatchResult, ImageColumn
+from episerve_server.core.result import BatchResult, ImageColumn
+from episerve_server.rpc import wire
 from tests.unit.test_planner import BATCH, KEYMAPS
 
 

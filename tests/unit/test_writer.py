@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from zarr.errors import UnstableSpecificationWarning
 
-from episerve_server.writer import LAYOUTS, episode_hash, make_dataset, write_episode
+from episerve_tools.synth.writer import LAYOUTS, episode_hash, make_dataset, write_episode
 
 T = 150
 ANNOTATIONS = [

@@ -1,0 +1,189 @@
+"""The keymap: what one sample is (SPEC section 2), parsed and validated from plain dicts."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from episerve_server.errors import KeymapError
+
+KEY_TYPES = ("camera_keys", "proprio_keys", "action_keys", "annotation_keys", "metadata_keys")
+_FIELDS = frozenset(
+    {"zarr_key", "key_type", "horizon", "history", "history_stride", "history_stride_s", "lag_s"}
+)
+MAX_WINDOW = 4096
+
+
+class Rule(Enum):
+    """Which SPEC section 2 rule an entry lands in (the first matching rule wins)."""
+
+    ANNOTATION = 1
+    HORIZON = 2
+    HISTORY = 3
+    LAG = 4
+    FRAME = 5
+
+
+@dataclass(frozen=True, slots=True)
+class KeySpec:
+    """One keymap entry, validated."""
+
+    name: str
+    zarr_key: str
+    key_type: str
+    horizon: int | None = None
+    history: int | None = None
+    history_stride: int = 1
+    history_stride_s: float | None = None
+    lag_s: float | None = None
+
+    @property
+    def rule(self) -> Rule:
+        if self.key_type == "annotation_keys":
+            return Rule.ANNOTATION
+        if self.horizon is not None:
+            return Rule.HORIZON
+        if self.history is not None and (self.history > 1 or self.key_type == "camera_keys"):
+            return Rule.HISTORY
+        if self.lag_s is not None:
+            return Rule.LAG
+        return Rule.FRAME
+
+    @property
+    def length(self) -> int:
+        """Rows in the window (1 for a single frame)."""
+        if self.rule is Rule.HORIZON:
+            return self.horizon or 1
+        if self.rule is Rule.HISTORY:
+            return self.history or 1
+        return 1
+
+    @property
+    def time_axis(self) -> bool:
+        return self.rule in (Rule.HORIZON, Rule.HISTORY)
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"zarr_key": self.zarr_key, "key_type": self.key_type}
+        for field in ("horizon", "history", "history_stride_s", "lag_s"):
+            if getattr(self, field) is not None:
+                out[field] = getattr(self, field)
+        if self.history_stride != 1:
+            out["history_stride"] = self.history_stride
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class Keymap:
+    """A validated keymap. Entry order is the user's order; it only decides which entry
+    provides ``action_pad_mask`` and ``proprio_history_mask`` (SPEC: "the first ...")."""
+
+    entries: tuple[KeySpec, ...]
+
+    def __iter__(self) -> Iterator[KeySpec]:
+        return iter(self.entries)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    @property
+    def zarr_keys(self) -> frozenset[str]:
+        return frozenset(e.zarr_key for e in self.entries if e.rule is not Rule.ANNOTATION)
+
+    @property
+    def action_mask_entry(self) -> KeySpec | None:
+        return next(
+            (e for e in self.entries if e.key_type == "action_keys" and e.rule is Rule.HORIZON),
+            None,
+        )
+
+    @property
+    def proprio_mask_entry(self) -> KeySpec | None:
+        return next(
+            (
+                e
+                for e in self.entries
+                if e.key_type != "camera_keys" and e.rule is Rule.HISTORY and (e.history or 0) > 1
+            ),
+            None,
+        )
+
+    def as_dict(self) -> dict[str, dict[str, Any]]:
+        return {e.name: e.as_dict() for e in self.entries}
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, Any]) -> Keymap:
+        if not isinstance(raw, Mapping) or not raw:
+            raise KeymapError(f"a keymap is a non-empty mapping of output keys, got {raw!r}")
+        entries = tuple(_parse_entry(name, spec) for name, spec in raw.items())
+        reserved = {"episode_hash", "embodiment", "fps", "frame_index"} | _mask_names(entries)
+        for e in entries:
+            if e.name in reserved:
+                raise KeymapError(f"output key {e.name!r} clashes with a reserved output name")
+        return cls(entries)
+
+
+def _mask_names(entries: tuple[KeySpec, ...]) -> set[str]:
+    names = {"action_pad_mask", "proprio_history_mask"}
+    names |= {f"{e.name}_mask" for e in entries if e.key_type == "camera_keys"}
+    return names
+
+
+def _parse_entry(name: object, spec: object) -> KeySpec:
+    if not isinstance(name, str) or not name:
+        raise KeymapError(f"output keys are non-empty strings, got {name!r}")
+    if not isinstance(spec, Mapping):
+        raise KeymapError(f"output key {name!r}: the spec must be a mapping, got {spec!r}")
+    unknown = set(spec) - _FIELDS
+    if unknown:
+        raise KeymapError(
+            f"output key {name!r}: unknown field(s) {sorted(map(str, unknown))!r}; "
+            f"expected some of {sorted(_FIELDS)!r}"
+        )
+    zarr_key = spec.get("zarr_key")
+    if not isinstance(zarr_key, str) or not zarr_key or "/" in zarr_key or zarr_key in {".", ".."}:
+        raise KeymapError(f"output key {name!r}: zarr_key must be an array name, got {zarr_key!r}")
+    key_type = spec.get("key_type")
+    if key_type not in KEY_TYPES:
+        raise KeymapError(f"output key {name!r}: key_type {key_type!r} is not one of {KEY_TYPES!r}")
+    return KeySpec(
+        name=name,
+        zarr_key=zarr_key,
+        key_type=key_type,
+        horizon=_count(name, spec, "horizon", minimum=1),
+        history=_count(name, spec, "history", minimum=1),
+        history_stride=_count(name, spec, "history_stride", minimum=1) or 1,
+        history_stride_s=_seconds(name, spec, "history_stride_s"),
+        lag_s=_seconds(name, spec, "lag_s"),
+    )
+
+
+def _count(name: str, spec: Mapping[str, Any], field: str, *, minimum: int) -> int | None:
+    value = spec.get(field)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise KeymapError(f"output key {name!r}: {field} must be an integer, got {value!r}")
+    if not minimum <= value <= MAX_WINDOW:
+        raise KeymapError(
+            f"output key {name!r}: {field} must be in [{minimum}, {MAX_WINDOW}], got {value!r}"
+        )
+    return value
+
+
+def _seconds(name: str, spec: Mapping[str, Any], field: str) -> float | None:
+    value = spec.get(field)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise KeymapError(
+            f"output key {name!r}: {field} must be a number of seconds, got {value!r}"
+        )
+    if not math.isfinite(value) or not 0 < value <= 3600:
+        raise KeymapError(
+            f"output key {name!r}: {field} must be in (0, 3600] seconds "
+            f"(omit it for none), got {value!r}"
+        )
+    return float(value)

@@ -1,0 +1,104 @@
+"""Window rules (SPEC section 2) and the chunk merge rule (SPEC section 3), vectorized.
+
+A window is a (B, W) array of row indices, already clamped: padding is clamping, so a
+padded row is just a real row read again, and ``mask`` says which rows are real.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from episerve_server.core.keymap import KeySpec, Rule
+
+IntArray = np.ndarray
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    rows: IntArray  # (B, W) int64 row indices into the episode
+    mask: IntArray | None  # (B, W) bool, True for a real row; None without a time axis
+
+
+def frames(seconds: float, fps: IntArray) -> IntArray:
+    """``max(1, round(seconds * fps))`` per sample (round half to even, as Python's)."""
+    return np.maximum(1, np.round(seconds * fps)).astype(np.int64)
+
+
+def window(spec: KeySpec, frame: IntArray, total: IntArray, fps: IntArray,
+           cutoff_end: IntArray | None = None) -> Window:
+    """Rows of ``spec`` for samples at ``frame`` in episodes of ``total`` frames."""
+    rule = spec.rule
+    if rule is Rule.HORIZON:
+        return _horizon(spec.horizon or 1, frame, total, cutoff_end)
+    if rule is Rule.HISTORY:
+        return _history(spec, frame, fps)
+    if rule is Rule.LAG:
+        lag = frames(spec.lag_s or 0.0, fps)
+        return Window(np.maximum(0, frame - lag)[:, None], None)
+    return Window(frame[:, None].astype(np.int64), None)
+
+
+def _horizon(h: int, frame: IntArray, total: IntArray, cutoff_end: IntArray | None) -> Window:
+    end = np.minimum(frame + h, total)
+    if cutoff_end is not None:
+        end = np.minimum(end, cutoff_end)
+    rows = frame[:, None] + np.arange(h, dtype=np.int64)[None, :]
+    mask = rows < end[:, None]
+    return Window(np.minimum(rows, (end - 1)[:, None]), mask)
+
+
+def _history(spec: KeySpec, frame: IntArray, fps: IntArray) -> Window:
+    k = spec.history or 1
+    newest = frame - frames(spec.lag_s, fps) if spec.lag_s is not None else frame
+    if spec.history_stride_s is not None:
+        stride = frames(spec.history_stride_s, fps)
+    else:
+        stride = np.full_like(frame, spec.history_stride)
+    back = np.arange(k - 1, -1, -1, dtype=np.int64)
+    idx = newest[:, None] - stride[:, None] * back[None, :]
+    mask = idx >= 0
+    has_real = mask.any(axis=1)
+    first_real = idx[np.arange(len(idx)), mask.argmax(axis=1)]
+    fill = np.where(has_real, first_real, 0)
+    return Window(np.where(mask, idx, fill[:, None]), mask)
+
+
+def merge_intervals(intervals: Iterable[tuple[int, int]], chunk: int) -> list[tuple[int, int]]:
+    """The merge rule, literally: sort half-open intervals by (start, end) and fold one into
+    the current group when ``start // chunk <= (group_end - 1) // chunk + 1``."""
+    groups: list[list[int]] = []
+    for start, end in sorted(intervals):
+        if groups and start // chunk <= (groups[-1][1] - 1) // chunk + 1:
+            groups[-1][1] = max(groups[-1][1], end)
+        else:
+            groups.append([start, end])
+    return [(s, e) for s, e in groups]
+
+
+def chunk_runs(rows: IntArray, chunk: int) -> list[tuple[int, int]]:
+    """Merged groups of a set of needed rows, as inclusive (first, last) chunk indices.
+
+    Equivalent to ``merge_intervals`` over the windows' rows: a group never spans an
+    untouched chunk, so the groups are the runs of consecutive touched chunks.
+    """
+    chunks = np.unique(np.asarray(rows, dtype=np.int64) // chunk)
+    if chunks.size == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(chunks) > 1)
+    firsts = np.concatenate([chunks[:1], chunks[breaks + 1]])
+    lasts = np.concatenate([chunks[breaks], chunks[-1:]])
+    return list(zip(firsts.tolist(), lasts.tolist()))
+
+
+def row_runs(rows: Sequence[int] | IntArray) -> list[tuple[int, int]]:
+    """Maximal runs of consecutive distinct rows, as half-open intervals."""
+    u = np.unique(np.asarray(rows, dtype=np.int64))
+    if u.size == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(u) > 1)
+    starts = np.concatenate([u[:1], u[breaks + 1]])
+    ends = np.concatenate([u[breaks], u[-1:]]) + 1
+    return list(zip(starts.tolist(), ends.tolist()))

@@ -1,0 +1,188 @@
+"""Daemon start-up, serving and drain: grpc.aio on uvloop, with health and reflection."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from episerve_proto.v1 import episerve_pb2
+from episerve_server.config import ServerConfig
+from episerve_server.core.cache import ChunkCache
+from episerve_server.core.stats import Stats
+from episerve_server.plan.planner import Planner
+from episerve_server.rpc.interceptors import LoggingInterceptor, TokenInterceptor
+from episerve_server.rpc.service import SERVICE_NAME, ReadService
+from episerve_server.storage.catalog import Catalog
+from episerve_server.storage.store import open_root
+
+log = logging.getLogger(__name__)
+
+# Keepalive: the server accepts pings every 10 s or more, the client pings every 30 s
+# (episerve_client.channel), so no call ever ends in too_many_pings.
+MIN_PING_INTERVAL_MS = 10_000
+MAX_MESSAGE_BYTES = 256 * 2**20
+SERVER_OPTIONS = (
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", 64 * 2**20),
+    ("grpc.keepalive_time_ms", 60_000),
+    ("grpc.keepalive_timeout_ms", 20_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
+    ("grpc.http2.max_ping_strikes", 2),
+    ("grpc.so_reuseport", 0),
+)
+
+
+@dataclass(slots=True)
+class Daemon:
+    config: ServerConfig
+    server: grpc.aio.Server
+    health: health.aio.HealthServicer
+    service: ReadService
+    address: str
+    extra_servers: list[Any]
+    metrics: Any = None
+
+    async def drain(self) -> None:
+        """Health NOT_SERVING, refuse new reads, let in-flight reads finish, then stop."""
+        self.service.draining = True
+        await self.health.enter_graceful_shutdown()
+        deadline = time.monotonic() + self.config.grace_s
+        while self.service.inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        await self.server.stop(max(0.1, deadline - time.monotonic()))
+        for extra in self.extra_servers:
+            await extra.stop(0)
+        if self.metrics is not None:
+            self.metrics.close()
+
+
+async def start(config: ServerConfig, *, stats: Stats | None = None) -> Daemon:
+    stats = stats or Stats()
+    store = open_root(config.root, stats=stats, storage_options=_storage_options(config),
+                      max_connections=config.max_store_concurrency)
+    store.latency_s = config.inject_latency_s
+    cache = ChunkCache(config.cache_bytes, stats)
+    catalog = Catalog(store, allow=config.allow, on_drop=cache.drop_episode)
+    await catalog.scan()
+    planner = Planner(catalog, cache, stats, fetch_limit=config.max_store_concurrency)
+    service = ReadService(config, catalog, planner, stats)
+    metrics = _metrics(config, service)
+    interceptors: list[grpc.aio.ServerInterceptor] = [LoggingInterceptor(metrics)]
+    if config.token:
+        interceptors.append(TokenInterceptor(config.token))
+    options: tuple[tuple[str, int], ...] = SERVER_OPTIONS
+    if config.max_connection_age_s > 0:  # GOAWAY old connections so new replicas get load
+        options += (("grpc.max_connection_age_ms", int(config.max_connection_age_s * 1000)),
+                    ("grpc.max_connection_age_grace_ms", int(config.grace_s * 1000)))
+    server = grpc.aio.server(interceptors=interceptors, options=options)
+    server.add_generic_rpc_handlers((service.handlers(),))
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    assert episerve_pb2.DESCRIPTOR.services_by_name["EpiServe"]
+    address = _bind(server, config)
+    extra = [await _health_server(config, health_servicer)] if config.health_port else []
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return Daemon(config, server, health_servicer, service, address, extra, metrics)
+
+
+def _bind(server: grpc.aio.Server, config: ServerConfig) -> str:
+    if config.unix:
+        path = Path(config.unix)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        target = f"unix://{path.resolve()}"
+        _add_port(server, config, f"unix:{path.resolve()}")
+        return target
+    port = _add_port(server, config, f"{config.host}:{config.port}")
+    host = f"[{config.host}]" if ":" in config.host else config.host
+    return f"{host}:{port}"
+
+
+def _add_port(server: grpc.aio.Server, config: ServerConfig, where: str) -> int:
+    if not config.tls:
+        return int(server.add_insecure_port(where))
+    key = Path(config.tls_key).read_bytes()
+    cert = Path(config.tls_cert).read_bytes()
+    ca = Path(config.tls_client_ca).read_bytes() if config.tls_client_ca else None
+    creds = grpc.ssl_server_credentials(((key, cert),), root_certificates=ca,
+                                        require_client_auth=ca is not None)
+    return int(server.add_secure_port(where, creds))
+
+
+async def _health_server(config: ServerConfig, servicer: Any) -> grpc.aio.Server:
+    """Plaintext health only, for Kubernetes probes when the main port speaks TLS."""
+    server = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    server.add_insecure_port(f"{config.host}:{config.health_port}")
+    await server.start()
+    return server
+
+
+def _storage_options(config: ServerConfig) -> dict[str, Any]:
+    if config.s3_endpoint:
+        return {"client_kwargs": {"endpoint_url": config.s3_endpoint}}
+    return {}
+
+
+def _metrics(config: ServerConfig, service: ReadService) -> Any:
+    if not config.metrics_port:
+        return None
+    from episerve_server.rpc.metrics import Metrics
+
+    return Metrics.start(config, service)
+
+
+async def serve(config: ServerConfig, *, announce: Callable[[str], None] = print) -> int:
+    daemon = await start(config)
+    catalog = daemon.service.catalog
+    announce(f"episerve listening on {daemon.address} "
+             f"({len(catalog.healthy())} episodes, {len(catalog.broken_listing())} broken)")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    rescans = asyncio.create_task(_rescan_loop(daemon.service, config.rescan_s))
+    await stop.wait()
+    log.info("draining for up to %.1fs", config.grace_s)
+    rescans.cancel()
+    await daemon.drain()
+    log.info("stopped")
+    return 0
+
+
+async def _rescan_loop(service: ReadService, every_s: float) -> None:
+    if every_s <= 0:
+        return
+    while True:
+        await asyncio.sleep(every_s)
+        try:
+            await service.rescan()
+        except Exception:
+            log.exception("rescan of the root failed; will retry")
+
+
+def run(config: ServerConfig) -> int:
+    logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    import uvloop
+
+    return uvloop.run(serve(config, announce=lambda line: print(line, flush=True)))

@@ -1,0 +1,160 @@
+"""Prometheus metrics on their own port, off by default (``--metrics-port``).
+
+Most series are read at scrape time from the daemon's own ``Stats`` and catalog, so the
+GetStats RPC and Prometheus report the very same counters, with no second bookkeeping.
+Only what the daemon does not count itself is kept here: RPCs by method and status code,
+their latency, and the number of samples per Read.
+
+The HTTP server runs in a thread of prometheus-client's. Scrapes read plain integers that
+the event loop writes, which is safe under the GIL; the one dict the loop may grow (the
+catalog's episodes) is copied in a single C call, never iterated in Python.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from importlib import metadata
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    start_http_server,
+)
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
+from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.registry import Collector
+
+from episerve_server.config import ServerConfig
+from episerve_server.core.stats import COUNTERS
+
+if TYPE_CHECKING:
+    from episerve_server.rpc.service import ReadService
+
+log = logging.getLogger(__name__)
+
+PREFIX = "episerve"
+RPC_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                       10.0, 30.0, 120.0)
+BATCH_SAMPLES_BUCKETS = tuple(float(2**k) for k in range(13))  # 1 .. 4096 (--max-batch)
+
+# Help for the ``Stats`` counters; a counter added there is exported with a generic help.
+COUNTER_HELP = {
+    "read_rpcs": "Read RPCs served successfully.",
+    "samples_read": "Samples read by successful batch plans.",
+    "store_reads": "Read calls made to the store (chunk data).",
+    "chunks_fetched": "Chunks fetched from the store (cache misses that hit storage).",
+    "metadata_requests": "Metadata requests to the store (zarr.json, shard indexes).",
+    "cache_hits": "Chunk cache hits.",
+    "cache_misses": "Chunk cache misses.",
+    "cache_evictions": "Chunks evicted from the cache to stay within its budget.",
+    "bytes_fetched": "Bytes fetched from the store.",
+    "bytes_sent": "Bytes of Read responses sent.",
+}
+
+
+class StatsCollector(Collector):
+    """Exports ``service.stats`` and the catalog as they are at scrape time."""
+
+    def __init__(self, service: ReadService) -> None:
+        self.service = service
+
+    def collect(self) -> Iterator[Metric]:
+        service, stats = self.service, self.service.stats
+        for name in COUNTERS:
+            if name == "read_ns":
+                yield CounterMetricFamily(
+                    f"{PREFIX}_read_seconds", "Time spent serving successful Reads.",
+                    value=stats.read_ns / 1e9)
+                continue
+            yield CounterMetricFamily(
+                f"{PREFIX}_{name}", COUNTER_HELP.get(name, f"Daemon counter {name}."),
+                value=getattr(stats, name))
+        open_, broken = _episode_counts(service)
+        gauges = (
+            ("cache_bytes", "Bytes held by the chunk cache.", stats.cache_bytes),
+            ("cache_entries", "Chunks held by the chunk cache.", stats.cache_entries),
+            ("cache_budget_bytes", "The chunk cache's budget (--cache-bytes).",
+             service.config.cache_bytes),
+            ("episodes_open", "Episodes open and readable.", open_),
+            ("episodes_broken", "Episodes listed as broken.", broken),
+            ("reads_in_flight", "Read RPCs in progress.", service.inflight),
+            ("draining", "1 while the daemon drains before stopping.", int(service.draining)),
+        )
+        for name, text, value in gauges:
+            yield GaugeMetricFamily(f"{PREFIX}_{name}", text, value=value)
+
+
+def _episode_counts(service: ReadService) -> tuple[int, int]:
+    """(open and healthy, broken). ``list()`` copies the dict's values in one C call."""
+    catalog = service.catalog
+    episodes = list(catalog.episodes.values())
+    with_problems = sum(1 for e in episodes if e.problems)
+    return len(episodes) - with_problems, len(catalog.broken) + with_problems
+
+
+class Metrics:
+    """The daemon's Prometheus registry; ``observe`` is fed by the logging interceptor."""
+
+    def __init__(self, service: ReadService) -> None:
+        self.service = service
+        self.registry = CollectorRegistry()
+        self.rpcs = Counter(
+            f"{PREFIX}_rpcs", "RPCs handled, by service, method and status code.",
+            ("service", "method", "code"), registry=self.registry)
+        self.rpc_seconds = Histogram(
+            f"{PREFIX}_rpc_duration_seconds", "RPC latency, from arrival to response.",
+            ("service", "method"), buckets=RPC_SECONDS_BUCKETS, registry=self.registry)
+        self.batch_samples = Histogram(
+            f"{PREFIX}_read_batch_samples", "Samples per successful Read.",
+            buckets=BATCH_SAMPLES_BUCKETS, registry=self.registry)
+        self.registry.register(StatsCollector(service))
+        self.registry.register(_InfoCollector(service.config))
+        ProcessCollector(registry=self.registry)
+        service.on_batch = self.batch_samples.observe
+        self._http: Any = None
+
+    @classmethod
+    def start(cls, config: ServerConfig, service: ReadService) -> Metrics:
+        """Serve ``/metrics`` on ``config.host:config.metrics_port``."""
+        # No ``*_created`` series: they would double the scrape for nothing.
+        disable_created_metrics()  # type: ignore[no-untyped-call]
+        metrics = cls(service)
+        server, _thread = start_http_server(config.metrics_port, addr=config.host,
+                                            registry=metrics.registry)
+        metrics._http = server
+        log.info("metrics on http://%s:%d/metrics", config.host, config.metrics_port)
+        return metrics
+
+    def observe(self, method: str, code: str, seconds: float) -> None:
+        """One finished RPC (``method`` is the full gRPC path)."""
+        service, _, name = method.lstrip("/").rpartition("/")
+        self.rpcs.labels(service, name, code).inc()
+        self.rpc_seconds.labels(service, name).observe(seconds)
+
+    def close(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
+
+
+class _InfoCollector(Collector):
+    def __init__(self, config: ServerConfig) -> None:
+        try:
+            version = metadata.version("episerve")
+        except metadata.PackageNotFoundError:
+            version = "unknown"
+        self.labels = {"version": version, "root": config.root,
+                       "tls": str(config.tls).lower(), "auth": str(bool(config.token)).lower()}
+
+    def collect(self) -> Iterator[Metric]:
+        yield InfoMetricFamily(PREFIX, "The daemon's version and settings.", value=self.labels)

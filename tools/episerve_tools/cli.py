@@ -1,0 +1,97 @@
+"""``episerve``: serve, make-dataset, demo and loadtest."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from episerve_server.config import DEFAULT_ROOT, ServerConfig
+
+DEMO_EPISODES = 24
+
+USAGE = """usage: episerve COMMAND [ARGS]
+
+commands:
+  serve ROOT          run the read daemon (episerve serve --help)
+  make-dataset OUT    write synthetic episodes in the SPEC layout
+  demo                write a demo dataset, serve it, train-loop over it, report
+  loadtest TARGET...  drive a running daemon and report throughput and latency
+"""
+
+
+def ensure_demo_dataset(root: str | Path = DEFAULT_ROOT, episodes: int = DEMO_EPISODES) -> Path:
+    """Write the demo dataset under ``root`` unless it already holds episodes."""
+    path = Path(root)
+    if not any(path.glob("*.zarr")):
+        from episerve_tools.synth.writer import make_dataset
+
+        print(f"writing a demo dataset of {episodes} episodes to {path}", flush=True)
+        make_dataset(path, episodes=episodes, seed=0, min_frames=120, max_frames=400)
+    return path
+
+
+def _serve(argv: Sequence[str]) -> int:
+    try:
+        config = ServerConfig.from_args(argv, os.environ)
+    except ValueError as exc:
+        print(f"episerve serve: {exc}", file=sys.stderr)
+        return 2
+    if config.root == DEFAULT_ROOT:
+        ensure_demo_dataset(config.root)
+    elif "://" not in config.root and not Path(config.root).is_dir():
+        print(f"episerve serve: dataset root {config.root!r} is not a folder", file=sys.stderr)
+        return 2
+    from episerve_server.rpc.daemon import run
+
+    return run(config)
+
+
+def _make_dataset(argv: Sequence[str]) -> int:
+    p = argparse.ArgumentParser(prog="episerve make-dataset",
+                                description="Write synthetic episodes (SPEC section 1 layout).")
+    p.add_argument("out", help="output folder")
+    p.add_argument("--episodes", type=int, default=DEMO_EPISODES)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--min-frames", type=int, default=120)
+    p.add_argument("--max-frames", type=int, default=700)
+    p.add_argument("--layout", choices=("sharded", "unsharded", "v2"), default="sharded")
+    p.add_argument("--workers", type=int, default=None)
+    args = p.parse_args(argv)
+    if args.episodes < 1 or not 1 <= args.min_frames <= args.max_frames:
+        p.error("need --episodes >= 1 and 1 <= --min-frames <= --max-frames")
+    from episerve_tools.synth.writer import make_dataset
+
+    paths = make_dataset(args.out, episodes=args.episodes, seed=args.seed,
+                         min_frames=args.min_frames, max_frames=args.max_frames,
+                         layout=args.layout, workers=args.workers)
+    print(f"wrote {len(paths)} episodes to {args.out}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in {"-h", "--help", "help"}:
+        print(USAGE)
+        return 0 if args else 2
+    command, rest = args[0], args[1:]
+    if command == "serve":
+        return _serve(rest)
+    if command == "make-dataset":
+        return _make_dataset(rest)
+    if command == "demo":
+        from episerve_tools.demo import main as demo
+
+        return demo(rest)
+    if command == "loadtest":
+        from episerve_tools.loadtest import main as loadtest
+
+        return loadtest(rest)
+    print(f"episerve: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
