@@ -44,10 +44,10 @@ bench-client: $(STAMP)
 	$(PY) benchmarks/bench_client.py
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check server client tools tests benchmarks protos/generate.py
+	$(VENV)/bin/ruff check protos server client tools tests benchmarks
 
 typecheck: $(STAMP)
-	$(VENV)/bin/mypy server/episerve_server client/episerve_client tools/episerve_tools
+	$(VENV)/bin/mypy protos/episerve_proto server/episerve_server client/episerve_client tools/episerve_tools
 
 protos: $(STAMP)
 	$(PY) protos/generate.py

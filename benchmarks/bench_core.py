@@ -21,19 +21,16 @@ import numpy as np
 from baselines import PerEntryReader, PerKeyReader, read_all
 from common import MECKA, args, ensure_dataset, median, random_batches, table, timed
 
-from episerve_server.core.cache import ChunkCache
+from episerve_server.config import ServerConfig
 from episerve_server.core.keymap import Keymap
-from episerve_server.core.stats import Stats
 from episerve_server.plan.planner import Planner
-from episerve_server.storage.catalog import Catalog
-from episerve_server.storage.store import open_root
+from episerve_server.wiring import build_read_core
 
 
 def planner_for(root: str, cache_bytes: int, loop: asyncio.AbstractEventLoop) -> Planner:
-    stats = Stats()
-    catalog = Catalog(open_root(root, stats=stats))
-    loop.run_until_complete(catalog.scan())
-    return Planner(catalog, ChunkCache(cache_bytes, stats), stats)
+    core = build_read_core(ServerConfig(root=root, cache_bytes=cache_bytes))
+    loop.run_until_complete(core.catalog.scan())
+    return core.planner
 
 
 def check_equal(planned: object, baseline: list[dict[str, object]]) -> None:

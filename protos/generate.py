@@ -16,7 +16,9 @@ from grpc_tools import protoc
 
 HERE = Path(__file__).resolve().parent
 SOURCES = sorted((HERE / "episerve" / "v1").glob("*.proto"))
-GENERATED = ("episerve_pb2.py", "episerve_pb2.pyi", "episerve_pb2_grpc.py")
+# No service stubs: both sides call the methods by path (episerve_proto.contract) and the
+# daemon parses requests itself, so only the messages are generated.
+GENERATED = ("episerve_pb2.py", "episerve_pb2.pyi")
 
 
 def generate(out: Path) -> None:
@@ -28,7 +30,6 @@ def generate(out: Path) -> None:
         f"-Iepiserve_proto={HERE / 'episerve'}",
         f"--python_out={out}",
         f"--pyi_out={out}",
-        f"--grpc_python_out={out}",
         *[f"episerve_proto/v1/{p.name}" for p in SOURCES],
     ]
     if protoc.main(args) != 0:

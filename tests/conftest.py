@@ -6,67 +6,29 @@ daemon does on its single loop, so every read of one catalog runs on the same se
 
 from __future__ import annotations
 
-import asyncio
-import json
 import sys
-from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from episerve_server.core.cache import ChunkCache
-from episerve_server.core.keymap import Keymap
-from episerve_server.core.result import BatchResult
-from episerve_server.core.stats import Stats
-from episerve_server.plan.planner import Planner, ReadOptions
-from episerve_server.storage.catalog import Catalog
-from episerve_server.storage.store import open_root
-from tests import oracle, ramp
-
-T = TypeVar("T")
-LAYOUTS = ("sharded", "unsharded", "v2")
-# Per episode of ramp.RAMP_DATASET: a different layout and chunk length in one root.
-MIXED = {"ep000a": ("sharded", 100), "ep001b": ("unsharded", 64),
-         "ep002c": ("v2", 7), "ep003d": ("sharded", 33)}
-DATASETS = (*LAYOUTS, "mixed")
-
-
-class LoopRunner:
-    """Runs coroutines to completion on one event loop kept for the whole session."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-
-    def __call__(self, coro: Coroutine[Any, Any, T]) -> T:
-        return self.loop.run_until_complete(coro)
-
-    def close(self) -> None:
-        self.loop.run_until_complete(self.loop.shutdown_default_executor())
-        self.loop.close()
-
-
-@dataclass
-class Served:
-    """A dataset root opened the way the daemon opens it: counting store, catalog, planner."""
-
-    root: Path
-    stats: Stats
-    catalog: Catalog
-    planner: Planner
-    run: LoopRunner
-
-    def read(self, keymap: Mapping[str, Any] | Keymap, samples: Sequence[tuple[str, int]],
-             *, cutoff: bool = False) -> BatchResult:
-        km = keymap if isinstance(keymap, Keymap) else Keymap.parse(keymap)
-        options = ReadOptions(annotation_cutoff=cutoff)
-        return self.run(self.planner.read(km, list(samples), options))
+from episerve_server.config import ServerConfig
+from episerve_server.wiring import build_read_core
+from tests.support import ramp
+from tests.support.served import (
+    LAYOUTS,
+    LoopRunner,
+    Served,
+    assert_matches_oracle,
+    assert_same_sample,
+    oracle_of,
+    write_mixed_dataset,
+)
 
 
 @pytest.fixture(scope="session")
@@ -81,21 +43,11 @@ def serve(run: LoopRunner) -> Callable[..., Served]:
     """``serve(root, cache_bytes=0)``: a freshly scanned catalog and planner with own stats."""
 
     def make(root: Path, cache_bytes: int = 0) -> Served:
-        stats = Stats()
-        catalog = Catalog(open_root(str(root), stats=stats))
-        run(catalog.scan())
-        planner = Planner(catalog, ChunkCache(cache_bytes, stats), stats)
-        return Served(Path(root), stats, catalog, planner, run)
+        core = build_read_core(ServerConfig(root=str(root), cache_bytes=cache_bytes))
+        run(core.catalog.scan())
+        return Served(Path(root), core.stats, core.catalog, core.planner, run)
 
     return make
-
-
-def write_mixed_dataset(root: Path) -> None:
-    root.mkdir(parents=True, exist_ok=True)
-    for h, no, total, fps in ramp.RAMP_DATASET:
-        layout, chunk_rows = MIXED[h]
-        ramp.write_ramp_episode(root, h, episode_no=no, total_frames=total, fps=fps,
-                                layout=layout, chunk_rows=chunk_rows)
 
 
 @pytest.fixture(scope="session")
@@ -122,46 +74,6 @@ def ramp_served(ramp_roots: dict[str, Path],
     budgets: dict[bool | str, int] = {False: 0, True: 4 << 20, "tiny": 48 << 10}
     return {(name, cache): serve(root, budget)
             for name, root in ramp_roots.items() for cache, budget in budgets.items()}
-
-
-_ORACLE_MEMO: dict[tuple[str, str, int, str, bool], dict[str, Any]] = {}
-
-
-def oracle_of(root: Path, episode: str, frame: int, keymap: Mapping[str, Any],
-              cutoff: bool = False) -> dict[str, Any]:
-    """The per-entry oracle's sample, memoized (it is slow on purpose)."""
-    key = (str(root), episode, int(frame), json.dumps(keymap), cutoff)  # entry order counts
-    if key not in _ORACLE_MEMO:
-        _ORACLE_MEMO[key] = oracle.oracle_sample(root, episode, int(frame), keymap,
-                                                 annotation_cutoff=cutoff)
-    return _ORACLE_MEMO[key]
-
-
-def assert_same_sample(got: Mapping[str, Any], want: Mapping[str, Any], where: object) -> None:
-    """Same keys; arrays equal in shape, dtype and value; everything else ``==``."""
-    assert set(got) == set(want), (where, sorted(set(got) ^ set(want)))
-    for key, expected in want.items():
-        value = got[key]
-        if isinstance(expected, np.ndarray):
-            assert isinstance(value, np.ndarray), (where, key, type(value))
-            assert value.dtype == expected.dtype, (where, key, value.dtype, expected.dtype)
-            assert value.shape == expected.shape, (where, key, value.shape, expected.shape)
-            assert np.array_equal(value, expected), (where, key, value, expected)
-        else:
-            assert type(value) is type(expected), (where, key, type(value), type(expected))
-            assert value == expected, (where, key, value, expected)
-
-
-def assert_matches_oracle(served: Served, result: BatchResult, keymap: Mapping[str, Any],
-                          samples: Sequence[tuple[str, int]], cutoff: bool = False,
-                          reference: Path | None = None) -> None:
-    """Every sample of ``result`` equals the oracle's read of ``reference`` (default: the
-    served root). The ramp datasets hold the same values in every layout, so their oracle
-    reads are shared through the sharded root (``test_oracle_agrees_across_layouts``)."""
-    assert len(result) == len(samples)
-    for b, (episode, frame) in enumerate(samples):
-        want = oracle_of(reference or served.root, episode, frame, keymap, cutoff)
-        assert_same_sample(result.sample(b), want, (b, episode, frame, cutoff))
 
 
 @pytest.fixture(scope="session")

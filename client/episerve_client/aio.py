@@ -19,9 +19,10 @@ from episerve_client._base import (
     Sleep,
     load_keymap,
 )
-from episerve_client.channel import CHANNEL_OPTIONS, SERVICE
+from episerve_client.channel import CHANNEL_OPTIONS
 from episerve_client.convert import Listing, ReadResult
 from episerve_client.errors import from_rpc_error
+from episerve_proto.contract import SERVICE_PATH
 
 
 class AsyncClient(BaseClient):
@@ -81,7 +82,7 @@ class AsyncClient(BaseClient):
                                            if isinstance(op, Call))))
 
     async def _call(self, call: Call) -> Outcome:
-        stub = self._channel(call.target).unary_unary(SERVICE + call.method)
+        stub = self._channel(call.target).unary_unary(SERVICE_PATH + call.method)
         try:
             data: bytes = await stub(call.payload, timeout=max(call.timeout_s, 0.001),
                                      metadata=self.metadata(),

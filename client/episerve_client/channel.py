@@ -13,22 +13,22 @@ from typing import Any
 import grpc
 
 from episerve_client.errors import InvalidArgument
+from episerve_proto.contract import CLIENT_KEEPALIVE_MS, MAX_MESSAGE_BYTES
 
 log = logging.getLogger(__name__)
 
-SERVICE = "/episerve.v1.EpiServe/"
 #: Processes that opened an episerve channel. A forked child inherits this set, which is how
 #: it can tell that gRPC was already running in its parent.
 _GRPC_PIDS: set[int] = set()
 # Keepalive: every 30 s, above the daemon's 10 s minimum ping interval, so the daemon never
-# answers too_many_pings (episerve_server.rpc.daemon.MIN_PING_INTERVAL_MS).
-KEEPALIVE_TIME_MS = 30_000
+# answers too_many_pings.
+KEEPALIVE_TIME_MS = CLIENT_KEEPALIVE_MS
 CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
     ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
-    ("grpc.max_receive_message_length", 256 * 2**20),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", 64 * 2**20),
     ("grpc.enable_retries", 0),  # the client retries itself, with jittered backoff
     ("grpc.initial_reconnect_backoff_ms", 100),

@@ -19,9 +19,10 @@ from episerve_client._base import (
     Sleep,
     load_keymap,
 )
-from episerve_client.channel import CHANNEL_OPTIONS, SERVICE
+from episerve_client.channel import CHANNEL_OPTIONS
 from episerve_client.convert import Listing, ReadResult
 from episerve_client.errors import from_rpc_error
+from episerve_proto.contract import SERVICE_PATH
 
 
 class Client(BaseClient):
@@ -77,16 +78,19 @@ class Client(BaseClient):
         if len(ops) == 1 and isinstance(ops[0], Sleep):
             time.sleep(ops[0].seconds)
             return [None]
-        futures = [self._start(op) for op in ops if isinstance(op, Call)]
+        calls = [op for op in ops if isinstance(op, Call)]
+        if len(calls) != len(ops):
+            raise TypeError(f"a flow step mixes calls with sleeps: {ops!r}")
+        futures = [self._start(call) for call in calls]
         out: list[Outcome] = []
-        for op, fut in zip(ops, futures):
+        for call, fut in zip(calls, futures):
             try:
                 out.append(fut.result())
             except grpc.RpcError as exc:
-                out.append(from_rpc_error(exc, op.target))  # type: ignore[union-attr]
+                out.append(from_rpc_error(exc, call.target))
         return out
 
     def _start(self, call: Call) -> Any:
-        stub = self._channel(call.target).unary_unary(SERVICE + call.method)
+        stub = self._channel(call.target).unary_unary(SERVICE_PATH + call.method)
         return stub.future(call.payload, timeout=max(call.timeout_s, 0.001),
                            metadata=self.metadata(), wait_for_ready=self.wait_for_ready)

@@ -12,9 +12,8 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from episerve_client.errors import DataLossError
+from episerve_proto.contract import WINDOW_FIELDS
 from episerve_proto.v1 import episerve_pb2 as pb
-
-_OPTIONAL = ("horizon", "history", "history_stride", "history_stride_s", "lag_s")
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +60,7 @@ def keymap_message(keymap: Mapping[str, Mapping[str, Any]]) -> Any:
     for name, spec in keymap.items():
         entry = msg.entries.add(name=str(name), zarr_key=str(spec.get("zarr_key", "")),
                                 key_type=str(spec.get("key_type", "")))
-        for opt in _OPTIONAL:
+        for opt in WINDOW_FIELDS:
             value = spec.get(opt)
             if value is not None:
                 setattr(entry, opt, value)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from episerve_tools.launch import DaemonProcess
-from tests import ramp
+from tests.support import ramp
 
 pytest.register_assert_rewrite("tests.ddp.harness")
 

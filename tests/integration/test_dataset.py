@@ -16,10 +16,10 @@ from episerve_client import Client, WindowDataset, collate, errors
 from episerve_client.data.jpeg import decode_rgb
 from episerve_tools.launch import DaemonProcess
 from episerve_tools.synth.writer import write_episode
-from tests import ramp
-from tests.conftest import oracle_of
-from tests.integration.conftest import isolated
-from tests.unit.test_planner import KEYMAPS
+from tests.support import ramp
+from tests.support.daemons import isolated
+from tests.support.keymaps import KEYMAPS
+from tests.support.served import oracle_of
 
 EPISODES = ["ep000a", "ep002c"]  # 37 + 101 frames
 INDICES = [0, 1, 2, 35, 36, 37, 38, 60, 99, 100, 136, 137]

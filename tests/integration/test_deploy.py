@@ -26,8 +26,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from episerve_client import TLS, Client, errors
 from episerve_client._base import Router
 from episerve_client.convert import ReadResult
-from tests import ramp
-from tests.unit.test_planner import KEYMAPS
+from tests.support import ramp
+from tests.support.keymaps import KEYMAPS
 
 REPO = Path(__file__).resolve().parents[2]
 MECKA = KEYMAPS["mecka_keypoints_k4"]

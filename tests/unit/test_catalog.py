@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from episerve_server.errors import (
+from episerve_proto.errors import (
     BrokenEpisodeError,
     EpisodeNotFound,
     InvalidArgument,
@@ -18,7 +18,7 @@ from episerve_server.errors import (
     KeymapError,
 )
 from episerve_server.storage.catalog import Catalog, validate_id
-from tests import ramp
+from tests.support import ramp
 
 KEYMAP = {
     "front": {"zarr_key": ramp.CAMERA_KEY, "key_type": "camera_keys"},

@@ -13,8 +13,10 @@ from episerve_client import errors
 from episerve_client._base import BaseClient, Call, Router, Sleep, merge_results
 from episerve_client.channel import KEEPALIVE_TIME_MS, check_token_transport, is_local
 from episerve_client.convert import ReadResult
-from episerve_server import errors as server_errors
-from episerve_server.rpc.daemon import MIN_PING_INTERVAL_MS, SERVER_OPTIONS
+from episerve_proto import errors as shared_errors
+from episerve_proto.contract import MIN_PING_INTERVAL_MS
+from episerve_server.rpc.daemon import SERVER_OPTIONS
+from episerve_server.rpc.service import error_metadata
 
 
 def test_keepalive_settings_agree() -> None:
@@ -75,22 +77,38 @@ class FakeRpcError(grpc.RpcError):
         return self._trailers
 
 
-SERVER_CLASSES = [c for c in vars(server_errors).values()
-                  if isinstance(c, type) and issubclass(c, server_errors.EpiserveError)
-                  and c is not server_errors.EpiserveError]
+TABLE = [c for c in shared_errors.ALL if c is not shared_errors.EpiserveError]
 
 
-@pytest.mark.parametrize("cls", SERVER_CLASSES, ids=lambda c: c.__name__)
-def test_every_server_error_maps_to_a_client_error_of_the_same_code(cls: type) -> None:
+@pytest.mark.parametrize("cls", TABLE, ids=lambda c: c.__name__)
+def test_every_daemon_error_comes_back_as_the_same_class(cls: type) -> None:
+    """What the daemon sends for an error (its code and trailers) maps back to that class."""
     exc = cls("boom", episode="ep1", key="k")
-    trailers = (("episerve-error", cls.__name__), ("episerve-episode-bin", b"ep1"),
-                ("episerve-key-bin", b"k"))
+    trailers = error_metadata(exc)
     err = errors.from_rpc_error(FakeRpcError(grpc.StatusCode[exc.code], "boom", trailers))
-    assert err.code.name == exc.code
-    assert err.episode == "ep1"
-    assert err.key == "k"
-    assert type(err).__name__ == cls.__name__ or cls.__name__ not in errors.BY_NAME
-    assert exc.code not in ("UNKNOWN", "INTERNAL")
+    assert type(err) is cls
+    assert type(err).__mro__ == cls.__mro__
+    assert (err.code, err.transient) == (exc.code, exc.transient)
+    assert (err.episode, err.key, err.message) == ("ep1", "k", "boom")
+    assert exc.code != "UNKNOWN"
+
+
+def test_client_errors_are_the_shared_table() -> None:
+    for cls in shared_errors.ALL:
+        assert getattr(errors, cls.__name__) is cls
+
+
+def test_a_daemon_bug_has_its_own_class() -> None:
+    assert shared_errors.InternalError.code == "INTERNAL"
+    assert not issubclass(shared_errors.InternalError, shared_errors.FailedPrecondition)
+    assert shared_errors.error_class("INTERNAL", "InternalError") is shared_errors.InternalError
+    # A name the daemon did not send with that code never decides the class.
+    assert shared_errors.error_class("DATA_LOSS", "InternalError") is shared_errors.DataLossError
+
+
+def test_response_too_large_is_a_limit() -> None:
+    assert issubclass(shared_errors.ResponseTooLarge, shared_errors.LimitExceeded)
+    assert issubclass(shared_errors.FrameOutOfRange, IndexError)
 
 
 def test_unknown_trailer_falls_back_to_the_code() -> None:

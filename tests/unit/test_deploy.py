@@ -374,7 +374,7 @@ def test_healthcheck_needs_the_health_port_under_tls(healthcheck: ModuleType) ->
 
 
 def _service() -> Any:
-    """The parts of a ReadService that metrics read."""
+    """The parts of a EpiserveService that metrics read."""
     episodes = {"a": SimpleNamespace(problems={}), "b": SimpleNamespace(problems={}),
                 "c": SimpleNamespace(problems={"x": "short"})}
     catalog = SimpleNamespace(episodes=episodes, broken={"d": "unreadable"})
@@ -396,7 +396,7 @@ def test_metrics_read_the_daemon_counters_at_scrape_time() -> None:
     for size in (4, 64):
         stats.samples_read += size
         stats.read_rpcs += 1
-        service.on_batch(size)  # what ReadService does after each successful Read
+        service.on_batch(size)  # what EpiserveService does after each successful Read
         metrics.observe("/episerve.v1.EpiServe/Read", "OK", 0.01)
     metrics.observe("/episerve.v1.EpiServe/Read", "NOT_FOUND", 0.002)
     metrics.observe("/grpc.health.v1.Health/Check", "OK", 0.0001)

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from episerve_proto.errors import InvalidArgument, KeymapError
 from episerve_server.core.keymap import Keymap, Rule
-from episerve_server.errors import InvalidArgument, KeymapError
 
 
 def entry(**fields: Any) -> dict[str, Any]:

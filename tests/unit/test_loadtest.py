@@ -124,7 +124,7 @@ class FakeClient:
     async def read(self, keymap: Any, samples: list[tuple[str, int]], **kw: Any) -> list[Any]:
         await asyncio.sleep(self.delay_s)
         if self.error is not None:
-            self.tally.attempts[self.error.code.name] += 1
+            self.tally.attempts[self.error.code] += 1
             raise self.error
         self.tally.attempts["OK"] += 1
         self.tally.bytes += 100

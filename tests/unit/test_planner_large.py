@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from tests.conftest import assert_matches_oracle
-from tests.unit.test_planner import KEYMAPS
+from tests.support.keymaps import KEYMAPS
+from tests.support.served import assert_matches_oracle
 
 
 def test_large_batch_is_assembled_off_the_loop_and_matches(ramp_served: dict[Any, Any]) -> None:

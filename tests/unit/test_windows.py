@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from episerve_server.core.keymap import Keymap, KeySpec
 from episerve_server.core.windows import chunk_runs, frames, merge_intervals, row_runs, window
-from tests import oracle
+from tests.support import oracle
 
 
 def spec(**fields: Any) -> KeySpec:

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from episerve_proto.v1 import episerve_pb2 as pb
 from episerve_server.core.result import BatchResult, ImageColumn
 from episerve_server.rpc import wire
-from tests.unit.test_planner import BATCH, KEYMAPS
+from tests.support.keymaps import BATCH, KEYMAPS
 
 
 def reference(result: BatchResult) -> Any:

@@ -179,7 +179,7 @@ class CountingClient(AsyncClient):
                 self.tally.attempts["OK"] += 1
                 self.tally.bytes += len(out)
             elif isinstance(out, EpiserveError):
-                self.tally.attempts[out.code.name] += 1
+                self.tally.attempts[out.code] += 1
         return out
 
 
@@ -224,7 +224,7 @@ async def _client_loop(client: CountingClient, plan: Plan, sampler: Sampler,
             result = await client.read(plan.keymap, samples, timeout_s=plan.timeout_s,
                                        annotation_cutoff=plan.annotation_cutoff)
         except EpiserveError as exc:
-            tally.codes[exc.code.name] += 1
+            tally.codes[exc.code] += 1
             continue
         except asyncio.CancelledError:
             tally.codes["CANCELLED"] += 1  # hard stop

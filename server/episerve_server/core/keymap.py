@@ -8,12 +8,11 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from episerve_server.errors import KeymapError
+from episerve_proto.contract import KEYMAP_FIELDS
+from episerve_proto.errors import KeymapError
 
 KEY_TYPES = ("camera_keys", "proprio_keys", "action_keys", "annotation_keys", "metadata_keys")
-_FIELDS = frozenset(
-    {"zarr_key", "key_type", "horizon", "history", "history_stride", "history_stride_s", "lag_s"}
-)
+_FIELDS = frozenset(KEYMAP_FIELDS)
 MAX_WINDOW = 4096
 
 

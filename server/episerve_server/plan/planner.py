@@ -15,12 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from episerve_server.core.cache import Chunk, ChunkCache
-from episerve_server.core.keymap import Keymap, KeySpec, Rule
-from episerve_server.core.result import BatchResult, ImageColumn
-from episerve_server.core.stats import Stats
-from episerve_server.core.windows import Window, window
-from episerve_server.errors import (
+from episerve_proto.errors import (
     DataLossError,
     EpisodeNotFound,
     FrameOutOfRange,
@@ -30,39 +25,22 @@ from episerve_server.errors import (
     ShortArrayError,
     Unavailable,
 )
-from episerve_server.storage.annotations import cutoff_ends, load_spans, texts_at
+from episerve_server.core.cache import Chunk, ChunkCache
+from episerve_server.core.keymap import Keymap, Rule
+from episerve_server.core.result import BatchResult
+from episerve_server.core.spans import cutoff_ends
+from episerve_server.core.stats import Stats
+from episerve_server.core.windows import Window, window
+from episerve_server.plan.assemble import PACK, Batch, Table, assemble
+from episerve_server.storage.annotations import load_spans
 from episerve_server.storage.catalog import Catalog, Episode
 from episerve_server.storage.readers import ChunkReader, Raw, decode_chunk, episode_exists
-
-_M = np.int64(1 << 32)  # packs (episode position, chunk or row) into one sortable int64
 
 
 @dataclass(frozen=True, slots=True)
 class ReadOptions:
     annotation_cutoff: bool = False
     max_response_bytes: int = 0  # 0: no limit
-
-
-@dataclass(frozen=True, slots=True)
-class _Batch:
-    episodes: list[Episode]  # distinct, in first-seen order
-    ep: np.ndarray  # (B,) position in ``episodes``
-    frame: np.ndarray  # (B,) int64
-    total: np.ndarray  # (B,) int64
-    fps: np.ndarray  # (B,) float64
-
-
-@dataclass(slots=True)
-class _Table:
-    """The chunks one zarr key needs over the batch, by packed (episode, chunk) key."""
-
-    reader_of: list[ChunkReader]  # per episode position
-    chunk_rows: np.ndarray  # per episode position
-    packed: np.ndarray  # sorted distinct packed keys
-    chunks: list[Chunk | None]
-    rows: np.ndarray  # sorted distinct packed (episode, row) keys this key needs
-    staging: Any = None  # numeric: the chunks concatenated; bytes: the distinct frames
-    starts: Any = None  # numeric: first staging row of each chunk
 
 
 class Planner:
@@ -86,7 +64,7 @@ class Planner:
         tables = {key: self._table(key, keymap, batch, windows) for key in sorted(keymap.zarr_keys)}
         await self._load(tables, batch)
         result: BatchResult = await self._offload(
-            out_bytes, _assemble, keymap, batch, windows, tables, spans
+            out_bytes, assemble, keymap, batch, windows, tables, spans
         )
         if options.max_response_bytes and result.nbytes > options.max_response_bytes:
             raise _too_big(result.nbytes, options.max_response_bytes, len(samples))
@@ -97,7 +75,7 @@ class Planner:
 
     # -- planning ---------------------------------------------------------------------------
 
-    def _resolve(self, keymap: Keymap, samples: Sequence[tuple[str, int]]) -> _Batch:
+    def _resolve(self, keymap: Keymap, samples: Sequence[tuple[str, int]]) -> Batch:
         position: dict[str, int] = {}
         episodes: list[Episode] = []
         ep = np.empty(len(samples), np.int64)
@@ -119,9 +97,9 @@ class Planner:
             ep[b], frame[b] = pos, f
         total = np.array([e.total_frames for e in episodes], np.int64)[ep]
         fps = np.array([e.fps for e in episodes], np.float64)[ep]
-        return _Batch(episodes, ep, frame, total, fps)
+        return Batch(episodes, ep, frame, total, fps)
 
-    async def _spans(self, keymap: Keymap, batch: _Batch,
+    async def _spans(self, keymap: Keymap, batch: Batch,
                      options: ReadOptions) -> dict[str, list[list[Any]]]:
         """Annotation spans per annotation key (and the cutoff's), per episode position."""
         keys = {e.zarr_key for e in keymap if e.rule is Rule.ANNOTATION}
@@ -136,7 +114,7 @@ class Planner:
             ))
         return out
 
-    def _windows(self, keymap: Keymap, batch: _Batch, spans: dict[str, list[list[Any]]],
+    def _windows(self, keymap: Keymap, batch: Batch, spans: dict[str, list[list[Any]]],
                  options: ReadOptions) -> dict[str, Window]:
         cut = None
         if options.annotation_cutoff and "annotations" in spans:
@@ -149,8 +127,8 @@ class Planner:
             out[e.name] = window(e, batch.frame, batch.total, batch.fps, use_cut)
         return out
 
-    def _table(self, key: str, keymap: Keymap, batch: _Batch,
-               windows: dict[str, Window]) -> _Table:
+    def _table(self, key: str, keymap: Keymap, batch: Batch,
+               windows: dict[str, Window]) -> Table:
         readers = [e.readers[key] for e in batch.episodes]
         shapes = {(r.info.feature, r.info.is_bytes) for r in readers}
         if len(shapes) > 1:
@@ -172,17 +150,18 @@ class Planner:
                 f"but a window needs row {int(rows[k])} (total_frames={e.total_frames})",
                 episode=e.hash, key=key,
             )
-        packed = np.unique(eps * _M + rows // chunk_rows[eps])
-        return _Table(readers, chunk_rows, packed, [None] * len(packed), np.unique(eps * _M + rows))
+        packed = np.unique(eps * PACK + rows // chunk_rows[eps])
+        needed = np.unique(eps * PACK + rows)
+        return Table(readers, chunk_rows, packed, [None] * len(packed), needed)
 
     # -- fetching ---------------------------------------------------------------------------
 
-    async def _load(self, tables: dict[str, _Table], batch: _Batch) -> None:
-        jobs: list[tuple[str, _Table, int, int]] = []  # key, table, first pos, last pos
+    async def _load(self, tables: dict[str, Table], batch: Batch) -> None:
+        jobs: list[tuple[str, Table, int, int]] = []  # key, table, first pos, last pos
         for key, table in tables.items():
             missing = []
             for j, pk in enumerate(table.packed.tolist()):
-                ep_pos, chunk = divmod(pk, int(_M))
+                ep_pos, chunk = divmod(pk, int(PACK))
                 hit = self.cache.get((batch.episodes[ep_pos].hash, key, chunk))
                 if hit is None:
                     missing.append(j)
@@ -200,12 +179,12 @@ class Planner:
         decoded = await self._offload(nbytes, _decode_all, work)
         for key, (table, j, _), chunk in zip(keys, work, decoded):
             table.chunks[j] = chunk
-            ep_pos, chunk_id = divmod(int(table.packed[j]), int(_M))
+            ep_pos, chunk_id = divmod(int(table.packed[j]), int(PACK))
             self.cache.put((batch.episodes[ep_pos].hash, key, chunk_id), chunk)
 
-    async def _fetch(self, table: _Table, first: int, last: int) -> list[Raw | Chunk]:
-        ep_pos, c0 = divmod(int(table.packed[first]), int(_M))
-        c1 = int(table.packed[last]) % int(_M)
+    async def _fetch(self, table: Table, first: int, last: int) -> list[Raw | Chunk]:
+        ep_pos, c0 = divmod(int(table.packed[first]), int(PACK))
+        c1 = int(table.packed[last]) % int(PACK)
         reader = table.reader_of[ep_pos]
         raws = await self._fetch_raw(reader, c0, c1)
         unknown = {c0 + k for k, r in enumerate(raws) if r is None} - reader.absent
@@ -255,7 +234,7 @@ class Planner:
         return fn(*args)
 
 
-def _output_bytes(keymap: Keymap, batch: _Batch) -> int:
+def _output_bytes(keymap: Keymap, batch: Batch) -> int:
     """Bytes of the numeric outputs and frame indexes, known before any window is built."""
     total = 0
     for e in keymap:
@@ -284,7 +263,7 @@ def _check_keys(keymap: Keymap, episode: Episode) -> None:
             )
 
 
-def _key_rows(key: str, keymap: Keymap, batch: _Batch,
+def _key_rows(key: str, keymap: Keymap, batch: Batch,
               windows: dict[str, Window]) -> tuple[np.ndarray, np.ndarray]:
     eps, rows = [], []
     for e in keymap:
@@ -306,10 +285,10 @@ def _runs(missing: list[int], packed: np.ndarray) -> list[tuple[int, int]]:
     return runs
 
 
-def _decode_all(work: list[tuple[_Table, int, Any]]) -> list[Chunk]:
+def _decode_all(work: list[tuple[Table, int, Any]]) -> list[Chunk]:
     out = []
     for table, j, raw in work:
-        ep_pos, chunk = divmod(int(table.packed[j]), int(_M))
+        ep_pos, chunk = divmod(int(table.packed[j]), int(PACK))
         out.append(decode_chunk(table.reader_of[ep_pos], raw, chunk))
     return out
 
@@ -320,77 +299,3 @@ def _too_big(nbytes: int, limit: int, batch: int) -> ResponseTooLarge:
         f"the response would be {nbytes} bytes, over the limit of {limit} bytes; "
         f"split the batch into requests of at most {fit} samples"
     )
-
-
-def _assemble(keymap: Keymap, batch: _Batch, windows: dict[str, Window],
-              tables: dict[str, _Table], spans: dict[str, list[list[Any]]]) -> BatchResult:
-    arrays: dict[str, np.ndarray] = {}
-    images: dict[str, ImageColumn] = {}
-    frames: dict[str, list[bytes]] = {}
-    texts: dict[str, list[list[str]]] = {}
-    for e in keymap:
-        if e.rule is Rule.ANNOTATION:
-            texts[e.name] = texts_at(spans[e.zarr_key], batch.ep, batch.frame)
-            continue
-        table, w = tables[e.zarr_key], windows[e.name]
-        if table.reader_of[0].info.is_bytes:
-            images[e.name] = _image_column(e, w, table, batch, frames)
-        else:
-            arrays[e.name] = _gather(w.rows if e.time_axis else w.rows[:, 0], table, batch)
-    _masks(keymap, windows, arrays)
-    return BatchResult(
-        episodes=[batch.episodes[p].hash for p in batch.ep.tolist()],
-        frame_index=batch.frame.copy(),
-        fps=batch.fps.astype(np.float32),
-        embodiments=[batch.episodes[p].embodiment for p in batch.ep.tolist()],
-        arrays=arrays, images=images, frames=frames, texts=texts,
-    )
-
-
-def _batch_shaped(batch: _Batch, rows: np.ndarray) -> np.ndarray:
-    return np.broadcast_to(batch.ep.reshape(-1, *([1] * (rows.ndim - 1))), rows.shape)
-
-
-def _gather(rows: np.ndarray, table: _Table, batch: _Batch) -> np.ndarray:
-    """One fancy-indexed copy: the output rows, from the key's chunks, padding by clamping."""
-    if table.staging is None:
-        chunks: list[np.ndarray] = table.chunks  # type: ignore[assignment]
-        sizes = np.fromiter((len(ch) for ch in chunks), np.int64, len(chunks))
-        table.starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-        table.staging = chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
-    eps = _batch_shaped(batch, rows)
-    c = table.chunk_rows[eps]
-    pos = np.searchsorted(table.packed, eps * _M + rows // c)
-    return table.staging[table.starts[pos] + rows % c]  # type: ignore[no-any-return]
-
-
-def _image_column(e: KeySpec, w: Window, table: _Table, batch: _Batch,
-                  frames: dict[str, list[bytes]]) -> ImageColumn:
-    """Camera outputs index the key's distinct frames, so each frame is sent once."""
-    if table.staging is None:
-        table.staging = frames[e.zarr_key] = _distinct_frames(table)
-    rows = w.rows if e.time_axis else w.rows[:, 0]
-    key = _batch_shaped(batch, rows) * _M + rows
-    return ImageColumn(e.zarr_key, np.searchsorted(table.rows, key).astype(np.int32))
-
-
-def _distinct_frames(table: _Table) -> list[bytes]:
-    eps, rows = np.divmod(table.rows, _M)
-    c = table.chunk_rows[eps]
-    pos = np.searchsorted(table.packed, eps * _M + rows // c)
-    within = rows % c
-    chunks: list[Any] = table.chunks
-    return [chunks[p][r] for p, r in zip(pos.tolist(), within.tolist())]
-
-
-def _masks(keymap: Keymap, windows: dict[str, Window], arrays: dict[str, np.ndarray]) -> None:
-    action = keymap.action_mask_entry
-    if action is not None:
-        arrays["action_pad_mask"] = windows[action.name].mask.astype(np.float32)  # type: ignore[union-attr]
-    proprio = keymap.proprio_mask_entry
-    if proprio is not None:
-        arrays["proprio_history_mask"] = windows[proprio.name].mask.astype(np.float32)  # type: ignore[union-attr]
-    for e in keymap:
-        if e.key_type == "camera_keys" and e.rule is Rule.HISTORY:
-            arrays[f"{e.name}_mask"] = windows[e.name].mask.astype(np.float32)  # type: ignore[union-attr]
-

@@ -10,12 +10,11 @@ from typing import Any
 
 from google.protobuf.message import DecodeError, Message
 
+from episerve_proto.contract import WINDOW_FIELDS
+from episerve_proto.errors import InvalidArgument
 from episerve_proto.v1 import episerve_pb2 as pb
 from episerve_server.core.keymap import Keymap
-from episerve_server.errors import InvalidArgument
 from episerve_server.storage.catalog import Episode
-
-_SPEC_FIELDS = ("horizon", "history", "history_stride", "history_stride_s", "lag_s")
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +69,7 @@ def keymap_from_pb(msg: Any) -> Keymap:
         if entry.name in raw:
             raise InvalidArgument(f"output key {entry.name!r} appears twice in the keymap")
         spec: dict[str, Any] = {"zarr_key": entry.zarr_key, "key_type": entry.key_type}
-        for name in _SPEC_FIELDS:
+        for name in WINDOW_FIELDS:
             if entry.HasField(name):
                 spec[name] = getattr(entry, name)
         raw[entry.name] = spec

@@ -17,22 +17,18 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from episerve_proto.contract import MAX_MESSAGE_BYTES, MIN_PING_INTERVAL_MS, SERVICE_NAME
 from episerve_proto.v1 import episerve_pb2
 from episerve_server.config import ServerConfig
-from episerve_server.core.cache import ChunkCache
 from episerve_server.core.stats import Stats
-from episerve_server.plan.planner import Planner
 from episerve_server.rpc.interceptors import LoggingInterceptor, TokenInterceptor
-from episerve_server.rpc.service import SERVICE_NAME, ReadService
-from episerve_server.storage.catalog import Catalog
-from episerve_server.storage.store import open_root
+from episerve_server.rpc.service import EpiserveService
+from episerve_server.wiring import build_read_core
 
 log = logging.getLogger(__name__)
 
 # Keepalive: the server accepts pings every 10 s or more, the client pings every 30 s
 # (episerve_client.channel), so no call ever ends in too_many_pings.
-MIN_PING_INTERVAL_MS = 10_000
-MAX_MESSAGE_BYTES = 256 * 2**20
 SERVER_OPTIONS = (
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", 64 * 2**20),
@@ -50,7 +46,7 @@ class Daemon:
     config: ServerConfig
     server: grpc.aio.Server
     health: health.aio.HealthServicer
-    service: ReadService
+    service: EpiserveService
     address: str
     extra_servers: list[Any]
     metrics: Any = None
@@ -70,15 +66,9 @@ class Daemon:
 
 
 async def start(config: ServerConfig, *, stats: Stats | None = None) -> Daemon:
-    stats = stats or Stats()
-    store = open_root(config.root, stats=stats, storage_options=_storage_options(config),
-                      max_connections=config.max_store_concurrency)
-    store.latency_s = config.inject_latency_s
-    cache = ChunkCache(config.cache_bytes, stats)
-    catalog = Catalog(store, allow=config.allow, on_drop=cache.drop_episode)
-    await catalog.scan()
-    planner = Planner(catalog, cache, stats, fetch_limit=config.max_store_concurrency)
-    service = ReadService(config, catalog, planner, stats)
+    core = build_read_core(config, stats=stats)
+    await core.catalog.scan()
+    service = EpiserveService(config, core.catalog, core.planner, core.stats)
     metrics = _metrics(config, service)
     interceptors: list[grpc.aio.ServerInterceptor] = [LoggingInterceptor(metrics)]
     if config.token:
@@ -137,13 +127,7 @@ async def _health_server(config: ServerConfig, servicer: Any) -> grpc.aio.Server
     return server
 
 
-def _storage_options(config: ServerConfig) -> dict[str, Any]:
-    if config.s3_endpoint:
-        return {"client_kwargs": {"endpoint_url": config.s3_endpoint}}
-    return {}
-
-
-def _metrics(config: ServerConfig, service: ReadService) -> Any:
+def _metrics(config: ServerConfig, service: EpiserveService) -> Any:
     if not config.metrics_port:
         return None
     from episerve_server.rpc.metrics import Metrics
@@ -169,7 +153,7 @@ async def serve(config: ServerConfig, *, announce: Callable[[str], None] = print
     return 0
 
 
-async def _rescan_loop(service: ReadService, every_s: float) -> None:
+async def _rescan_loop(service: EpiserveService, every_s: float) -> None:
     if every_s <= 0:
         return
     while True:

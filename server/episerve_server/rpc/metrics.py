@@ -37,7 +37,7 @@ from episerve_server.config import ServerConfig
 from episerve_server.core.stats import COUNTERS
 
 if TYPE_CHECKING:
-    from episerve_server.rpc.service import ReadService
+    from episerve_server.rpc.service import EpiserveService
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ COUNTER_HELP = {
 class StatsCollector(Collector):
     """Exports ``service.stats`` and the catalog as they are at scrape time."""
 
-    def __init__(self, service: ReadService) -> None:
+    def __init__(self, service: EpiserveService) -> None:
         self.service = service
 
     def collect(self) -> Iterator[Metric]:
@@ -93,7 +93,7 @@ class StatsCollector(Collector):
             yield GaugeMetricFamily(f"{PREFIX}_{name}", text, value=value)
 
 
-def _episode_counts(service: ReadService) -> tuple[int, int]:
+def _episode_counts(service: EpiserveService) -> tuple[int, int]:
     """(open and healthy, broken). ``list()`` copies the dict's values in one C call."""
     catalog = service.catalog
     episodes = list(catalog.episodes.values())
@@ -104,7 +104,7 @@ def _episode_counts(service: ReadService) -> tuple[int, int]:
 class Metrics:
     """The daemon's Prometheus registry; ``observe`` is fed by the logging interceptor."""
 
-    def __init__(self, service: ReadService) -> None:
+    def __init__(self, service: EpiserveService) -> None:
         self.service = service
         self.registry = CollectorRegistry()
         self.rpcs = Counter(
@@ -123,7 +123,7 @@ class Metrics:
         self._http: Any = None
 
     @classmethod
-    def start(cls, config: ServerConfig, service: ReadService) -> Metrics:
+    def start(cls, config: ServerConfig, service: EpiserveService) -> Metrics:
         """Serve ``/metrics`` on ``config.host:config.metrics_port``."""
         # No ``*_created`` series: they would double the scrape for nothing.
         disable_created_metrics()  # type: ignore[no-untyped-call]

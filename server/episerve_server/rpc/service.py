@@ -15,36 +15,42 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
-from episerve_server.config import ServerConfig
-from episerve_server.core.keymap import Keymap
-from episerve_server.core.stats import Stats
-from episerve_server.errors import (
+from episerve_proto.contract import (
+    EPISODE_TRAILER,
+    ERROR_TRAILER,
+    KEY_TRAILER,
+    METHODS,
+    SERVICE_NAME,
+)
+from episerve_proto.errors import (
     EpiserveError,
     EpisodeNotFound,
-    FailedPrecondition,
+    InternalError,
     LimitExceeded,
     Overloaded,
     Unavailable,
     UnknownKeymap,
 )
+from episerve_server.config import ServerConfig
+from episerve_server.core.keymap import Keymap
+from episerve_server.core.stats import Stats
 from episerve_server.plan.planner import Planner, ReadOptions
 from episerve_server.rpc import convert, wire
 from episerve_server.storage.catalog import Catalog
 
 log = logging.getLogger(__name__)
 
-SERVICE_NAME = "episerve.v1.EpiServe"
 MAX_KEYMAPS = 1024
 OFFLOAD_ENCODE_BYTES = 1 << 20
 
-Handler = Callable[["ReadService", bytes, grpc.aio.ServicerContext], Awaitable[bytes]]
+Handler = Callable[["EpiserveService", bytes, grpc.aio.ServicerContext], Awaitable[bytes]]
 
 
 def error_metadata(exc: EpiserveError) -> tuple[tuple[str, str | bytes], ...]:
     return (
-        ("episerve-error", type(exc).__name__),
-        ("episerve-episode-bin", exc.episode.encode()),
-        ("episerve-key-bin", exc.key.encode()),
+        (ERROR_TRAILER, type(exc).__name__),
+        (EPISODE_TRAILER, exc.episode.encode()),
+        (KEY_TRAILER, exc.key.encode()),
     )
 
 
@@ -52,7 +58,8 @@ def _rpc(fn: Handler) -> Handler:
     """Run a handler; map domain errors to their status, and anything else to a clear one."""
 
     @functools.wraps(fn)
-    async def run(self: ReadService, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+    async def run(self: EpiserveService, request: bytes,
+                  context: grpc.aio.ServicerContext) -> bytes:
         try:
             return await fn(self, request, context)
         except EpiserveError as exc:
@@ -61,7 +68,7 @@ def _rpc(fn: Handler) -> Handler:
             if isinstance(exc, grpc.aio.AbortError):
                 raise
             log.exception("unexpected error in %s", fn.__name__)
-            error = FailedPrecondition(
+            error = InternalError(
                 f"the daemon could not serve this request ({type(exc).__name__}: {exc}); "
                 "this is a bug, please report it with the daemon's log"
             )
@@ -73,7 +80,7 @@ def _rpc(fn: Handler) -> Handler:
     return run
 
 
-class ReadService:
+class EpiserveService:
     def __init__(self, config: ServerConfig, catalog: Catalog, planner: Planner,
                  stats: Stats) -> None:
         self.config, self.catalog, self.planner, self.stats = config, catalog, planner, stats
@@ -91,6 +98,7 @@ class ReadService:
             "Read": self.read,
             "GetStats": self.get_stats,
         }
+        assert tuple(methods) == METHODS
         return grpc.method_handlers_generic_handler(
             SERVICE_NAME,
             {name: grpc.unary_unary_rpc_method_handler(fn) for name, fn in methods.items()},

@@ -20,7 +20,8 @@ import zarr.api.asynchronous as zasync
 from zarr import AsyncArray
 from zarr.storage import StorePath
 
-from episerve_server.errors import BrokenEpisodeError, EpisodeNotFound, InvalidEpisodeId
+from episerve_proto.errors import BrokenEpisodeError, EpisodeNotFound, InvalidEpisodeId
+from episerve_server.core.spans import Span
 from episerve_server.storage.readers import ChunkReader, build_reader
 from episerve_server.storage.store import METADATA_NAMES, CountingStore
 
@@ -46,13 +47,6 @@ def validate_id(episode_id: object) -> str:
             episode=episode_id if ok else "",
         )
     return episode_id
-
-
-@dataclass(frozen=True, slots=True)
-class Span:
-    text: str
-    start: int
-    end: int
 
 
 @dataclass(slots=True)

@@ -25,10 +25,10 @@ try:  # the server package may not be installed into the venv yet
 except ImportError:
     sys.path.insert(0, str(_REPO / "server"))
 try:
-    from tests import oracle, ramp
+    from tests.support import oracle, ramp
 except ImportError:
     sys.path.insert(0, str(_REPO))
-    from tests import oracle, ramp
+    from tests.support import oracle, ramp
 
 oracle_sample = oracle.oracle_sample
 OracleReadError = oracle.OracleReadError

@@ -1,0 +1,30 @@
+"""Everything the daemon and the client must agree on, besides the messages themselves.
+
+Plain constants: importing this module imports neither grpc nor protobuf. A unit test checks
+the names below against the generated descriptor of ``episerve/v1/episerve.proto``.
+"""
+
+from __future__ import annotations
+
+PACKAGE = "episerve.v1"
+SERVICE_NAME = f"{PACKAGE}.EpiServe"
+#: The prefix of every method path: ``SERVICE_PATH + "Read"``.
+SERVICE_PATH = f"/{SERVICE_NAME}/"
+METHODS = ("ListEpisodes", "RegisterKeymap", "Read", "GetStats")
+
+#: Trailers of an error answer: the error's class name, then the episode and the key (UTF-8).
+ERROR_TRAILER = "episerve-error"
+EPISODE_TRAILER = "episerve-episode-bin"
+KEY_TRAILER = "episerve-key-bin"
+
+#: The fields of one keymap entry besides its output name (``KeySpec`` in the proto).
+KEYMAP_FIELDS = ("zarr_key", "key_type", "horizon", "history", "history_stride",
+                 "history_stride_s", "lag_s")
+#: The optional window fields among them, in proto order.
+WINDOW_FIELDS = KEYMAP_FIELDS[2:]
+
+#: The largest message either side sends or receives.
+MAX_MESSAGE_BYTES = 256 * 2**20
+#: The daemon accepts keepalive pings this often at most; the client pings less often.
+MIN_PING_INTERVAL_MS = 10_000
+CLIENT_KEEPALIVE_MS = 30_000

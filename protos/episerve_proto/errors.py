@@ -1,0 +1,166 @@
+"""The one error table of episerve, shared by the daemon and the client.
+
+    EpiserveError
+    ├── InvalidArgument          INVALID_ARGUMENT    (also ValueError)
+    │   ├── KeymapError          a bad keymap entry or field
+    │   └── InvalidEpisodeId     a malformed or path-like episode id
+    ├── NotFound                 NOT_FOUND           (also LookupError)
+    │   ├── EpisodeNotFound
+    │   └── UnknownKeymap        a keymap id not registered here: register again
+    ├── FrameOutOfRange          OUT_OF_RANGE        (also IndexError)
+    ├── FailedPrecondition       FAILED_PRECONDITION
+    │   ├── ShortArrayError      an array holds fewer rows than a window needs
+    │   └── BrokenEpisodeError   an episode that failed to open
+    ├── DataLossError            DATA_LOSS           a corrupt chunk or undecodable frame
+    ├── ResourceExhausted        RESOURCE_EXHAUSTED
+    │   ├── LimitExceeded        a batch, window, keymap or id over a limit
+    │   │   └── ResponseTooLarge the response would pass the byte limit: split the batch
+    │   └── Overloaded           too many reads in flight                    transient
+    ├── Unavailable              UNAVAILABLE         (also ConnectionError)  transient
+    ├── DeadlineExceeded         DEADLINE_EXCEEDED   (also TimeoutError)
+    ├── Cancelled                CANCELLED
+    ├── Unauthenticated          UNAUTHENTICATED     (also PermissionError)
+    ├── PermissionDenied         PERMISSION_DENIED   (also PermissionError)
+    └── InternalError            INTERNAL            a bug in the daemon: report it
+
+Each class declares the name of its gRPC status code and whether it is transient. The
+daemon answers an error with ``code`` and names the class in the ``episerve-error`` trailer
+(``contract.ERROR_TRAILER``); the client maps the pair back with :func:`error_class`.  This
+module imports neither grpc nor protobuf, so the daemon's read core can raise these errors.
+Messages name the episode, the key and the value received.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+
+class EpiserveError(Exception):
+    """Base of every error episerve raises on purpose."""
+
+    code: ClassVar[str] = "UNKNOWN"
+    transient: ClassVar[bool] = False
+
+    def __init__(self, message: str, *, episode: str = "", key: str = "",
+                 target: str = "") -> None:
+        super().__init__(message)
+        self.message, self.episode, self.key, self.target = message, episode, key, target
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (type(self), self.message, self.episode, self.key, self.target))
+
+
+def _rebuild(cls: type[EpiserveError], message: str, episode: str, key: str,
+             target: str) -> EpiserveError:
+    return cls(message, episode=episode, key=key, target=target)
+
+
+class InvalidArgument(EpiserveError, ValueError):
+    code = "INVALID_ARGUMENT"
+
+
+class KeymapError(InvalidArgument):
+    """A keymap entry is malformed, or names an array the episode lacks."""
+
+
+class InvalidEpisodeId(InvalidArgument):
+    """An episode id that is not a plain name: empty, path-like, or with odd characters."""
+
+
+class NotFound(EpiserveError, LookupError):
+    code = "NOT_FOUND"
+
+
+class EpisodeNotFound(NotFound):
+    pass
+
+
+class UnknownKeymap(NotFound):
+    """A keymap id this daemon has not registered (e.g. after a restart): register again."""
+
+
+class FrameOutOfRange(EpiserveError, IndexError):
+    code = "OUT_OF_RANGE"
+
+
+class FailedPrecondition(EpiserveError):
+    code = "FAILED_PRECONDITION"
+
+
+class ShortArrayError(FailedPrecondition):
+    """An array holds fewer rows than a window needs (never a StopIteration)."""
+
+
+class BrokenEpisodeError(FailedPrecondition):
+    """The episode could not be opened; its reason is in the catalog listing."""
+
+
+class DataLossError(EpiserveError):
+    code = "DATA_LOSS"
+
+
+class ResourceExhausted(EpiserveError):
+    code = "RESOURCE_EXHAUSTED"
+
+
+class LimitExceeded(ResourceExhausted):
+    """A batch, window, keymap, id or response over one of the daemon's limits."""
+
+
+class ResponseTooLarge(LimitExceeded):
+    """The response would pass the byte limit; the client splits the batch and retries."""
+
+
+class Overloaded(ResourceExhausted):
+    """Too many reads in flight: the client backs off and retries."""
+
+    transient = True
+
+
+class Unavailable(EpiserveError, ConnectionError):
+    code = "UNAVAILABLE"
+    transient = True
+
+
+class DeadlineExceeded(EpiserveError, TimeoutError):
+    code = "DEADLINE_EXCEEDED"
+
+
+class Cancelled(EpiserveError):
+    code = "CANCELLED"
+
+
+class Unauthenticated(EpiserveError, PermissionError):
+    code = "UNAUTHENTICATED"
+
+
+class PermissionDenied(EpiserveError, PermissionError):
+    code = "PERMISSION_DENIED"
+
+
+class InternalError(EpiserveError):
+    """A bug in the daemon. The message asks for a report with the daemon's log."""
+
+    code = "INTERNAL"
+
+
+ALL: tuple[type[EpiserveError], ...] = tuple(
+    c for c in list(globals().values()) if isinstance(c, type) and issubclass(c, EpiserveError)
+)
+#: Class name -> class, as sent in the ``episerve-error`` trailer.
+BY_NAME: dict[str, type[EpiserveError]] = {c.__name__: c for c in ALL}
+#: Status code name -> the most general class with that code (the first declared).
+BY_CODE: dict[str, type[EpiserveError]] = {}
+for _cls in ALL:
+    BY_CODE.setdefault(_cls.code, _cls)
+
+
+def error_class(code: str, name: str = "") -> type[EpiserveError]:
+    """The most precise class for a status code and the class name the daemon sent.
+
+    A name that is unknown, or whose class has another code, is ignored: the code decides.
+    """
+    cls = BY_NAME.get(name)
+    if cls is not None and cls.code == code:
+        return cls
+    return BY_CODE.get(code, EpiserveError)

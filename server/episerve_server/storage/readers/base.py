@@ -1,0 +1,39 @@
+"""What every chunk reader is: fetch raw chunks [first, last] of one array."""
+
+from __future__ import annotations
+
+from episerve_server.core.cache import Chunk
+from episerve_server.storage.readers.decode import ArrayInfo, Decoder, Raw
+from episerve_server.storage.store import CountingStore
+
+
+class ShardVanished(FileNotFoundError):
+    """A shard whose index was read is gone: the episode may have been deleted."""
+
+
+class ChunkReader:
+    """Fetches raw chunks [first, last] of one array; ``decode`` turns them into chunks.
+
+    A missing chunk is the fill value (zarr skips chunks equal to it), returned as None.
+    """
+
+    def __init__(self, info: ArrayInfo, decoder: Decoder) -> None:
+        self.info = info
+        self.decode = decoder
+        #: chunks found missing and confirmed to be fill (the episode still exists)
+        self.absent: set[int] = set()
+
+    async def fetch(self, first: int, last: int) -> list[Raw]:
+        raise NotImplementedError
+
+
+async def episode_exists(store: CountingStore, episode: str) -> bool:
+    base = f"{episode}.zarr"
+    return await store.exists(f"{base}/zarr.json") or await store.exists(f"{base}/.zgroup")
+
+
+def decode_chunk(reader: ChunkReader, raw: Raw | Chunk, index: int) -> Chunk:
+    """Decode a fetched chunk; a ``FallbackReader`` hands back chunks already decoded."""
+    if raw is None or isinstance(raw, bytes):
+        return reader.decode(raw, index)
+    return raw

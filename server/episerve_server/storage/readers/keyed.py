@@ -1,0 +1,29 @@
+"""One store object per chunk: v3 unsharded and v2."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from zarr.core.buffer import default_buffer_prototype
+
+from episerve_server.storage.readers.base import ChunkReader
+from episerve_server.storage.readers.decode import ArrayInfo, Decoder, Raw
+from episerve_server.storage.store import CountingStore
+
+
+class KeyedReader(ChunkReader):
+    """One store object per chunk: v3 unsharded and v2."""
+
+    def __init__(self, info: ArrayInfo, decoder: Decoder, store: CountingStore,
+                 key_of: Callable[[int], str]) -> None:
+        super().__init__(info, decoder)
+        self.store = store
+        self.key_of = key_of
+
+    async def fetch(self, first: int, last: int) -> list[Raw]:
+        proto = default_buffer_prototype()
+        bufs = await asyncio.gather(
+            *(self.store.get(self.key_of(c), proto) for c in range(first, last + 1))
+        )
+        return [None if b is None else b.to_bytes() for b in bufs]

@@ -1,0 +1,43 @@
+"""The one place the read core's object graph is built: the daemon, the tests and the
+benchmarks all call :func:`build_read_core`, so none of them can forget a hook."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from episerve_server.config import ServerConfig
+from episerve_server.core.cache import ChunkCache
+from episerve_server.core.stats import Stats
+from episerve_server.plan.planner import Planner
+from episerve_server.storage.catalog import Catalog
+from episerve_server.storage.store import CountingStore, open_root
+
+
+@dataclass(frozen=True, slots=True)
+class ReadCore:
+    """Everything a read needs, wired together; ``await core.catalog.scan()`` opens it."""
+
+    stats: Stats
+    store: CountingStore
+    cache: ChunkCache
+    catalog: Catalog
+    planner: Planner
+
+
+def build_read_core(config: ServerConfig, *, stats: Stats | None = None) -> ReadCore:
+    stats = stats if stats is not None else Stats()
+    store = open_root(config.root, stats=stats, storage_options=storage_options(config),
+                      max_connections=config.max_store_concurrency)
+    store.latency_s = config.inject_latency_s
+    cache = ChunkCache(config.cache_bytes, stats)
+    # A dropped episode's chunks leave the cache with it.
+    catalog = Catalog(store, allow=config.allow, on_drop=cache.drop_episode)
+    planner = Planner(catalog, cache, stats, fetch_limit=config.max_store_concurrency)
+    return ReadCore(stats, store, cache, catalog, planner)
+
+
+def storage_options(config: ServerConfig) -> dict[str, Any]:
+    if config.s3_endpoint:
+        return {"client_kwargs": {"endpoint_url": config.s3_endpoint}}
+    return {}

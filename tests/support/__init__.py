@@ -1,0 +1,1 @@
+"""Test support: the oracle, ramp datasets, shared keymaps, planner and daemon helpers."""

@@ -1,0 +1,40 @@
+"""Helpers for suites that talk to real daemons: a fresh interpreter for fork-safe
+DataLoaders, and an ``AsyncClient`` driven from sync test code."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from episerve_client import AsyncClient
+
+
+def isolated(fn: Callable[..., Any], *args: Any, timeout_s: float = 300) -> Any:
+    """``fn(*args)`` in a fresh interpreter that has never used gRPC, so a DataLoader there
+    can fork its workers safely (gRPC does not survive fork). ``fn`` must be importable."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result(timeout=timeout_s)
+
+
+class SyncAsync:
+    """An ``AsyncClient`` driven from sync test code, on its own event loop."""
+
+    def __init__(self, target: Any, **options: Any) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.inner = AsyncClient(target, **options)
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(self.inner, name)
+
+        def call(*args: Any, **kw: Any) -> Any:
+            return self.loop.run_until_complete(fn(*args, **kw))
+
+        return call
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.inner.aclose())
+        self.loop.close()

@@ -1,0 +1,25 @@
+"""The hand-written contract agrees with the proto it describes."""
+
+from __future__ import annotations
+
+from episerve_proto import contract
+from episerve_proto.v1 import episerve_pb2 as pb
+
+
+def test_service_name_and_methods_match_the_proto() -> None:
+    service = pb.DESCRIPTOR.services_by_name["EpiServe"]
+    assert service.full_name == contract.SERVICE_NAME
+    assert tuple(m.name for m in service.methods) == contract.METHODS
+    assert f"/{service.full_name}/" == contract.SERVICE_PATH
+
+
+def test_keymap_fields_match_the_proto() -> None:
+    fields = [f.name for f in pb.KeySpec.DESCRIPTOR.fields]
+    assert fields[0] == "name"
+    assert tuple(fields[1:]) == contract.KEYMAP_FIELDS
+    optional = tuple(f.name for f in pb.KeySpec.DESCRIPTOR.fields if f.has_presence)
+    assert optional == contract.WINDOW_FIELDS
+
+
+def test_the_keepalive_interval_leaves_room() -> None:
+    assert contract.CLIENT_KEEPALIVE_MS >= 2 * contract.MIN_PING_INTERVAL_MS
