@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[server,client,video,s3,lightning,dev]'
+	$(PY) -m pip install --quiet -e '.[server,synth,client,video,s3,lightning,dev]'
 	touch $(STAMP)
 
 demo: $(STAMP)

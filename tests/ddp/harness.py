@@ -40,8 +40,9 @@ class Launch:
     def __init__(self, logs: Path) -> None:
         self.logs = logs
         self.procs: list[subprocess.Popen[bytes]] = []
+        path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
         self.env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-                    "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(REPO),
+                    "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": path,
                     "PYTHONUNBUFFERED": "1"}
 
     def start(self, module: str, args: Sequence[str], name: str,

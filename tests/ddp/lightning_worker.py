@@ -18,8 +18,8 @@ from lightning.pytorch.utilities.combined_loader import CombinedLoader
 from torch.utils.data import DataLoader, Subset
 
 from episerve_client import collate
+from episerve_client.viz import PassRenderer, video_loader
 from episerve_client.viz.lightning import gate_val_loader
-from episerve_client.viz.video import PassRenderer, video_loader
 from tests.ddp import common as c
 
 

@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from episerve_client import collate
-from episerve_client.viz.video import (
+from episerve_client.viz import (
     EpochSchedule,
     PassRenderer,
     VizGatedLoader,

@@ -10,8 +10,6 @@ from tests.support import ramp
 CAMERA = ramp.CAMERA_KEY
 MECKA = list(ramp.MECKA_KEYS)
 EPISODES = {h: (total, fps) for h, _, total, fps in ramp.RAMP_DATASET}
-DATASETS = ("sharded", "unsharded", "v2", "mixed")
-NUMERIC_LAYOUTS = ("sharded", "unsharded", "v2")
 
 
 def e(zarr_key: str, key_type: str, **fields: Any) -> dict[str, Any]:

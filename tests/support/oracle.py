@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import operator
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -332,3 +332,27 @@ def entry_indices(fields: dict[str, Any], i: int, total: int, fps: int,
     if rule == RULE_LAG:
         return [lag_index(i, frames(fields["lag_s"], fps))], None
     return [i], None
+
+
+def row_runs(rows: Sequence[int]) -> list[tuple[int, int]]:
+    """Maximal runs of consecutive distinct rows, as half-open intervals."""
+    runs: list[list[int]] = []
+    for r in sorted(set(rows)):
+        if runs and runs[-1][1] == r:
+            runs[-1][1] = r + 1
+        else:
+            runs.append([r, r + 1])
+    return [(a, b) for a, b in runs]
+
+
+def merge_intervals(intervals: Sequence[tuple[int, int]], chunk: int) -> list[tuple[int, int]]:
+    """SPEC section 3's merge rule, literally: sort the half-open intervals by (start, end)
+    and fold one into the current group when ``start // chunk <= (group_end - 1) // chunk + 1``;
+    the group's end becomes the larger end."""
+    groups: list[list[int]] = []
+    for start, end in sorted(intervals):
+        if groups and start // chunk <= (groups[-1][1] - 1) // chunk + 1:
+            groups[-1][1] = max(groups[-1][1], end)
+        else:
+            groups.append([start, end])
+    return [(a, b) for a, b in groups]

@@ -48,14 +48,14 @@ from tests.support.keymaps import (
     BATCH,
     CAMERA,
     CASES,
-    DATASETS,
     EPISODES,
     KEYMAPS,
     MECKA,
-    NUMERIC_LAYOUTS,
     e,
     without_annotations,
 )
+from tests.support.served import DATASETS
+from tests.support.served import LAYOUTS as NUMERIC_LAYOUTS
 
 
 def test_keymap_constants_match_the_shared_yaml() -> None:
@@ -226,6 +226,44 @@ def test_cache_off_fetches_exactly_the_touched_chunks(name: str, dataset: str,
     # the same batch again, with the cache off, fetches the same chunks once more
     served.read(keymap, BATCH)
     assert served.stats.chunks_fetched == 2 * sum(want.values())
+
+
+def literal_groups(root: Path, keymap: dict[str, dict[str, Any]],
+                   samples: list[tuple[str, int]]) -> dict[tuple[str, str], list[tuple[int, int]]]:
+    """Per (episode, zarr key): SPEC section 3's merged groups, by the literal rule over
+    every window of the batch (each window as its runs of consecutive rows)."""
+    intervals: dict[tuple[str, str], list[tuple[int, int]]] = {}
+    for h, i in samples:
+        total, fps = EPISODES[h]
+        for fields in keymap.values():
+            if oracle.entry_rule(fields) != oracle.RULE_ANNOTATION:
+                rows = entry_rows(fields, i, total, fps)
+                intervals.setdefault((h, fields["zarr_key"]), []).extend(oracle.row_runs(rows))
+    return {(h, key): oracle.merge_intervals(iv, chunk_rows(root, h, key))
+            for (h, key), iv in intervals.items()}
+
+
+@pytest.mark.parametrize("layout", NUMERIC_LAYOUTS)
+@pytest.mark.parametrize("name", ["mecka_keypoints_k4", "camera_history", "two_horizons",
+                                  "lag_only"])
+def test_cache_off_store_calls_are_the_literal_merged_groups(name: str, layout: str,
+                                                             ramp_roots: dict[str, Path],
+                                                             serve: Callable[..., Any]) -> None:
+    """With the cache off, the planner fetches each chunk of each merged group once, and
+    nothing else: one ranged read per group in a shard, one object per chunk otherwise."""
+    served = serve(ramp_roots[layout], 0)
+    keymap = without_annotations(KEYMAPS[name])
+    groups = literal_groups(served.root, keymap, BATCH)
+    chunks = {(h, key, c) for (h, key), gs in groups.items()
+              for start, end in gs
+              for c in range((start) // chunk_rows(served.root, h, key),
+                             (end - 1) // chunk_rows(served.root, h, key) + 1)}
+    served.read(keymap, BATCH)
+    assert served.stats.chunks_fetched == len(chunks)
+    assert delta(fetched(served.stats), {}) == Counter(h for h, _, _ in chunks)
+    n_groups = sum(len(gs) for gs in groups.values())
+    assert served.stats.store_reads == (n_groups if layout == "sharded" else len(chunks))
+    assert n_groups < len(chunks)  # the batch does merge: the counts tell the layouts apart
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

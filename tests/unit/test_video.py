@@ -17,8 +17,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, default_collate
 
 from episerve_client.convert import EpisodeInfo
-from episerve_client.viz.overlay import DEFAULT_FOCAL_PER_WIDTH, batch_overlays, intrinsics, project
-from episerve_client.viz.video import (
+from episerve_client.viz import (
     EpochSchedule,
     PassRenderer,
     VideoConfigError,
@@ -29,6 +28,7 @@ from episerve_client.viz.video import (
     video_loader,
     write_video,
 )
+from episerve_client.viz.overlay import DEFAULT_FOCAL_PER_WIDTH, batch_overlays, intrinsics, project
 
 
 class RecordingLoader(DataLoader[Any]):

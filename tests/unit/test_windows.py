@@ -11,8 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from episerve_server.core.keymap import Keymap, KeySpec
-from episerve_server.core.windows import chunk_runs, frames, merge_intervals, row_runs, window
+from episerve_server.core.windows import frames, window
+from episerve_server.plan.assemble import PACK
+from episerve_server.plan.planner import _runs
 from tests.support import oracle
+from tests.support.oracle import merge_intervals, row_runs
 
 
 def spec(**fields: Any) -> KeySpec:
@@ -59,23 +62,41 @@ def test_merge_rule_edges() -> None:
     assert merge_intervals([(3, 4), (4, 5), (6, 7)], 1) == [(3, 5), (6, 7)]
 
 
-def test_row_runs_and_chunk_runs_examples() -> None:
+def test_row_runs_examples() -> None:
     assert row_runs([5, 1, 2, 3, 3, 9]) == [(1, 4), (5, 6), (9, 10)]
     assert row_runs([]) == []
-    assert chunk_runs(np.array([0, 150, 250, 499]), 100) == [(0, 2), (4, 4)]
-    assert chunk_runs(np.array([3, 90]), 1) == [(3, 3), (90, 90)]
-    assert chunk_runs(np.array([], np.int64), 100) == []
+
+
+def planner_runs(rows_by_episode: list[list[int]], chunk: int) -> list[tuple[int, int, int]]:
+    """The planner's store runs over every touched chunk (the cache off), as
+    (episode position, first chunk, last chunk), from ``Planner._runs`` itself."""
+    packed = np.unique(np.concatenate([
+        np.asarray(rows, np.int64) // chunk + e * PACK
+        for e, rows in enumerate(rows_by_episode)]))
+    runs = _runs(list(range(len(packed))), packed)
+    out = []
+    for first, last in runs:
+        e, c0 = divmod(int(packed[first]), int(PACK))
+        assert int(packed[last]) // int(PACK) == e  # a run never crosses episodes
+        out.append((e, c0, int(packed[last]) % int(PACK)))
+    return out
 
 
 rows_strategy = st.lists(st.integers(0, 2000), min_size=1, max_size=60)
 
 
 @settings(max_examples=200, deadline=None)
-@given(rows=rows_strategy, chunk=st.sampled_from([1, 2, 7, 33, 100]))
-def test_chunk_runs_equal_the_merged_groups(rows: list[int], chunk: int) -> None:
-    groups = merge_intervals(row_runs(rows), chunk)
-    spans = [(s // chunk, (e - 1) // chunk) for s, e in groups]
-    assert chunk_runs(np.array(rows), chunk) == spans
+@given(rows=st.lists(rows_strategy, min_size=1, max_size=3),
+       chunk=st.sampled_from([1, 2, 7, 33, 100]))
+def test_planner_runs_are_the_literal_merged_groups(rows: list[list[int]], chunk: int) -> None:
+    want = [(e, s // chunk, (end - 1) // chunk)
+            for e, r in enumerate(rows) for s, end in merge_intervals(row_runs(r), chunk)]
+    assert planner_runs(rows, chunk) == want
+
+
+def test_planner_runs_skip_cached_chunks() -> None:
+    packed = np.array([3, 4, 5, 9, PACK + 10, PACK + 11], np.int64)
+    assert _runs([0, 2, 3, 4, 5], packed) == [(0, 0), (2, 2), (3, 3), (4, 5)]
 
 
 @settings(max_examples=200, deadline=None)

@@ -30,7 +30,7 @@ from typing import TypeVar
 import lightning.pytorch as pl
 from lightning.pytorch.trainer.states import TrainerFn
 
-from episerve_client.viz.video import VizGatedLoader, renders_on_epoch
+from episerve_client.viz import VizGatedLoader, renders_on_epoch
 
 T = TypeVar("T")
 

@@ -6,7 +6,6 @@ padded row is just a real row read again, and ``mask`` says which rows are real.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -64,41 +63,3 @@ def _history(spec: KeySpec, frame: IntArray, fps: IntArray) -> Window:
     first_real = idx[np.arange(len(idx)), mask.argmax(axis=1)]
     fill = np.where(has_real, first_real, 0)
     return Window(np.where(mask, idx, fill[:, None]), mask)
-
-
-def merge_intervals(intervals: Iterable[tuple[int, int]], chunk: int) -> list[tuple[int, int]]:
-    """The merge rule, literally: sort half-open intervals by (start, end) and fold one into
-    the current group when ``start // chunk <= (group_end - 1) // chunk + 1``."""
-    groups: list[list[int]] = []
-    for start, end in sorted(intervals):
-        if groups and start // chunk <= (groups[-1][1] - 1) // chunk + 1:
-            groups[-1][1] = max(groups[-1][1], end)
-        else:
-            groups.append([start, end])
-    return [(s, e) for s, e in groups]
-
-
-def chunk_runs(rows: IntArray, chunk: int) -> list[tuple[int, int]]:
-    """Merged groups of a set of needed rows, as inclusive (first, last) chunk indices.
-
-    Equivalent to ``merge_intervals`` over the windows' rows: a group never spans an
-    untouched chunk, so the groups are the runs of consecutive touched chunks.
-    """
-    chunks = np.unique(np.asarray(rows, dtype=np.int64) // chunk)
-    if chunks.size == 0:
-        return []
-    breaks = np.flatnonzero(np.diff(chunks) > 1)
-    firsts = np.concatenate([chunks[:1], chunks[breaks + 1]])
-    lasts = np.concatenate([chunks[breaks], chunks[-1:]])
-    return list(zip(firsts.tolist(), lasts.tolist()))
-
-
-def row_runs(rows: Sequence[int] | IntArray) -> list[tuple[int, int]]:
-    """Maximal runs of consecutive distinct rows, as half-open intervals."""
-    u = np.unique(np.asarray(rows, dtype=np.int64))
-    if u.size == 0:
-        return []
-    breaks = np.flatnonzero(np.diff(u) > 1)
-    starts = np.concatenate([u[:1], u[breaks + 1]])
-    ends = np.concatenate([u[breaks], u[-1:]]) + 1
-    return list(zip(starts.tolist(), ends.tolist()))

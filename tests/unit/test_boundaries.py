@@ -1,0 +1,129 @@
+"""The layers' import rules, checked on the source and on what an import really loads.
+
+- ``episerve_proto``'s hand-written modules import neither grpc nor protobuf;
+- the daemon's ``core`` imports no zarr, grpc or protobuf; ``storage`` adds zarr; ``plan``
+  builds on both; only ``rpc`` speaks gRPC; nothing in the daemon imports torch;
+- the client imports nothing of the daemon or the tools, and its client proper no torch;
+- ``episerve_tools`` sits on top and may import everything.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+PACKAGES = {
+    "episerve_proto": REPO / "protos" / "episerve_proto",
+    "episerve_server": REPO / "server" / "episerve_server",
+    "episerve_client": REPO / "client" / "episerve_client",
+    "episerve_tools": REPO / "tools" / "episerve_tools",
+}
+# (module prefix, top-level imports it must never make)
+RULES = [
+    ("episerve_proto.errors", {"grpc", "google", "episerve_server", "episerve_client",
+                               "episerve_tools"}),
+    ("episerve_proto.contract", {"grpc", "google", "episerve_server", "episerve_client",
+                                 "episerve_tools"}),
+    ("episerve_server", {"torch", "episerve_client", "episerve_tools"}),
+    ("episerve_server.core", {"zarr", "numcodecs", "grpc", "google", "grpc_health"}),
+    ("episerve_server.storage", {"grpc", "google", "grpc_health"}),
+    ("episerve_server.plan", {"grpc", "google", "grpc_health"}),
+    ("episerve_client", {"episerve_server", "episerve_tools", "zarr"}),
+]
+CLIENT_PROPER = ["_base", "_probe", "aio", "channel", "client", "convert", "errors"]
+# (module prefix, inner modules it must never import)
+LAYERS = [
+    ("episerve_server.core", ("episerve_server.storage", "episerve_server.plan",
+                              "episerve_server.rpc", "episerve_server.wiring")),
+    ("episerve_server.storage", ("episerve_server.plan", "episerve_server.rpc",
+                                 "episerve_server.wiring")),
+    ("episerve_server.plan", ("episerve_server.rpc", "episerve_server.wiring")),
+]
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for name, root in PACKAGES.items():
+        for path in root.rglob("*.py"):
+            if "v1" in path.relative_to(root).parts:
+                continue  # generated
+            parts = [name, *path.relative_to(root).with_suffix("").parts]
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[".".join(parts)] = path
+    return found
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every module named by an import statement anywhere in the file (lazy ones too)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module)
+    return names
+
+
+MODULES = modules()
+
+
+def test_the_walk_finds_every_layer() -> None:
+    for prefix in ("episerve_server.core.keymap", "episerve_server.storage.readers.sharded",
+                   "episerve_server.plan.planner", "episerve_server.rpc.service",
+                   "episerve_client.data.dataset", "episerve_client.viz.gate",
+                   "episerve_tools.synth.writer", "episerve_proto.errors"):
+        assert prefix in MODULES
+
+
+@pytest.mark.parametrize(("prefix", "banned"), RULES, ids=[r[0] for r in RULES])
+def test_no_forbidden_imports(prefix: str, banned: set[str]) -> None:
+    offenders = {
+        mod: sorted(i for i in imports_of(path) if i.split(".")[0] in banned)
+        for mod, path in MODULES.items() if mod == prefix or mod.startswith(prefix + ".")
+    }
+    assert not {m: i for m, i in offenders.items() if i}
+
+
+@pytest.mark.parametrize(("prefix", "above"), LAYERS, ids=[r[0] for r in LAYERS])
+def test_dependencies_point_down(prefix: str, above: tuple[str, ...]) -> None:
+    offenders = {
+        mod: sorted(i for i in imports_of(path) if i.startswith(above))
+        for mod, path in MODULES.items() if mod.startswith(prefix + ".")
+    }
+    assert not {m: i for m, i in offenders.items() if i}
+
+
+def test_the_client_proper_needs_no_torch() -> None:
+    for name in CLIENT_PROPER:
+        path = MODULES[f"episerve_client.{name}"]
+        assert not {i for i in imports_of(path) if i.split(".")[0] == "torch"}, name
+
+
+def loaded(*modules_: str) -> set[str]:
+    """The top-level packages a fresh interpreter has loaded after importing ``modules_``."""
+    code = ("import json, sys\n" + "".join(f"import {m}\n" for m in modules_)
+            + "print(json.dumps(sorted({n.split('.')[0] for n in sys.modules})))")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                         text=True, timeout=120)
+    return set(json.loads(out.stdout))
+
+
+def test_what_imports_really_load() -> None:
+    core = [m for m in MODULES if m.startswith("episerve_server.core.")]
+    assert not {"zarr", "grpc", "google", "torch"} & loaded(*core)
+    below_rpc = [m for m in MODULES if m.startswith(("episerve_server.storage",
+                                                     "episerve_server.plan"))]
+    assert not {"grpc", "google", "torch"} & loaded(*below_rpc)
+    daemon = loaded("episerve_server.rpc.daemon", "episerve_server.rpc.metrics")
+    assert "grpc" in daemon and "torch" not in daemon
+    client = loaded(*(f"episerve_client.{n}" for n in CLIENT_PROPER), "episerve_client")
+    assert not {"torch", "zarr", "episerve_server", "episerve_tools"} & client
+    assert "episerve_server" not in loaded("episerve_client.data.dataset",
+                                           "episerve_client.viz")
