@@ -25,6 +25,10 @@ WINDOW_FIELDS = KEYMAP_FIELDS[2:]
 
 #: The largest message either side sends or receives.
 MAX_MESSAGE_BYTES = 256 * 2**20
+#: The largest request the daemon accepts (a Read of the largest batch fits easily).
+MAX_REQUEST_BYTES = 8 * 2**20
+#: The longest episode id, output key, zarr key or keymap id, in characters.
+MAX_NAME_CHARS = 256
 #: The daemon accepts keepalive pings this often at most; the client pings less often.
 MIN_PING_INTERVAL_MS = 10_000
 CLIENT_KEEPALIVE_MS = 30_000

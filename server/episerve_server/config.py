@@ -49,6 +49,16 @@ class ServerConfig:
     log_level: str = "INFO"
     max_store_concurrency: int = 64
     max_connection_age_s: float = 0.0
+    # Bounds on what a dataset file or a request can make the daemon hold (issue: hardening).
+    max_item_bytes: int = 8 * 2**20  # one JPEG frame or annotation element, decoded
+    max_metadata_bytes: int = 1 * 2**20  # one zarr.json / .zarray / .zattrs document
+    max_keymap_entries: int = 256
+    max_keymap_bytes: int = 64 * 2**10  # one keymap, as sent
+    max_registry_bytes: int = 16 * 2**20  # every registered keymap together (LRU)
+    max_buffered_bytes: int = 1 * 2**30  # responses handed to gRPC but not yet sent, in all
+    max_buffered_bytes_per_peer: int = 256 * 2**20  # the same, per client connection
+    store_timeout_s: float = 30.0  # one storage call
+    metrics_host: str = "127.0.0.1"
     inject_latency_s: float = 0.0  # fault injection for tests: delay every store request
 
     @property
@@ -125,5 +135,22 @@ def _parser() -> argparse.ArgumentParser:
                    "(default 64)")
     p.add_argument("--max-connection-age-s", type=float, help="close client connections "
                    "after this long (they reconnect, maybe to a new replica); 0: never")
+    p.add_argument("--max-item-bytes", help="largest JPEG frame or annotation element "
+                   "(default 8MiB); larger ones are DATA_LOSS")
+    p.add_argument("--max-metadata-bytes", help="largest zarr metadata document "
+                   "(default 1MiB); an episode with a larger one is broken")
+    p.add_argument("--max-keymap-entries", type=int, help="most entries in one keymap "
+                   "(default 256)")
+    p.add_argument("--max-keymap-bytes", help="largest keymap as sent (default 64KiB)")
+    p.add_argument("--max-registry-bytes", help="registered keymaps kept, in all, least "
+                   "recently used evicted first (default 16MiB)")
+    p.add_argument("--max-buffered-bytes", help="responses waiting to be sent, in all, "
+                   "before new Reads are refused as overloaded (default 1GiB)")
+    p.add_argument("--max-buffered-bytes-per-peer", help="the same, per client connection "
+                   "(default 256MiB)")
+    p.add_argument("--store-timeout-s", type=float, help="time limit of one storage call "
+                   "(default 30)")
+    p.add_argument("--metrics-host", help="address the Prometheus endpoint binds "
+                   "(default 127.0.0.1: loopback only; 0.0.0.0 for every interface)")
     p.add_argument("--inject-latency-s", type=float, help=argparse.SUPPRESS)
     return p
