@@ -39,6 +39,7 @@ from episerve_proto.errors import (
     InvalidArgument,
     InvalidEpisodeId,
     KeymapError,
+    ResponseTooLarge,
     ShortArrayError,
 )
 from episerve_server.core.keymap import Keymap
@@ -783,3 +784,27 @@ def test_batch_whose_episodes_disagree_on_a_feature_shape(tmp_path: Path,
     with pytest.raises(EpiserveError) as info:
         served.read(keymap, [("seven", 1), ("four", 1)])
     assert "'obs_head_pose'" in str(info.value)
+
+
+def test_frames_count_toward_the_response_limit_as_they_arrive(
+        ramp_served: dict[Any, Any]) -> None:
+    """JPEG sizes are unknown before fetching: the limit is charged as frames arrive, and
+    frames already in the cache count too."""
+    served = ramp_served["sharded", True]
+    keymap = {"cam": e(CAMERA, "camera_keys")}
+    samples = [("ep003d", f) for f in range(0, 200, 5)]
+    frame_bytes = sum(len(ramp.frame_jpeg(3, f)) for _, f in samples)
+    numeric = 4 * len(samples)  # one int32 frame index per sample
+    tight = ReadOptions(max_response_bytes=numeric + frame_bytes // 2)
+    with pytest.raises(ResponseTooLarge, match="at least") as info:
+        served.run(served.planner.read(Keymap.parse(keymap), samples, tight))
+    assert "split the batch" in str(info.value)
+    # now every frame is cached (or about to be): a second try is refused from the cache
+    served.read(keymap, samples)
+    hits = served.stats.cache_hits
+    with pytest.raises(ResponseTooLarge, match="at least"):
+        served.run(served.planner.read(Keymap.parse(keymap), samples, tight))
+    assert served.stats.cache_hits > hits
+    roomy = ReadOptions(max_response_bytes=numeric + frame_bytes + 1024)
+    result = served.run(served.planner.read(Keymap.parse(keymap), samples, roomy))
+    assert len(result.frames[CAMERA]) == len(samples)

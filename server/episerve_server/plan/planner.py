@@ -62,7 +62,8 @@ class Planner:
         spans = await self._spans(keymap, batch, options)
         windows = self._windows(keymap, batch, spans, options)
         tables = {key: self._table(key, keymap, batch, windows) for key in sorted(keymap.zarr_keys)}
-        await self._load(tables, batch)
+        budget = _Budget(options.max_response_bytes, out_bytes, len(samples))
+        await self._load(tables, batch, budget)
         result: BatchResult = await self._offload(
             out_bytes, assemble, keymap, batch, windows, tables, spans
         )
@@ -156,10 +157,11 @@ class Planner:
 
     # -- fetching ---------------------------------------------------------------------------
 
-    async def _load(self, tables: dict[str, Table], batch: Batch) -> None:
+    async def _load(self, tables: dict[str, Table], batch: Batch, budget: _Budget) -> None:
         jobs: list[tuple[str, Table, int, int]] = []  # key, table, first pos, last pos
         for key, table in tables.items():
             missing = []
+            is_bytes = table.reader_of[0].info.is_bytes
             for j, pk in enumerate(table.packed.tolist()):
                 ep_pos, chunk = divmod(pk, int(PACK))
                 hit = self.cache.get((batch.episodes[ep_pos].hash, key, chunk))
@@ -167,11 +169,13 @@ class Planner:
                     missing.append(j)
                 else:
                     table.chunks[j] = hit
+                    if is_bytes:
+                        budget.add(sum(len(b) for b in hit))
             for first, last in _runs(missing, table.packed):
                 jobs.append((key, table, first, last))
         if not jobs:
             return
-        fetched = await asyncio.gather(*(self._fetch(t, a, b) for _, t, a, b in jobs))
+        fetched = await _all_or_none([self._fetch(t, a, b, budget) for _, t, a, b in jobs])
         work = [(t, j, raw) for (_, t, a, _), raws in zip(jobs, fetched)
                 for j, raw in zip(range(a, a + len(raws)), raws)]
         keys = [key for (key, _, a, _), raws in zip(jobs, fetched) for _ in raws]
@@ -182,11 +186,14 @@ class Planner:
             ep_pos, chunk_id = divmod(int(table.packed[j]), int(PACK))
             self.cache.put((batch.episodes[ep_pos].hash, key, chunk_id), chunk)
 
-    async def _fetch(self, table: Table, first: int, last: int) -> list[Raw | Chunk]:
+    async def _fetch(self, table: Table, first: int, last: int,
+                     budget: _Budget) -> list[Raw | Chunk]:
         ep_pos, c0 = divmod(int(table.packed[first]), int(PACK))
         c1 = int(table.packed[last]) % int(PACK)
         reader = table.reader_of[ep_pos]
         raws = await self._fetch_raw(reader, c0, c1)
+        if reader.info.is_bytes:  # frames count toward the response limit as they arrive
+            budget.add(sum(len(r) for r in raws if isinstance(r, bytes)))
         unknown = {c0 + k for k, r in enumerate(raws) if r is None} - reader.absent
         if unknown:  # for one-object chunks, missing may mean deleted: check once per chunk
             await self._check_present(reader)
@@ -232,6 +239,32 @@ class Planner:
         if nbytes >= self.offload_bytes:
             return await asyncio.to_thread(fn, *args)
         return fn(*args)
+
+
+class _Budget:
+    """The response byte limit, charged with the numeric outputs (known before fetching)
+    and then with each frame's bytes as they arrive, so a batch of huge frames is refused
+    early instead of after everything was loaded."""
+
+    def __init__(self, limit: int, numeric_bytes: int, batch: int) -> None:
+        self.limit, self.used, self.batch = limit, numeric_bytes, batch
+
+    def add(self, nbytes: int) -> None:
+        self.used += nbytes
+        if self.limit and self.used > self.limit:
+            raise _too_big(self.used, self.limit, self.batch, at_least=True)
+
+
+async def _all_or_none(coros: list[Any]) -> list[Any]:
+    """Run concurrently; on the first failure cancel the rest, so no fetch outlives it."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 def _output_bytes(keymap: Keymap, batch: Batch) -> int:
@@ -293,9 +326,10 @@ def _decode_all(work: list[tuple[Table, int, Any]]) -> list[Chunk]:
     return out
 
 
-def _too_big(nbytes: int, limit: int, batch: int) -> ResponseTooLarge:
+def _too_big(nbytes: int, limit: int, batch: int, *, at_least: bool = False) -> ResponseTooLarge:
     fit = max(1, batch * limit // max(nbytes, 1))
+    size = f"at least {nbytes}" if at_least else f"{nbytes}"
     return ResponseTooLarge(
-        f"the response would be {nbytes} bytes, over the limit of {limit} bytes; "
+        f"the response would be {size} bytes, over the limit of {limit} bytes; "
         f"split the batch into requests of at most {fit} samples"
     )
