@@ -22,6 +22,7 @@ from episerve_client import convert
 from episerve_client.channel import TLS, check_token_transport, note_grpc_use, parse_targets
 from episerve_client.convert import ReadResult
 from episerve_client.errors import (
+    DataLossError,
     DeadlineExceeded,
     EpiserveError,
     InvalidArgument,
@@ -177,6 +178,27 @@ class BaseClient:
                 raise _final(out, deadline)
             yield [Sleep(min(self.backoff(attempt), _left(deadline)))]
             attempt += 1
+
+    def list_flow(self, timeout_s: float | None = None, page_size: int = 0) -> Flow:
+        """Every page of ``ListEpisodes``, from one target, as one ``Listing``.
+
+        Pages continue after the last hash served, so episodes added meanwhile never make
+        one listed twice or skipped; the deadline covers all pages.
+        """
+        deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        pages, token = [], ""
+        while True:
+            payload = convert.list_request(token, page_size)
+            data = yield from self.unary_flow("ListEpisodes", payload, None,
+                                              max(_left(deadline), 0.001))
+            page, next_token = convert.listing_page(data)
+            pages.append(page)
+            if not next_token:
+                return convert.merge_listings(pages)
+            if next_token <= token:
+                raise DataLossError(f"the daemon's listing did not advance: page token "
+                                    f"{next_token!r} after {token!r}")
+            token = next_token
 
     def read_flow(self, keymap: KeymapLike, samples: Sequence[tuple[str, int]], *,
                   annotation_cutoff: bool = False, timeout_s: float | None = None) -> Flow:

@@ -38,8 +38,8 @@ class AsyncClient(BaseClient):
         await asyncio.gather(*(c.close() for c in self._take_channels()))
 
     async def list_episodes(self, *, timeout_s: float | None = None) -> Listing:
-        data = await self._run(self.unary_flow("ListEpisodes", b"", None, timeout_s))
-        return convert.listing(data)
+        listing: Listing = await self._run(self.list_flow(timeout_s))
+        return listing
 
     async def stats(self, *, target: str | None = None,
                     timeout_s: float | None = None) -> dict[str, Any]:

@@ -42,7 +42,8 @@ class Client(BaseClient):
             channel.close()
 
     def list_episodes(self, *, timeout_s: float | None = None) -> Listing:
-        return convert.listing(self._run(self.unary_flow("ListEpisodes", b"", None, timeout_s)))
+        listing: Listing = self._run(self.list_flow(timeout_s))
+        return listing
 
     def stats(self, *, target: str | None = None, timeout_s: float | None = None) -> dict[str, Any]:
         return convert.stats(self._run(self.unary_flow("GetStats", b"", target, timeout_s)))

@@ -120,15 +120,40 @@ def read_result(data: bytes) -> ReadResult:
     return out
 
 
-def listing(data: bytes) -> Listing:
+def list_request(page_token: str = "", page_size: int = 0) -> bytes:
+    msg = pb.ListEpisodesRequest(page_token=page_token, page_size=page_size)
+    return msg.SerializeToString()  # type: ignore[no-any-return]
+
+
+def _json(text: str, what: str, episode: str) -> Any:
+    try:
+        return json.loads(text or "{}")
+    except ValueError as exc:
+        raise DataLossError(f"episode {episode!r}: the daemon sent {what} that are not JSON "
+                            f"({exc})", episode=episode) from exc
+
+
+def listing_page(data: bytes) -> tuple[Listing, str]:
+    """One page of ``ListEpisodes`` and the token of the next one ("" on the last)."""
     msg = _parse(pb.ListEpisodesResponse, data)
     episodes = [
         EpisodeInfo(e.hash, e.total_frames, e.fps, e.embodiment,
-                    json.loads(e.features_json or "{}"), json.loads(e.attrs_json or "{}"),
-                    tuple(e.arrays))
+                    _json(e.features_json, "features", e.hash),
+                    _json(e.attrs_json, "attributes", e.hash), tuple(e.arrays))
         for e in msg.episodes
     ]
-    return Listing(episodes, {b.hash: b.reason for b in msg.broken})
+    return Listing(episodes, {b.hash: b.reason for b in msg.broken}), str(msg.next_page_token)
+
+
+def listing(data: bytes) -> Listing:
+    return listing_page(data)[0]
+
+
+def merge_listings(pages: Sequence[Listing]) -> Listing:
+    """Pages in order as one listing, ordered by hash (an episode listed twice once)."""
+    episodes = {e.hash: e for page in pages for e in page.episodes}
+    broken = {h: r for page in pages for h, r in page.broken.items()}
+    return Listing([episodes[h] for h in sorted(episodes)], dict(sorted(broken.items())))
 
 
 def stats(data: bytes) -> dict[str, Any]:

@@ -27,12 +27,39 @@ Each class declares the name of its gRPC status code and whether it is transient
 daemon answers an error with ``code`` and names the class in the ``episerve-error`` trailer
 (``contract.ERROR_TRAILER``); the client maps the pair back with :func:`error_class`.  This
 module imports neither grpc nor protobuf, so the daemon's read core can raise these errors.
-Messages name the episode, the key and the value received.
+Messages name the episode, the key and the value received; :func:`shown` cuts a long value
+(a 100 KB id) to its start and its length, so an answer about it still fits in the trailers.
 """
 
 from __future__ import annotations
 
 from typing import Any, ClassVar
+
+#: Characters of a value kept by :func:`shown`.
+SHOWN_CHARS = 80
+#: The longest error message (UTF-8 bytes) the daemon sends or logs; see :func:`clipped`.
+MAX_MESSAGE_CHARS = 1024
+
+
+def shown(value: object, limit: int = SHOWN_CHARS) -> str:
+    """``repr(value)`` for a message, cut to its first ``limit`` characters when longer:
+    ``'abcd...'... (100000 chars)``. Use it wherever a message echoes a received value."""
+    if isinstance(value, str | bytes) and len(value) > limit:
+        unit = "chars" if isinstance(value, str) else "bytes"
+        return f"{value[:limit]!r}... ({len(value)} {unit})"
+    text = repr(value)
+    if len(text) > limit:
+        return f"{text[:limit]}... ({len(text)} chars)"
+    return text
+
+
+def clipped(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    """``text`` cut to at most ``limit`` UTF-8 bytes (whole characters), marked when cut."""
+    data = text.encode()
+    if len(data) <= limit:
+        return text
+    head = data[: max(0, limit - 40)].decode(errors="ignore")
+    return f"{head}... ({len(text)} chars)"
 
 
 class EpiserveError(Exception):

@@ -127,8 +127,12 @@ class ReadResponse(_message.Message):
     def __init__(self, episodes: _Optional[_Iterable[str]] = ..., frame_index: _Optional[_Iterable[int]] = ..., fps: _Optional[_Iterable[float]] = ..., embodiments: _Optional[_Iterable[str]] = ..., arrays: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., images: _Optional[_Iterable[_Union[ImageColumn, _Mapping]]] = ..., frames: _Optional[_Iterable[_Union[FrameSource, _Mapping]]] = ..., texts: _Optional[_Iterable[_Union[TextColumn, _Mapping]]] = ...) -> None: ...
 
 class ListEpisodesRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("page_token", "page_size")
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    page_token: str
+    page_size: int
+    def __init__(self, page_token: _Optional[str] = ..., page_size: _Optional[int] = ...) -> None: ...
 
 class EpisodeInfo(_message.Message):
     __slots__ = ("hash", "total_frames", "fps", "embodiment", "features_json", "attrs_json", "arrays")
@@ -157,12 +161,14 @@ class BrokenEpisode(_message.Message):
     def __init__(self, hash: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class ListEpisodesResponse(_message.Message):
-    __slots__ = ("episodes", "broken")
+    __slots__ = ("episodes", "broken", "next_page_token")
     EPISODES_FIELD_NUMBER: _ClassVar[int]
     BROKEN_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     episodes: _containers.RepeatedCompositeFieldContainer[EpisodeInfo]
     broken: _containers.RepeatedCompositeFieldContainer[BrokenEpisode]
-    def __init__(self, episodes: _Optional[_Iterable[_Union[EpisodeInfo, _Mapping]]] = ..., broken: _Optional[_Iterable[_Union[BrokenEpisode, _Mapping]]] = ...) -> None: ...
+    next_page_token: str
+    def __init__(self, episodes: _Optional[_Iterable[_Union[EpisodeInfo, _Mapping]]] = ..., broken: _Optional[_Iterable[_Union[BrokenEpisode, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()

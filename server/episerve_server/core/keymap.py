@@ -8,12 +8,14 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from episerve_proto.contract import KEYMAP_FIELDS
-from episerve_proto.errors import KeymapError
+from episerve_proto.contract import KEYMAP_FIELDS, MAX_NAME_CHARS
+from episerve_proto.errors import KeymapError, LimitExceeded, shown
 
 KEY_TYPES = ("camera_keys", "proprio_keys", "action_keys", "annotation_keys", "metadata_keys")
 _FIELDS = frozenset(KEYMAP_FIELDS)
 MAX_WINDOW = 4096
+#: Entries of one keymap (the daemon's ``--max-keymap-entries`` default).
+MAX_ENTRIES = 256
 
 
 class Rule(Enum):
@@ -113,14 +115,20 @@ class Keymap:
         return {e.name: e.as_dict() for e in self.entries}
 
     @classmethod
-    def parse(cls, raw: Mapping[str, Any]) -> Keymap:
+    def parse(cls, raw: Mapping[str, Any], *, max_entries: int = MAX_ENTRIES) -> Keymap:
+        """Validate a keymap of at most ``max_entries`` entries; names are at most
+        ``contract.MAX_NAME_CHARS`` characters."""
         if not isinstance(raw, Mapping) or not raw:
-            raise KeymapError(f"a keymap is a non-empty mapping of output keys, got {raw!r}")
+            raise KeymapError(f"a keymap is a non-empty mapping of output keys, got {shown(raw)}")
+        if len(raw) > max_entries:
+            raise LimitExceeded(
+                f"keymap.entries: the keymap has {len(raw)} entries, over the limit of "
+                f"{max_entries} (--max-keymap-entries)")
         entries = tuple(_parse_entry(name, spec) for name, spec in raw.items())
         reserved = {"episode_hash", "embodiment", "fps", "frame_index"} | _mask_names(entries)
         for e in entries:
             if e.name in reserved:
-                raise KeymapError(f"output key {e.name!r} clashes with a reserved output name")
+                raise KeymapError(f"output key {shown(e.name)} clashes with a reserved output name")
         return cls(entries)
 
 
@@ -130,23 +138,39 @@ def _mask_names(entries: tuple[KeySpec, ...]) -> set[str]:
     return names
 
 
+def _check_length(what: str, value: str, key: str = "") -> None:
+    if len(value) > MAX_NAME_CHARS:
+        raise KeymapError(
+            f"{what} {shown(value)} is {len(value)} characters long, over the limit of "
+            f"{MAX_NAME_CHARS}", key=key)
+
+
 def _parse_entry(name: object, spec: object) -> KeySpec:
     if not isinstance(name, str) or not name:
-        raise KeymapError(f"output keys are non-empty strings, got {name!r}")
+        raise KeymapError(f"output keys are non-empty strings, got {shown(name)}")
+    _check_length("output key (entry name)", name)
     if not isinstance(spec, Mapping):
-        raise KeymapError(f"output key {name!r}: the spec must be a mapping, got {spec!r}")
+        raise KeymapError(
+            f"output key {shown(name)}: the spec must be a mapping, got {shown(spec)}")
     unknown = set(spec) - _FIELDS
     if unknown:
         raise KeymapError(
-            f"output key {name!r}: unknown field(s) {sorted(map(str, unknown))!r}; "
+            f"output key {shown(name)}: unknown field(s) {shown(sorted(map(str, unknown)))}; "
             f"expected some of {sorted(_FIELDS)!r}"
         )
     zarr_key = spec.get("zarr_key")
+    if isinstance(zarr_key, str):
+        _check_length(f"output key {shown(name)}: zarr_key", zarr_key)
     if not isinstance(zarr_key, str) or not zarr_key or "/" in zarr_key or zarr_key in {".", ".."}:
-        raise KeymapError(f"output key {name!r}: zarr_key must be an array name, got {zarr_key!r}")
+        raise KeymapError(
+            f"output key {shown(name)}: zarr_key must be an array name, got {shown(zarr_key)}")
     key_type = spec.get("key_type")
+    if isinstance(key_type, str):
+        _check_length(f"output key {shown(name)}: key_type", key_type, zarr_key)
     if key_type not in KEY_TYPES:
-        raise KeymapError(f"output key {name!r}: key_type {key_type!r} is not one of {KEY_TYPES!r}")
+        raise KeymapError(
+            f"output key {shown(name)}: key_type {shown(key_type)} is not one of {KEY_TYPES!r}",
+            key=zarr_key)
     return KeySpec(
         name=name,
         zarr_key=zarr_key,
@@ -164,10 +188,11 @@ def _count(name: str, spec: Mapping[str, Any], field: str, *, minimum: int) -> i
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
-        raise KeymapError(f"output key {name!r}: {field} must be an integer, got {value!r}")
+        raise KeymapError(
+            f"output key {shown(name)}: {field} must be an integer, got {shown(value)}")
     if not minimum <= value <= MAX_WINDOW:
         raise KeymapError(
-            f"output key {name!r}: {field} must be in [{minimum}, {MAX_WINDOW}], got {value!r}"
+            f"output key {shown(name)}: {field} must be in [{minimum}, {MAX_WINDOW}], got {value!r}"
         )
     return value
 
@@ -178,11 +203,11 @@ def _seconds(name: str, spec: Mapping[str, Any], field: str) -> float | None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise KeymapError(
-            f"output key {name!r}: {field} must be a number of seconds, got {value!r}"
+            f"output key {shown(name)}: {field} must be a number of seconds, got {shown(value)}"
         )
     if not math.isfinite(value) or not 0 < value <= 3600:
         raise KeymapError(
-            f"output key {name!r}: {field} must be in (0, 3600] seconds "
+            f"output key {shown(name)}: {field} must be in (0, 3600] seconds "
             f"(omit it for none), got {value!r}"
         )
     return float(value)

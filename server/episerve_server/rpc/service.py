@@ -10,7 +10,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections import OrderedDict
+import traceback
 from collections.abc import Awaitable, Callable
 
 import grpc
@@ -19,6 +19,7 @@ from episerve_proto.contract import (
     EPISODE_TRAILER,
     ERROR_TRAILER,
     KEY_TRAILER,
+    MAX_NAME_CHARS,
     METHODS,
     SERVICE_NAME,
 )
@@ -30,32 +31,74 @@ from episerve_proto.errors import (
     Overloaded,
     Unavailable,
     UnknownKeymap,
+    clipped,
+    shown,
 )
 from episerve_server.config import ServerConfig
 from episerve_server.core.keymap import Keymap
 from episerve_server.core.stats import Stats
 from episerve_server.plan.planner import Planner, ReadOptions
 from episerve_server.rpc import convert, wire
+from episerve_server.rpc.buffers import ResponseBuffers
+from episerve_server.rpc.registry import KeymapRegistry
 from episerve_server.storage.catalog import Catalog
 
 log = logging.getLogger(__name__)
 
-MAX_KEYMAPS = 1024
 OFFLOAD_ENCODE_BYTES = 1 << 20
+#: A ListEpisodes page is filled up to this many bytes (well under MAX_MESSAGE_BYTES).
+LIST_PAGE_BYTES = 16 * 2**20
+#: Traceback lines longer than this are cut in the log.
+LOG_LINE_CHARS = 400
 
 Handler = Callable[["EpiserveService", bytes, grpc.aio.ServicerContext], Awaitable[bytes]]
 
 
 def error_metadata(exc: EpiserveError) -> tuple[tuple[str, str | bytes], ...]:
+    """The trailers of an error answer; the episode and key are cut to a name's length."""
     return (
         (ERROR_TRAILER, type(exc).__name__),
-        (EPISODE_TRAILER, exc.episode.encode()),
-        (KEY_TRAILER, exc.key.encode()),
+        (EPISODE_TRAILER, clipped(exc.episode, MAX_NAME_CHARS * 4).encode()),
+        (KEY_TRAILER, clipped(exc.key, MAX_NAME_CHARS * 4).encode()),
+    )
+
+
+def release_chain(exc: BaseException | None) -> None:
+    """Break what keeps a failed request's memory alive once its error is answered.
+
+    A traceback holds every frame it passed through, and a planner frame holds the chunks
+    it decoded; an exception kept in a local of a frame on its own traceback is a reference
+    cycle that only the garbage collector would free. Clearing the traceback, the frames'
+    locals and the cause/context links (down the whole chain) frees it all by refcount.
+    """
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if exc.__traceback__ is not None:
+            traceback.clear_frames(exc.__traceback__)
+        exc.__traceback__ = None
+        nxt = exc.__cause__ or exc.__context__
+        exc.__cause__ = exc.__context__ = None
+        exc = nxt
+
+
+def _bug(exc: Exception, where: str) -> InternalError:
+    lines = traceback.format_exception(exc)
+    text = "".join(line if len(line) <= LOG_LINE_CHARS else clipped(line, LOG_LINE_CHARS) + "\n"
+                   for line in lines)
+    log.error("unexpected error in %s (a bug):\n%s", where, text.rstrip())
+    return InternalError(
+        f"the daemon could not serve this request ({type(exc).__name__}: {shown(str(exc))}); "
+        "this is a bug, please report it with the daemon's log"
     )
 
 
 def _rpc(fn: Handler) -> Handler:
-    """Run a handler; map domain errors to their status, and anything else to a clear one."""
+    """Run a handler; map domain errors to their status, and anything else to a clear one.
+
+    Messages and trailers are cut to sizes every client accepts, and the error's chain is
+    released before the answer goes out, so nothing of a failed request outlives it.
+    """
 
     @functools.wraps(fn)
     async def run(self: EpiserveService, request: bytes,
@@ -63,18 +106,20 @@ def _rpc(fn: Handler) -> Handler:
         try:
             return await fn(self, request, context)
         except EpiserveError as exc:
-            error = exc
+            error: EpiserveError = exc
+            release_chain(exc)
+        except grpc.aio.AbortError:
+            raise
         except Exception as exc:
-            if isinstance(exc, grpc.aio.AbortError):
-                raise
-            log.exception("unexpected error in %s", fn.__name__)
-            error = InternalError(
-                f"the daemon could not serve this request ({type(exc).__name__}: {exc}); "
-                "this is a bug, please report it with the daemon's log"
-            )
-        if error.code not in ("CANCELLED", "UNAVAILABLE", "RESOURCE_EXHAUSTED"):
-            log.warning("%s failed: %s %s", fn.__name__, error.code, error.message)
-        await context.abort(grpc.StatusCode[error.code], error.message, error_metadata(error))
+            error = _bug(exc, fn.__name__)
+            release_chain(exc)
+        del request
+        code, message = grpc.StatusCode[error.code], clipped(error.message)
+        trailers = error_metadata(error)
+        if error.code not in ("CANCELLED", "UNAVAILABLE", "RESOURCE_EXHAUSTED", "INTERNAL"):
+            log.warning("%s failed: %s %s", fn.__name__, error.code, message)
+        del error
+        await context.abort(code, message, trailers)
         raise AssertionError("unreachable")  # abort raises
 
     return run
@@ -84,7 +129,10 @@ class EpiserveService:
     def __init__(self, config: ServerConfig, catalog: Catalog, planner: Planner,
                  stats: Stats) -> None:
         self.config, self.catalog, self.planner, self.stats = config, catalog, planner, stats
-        self.keymaps: OrderedDict[str, Keymap] = OrderedDict()
+        self.keymaps = KeymapRegistry(config.max_registry_bytes)
+        self.buffers = ResponseBuffers(config.max_buffered_bytes,
+                                       config.max_buffered_bytes_per_peer)
+        self.limits = convert.Limits.of(config)
         self.draining = False
         self.inflight = 0
         self.on_batch: Callable[[int], None] | None = None  # samples per successful Read
@@ -119,19 +167,19 @@ class EpiserveService:
 
     @_rpc
     async def list_episodes(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        convert.parse_empty(request, "ListEpisodes")
-        await self.rescan()
-        return convert.encode_listing(self.catalog.healthy(), self.catalog.broken_listing())
+        page = convert.parse_list(request)
+        if not page.token:  # the first page rescans; later ones continue by hash
+            await self.rescan()
+        healthy, broken = self.catalog.healthy(), self.catalog.broken_listing()
+        return await asyncio.to_thread(convert.encode_listing, healthy, broken, page,
+                                       LIST_PAGE_BYTES)
 
     @_rpc
     async def register_keymap(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        keymap = convert.parse_register(request)
+        keymap, wire_bytes = convert.parse_register(request, self.limits)
         self._check_windows(keymap)
         kid = convert.keymap_id(keymap)
-        self.keymaps[kid] = keymap
-        self.keymaps.move_to_end(kid)
-        while len(self.keymaps) > MAX_KEYMAPS:
-            self.keymaps.popitem(last=False)
+        self.keymaps.add(kid, keymap, wire_bytes)
         return convert.encode_keymap_id(kid)
 
     @_rpc
@@ -141,6 +189,10 @@ class EpiserveService:
         snapshot["episodes_open"] = len(self.catalog.healthy())
         snapshot["episodes_broken"] = len(self.catalog.broken_listing())
         snapshot["reads_in_flight"] = self.inflight
+        snapshot["buffered_bytes"] = self.buffers.total
+        snapshot["keymaps_registered"] = len(self.keymaps)
+        snapshot["keymap_registry_bytes"] = self.keymaps.nbytes
+        snapshot["keymap_evictions"] = self.keymaps.evictions
         return convert.encode_stats(snapshot)
 
     @_rpc
@@ -152,6 +204,8 @@ class EpiserveService:
                 f"{self.inflight} reads in flight, the limit is "
                 f"{self.config.max_concurrent_reads}; back off and retry"
             )
+        peer = context.peer() or ""
+        self.buffers.check(peer)
         self.inflight += 1
         start = time.perf_counter_ns()
         try:
@@ -159,16 +213,14 @@ class EpiserveService:
         finally:
             self.inflight -= 1
         self.stats.read_ns += time.perf_counter_ns() - start
+        # gRPC holds the response until the client's window lets it out: count it till then.
+        context.add_done_callback(self.buffers.hold(peer, len(data)))
         return data
 
     async def _read(self, request: bytes) -> bytes:
         arrived = time.monotonic()
-        call = convert.parse_read(request)
-        if len(call.samples) > self.config.max_batch:
-            raise LimitExceeded(
-                f"a batch of {len(call.samples)} samples is over the limit of "
-                f"{self.config.max_batch}; split it into smaller reads"
-            )
+        call = convert.parse_read(request, self.limits)
+        del request
         keymap = call.keymap if call.keymap is not None else self._registered(call.keymap_id)
         self._check_windows(keymap)
         limit = self.config.max_response_bytes
@@ -177,13 +229,15 @@ class EpiserveService:
         options = ReadOptions(call.annotation_cutoff, limit)
         try:
             result = await self.planner.read(keymap, call.samples, options)
-        except EpisodeNotFound:
+        except EpisodeNotFound as exc:
+            release_chain(exc)
             await self.rescan(arrived)  # an episode added since the last scan is readable
             result = await self.planner.read(keymap, call.samples, options)
         if result.nbytes >= OFFLOAD_ENCODE_BYTES:
             data = await asyncio.to_thread(wire.encode_result, result)
         else:
             data = wire.encode_result(result)
+        del result
         self.stats.read_rpcs += 1
         self.stats.bytes_sent += len(data)
         if self.on_batch is not None:
@@ -193,7 +247,7 @@ class EpiserveService:
     def _registered(self, kid: str) -> Keymap:
         keymap = self.keymaps.get(kid)
         if keymap is None:
-            raise UnknownKeymap(f"keymap id {kid!r} is not registered on this daemon; "
+            raise UnknownKeymap(f"keymap id {shown(kid)} is not registered on this daemon; "
                                 "register the keymap again")
         return keymap
 
@@ -201,7 +255,6 @@ class EpiserveService:
         for e in keymap:
             if e.length > self.config.max_window:
                 raise LimitExceeded(
-                    f"output key {e.name!r}: a window of {e.length} rows is over the "
-                    f"limit of {self.config.max_window}", key=e.zarr_key,
+                    f"output key {shown(e.name)}: a window of {e.length} rows is over the "
+                    f"limit of {self.config.max_window} (--max-window)", key=e.zarr_key,
                 )
-

@@ -1,0 +1,62 @@
+"""Bytes of Read responses that gRPC still holds for their clients.
+
+A unary handler's return value is not sent at once: gRPC buffers it until the client's
+HTTP/2 flow-control window lets it out. A client that reads slowly, or never opens its
+window, would make the daemon hold every response it asked for. So each response is
+counted from the handler's return until its RPC is done (``context.add_done_callback``),
+per peer (``context.peer()``: one TCP connection) and in total, and a Read that arrives
+while either is over its limit is refused as ``Overloaded`` (transient: clients back off).
+
+All unix-socket clients report the same peer (``unix:``, no per-connection address), so
+for them only the total limit applies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from episerve_proto.errors import Overloaded, shown
+
+#: Peers that do not tell one connection from another.
+SHARED_PEERS = ("unix:", "")
+
+
+class ResponseBuffers:
+    def __init__(self, max_bytes: int, max_per_peer: int) -> None:
+        self.max_bytes, self.max_per_peer = max_bytes, max_per_peer
+        self.total = 0
+        self.by_peer: dict[str, int] = {}
+
+    def check(self, peer: str) -> None:
+        """Refuse a new Read while the total, or this peer's share, is over its limit."""
+        if self.total >= self.max_bytes:
+            raise Overloaded(
+                f"{self.total} bytes of earlier responses are still waiting to be sent to "
+                f"slow clients, over the limit of {self.max_bytes} (--max-buffered-bytes); "
+                "back off and retry")
+        held = self.by_peer.get(peer, 0)
+        if peer not in SHARED_PEERS and held >= self.max_per_peer:
+            raise Overloaded(
+                f"{held} bytes of responses to this connection ({shown(peer)}) are still "
+                f"waiting to be sent, over the limit of {self.max_per_peer} "
+                "(--max-buffered-bytes-per-peer): read the earlier responses, then retry")
+
+    def hold(self, peer: str, nbytes: int) -> Callable[[object], None]:
+        """Count ``nbytes`` for ``peer``; returns the callback that releases them (once)."""
+        self.total += nbytes
+        self.by_peer[peer] = self.by_peer.get(peer, 0) + nbytes
+        released = False
+
+        def release(_context: object = None) -> None:
+            nonlocal released
+            if released:
+                return
+            released = True
+            self.total -= nbytes
+            left = self.by_peer[peer] - nbytes
+            if left:
+                self.by_peer[peer] = left
+            else:
+                del self.by_peer[peer]
+
+        return release
