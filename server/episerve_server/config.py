@@ -4,12 +4,28 @@ environment variables, then defaults. Nothing else in the server reads ``os.envi
 from __future__ import annotations
 
 import argparse
+import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, NoReturn
+
+from episerve_proto.contract import MAX_MESSAGE_BYTES, MAX_REQUEST_BYTES
 
 DEFAULT_ROOT = "data/demo"
+#: Room left under gRPC's message limit for a Read response's framing and small fields.
+RESPONSE_HEADROOM_BYTES = 2**20
+MAX_RESPONSE_BYTES = MAX_MESSAGE_BYTES - RESPONSE_HEADROOM_BYTES
+PORTS = ("port", "metrics_port", "health_port")
+DURATIONS = ("grace_s", "rescan_s", "store_timeout_s", "max_connection_age_s",
+             "max_connection_idle_s", "inject_latency_s")
+COUNTS = ("max_batch", "max_window", "max_concurrent_reads", "max_store_concurrency",
+          "max_keymap_entries", "max_streams_per_connection")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+#: Settings where an explicitly empty value would silently mean something else (no auth,
+#: no filter, TCP instead of a socket...): given empty, they are refused.
+NO_EMPTY = ("root", "host", "unix", "allow", "token", "tls_cert", "tls_key", "tls_client_ca",
+            "s3_endpoint", "log_level", "metrics_host")
 ENV_PREFIX = "EPISERVE_"
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -48,7 +64,12 @@ class ServerConfig:
     s3_endpoint: str = ""
     log_level: str = "INFO"
     max_store_concurrency: int = 64
-    max_connection_age_s: float = 0.0
+    # A connection is closed (GOAWAY, then grace_s for its RPCs) after this long, so new
+    # replicas get load and no client holds the daemon's buffers for longer; 0: never.
+    max_connection_age_s: float = 600.0
+    # A connection with no RPC for this long is closed (clients reconnect); 0: never.
+    max_connection_idle_s: float = 300.0
+    max_streams_per_connection: int = 256  # concurrent RPCs on one connection
     # Bounds on what a dataset file or a request can make the daemon hold (issue: hardening).
     max_item_bytes: int = 8 * 2**20  # one JPEG frame or annotation element, decoded
     max_metadata_bytes: int = 1 * 2**20  # one zarr.json / .zarray / .zattrs document
@@ -67,14 +88,21 @@ class ServerConfig:
 
     @classmethod
     def from_args(cls, argv: Sequence[str], environ: Mapping[str, str]) -> ServerConfig:
+        """Flags, then ``EPISERVE_*``, then defaults; every problem is one ``ValueError``
+        line. A setting given empty is refused where empty would silently change meaning
+        (``--token ''`` must not turn auth off), so "not given" and "given empty" differ."""
         ns = _parser().parse_args(argv)
         values: dict[str, Any] = {}
         for f in fields(cls):
             raw = getattr(ns, f.name, None)
+            where = f"--{f.name.replace('_', '-')}"
             if raw is None:
                 raw = environ.get(ENV_PREFIX + f.name.upper())
-            if raw is None or raw == []:
+                where = ENV_PREFIX + f.name.upper()
+            if raw is None:
                 continue
+            if f.name in NO_EMPTY:
+                _refuse_empty(f.name, where, raw)
             values[f.name] = _convert(f.name, f.default, raw)
         config = cls(**values)
         config.validate()
@@ -85,9 +113,65 @@ class ServerConfig:
             raise ValueError("--tls-cert and --tls-key go together")
         if self.tls_client_ca and not self.tls_cert:
             raise ValueError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
-        for name in ("max_batch", "max_window", "max_concurrent_reads", "max_store_concurrency"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        for name in COUNTS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        for name in PORTS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535:
+                raise ValueError(f"{name} must be a port number in 0..65535, got {value!r}")
+        used = [getattr(self, name) for name in PORTS if getattr(self, name)]
+        if self.unix:
+            used = used[1:] if self.port else used
+        if len(set(used)) < len(used):
+            raise ValueError(f"port, health_port and metrics_port must differ, got "
+                             f"{self.port}, {self.health_port} and {self.metrics_port}")
+        for name in DURATIONS:
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name} must be a finite number of seconds >= 0, "
+                                 f"got {value!r}")
+        if self.store_timeout_s <= 0:
+            raise ValueError(f"store_timeout_s must be > 0 seconds, got {self.store_timeout_s!r}")
+        self._validate_sizes()
+        if self.log_level.upper() not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, "
+                             f"got {self.log_level!r}")
+        for pattern in self.allow:
+            if not pattern.strip():
+                raise ValueError(f"allow: an empty pattern would match nothing, got {self.allow!r}")
+
+    def _validate_sizes(self) -> None:
+        for f in fields(self):
+            if not f.name.endswith("_bytes"):
+                continue
+            value, least = getattr(self, f.name), 0 if f.name == "cache_bytes" else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{f.name} must be a size >= {least} bytes, got {value!r}")
+        if self.max_response_bytes > MAX_RESPONSE_BYTES:
+            raise ValueError(
+                f"max_response_bytes must be at most {MAX_RESPONSE_BYTES} (gRPC's message limit "
+                f"of {MAX_MESSAGE_BYTES} less {RESPONSE_HEADROOM_BYTES} of headroom), "
+                f"got {self.max_response_bytes!r}")
+        if self.max_keymap_bytes > MAX_REQUEST_BYTES:
+            raise ValueError(f"max_keymap_bytes must be at most the request limit of "
+                             f"{MAX_REQUEST_BYTES}, got {self.max_keymap_bytes!r}")
+        if self.max_registry_bytes < self.max_keymap_bytes:
+            raise ValueError(f"max_registry_bytes ({self.max_registry_bytes}) must hold at "
+                             f"least one keymap of max_keymap_bytes ({self.max_keymap_bytes})")
+
+
+def _refuse_empty(name: str, where: str, raw: Any) -> None:
+    items = raw if isinstance(raw, list) else [raw]
+    if name == "allow" and isinstance(raw, str):
+        items = raw.split(",")
+    if not items or any(not str(item).strip() for item in items):
+        why = {"token": "an empty token would turn authentication off; leave it unset to run "
+                        "without a token",
+               "allow": "an empty pattern would turn episode filtering off; leave it unset "
+                        "to serve every episode"}.get(name, "leave it unset for the default")
+        raise ValueError(f"{where} was given an empty value ({raw!r}): {why}")
 
 
 def _convert(name: str, default: Any, raw: Any) -> Any:
@@ -104,9 +188,16 @@ def _convert(name: str, default: Any, raw: Any) -> Any:
         raise ValueError(f"bad value for {name}: {raw!r} ({exc})") from exc
 
 
+class _Parser(argparse.ArgumentParser):
+    """Bad flags are one ``ValueError`` line, like every other refused setting."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ValueError(f"{message} (see episerve serve --help)")
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="episerve serve", description="Run the read daemon.",
-                                argument_default=None)
+    p = _Parser(prog="episerve serve", description="Run the read daemon.",
+                argument_default=None)
     p.add_argument("root", nargs="?", help=f"dataset root: a folder or s3:// URL "
                    f"(default {DEFAULT_ROOT}, written on first use)")
     p.add_argument("--host", help="TCP host (default 127.0.0.1)")
@@ -134,7 +225,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-store-concurrency", type=int, help="store requests in flight "
                    "(default 64)")
     p.add_argument("--max-connection-age-s", type=float, help="close client connections "
-                   "after this long (they reconnect, maybe to a new replica); 0: never")
+                   "after this long, with --grace-s for their RPCs (they reconnect, maybe to "
+                   "a new replica; a slow client holds buffers no longer); 0: never "
+                   "(default 600)")
+    p.add_argument("--max-connection-idle-s", type=float, help="close connections without "
+                   "an RPC for this long (clients reconnect); 0: never (default 300)")
+    p.add_argument("--max-streams-per-connection", type=int, help="concurrent RPCs on one "
+                   "connection (default 256)")
     p.add_argument("--max-item-bytes", help="largest JPEG frame or annotation element "
                    "(default 8MiB); larger ones are DATA_LOSS")
     p.add_argument("--max-metadata-bytes", help="largest zarr metadata document "

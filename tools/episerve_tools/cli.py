@@ -34,19 +34,26 @@ def ensure_demo_dataset(root: str | Path = DEFAULT_ROOT, episodes: int = DEMO_EP
 
 
 def _serve(argv: Sequence[str]) -> int:
+    """Run the daemon. A setting it cannot run with is one line on stderr and exit code 2."""
     try:
         config = ServerConfig.from_args(argv, os.environ)
     except ValueError as exc:
-        print(f"episerve serve: {exc}", file=sys.stderr)
-        return 2
+        return _refuse(str(exc))
     if config.root == DEFAULT_ROOT:
         ensure_demo_dataset(config.root)
     elif "://" not in config.root and not Path(config.root).is_dir():
-        print(f"episerve serve: dataset root {config.root!r} is not a folder", file=sys.stderr)
-        return 2
-    from episerve_server.rpc.daemon import run
+        return _refuse(f"dataset root {config.root!r} is not a folder")
+    from episerve_server.rpc.daemon import StartupError, run
 
-    return run(config)
+    try:
+        return run(config)
+    except StartupError as exc:
+        return _refuse(str(exc))
+
+
+def _refuse(why: str) -> int:
+    print(f"episerve serve: {' '.join(why.split())}", file=sys.stderr)
+    return 2
 
 
 def _make_dataset(argv: Sequence[str]) -> int:

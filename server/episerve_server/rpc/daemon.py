@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import signal
 import sys
@@ -17,28 +16,62 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from episerve_proto.contract import MAX_MESSAGE_BYTES, MIN_PING_INTERVAL_MS, SERVICE_NAME
+from episerve_proto.contract import (
+    MAX_MESSAGE_BYTES,
+    MAX_REQUEST_BYTES,
+    MIN_PING_INTERVAL_MS,
+    SERVICE_NAME,
+)
 from episerve_proto.v1 import episerve_pb2
 from episerve_server.config import ServerConfig
 from episerve_server.core.stats import Stats
+from episerve_server.rpc import preflight
 from episerve_server.rpc.interceptors import LoggingInterceptor, TokenInterceptor
+from episerve_server.rpc.preflight import StartupError
 from episerve_server.rpc.service import EpiserveService
 from episerve_server.wiring import build_read_core
 
 log = logging.getLogger(__name__)
 
+__all__ = ["SERVER_OPTIONS", "Daemon", "StartupError", "run", "serve", "server_options",
+           "start"]
+
 # Keepalive: the server accepts pings every 10 s or more, the client pings every 30 s
-# (episerve_client.channel), so no call ever ends in too_many_pings.
+# (episerve_client.channel), so no call ever ends in too_many_pings. The server pings every
+# 60 s and drops a connection whose peer does not answer within 20 s: a client that stopped
+# reading its socket holds nothing for longer than that.
 SERVER_OPTIONS = (
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", 64 * 2**20),
+    ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
     ("grpc.keepalive_time_ms", 60_000),
     ("grpc.keepalive_timeout_ms", 20_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
     ("grpc.http2.max_ping_strikes", 2),
+    # A connection must finish its HTTP/2 (and TLS) handshake this fast.
+    ("grpc.server_handshake_timeout_ms", 20_000),
     ("grpc.so_reuseport", 0),
 )
+
+
+def server_options(config: ServerConfig) -> tuple[tuple[str, int], ...]:
+    """``SERVER_OPTIONS`` plus the per-connection bounds from the config.
+
+    ``max_connection_age_s`` (default 600 s) GOAWAYs every connection, then gives its RPCs
+    ``grace_s`` (at least 1 s) before closing it, so a client that never opens its HTTP/2
+    receive window holds the responses it asked for that long at most (while they count
+    against ``--max-buffered-bytes``). ``max_connection_idle_s`` (default 300 s) closes
+    connections that carry no RPC; ``max_streams_per_connection`` (default 256) bounds the
+    RPCs one connection runs at once.
+    """
+    options: tuple[tuple[str, int], ...] = (*SERVER_OPTIONS,
+               ("grpc.max_concurrent_streams", config.max_streams_per_connection))
+    if config.max_connection_age_s > 0:  # GOAWAY old connections so new replicas get load
+        options += (("grpc.max_connection_age_ms", int(config.max_connection_age_s * 1000)),
+                    ("grpc.max_connection_age_grace_ms", int(max(1.0, config.grace_s) * 1000)))
+    if config.max_connection_idle_s > 0:
+        options += (("grpc.max_connection_idle_ms", int(config.max_connection_idle_s * 1000)),)
+    return options
 
 
 @dataclass(slots=True)
@@ -66,6 +99,8 @@ class Daemon:
 
 
 async def start(config: ServerConfig, *, stats: Stats | None = None) -> Daemon:
+    """Check the settings (``StartupError``), open the root, bind, serve."""
+    preflight.check(config)
     core = build_read_core(config, stats=stats)
     await core.catalog.scan()
     service = EpiserveService(config, core.catalog, core.planner, core.stats)
@@ -73,11 +108,7 @@ async def start(config: ServerConfig, *, stats: Stats | None = None) -> Daemon:
     interceptors: list[grpc.aio.ServerInterceptor] = [LoggingInterceptor(metrics)]
     if config.token:
         interceptors.append(TokenInterceptor(config.token))
-    options: tuple[tuple[str, int], ...] = SERVER_OPTIONS
-    if config.max_connection_age_s > 0:  # GOAWAY old connections so new replicas get load
-        options += (("grpc.max_connection_age_ms", int(config.max_connection_age_s * 1000)),
-                    ("grpc.max_connection_age_grace_ms", int(config.grace_s * 1000)))
-    server = grpc.aio.server(interceptors=interceptors, options=options)
+    server = grpc.aio.server(interceptors=interceptors, options=server_options(config))
     server.add_generic_rpc_handlers((service.handlers(),))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -85,9 +116,18 @@ async def start(config: ServerConfig, *, stats: Stats | None = None) -> Daemon:
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
     assert episerve_pb2.DESCRIPTOR.services_by_name["EpiServe"]
-    address = _bind(server, config)
-    extra = [await _health_server(config, health_servicer)] if config.health_port else []
-    await server.start()
+    extra: list[Any] = []
+    try:
+        address = _bind(server, config)
+        if config.health_port:
+            extra.append(await _health_server(config, health_servicer))
+        await server.start()
+    except StartupError:
+        for s in (server, *extra):
+            await s.stop(0)
+        if metrics is not None:
+            metrics.close()
+        raise
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return Daemon(config, server, health_servicer, service, address, extra, metrics)
@@ -95,34 +135,39 @@ async def start(config: ServerConfig, *, stats: Stats | None = None) -> Daemon:
 
 def _bind(server: grpc.aio.Server, config: ServerConfig) -> str:
     if config.unix:
-        path = Path(config.unix)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-        target = f"unix://{path.resolve()}"
-        _add_port(server, config, f"unix:{path.resolve()}")
-        return target
-    port = _add_port(server, config, f"{config.host}:{config.port}")
+        path = Path(config.unix).resolve()  # preflight removed a stale socket, refused others
+        _add_port(server, config, f"unix:{path}", f"--unix {str(path)!r}")
+        return f"unix://{path}"
+    port = _add_port(server, config, f"{config.host}:{config.port}", f"--port {config.port}")
     host = f"[{config.host}]" if ":" in config.host else config.host
     return f"{host}:{port}"
 
 
-def _add_port(server: grpc.aio.Server, config: ServerConfig, where: str) -> int:
-    if not config.tls:
-        return int(server.add_insecure_port(where))
-    key = Path(config.tls_key).read_bytes()
-    cert = Path(config.tls_cert).read_bytes()
-    ca = Path(config.tls_client_ca).read_bytes() if config.tls_client_ca else None
-    creds = grpc.ssl_server_credentials(((key, cert),), root_certificates=ca,
-                                        require_client_auth=ca is not None)
-    return int(server.add_secure_port(where, creds))
+def _add_port(server: grpc.aio.Server, config: ServerConfig, where: str, flag: str) -> int:
+    try:
+        if not config.tls:
+            return int(server.add_insecure_port(where))
+        key = Path(config.tls_key).read_bytes()
+        cert = Path(config.tls_cert).read_bytes()
+        ca = Path(config.tls_client_ca).read_bytes() if config.tls_client_ca else None
+        creds = grpc.ssl_server_credentials(((key, cert),), root_certificates=ca,
+                                            require_client_auth=ca is not None)
+        return int(server.add_secure_port(where, creds))
+    except (RuntimeError, OSError) as exc:
+        raise StartupError(f"{flag}: cannot listen on {where} (in use, not permitted, or not "
+                           f"an address of this host: {exc})") from None
 
 
 async def _health_server(config: ServerConfig, servicer: Any) -> grpc.aio.Server:
     """Plaintext health only, for Kubernetes probes when the main port speaks TLS."""
-    server = grpc.aio.server()
+    server = grpc.aio.server(options=SERVER_OPTIONS)
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    server.add_insecure_port(f"{config.host}:{config.health_port}")
+    where = f"{config.host}:{config.health_port}"
+    try:
+        server.add_insecure_port(where)
+    except RuntimeError as exc:
+        raise StartupError(f"--health-port {config.health_port}: cannot listen on {where} "
+                           f"({exc})") from None
     await server.start()
     return server
 
@@ -132,7 +177,12 @@ def _metrics(config: ServerConfig, service: EpiserveService) -> Any:
         return None
     from episerve_server.rpc.metrics import Metrics
 
-    return Metrics.start(config, service)
+    try:
+        return Metrics.start(config, service)
+    except OSError as exc:
+        raise StartupError(f"--metrics-port {config.metrics_port}: cannot listen on "
+                           f"{config.metrics_host}:{config.metrics_port} ({exc.strerror})") \
+            from None
 
 
 async def serve(config: ServerConfig, *, announce: Callable[[str], None] = print) -> int:

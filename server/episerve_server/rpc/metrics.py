@@ -124,14 +124,15 @@ class Metrics:
 
     @classmethod
     def start(cls, config: ServerConfig, service: EpiserveService) -> Metrics:
-        """Serve ``/metrics`` on ``config.host:config.metrics_port``."""
+        """Serve ``/metrics`` on ``config.metrics_host:config.metrics_port`` (loopback by
+        default: the endpoint has no auth, so exposing it is the operator's choice)."""
         # No ``*_created`` series: they would double the scrape for nothing.
         disable_created_metrics()  # type: ignore[no-untyped-call]
         metrics = cls(service)
-        server, _thread = start_http_server(config.metrics_port, addr=config.host,
+        server, _thread = start_http_server(config.metrics_port, addr=config.metrics_host,
                                             registry=metrics.registry)
         metrics._http = server
-        log.info("metrics on http://%s:%d/metrics", config.host, config.metrics_port)
+        log.info("metrics on http://%s:%d/metrics", config.metrics_host, config.metrics_port)
         return metrics
 
     def observe(self, method: str, code: str, seconds: float) -> None:
