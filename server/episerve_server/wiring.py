@@ -27,12 +27,16 @@ class ReadCore:
 
 def build_read_core(config: ServerConfig, *, stats: Stats | None = None) -> ReadCore:
     stats = stats if stats is not None else Stats()
+    # The storage bounds: metadata documents, one vlen element, the time of one store call.
     store = open_root(config.root, stats=stats, storage_options=storage_options(config),
-                      max_connections=config.max_store_concurrency)
+                      max_connections=config.max_store_concurrency,
+                      timeout_s=config.store_timeout_s,
+                      max_metadata_bytes=config.max_metadata_bytes)
     store.latency_s = config.inject_latency_s
     cache = ChunkCache(config.cache_bytes, stats)
     # A dropped episode's chunks leave the cache with it.
-    catalog = Catalog(store, allow=config.allow, on_drop=cache.drop_episode)
+    catalog = Catalog(store, allow=config.allow, on_drop=cache.drop_episode,
+                      max_item_bytes=config.max_item_bytes)
     planner = Planner(catalog, cache, stats, fetch_limit=config.max_store_concurrency)
     return ReadCore(stats, store, cache, catalog, planner)
 

@@ -1,12 +1,19 @@
-"""Loading an episode's annotation spans (SPEC section 1): read once, then kept."""
+"""Loading an episode's annotation spans (SPEC section 1): read once, then kept.
+
+Bounded like every other decode: at most ``MAX_SPANS`` elements, each at most
+``max_item_bytes`` (the vlen decoder refuses larger ones), at most ``MAX_ANNOTATION_BYTES``
+decoded in all, fetched a few chunks at a time so the raw bytes in hand stay near that
+bound too. Decoding and JSON parsing run in a worker thread, off the event loop.
+"""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from episerve_proto.errors import DataLossError
-from episerve_server.core.spans import Span, parse_spans
+from episerve_server.core.spans import MAX_ANNOTATION_BYTES, MAX_SPANS, Span, parse_spans
 from episerve_server.storage.catalog import Episode
 from episerve_server.storage.readers import ChunkReader, decode_chunk
 
@@ -21,18 +28,39 @@ async def load_spans(episode: Episode, key: str,
     if reader is None:  # the cutoff on an episode without annotations: nothing to cut
         episode.spans[key] = []
         return []
-    if not reader.info.is_bytes:
-        raise DataLossError(
-            f"episode {episode.hash!r} key {key!r}: annotations must be an array of JSON "
-            "annotations (variable-length bytes), but it holds numbers",
-            episode=episode.hash, key=key,
-        )
     info = reader.info
+
+    def loss(what: str) -> DataLossError:
+        return DataLossError(f"episode {episode.hash!r} key {key!r}: annotations {what}",
+                             episode=episode.hash, key=key)
+
+    if not info.is_bytes:
+        raise loss("must be an array of JSON annotations (variable-length bytes), but it "
+                   "holds numbers")
+    if info.rows > MAX_SPANS:
+        raise loss(f"array has {info.rows} elements, more than {MAX_SPANS}")
     n_chunks = -(-info.rows // info.chunk_rows)
-    raws = await fetch(reader, 0, n_chunks - 1) if n_chunks else []
+    step = max(1, MAX_ANNOTATION_BYTES // info.raw_bound)
     items: list[bytes] = []
-    for k, raw in enumerate(raws):
-        items.extend(decode_chunk(reader, raw, k))
-    spans = parse_spans(episode.hash, key, items[: info.rows])
+    total = 0
+    for first in range(0, n_chunks, step):
+        last = min(n_chunks, first + step) - 1
+        raws = await fetch(reader, first, last)
+        decoded = await asyncio.to_thread(_decode, reader, raws, first)
+        total += sum(len(item) for item in decoded)
+        if total > MAX_ANNOTATION_BYTES:
+            raise loss(f"hold more than {MAX_ANNOTATION_BYTES} bytes (elements of chunks "
+                       f"0..{last} alone hold {total})")
+        items.extend(decoded)
+    spans = await asyncio.to_thread(parse_spans, episode.hash, key, items[: info.rows])
     episode.spans[key] = spans
     return spans
+
+
+def _decode(reader: ChunkReader, raws: list[Any], first: int) -> list[bytes]:
+    items: list[bytes] = []
+    for k, raw in enumerate(raws):
+        chunk = decode_chunk(reader, raw, first + k)
+        assert isinstance(chunk, list)
+        items.extend(chunk)
+    return items

@@ -2,7 +2,12 @@
 
 Opening reads the group's attributes and each array's metadata; after that, reads touch
 only chunk data (and, once per shard, its index). A broken episode is listed with its
-reason and never takes the catalog down.
+reason and never takes the catalog down. Broken includes metadata the confined store
+refuses (outside the root, not a regular file, over ``max_metadata_bytes``), metadata zarr
+cannot parse (deep JSON, absurd numbers), and values beyond the sane maxima of
+:mod:`~episerve_server.storage.readers.bounds` (``total_frames``, shapes, chunk sizes), so
+nothing later can overflow the planner's packed indices. A storage call that times out at
+open leaves the episode listed as broken with that reason, and the next scan tries again.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import fnmatch
 import logging
+import math
 import re
 import unicodedata
 from collections.abc import Callable, Iterable, Mapping
@@ -20,14 +26,21 @@ import zarr.api.asynchronous as zasync
 from zarr import AsyncArray
 from zarr.storage import StorePath
 
-from episerve_proto.errors import BrokenEpisodeError, EpisodeNotFound, InvalidEpisodeId
+from episerve_proto.errors import (
+    BrokenEpisodeError,
+    EpisodeNotFound,
+    InvalidEpisodeId,
+    Unavailable,
+)
 from episerve_server.core.spans import Span
 from episerve_server.storage.readers import ChunkReader, build_reader
+from episerve_server.storage.readers.bounds import DEFAULT_MAX_ITEM_BYTES, MAX_ROWS
 from episerve_server.storage.store import METADATA_NAMES, CountingStore
 
 log = logging.getLogger(__name__)
 
 SUFFIX = ".zarr"
+MAX_ARRAYS = 4096  # entries of one episode folder
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,199}")
 
 
@@ -73,13 +86,16 @@ class Catalog:
     """Episodes under one root. ``scan`` picks up added and drops removed episodes."""
 
     def __init__(self, store: CountingStore, *, allow: Iterable[str] = (),
-                 open_limit: int = 32, on_drop: Callable[[str], None] | None = None) -> None:
+                 open_limit: int = 32, on_drop: Callable[[str], None] | None = None,
+                 max_item_bytes: int = DEFAULT_MAX_ITEM_BYTES) -> None:
         self.store = store
         self.allow = tuple(allow)
         self.open_limit = open_limit
         self.on_drop = on_drop
+        self.max_item_bytes = max_item_bytes
         self.episodes: dict[str, Episode] = {}
         self.broken: dict[str, str] = {}
+        self._retry: set[str] = set()  # broken by a storage timeout: opened again next scan
         self._scan_lock = asyncio.Lock()
 
     def allowed(self, episode_id: str) -> bool:
@@ -110,6 +126,7 @@ class Catalog:
         known = episode_id in self.episodes or episode_id in self.broken
         self.episodes.pop(episode_id, None)
         self.broken.pop(episode_id, None)
+        self._retry.discard(episode_id)
         if known:
             log.warning("episode %s was removed from the root; dropped", episode_id)
             if self.on_drop is not None:
@@ -119,10 +136,10 @@ class Catalog:
         """List the root; open new episodes, drop vanished ones. Returns (added, removed)."""
         async with self._scan_lock:
             names = await self._list()
-            known = set(self.episodes) | set(self.broken)
-            removed = sorted(known - names)
+            removed = sorted((set(self.episodes) | set(self.broken)) - names)
             for name in removed:
                 self.drop(name)
+            known = set(self.episodes) | (set(self.broken) - self._retry)
             added = sorted(names - known)
             sem = asyncio.Semaphore(self.open_limit)
 
@@ -150,38 +167,63 @@ class Catalog:
         return names
 
     async def _open(self, name: str) -> None:
+        self._retry.discard(name)
         try:
-            episode = await open_episode(self.store, name)
+            episode = await open_episode(self.store, name, max_item_bytes=self.max_item_bytes)
         except BrokenEpisodeError as exc:
             self.broken[name] = exc.message
             log.warning("episode %s is broken: %s", name, exc.message)
             return
+        except Unavailable as exc:
+            self.broken[name] = exc.message
+            self._retry.add(name)
+            log.warning("episode %s could not be opened, will retry: %s", name, exc.message)
+            return
+        self.broken.pop(name, None)
         self.episodes[name] = episode
         if episode.problems:
             log.warning("episode %s has problems: %s", name, episode.reason())
 
 
-async def open_episode(store: CountingStore, name: str) -> Episode:
-    """Open one episode group; ``BrokenEpisodeError`` says why it cannot be served."""
+async def open_episode(store: CountingStore, name: str, *,
+                       max_item_bytes: int = DEFAULT_MAX_ITEM_BYTES) -> Episode:
+    """Open one episode group; ``BrokenEpisodeError`` says why it cannot be served
+    (``Unavailable`` if storage timed out)."""
     try:
         group = await zasync.open_group(store=StorePath(store, name + SUFFIX), mode="r")
         attrs = dict(group.attrs)
         keys = sorted({k async for k in store.list_dir(name + SUFFIX)} - METADATA_NAMES)
+    except Unavailable:
+        raise
     except Exception as exc:
         raise BrokenEpisodeError(
-            f"unreadable group metadata ({type(exc).__name__}: {exc})", episode=name
+            f"unreadable group metadata ({type(exc).__name__}: {_said(exc)})", episode=name
         ) from exc
+    if len(keys) > MAX_ARRAYS:
+        raise BrokenEpisodeError(f"the group holds {len(keys)} entries, more than "
+                                 f"{MAX_ARRAYS}", episode=name)
     total, fps, embodiment = _core_attrs(name, attrs)
     episode = Episode(name, total, fps, embodiment, attrs, {})
     members = await asyncio.gather(*(group.getitem(k) for k in keys), return_exceptions=True)
     for key, member in zip(keys, members):
+        if isinstance(member, Unavailable):
+            raise member
         if isinstance(member, AsyncArray):
-            _add_array(episode, store, key, member)
+            _add_array(episode, store, key, member, max_item_bytes)
         elif isinstance(member, BaseException) and not isinstance(member, KeyError):
+            if not isinstance(member, Exception):
+                raise member
             episode.problems[key] = (
-                f"array {key!r} has unreadable metadata ({type(member).__name__}: {member})"
+                f"array {key!r} has unreadable metadata ({type(member).__name__}: "
+                f"{_said(member)})"
             )
     return episode
+
+
+def _said(exc: BaseException) -> str:
+    """An exception's message, cut short: zarr may quote a whole hostile document."""
+    text = str(exc)
+    return text if len(text) <= 300 else f"{text[:300]}... ({len(text)} chars)"
 
 
 def _core_attrs(name: str, attrs: Mapping[str, Any]) -> tuple[int, float, str]:
@@ -189,29 +231,39 @@ def _core_attrs(name: str, attrs: Mapping[str, Any]) -> tuple[int, float, str]:
         return BrokenEpisodeError(f"attribute {what}", episode=name)
 
     total = attrs.get("total_frames")
-    if isinstance(total, bool) or not isinstance(total, int) or total <= 0:
-        raise bad(f"'total_frames' must be a positive int, got {total!r}")
+    if isinstance(total, bool) or not isinstance(total, int) or not 0 < total <= MAX_ROWS:
+        raise bad(f"'total_frames' must be a positive int of at most {MAX_ROWS}, "
+                  f"got {_shown(total)}")
     fps = attrs.get("fps")
-    if isinstance(fps, bool) or not isinstance(fps, int | float) or not 0 < fps < 10_000:
-        raise bad(f"'fps' must be a positive number, got {fps!r}")
+    if isinstance(fps, bool) or not isinstance(fps, int | float) or not math.isfinite(fps) \
+            or not 0 < fps < 10_000:
+        raise bad(f"'fps' must be a finite positive number below 10000, got {_shown(fps)}")
     embodiment = attrs.get("embodiment", "")
     if not isinstance(embodiment, str):
-        raise bad(f"'embodiment' must be a string, got {embodiment!r}")
+        raise bad(f"'embodiment' must be a string, got {_shown(embodiment)}")
     features = attrs.get("features", {})
     if not isinstance(features, dict):
         raise bad(f"'features' must be a mapping, got {type(features).__name__}")
     return total, float(fps), embodiment
 
 
-def _add_array(episode: Episode, store: CountingStore, key: str, array: AsyncArray[Any]) -> None:
+def _shown(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:80]}... ({len(text)} chars)"
+
+
+def _add_array(episode: Episode, store: CountingStore, key: str, array: AsyncArray[Any],
+               max_item_bytes: int) -> None:
     def count_read() -> None:
         store.stats.store_reads += 1
 
     try:
         reader = build_reader(episode.hash, key, array, store, f"{episode.hash}{SUFFIX}/{key}",
-                              count_read)
+                              count_read, max_item_bytes=max_item_bytes)
     except Exception as exc:
-        episode.problems[key] = f"array {key!r} cannot be read ({type(exc).__name__}: {exc})"
+        episode.problems[key] = (
+            f"array {key!r} cannot be read ({type(exc).__name__}: {_said(exc)})"
+        )
         return
     episode.readers[key] = reader
     if key != "annotations" and reader.info.rows < episode.total_frames:

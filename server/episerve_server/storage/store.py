@@ -1,36 +1,75 @@
-"""Opening a dataset root as a zarr store, wrapped so every request is counted."""
+"""Opening a dataset root as a zarr store, wrapped so every request is counted and timed.
+
+Local roots are a :class:`~episerve_server.storage.local.ConfinedLocalStore`: only regular
+files inside the root are ever read (see that module for the rule). Object-store roots
+(``s3://``) are fsspec stores; a metadata document or an object over its cap is refused
+there after it arrives, since the size is not known before.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import posixpath
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Iterable
+from typing import Any, TypeVar
 
 from zarr.abc.store import ByteRequest, Store
 from zarr.core.buffer import Buffer, BufferPrototype
-from zarr.storage import FsspecStore, LocalStore, WrapperStore
+from zarr.storage import FsspecStore, WrapperStore
 
+from episerve_proto.errors import Unavailable
 from episerve_server.core.stats import Stats
+from episerve_server.storage.local import (
+    DEFAULT_MAX_METADATA_BYTES,
+    DEFAULT_MAX_OBJECT_BYTES,
+    METADATA_NAMES,
+    ConfinedLocalStore,
+    NotARegularFile,
+    ObjectTooLarge,
+    OutsideRoot,
+    Refused,
+)
 
+__all__ = [
+    "METADATA_NAMES", "ConfinedLocalStore", "CountingStore", "NotARegularFile",
+    "ObjectTooLarge", "OutsideRoot", "Refused", "open_root", "split_key",
+]
+
+T = TypeVar("T")
 # Matches ServerConfig.max_store_concurrency's default.
 DEFAULT_MAX_CONNECTIONS = 64
-METADATA_NAMES = frozenset({"zarr.json", ".zarray", ".zattrs", ".zgroup", ".zmetadata"})
+# Matches ServerConfig.store_timeout_s's default.
+DEFAULT_TIMEOUT_S = 30.0
+
+
+def split_key(store_key: str) -> tuple[str, str]:
+    """``"ep.zarr/left.obs/c/0/0"`` -> ``("ep", "left.obs")``: the episode and the array."""
+    parts = store_key.split("/")
+    episode = parts[0].removesuffix(".zarr") if parts[0].endswith(".zarr") else ""
+    array = parts[1] if len(parts) > 2 else ""
+    return episode, array
 
 
 class CountingStore(WrapperStore[Store]):
-    """Counts metadata documents and data reads separately; optionally adds latency.
+    """Counts metadata documents and data reads separately, bounds every call by
+    ``timeout_s`` (``Unavailable`` on expiry), and optionally adds latency.
 
-    ``latency_s`` exists for fault tests that need slow storage.
+    ``latency_s`` exists for fault tests that need slow storage; it counts toward the
+    timeout, as slow storage would.
     """
 
-    def __init__(self, store: Store, stats: Stats | None = None, latency_s: float = 0.0) -> None:
+    def __init__(self, store: Store, stats: Stats | None = None, latency_s: float = 0.0,
+                 timeout_s: float = DEFAULT_TIMEOUT_S,
+                 max_metadata_bytes: int = DEFAULT_MAX_METADATA_BYTES) -> None:
         super().__init__(store)
         self.stats = stats if stats is not None else Stats()
         self.latency_s = latency_s
+        self.timeout_s = timeout_s
+        self.max_metadata_bytes = max_metadata_bytes
 
     def _with_store(self, store: Store) -> CountingStore:
-        return type(self)(store, self.stats, self.latency_s)
+        return type(self)(store, self.stats, self.latency_s, self.timeout_s,
+                          self.max_metadata_bytes)
 
     def _count(self, key: str) -> None:
         if posixpath.basename(key) in METADATA_NAMES:
@@ -38,26 +77,65 @@ class CountingStore(WrapperStore[Store]):
         else:
             self.stats.store_reads += 1
 
+    async def _timed(self, call: str, key: str, work: Awaitable[T]) -> T:
+        async def run() -> T:
+            if self.latency_s:
+                await asyncio.sleep(self.latency_s)
+            return await work
+
+        if not self.timeout_s or self.timeout_s <= 0:
+            return await run()
+        try:
+            return await asyncio.wait_for(run(), self.timeout_s)
+        except TimeoutError as exc:
+            episode, array = split_key(key)
+            raise Unavailable(
+                f"storage call {call}({key!r}) timed out after {self.timeout_s} s "
+                "(slow or hung storage; retry later)", episode=episode, key=array,
+            ) from exc
+
+    async def _get(self, call: str, key: str, prototype: BufferPrototype,
+                   byte_range: ByteRequest | None, max_bytes: int | None) -> Buffer | None:
+        inner = self._store
+        if isinstance(inner, ConfinedLocalStore):
+            work = inner.get(key, prototype, byte_range, max_bytes=max_bytes)
+        else:
+            work = inner.get(key, prototype, byte_range)
+        buf = await self._timed(call, key, work)
+        if buf is not None:
+            cap = max_bytes
+            if cap is None and posixpath.basename(key) in METADATA_NAMES:
+                cap = self.max_metadata_bytes
+            if cap is not None and len(buf) > cap:
+                raise ObjectTooLarge(key, f"returned {len(buf)} bytes, over the limit of {cap}")
+        return buf
+
     async def get(
-        self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None = None
+        self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None = None,
+        *, max_bytes: int | None = None,
     ) -> Buffer | None:
+        """``max_bytes`` caps the object (for local roots: its size on disk, before reading)."""
         self._count(key)
-        if self.latency_s:
-            await asyncio.sleep(self.latency_s)
-        return await self._store.get(key, prototype, byte_range)
+        return await self._get("get", key, prototype, byte_range, max_bytes)
 
     async def get_index(
-        self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None = None
+        self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None = None,
+        *, max_bytes: int | None = None,
     ) -> Buffer | None:
         """A shard-index read: a metadata hop, counted as one."""
         self.stats.metadata_requests += 1
-        if self.latency_s:
-            await asyncio.sleep(self.latency_s)
-        return await self._store.get(key, prototype, byte_range)
+        return await self._get("get_index", key, prototype, byte_range, max_bytes)
 
     async def exists(self, key: str) -> bool:
         self.stats.metadata_requests += 1
-        return await self._store.exists(key)
+        return await self._timed("exists", key, self._store.exists(key))
+
+    async def list_dir(self, prefix: str) -> AsyncIterator[str]:
+        async def collect() -> list[str]:
+            return [entry async for entry in self._store.list_dir(prefix)]
+
+        for entry in await self._timed("list_dir", prefix, collect()):
+            yield entry
 
     async def get_partial_values(
         self,
@@ -65,9 +143,9 @@ class CountingStore(WrapperStore[Store]):
         key_ranges: Iterable[tuple[str, ByteRequest | None]],
     ) -> list[Buffer | None]:
         key_ranges = list(key_ranges)
-        for key, _ in key_ranges:
-            self._count(key)
-        return await self._store.get_partial_values(prototype, key_ranges)
+        return list(await asyncio.gather(
+            *(self.get(key, prototype, byte_range) for key, byte_range in key_ranges)
+        ))
 
 
 def open_root(
@@ -76,18 +154,27 @@ def open_root(
     stats: Stats,
     storage_options: dict[str, Any] | None = None,
     max_connections: int = DEFAULT_MAX_CONNECTIONS,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    max_metadata_bytes: int = DEFAULT_MAX_METADATA_BYTES,
+    max_object_bytes: int = DEFAULT_MAX_OBJECT_BYTES,
 ) -> CountingStore:
     """A read-only store for a local folder or an fsspec URL such as ``s3://bucket/prefix``.
 
-    S3 reads take the endpoint and credentials from the usual ``AWS_*`` variables unless
-    ``storage_options`` say otherwise (see :func:`object_store_options`).
+    A local folder is confined (:class:`ConfinedLocalStore`): metadata documents over
+    ``max_metadata_bytes`` and other objects over ``max_object_bytes`` (unless a reader
+    gives its own cap) are refused. S3 reads take the endpoint and credentials from the
+    usual ``AWS_*`` variables unless ``storage_options`` say otherwise (see
+    :func:`object_store_options`).
     """
     if "://" in root and not root.startswith("file://"):
         options = object_store_options(root, storage_options, max_connections)
         inner: Store = FsspecStore.from_url(root, storage_options=options, read_only=True)
     else:
-        inner = LocalStore(root.removeprefix("file://"), read_only=True)
-    return CountingStore(inner, stats)
+        inner = ConfinedLocalStore(root.removeprefix("file://"),
+                                   max_metadata_bytes=max_metadata_bytes,
+                                   max_object_bytes=max_object_bytes)
+    return CountingStore(inner, stats, timeout_s=timeout_s,
+                         max_metadata_bytes=max_metadata_bytes)
 
 
 def object_store_options(root: str, storage_options: dict[str, Any] | None,

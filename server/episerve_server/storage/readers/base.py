@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from episerve_proto.errors import DataLossError
 from episerve_server.core.cache import Chunk
 from episerve_server.storage.readers.decode import ArrayInfo, Decoder, Raw
-from episerve_server.storage.store import CountingStore
+from episerve_server.storage.store import CountingStore, Refused
 
 
 class ShardVanished(FileNotFoundError):
@@ -15,6 +16,8 @@ class ChunkReader:
     """Fetches raw chunks [first, last] of one array; ``decode`` turns them into chunks.
 
     A missing chunk is the fill value (zarr skips chunks equal to it), returned as None.
+    A store object the confined store refuses (outside the root, not a regular file, too
+    large) is ``DataLossError`` naming the episode, the key and the object.
     """
 
     def __init__(self, info: ArrayInfo, decoder: Decoder) -> None:
@@ -23,8 +26,19 @@ class ChunkReader:
         #: chunks found missing and confirmed to be fill (the episode still exists)
         self.absent: set[int] = set()
 
-    async def fetch(self, first: int, last: int) -> list[Raw]:
+    async def fetch(self, first: int, last: int) -> list[Raw | Chunk]:
+        try:
+            return await self._fetch(first, last)
+        except Refused as exc:
+            raise self.loss(f"store object {exc.key!r} refused: {exc.why}") from exc
+
+    async def _fetch(self, first: int, last: int) -> list[Raw | Chunk]:
         raise NotImplementedError
+
+    def loss(self, what: str) -> DataLossError:
+        info = self.info
+        return DataLossError(f"episode {info.episode!r} key {info.name!r}: {what}",
+                             episode=info.episode, key=info.name)
 
 
 async def episode_exists(store: CountingStore, episode: str) -> bool:

@@ -1,8 +1,9 @@
-"""Raw chunk bytes to chunks with plain numcodecs: what each array's codecs allow."""
+"""Raw chunk bytes to chunks, bounded by the array's metadata: what each array's codecs allow."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
@@ -14,14 +15,22 @@ from zarr.core.metadata import ArrayV2Metadata, ArrayV3Metadata
 
 from episerve_proto.errors import DataLossError
 from episerve_server.core.cache import Chunk
+from episerve_server.storage.readers.bounds import (
+    DEFAULT_MAX_ITEM_BYTES,
+    BoundError,
+    parse_vlen,
+    raw_bound,
+    run_chain,
+    vlen_bound,
+)
 
 Raw: TypeAlias = bytes | None
-_BYTES_CODECS: dict[type, Callable[[], Any]] = {
-    ZstdCodec: numcodecs.Zstd,
-    GzipCodec: numcodecs.GZip,
-    BloscCodec: numcodecs.Blosc,
-    Crc32cCodec: numcodecs.CRC32C,
-}
+# zarr v3 bytes-to-bytes codecs and numcodecs compressors (v2) we can decode with a bound.
+V3_STEPS: dict[type, str] = {ZstdCodec: "zstd", GzipCodec: "gzip", BloscCodec: "blosc",
+                             Crc32cCodec: "crc32c"}
+V2_STEPS: dict[type, str] = {numcodecs.Zstd: "zstd", numcodecs.GZip: "gzip",
+                             numcodecs.Zlib: "zlib", numcodecs.Blosc: "blosc",
+                             numcodecs.CRC32C: "crc32c"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,47 +41,67 @@ class ArrayInfo:
     chunk_rows: int
     feature: tuple[int, ...]
     is_bytes: bool
+    itemsize: int = 4  # bytes per stored value (numeric arrays)
+    max_item_bytes: int = DEFAULT_MAX_ITEM_BYTES  # one vlen element, decoded
+
+    @property
+    def decoded_bound(self) -> int:
+        """Bytes of one decoded chunk: exact for numbers, at most this for vlen-bytes."""
+        if self.is_bytes:
+            return vlen_bound(self.chunk_rows, self.max_item_bytes)
+        return self.chunk_rows * math.prod(self.feature) * self.itemsize
+
+    @property
+    def raw_bound(self) -> int:
+        """The largest stored chunk accepted (the decoded bound plus compression slack)."""
+        return raw_bound(self.decoded_bound)
 
 
 @dataclass(frozen=True, slots=True)
 class Decoder:
-    """Raw chunk bytes -> a chunk: float32 (chunk_rows, *feature), or a list of bytes."""
+    """Raw chunk bytes -> a chunk: float32 (chunk_rows, *feature), or a list of bytes.
+
+    Every step is bounded by the array's metadata (:mod:`.bounds`): a chunk that would
+    decode to anything but its expected size is refused before it allocates.
+    """
 
     info: ArrayInfo
-    codecs: tuple[Any, ...]  # numcodecs objects, in decode order
+    steps: tuple[str, ...]  # bytes-to-bytes codecs, in decode order (names in bounds.STEPS)
     dtype: np.dtype[Any]
     fill: Any
 
     def __call__(self, raw: Raw, index: int) -> Chunk:
-        shape = (self.info.chunk_rows, *self.info.feature)
+        info = self.info
+        shape = (info.chunk_rows, *info.feature)
         if raw is None:
-            if self.info.is_bytes:
-                return [bytes(self.fill or b"")] * self.info.chunk_rows
+            if info.is_bytes:
+                return [bytes(self.fill or b"")] * info.chunk_rows
             return np.full(shape, self.fill, dtype=np.float32)
         try:
-            data: Any = raw
-            for codec in self.codecs:
-                data = codec.decode(data)
-            if self.info.is_bytes:
-                items = numcodecs.VLenBytes().decode(data)
-                if len(items) != self.info.chunk_rows:
-                    raise ValueError(f"{len(items)} items, expected {self.info.chunk_rows}")
-                return [bytes(b) for b in items]
-            flat = np.frombuffer(data, dtype=self.dtype)
-            if flat.size != int(np.prod(shape)):
-                raise ValueError(f"{flat.size} values, expected {int(np.prod(shape))}")
-            return flat.reshape(shape).astype(np.float32)
+            if len(raw) > info.raw_bound:
+                raise BoundError(f"stored chunk of {len(raw)} bytes is over the bound of "
+                                 f"{info.raw_bound}")
+            data = run_chain(self.steps, raw, info.decoded_bound, not info.is_bytes)
+            if info.is_bytes:
+                return parse_vlen(data, info.chunk_rows, info.max_item_bytes)
+            if len(data) != info.decoded_bound:
+                raise BoundError(f"{len(data)} bytes, expected {info.decoded_bound}")
+            return np.frombuffer(data, dtype=self.dtype).reshape(shape).astype(np.float32)
+        except BoundError as exc:
+            raise self._loss(index, f"refused before decoding: {exc}") from exc
         except Exception as exc:
-            raise DataLossError(
-                f"episode {self.info.episode!r} key {self.info.name!r}: chunk {index} "
-                f"is corrupt or undecodable ({type(exc).__name__}: {exc})",
-                episode=self.info.episode,
-                key=self.info.name,
-            ) from exc
+            raise self._loss(index, f"is corrupt or undecodable ({type(exc).__name__}: {exc})"
+                             ) from exc
+
+    def _loss(self, index: int, what: str) -> DataLossError:
+        info = self.info
+        return DataLossError(f"episode {info.episode!r} key {info.name!r}: chunk {index} {what}",
+                             episode=info.episode, key=info.name)
 
 
 def plain_decoder(info: ArrayInfo, meta: ArrayV2Metadata | ArrayV3Metadata,
-                   array: AsyncArray[Any]) -> Decoder | None:
+                  array: AsyncArray[Any]) -> Decoder | None:
+    """A fast-path decoder for ``meta``'s codecs, or None if it has none."""
     if isinstance(meta, ArrayV3Metadata):
         return v3_decoder(info, meta.codecs, array)
     if meta.order != "C" and len(meta.shape) > 1:
@@ -82,8 +111,13 @@ def plain_decoder(info: ArrayInfo, meta: ArrayV2Metadata | ArrayV3Metadata,
         return None
     if not info.is_bytes and filters:
         return None
-    codecs = (meta.compressor,) if meta.compressor is not None else ()
-    return Decoder(info, codecs, array.dtype, _fill(meta.fill_value, info))
+    steps: tuple[str, ...] = ()
+    if meta.compressor is not None:
+        step = V2_STEPS.get(type(meta.compressor))
+        if step is None:
+            return None
+        steps = (step,)
+    return Decoder(info, steps, array.dtype, _fill(meta.fill_value, info))
 
 
 def v3_decoder(info: ArrayInfo, codecs: Sequence[Any], array: AsyncArray[Any]) -> Decoder | None:
@@ -94,13 +128,13 @@ def v3_decoder(info: ArrayInfo, codecs: Sequence[Any], array: AsyncArray[Any]) -
         return None
     if not info.is_bytes and not isinstance(head, BytesCodec):
         return None
-    makers = [_BYTES_CODECS.get(type(c)) for c in rest]
-    if any(m is None for m in makers):
+    steps = [V3_STEPS.get(type(c)) for c in rest]
+    if any(s is None for s in steps):
         return None
     dtype = array.dtype
     if not info.is_bytes and head.endian is not None:
         dtype = dtype.newbyteorder("<" if head.endian.value == "little" else ">")
-    ordered = tuple(m() for m in reversed(makers) if m is not None)
+    ordered = tuple(s for s in reversed(steps) if s is not None)
     return Decoder(info, ordered, dtype, _fill(array.metadata.fill_value, info))
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -11,7 +12,7 @@ import numpy as np
 from zarr.abc.store import RangeByteRequest, SuffixByteRequest
 from zarr.core.buffer import default_buffer_prototype
 
-from episerve_proto.errors import DataLossError
+from episerve_server.core.cache import Chunk
 from episerve_server.storage.readers.base import ChunkReader, ShardVanished, episode_exists
 from episerve_server.storage.readers.decode import ArrayInfo, Decoder, Raw
 from episerve_server.storage.store import CountingStore
@@ -30,8 +31,13 @@ class ShardedReader(ChunkReader):
         self.at_end, self.index_dtype, self.index_crc = at_end, index_dtype, index_crc
         self._index: dict[int, asyncio.Future[np.ndarray | None]] = {}
 
-    async def fetch(self, first: int, last: int) -> list[Raw]:
-        out: list[Raw] = []
+    @property
+    def shard_bound(self) -> int:
+        """The largest shard object accepted: every inner chunk at its bound, and the index."""
+        return self.per_shard * self.info.raw_bound + 16 * self.per_shard + 4
+
+    async def _fetch(self, first: int, last: int) -> list[Raw | Chunk]:
+        out: list[Raw | Chunk] = []
         for shard in range(first // self.per_shard, last // self.per_shard + 1):
             lo = max(first, shard * self.per_shard)
             hi = min(last, (shard + 1) * self.per_shard - 1)
@@ -43,40 +49,54 @@ class ShardedReader(ChunkReader):
         if index is None:
             return [None] * (hi - lo + 1)
         base = shard * self.per_shard
-        spans = index[lo - base : hi - base + 1]
-        present = spans[:, 0] != EMPTY
-        if not present.any():
-            return [None] * (hi - lo + 1)
-        offsets, lengths = spans[present, 0], spans[present, 1]
-        contiguous = bool(np.all(offsets[1:] == offsets[:-1] + lengths[:-1]))
         key = self.key_of(shard)
-        proto = default_buffer_prototype()
+        entries = self._entries(key, lo, index[lo - base : hi - base + 1].tolist())
+        present = [e is not None for e in entries]
+        spans = [e for e in entries if e is not None]
+        if not spans:
+            return [None] * (hi - lo + 1)
+        contiguous = all(b[0] == a[0] + a[1] for a, b in itertools.pairwise(spans))
+        proto, cap = default_buffer_prototype(), self.shard_bound
         if contiguous:
-            start, stop = int(offsets[0]), int(offsets[-1] + lengths[-1])
-            buf = await self.store.get(key, proto, RangeByteRequest(start, stop))
+            start, stop = spans[0][0], spans[-1][0] + spans[-1][1]
+            buf = await self.store.get(key, proto, RangeByteRequest(start, stop), max_bytes=cap)
             blob = self._require(buf, key, stop - start)
-            parts = [blob[int(o) - start : int(o + n) - start] for o, n in zip(offsets, lengths)]
+            parts = [blob[o - start : o + n - start] for o, n in spans]
         else:
             bufs = await asyncio.gather(
-                *(self.store.get(key, proto, RangeByteRequest(int(o), int(o + n)))
-                  for o, n in zip(offsets, lengths))
+                *(self.store.get(key, proto, RangeByteRequest(o, o + n), max_bytes=cap)
+                  for o, n in spans)
             )
-            parts = [self._require(b, key, int(n)) for b, n in zip(bufs, lengths)]
+            parts = [self._require(b, key, n) for b, (_, n) in zip(bufs, spans)]
         it = iter(parts)
         return [next(it) if p else None for p in present]
+
+    def _entries(self, key: str, lo: int, rows: list[list[int]]) -> list[tuple[int, int] | None]:
+        """Index entries (offset, length) of chunks lo.., checked before anything is fetched:
+        EMPTY is fill; a length over the raw-chunk bound or an end past 2**63 is refused."""
+        out: list[tuple[int, int] | None] = []
+        bound = self.info.raw_bound
+        for k, (offset, length) in enumerate(rows):
+            if offset == EMPTY and length == EMPTY:
+                out.append(None)
+                continue
+            where = f"shard {key!r} index entry of chunk {lo + k}"
+            if length > bound:
+                raise self.loss(f"{where} declares {length} bytes, over the bound of {bound} "
+                                "(chunk rows x feature x item size, plus compression slack)")
+            if offset + length >= 2**63:
+                raise self.loss(f"{where} points past the end of any file "
+                                f"(offset {offset!r}, length {length!r})")
+            out.append((offset, length))
+        return out
 
     def _require(self, buf: Any, key: str, nbytes: int) -> bytes:
         if buf is None:
             raise ShardVanished(f"shard {key!r} of episode {self.info.episode!r} is gone")
         data = buf.to_bytes()
         if len(data) != nbytes:
-            raise self._loss(f"shard {key!r} returned {len(data)} bytes, expected {nbytes}")
+            raise self.loss(f"shard {key!r} returned {len(data)} bytes, expected {nbytes}")
         return bytes(data)
-
-    def _loss(self, what: str) -> DataLossError:
-        info = self.info
-        return DataLossError(f"episode {info.episode!r} key {info.name!r}: {what}",
-                             episode=info.episode, key=info.name)
 
     async def _shard_index(self, shard: int) -> np.ndarray | None:
         fut = self._index.get(shard)
@@ -93,17 +113,18 @@ class ShardedReader(ChunkReader):
     async def _load_index(self, shard: int) -> np.ndarray | None:
         nbytes = 16 * self.per_shard + (4 if self.index_crc else 0)
         rng = SuffixByteRequest(nbytes) if self.at_end else RangeByteRequest(0, nbytes)
-        buf = await self.store.get_index(self.key_of(shard), default_buffer_prototype(), rng)
+        buf = await self.store.get_index(self.key_of(shard), default_buffer_prototype(), rng,
+                                         max_bytes=self.shard_bound)
         if buf is None:  # all fill, or the episode is gone: asked once per shard
             if not await episode_exists(self.store, self.info.episode):
                 raise ShardVanished(f"episode {self.info.episode!r} is gone")
             return None
         data = buf.to_bytes()
         if len(data) != nbytes:
-            raise self._loss(f"shard index of {self.key_of(shard)!r} is truncated")
+            raise self.loss(f"shard index of {self.key_of(shard)!r} is truncated")
         if self.index_crc:
             try:
                 data = bytes(numcodecs.CRC32C().decode(data))
             except Exception as exc:
-                raise self._loss(f"shard index checksum failed ({exc})") from exc
+                raise self.loss(f"shard index checksum failed ({exc})") from exc
         return np.frombuffer(data, dtype=self.index_dtype).reshape(self.per_shard, 2)
