@@ -19,7 +19,7 @@ def chunk(nbytes: int, value: float = 0.0) -> np.ndarray:
 
 
 def key(n: int, episode: str = "ep") -> tuple[str, str, int]:
-    return (episode, "k", n)
+    return (episode, f"k{n}", n)
 
 
 def test_chunk_nbytes() -> None:
@@ -46,13 +46,14 @@ def test_lru_eviction_order_under_a_byte_budget() -> None:
         got = cache.get(key(n))
         assert got is not None
         assert float(got[0]) == n
-    # one big chunk pushes out as many old ones as it needs, oldest first (now 0, then 2)
-    cache.put(key(4), chunk(200, 4))
+    # one big chunk (of another array: one array's chunks share a shape) pushes out as many
+    # old ones as it needs, oldest first (now 0, then 2)
+    cache.put(key(4, "big"), chunk(200, 4))
     assert stats.cache_evictions == 3
     assert cache.get(key(0)) is None
     assert cache.get(key(2)) is None
     assert cache.get(key(3)) is not None
-    assert cache.get(key(4)) is not None
+    assert cache.get(key(4, "big")) is not None
     assert stats.cache_bytes == 300
     assert stats.cache_entries == 2
 
@@ -145,6 +146,7 @@ ops = st.lists(
 )
 
 
+
 @settings(max_examples=150, deadline=None)
 @given(budget=st.sampled_from([0, 4, 40, 100, 160]), script=ops)
 def test_matches_a_reference_lru(budget: int, script: list[tuple[str, int, int]]) -> None:
@@ -152,8 +154,9 @@ def test_matches_a_reference_lru(budget: int, script: list[tuple[str, int, int]]
     cache = ChunkCache(budget, stats)
     model: OrderedDict[int, int] = OrderedDict()  # key -> size in bytes, oldest first
     hits = misses = evictions = 0
+    sizes: dict[int, int] = {}  # an array keeps one chunk shape: a key keeps its first size
     for op, k, words in script:
-        size = 4 * words
+        size = 4 * sizes.setdefault(k, words)
         if op == "get":
             got = cache.get(key(k))
             if k in model:
@@ -177,3 +180,41 @@ def test_matches_a_reference_lru(budget: int, script: list[tuple[str, int, int]]
         hits, misses, evictions)
     assert stats.cache_bytes == sum(model.values())
     assert stats.cache_entries == len(model)
+
+
+@settings(max_examples=150, deadline=None)
+@given(budget=st.sampled_from([0, 40, 100, 160]),
+       script=st.lists(st.tuples(st.sampled_from(["get", "put", "drop"]),
+                                 st.sampled_from(["a", "b"]), st.integers(0, 12)), max_size=80))
+def test_one_array_per_episode_matches_a_reference_lru(
+        budget: int, script: list[tuple[str, str, int]]) -> None:
+    """Many chunks of one array in a few episodes (the planner's case), with drops; every
+    value read back is the one stored."""
+    stats = Stats()
+    cache = ChunkCache(budget, stats)
+    model: OrderedDict[tuple[str, int], float] = OrderedDict()
+    for step, (op, episode, n) in enumerate(script):
+        k = (episode, "arr", n)
+        if op == "get":
+            got = cache.get(k)
+            if (episode, n) in model:
+                model.move_to_end((episode, n))
+                assert got is not None
+                assert float(got[0]) == model[(episode, n)]
+            else:
+                assert got is None
+        elif op == "put":
+            value = float(step)
+            cache.put(k, chunk(20, value))
+            if budget >= 20:
+                model.pop((episode, n), None)
+                model[(episode, n)] = value
+                while 20 * len(model) > budget:
+                    model.popitem(last=False)
+        else:
+            cache.drop_episode(episode)
+            for e, m in list(model):
+                if e == episode:
+                    del model[(e, m)]
+        assert stats.cache_bytes == 20 * len(model)
+        assert stats.cache_entries == len(model)

@@ -39,12 +39,57 @@ class Table:
     packed: np.ndarray  # sorted distinct packed keys
     chunks: list[Chunk | None]
     rows: np.ndarray  # sorted distinct packed (episode, row) keys this key needs
-    staging: Any = None  # numeric: the chunks concatenated; bytes: the distinct frames
-    starts: Any = None  # numeric: first staging row of each chunk
+    staging: Any = None  # numeric: the fetched chunks concatenated; bytes: the distinct frames
+    starts: Any = None  # numeric: first staging row of each chunk (fetched ones)
+    slab: Any = None  # numeric, per chunk: the cache slab holding it, -1 if fetched
+    slot: Any = None  # numeric, per chunk: its slot in that slab
+
+
+@dataclass(slots=True)
+class Partial:
+    """A numeric output gathered from the cache; rows of fetched chunks come later."""
+
+    out: np.ndarray
+    rows: np.ndarray  # the output's row indices
+    pending: np.ndarray | None  # mask of rows still to fill; None when complete
+
+
+def gather_cached(keymap: Keymap, batch: Batch, windows: dict[str, Window],
+                  tables: dict[str, Table], slabs: Any) -> dict[str, Partial]:
+    """Every numeric output's rows whose chunks are in the cache, gathered now: the cache
+    may change once the planner awaits its fetches, so nothing reads it after that."""
+    out: dict[str, Partial] = {}
+    for e in keymap:
+        if e.rule is Rule.ANNOTATION:
+            continue
+        table = tables[e.zarr_key]
+        if table.reader_of[0].info.is_bytes:
+            continue
+        w = windows[e.name]
+        rows = w.rows if e.time_axis else w.rows[:, 0]
+        eps = _batch_shaped(batch, rows)
+        c = table.chunk_rows[eps]
+        pos = np.searchsorted(table.packed, eps * PACK + rows // c)
+        slab, slot = table.slab[pos], table.slot[pos]
+        within = rows % c
+        feature = table.reader_of[0].info.feature
+        hit = slab >= 0
+        if hit.all() and slab.size and slab.min() == slab.max():
+            data = slabs(int(slab.flat[0]))
+            out[e.name] = Partial(data[slot, within], rows, None)
+            continue
+        arr = np.empty((*rows.shape, *feature), np.float32)
+        for sid in np.flatnonzero(np.bincount(slab[hit], minlength=1)).tolist() \
+                if hit.any() else ():
+            m = slab == sid
+            arr[m] = slabs(sid)[slot[m], within[m]]
+        out[e.name] = Partial(arr, rows, ~hit)
+    return out
 
 
 def assemble(keymap: Keymap, batch: Batch, windows: dict[str, Window],
-              tables: dict[str, Table], spans: dict[str, list[list[Any]]]) -> BatchResult:
+             tables: dict[str, Table], spans: dict[str, list[list[Any]]],
+             partial: dict[str, Partial]) -> BatchResult:
     arrays: dict[str, np.ndarray] = {}
     images: dict[str, ImageColumn] = {}
     frames: dict[str, list[bytes]] = {}
@@ -57,7 +102,7 @@ def assemble(keymap: Keymap, batch: Batch, windows: dict[str, Window],
         if table.reader_of[0].info.is_bytes:
             images[e.name] = _image_column(e, w, table, batch, frames)
         else:
-            arrays[e.name] = _gather(w.rows if e.time_axis else w.rows[:, 0], table, batch)
+            arrays[e.name] = _fill(partial[e.name], table, batch)
     _masks(keymap, windows, arrays)
     return BatchResult(
         episodes=[batch.episodes[p].hash for p in batch.ep.tolist()],
@@ -72,17 +117,23 @@ def _batch_shaped(batch: Batch, rows: np.ndarray) -> np.ndarray:
     return np.broadcast_to(batch.ep.reshape(-1, *([1] * (rows.ndim - 1))), rows.shape)
 
 
-def _gather(rows: np.ndarray, table: Table, batch: Batch) -> np.ndarray:
-    """One fancy-indexed copy: the output rows, from the key's chunks, padding by clamping."""
+def _fill(part: Partial, table: Table, batch: Batch) -> np.ndarray:
+    """The rows of fetched chunks, from the key's staging: one gather, padding by clamping."""
+    if part.pending is None or not part.pending.any():
+        return part.out
     if table.staging is None:
-        chunks: list[np.ndarray] = table.chunks  # type: ignore[assignment]
-        sizes = np.fromiter((len(ch) for ch in chunks), np.int64, len(chunks))
+        fetched: list[np.ndarray] = [ch for ch, sl in zip(table.chunks, table.slab.tolist())
+                                     if sl < 0 and isinstance(ch, np.ndarray)]
+        sizes = np.fromiter((len(ch) for ch in fetched), np.int64, len(fetched))
         table.starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-        table.staging = chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
-    eps = _batch_shaped(batch, rows)
+        table.staging = fetched[0] if len(fetched) == 1 else np.concatenate(fetched)
+    rows = part.rows[part.pending]
+    eps = _batch_shaped(batch, part.rows)[part.pending]
     c = table.chunk_rows[eps]
     pos = np.searchsorted(table.packed, eps * PACK + rows // c)
-    return table.staging[table.starts[pos] + rows % c]  # type: ignore[no-any-return]
+    nth = np.cumsum(table.slab < 0) - 1  # a fetched chunk's position in the staging
+    part.out[part.pending] = table.staging[table.starts[nth[pos]] + rows % c]
+    return part.out
 
 
 def _image_column(e: KeySpec, w: Window, table: Table, batch: Batch,

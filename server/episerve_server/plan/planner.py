@@ -9,6 +9,7 @@ assembled with one vectorized gather per output key over clamped row indices.
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,10 +32,12 @@ from episerve_server.core.result import BatchResult
 from episerve_server.core.spans import cutoff_ends
 from episerve_server.core.stats import Stats
 from episerve_server.core.windows import Window, window
-from episerve_server.plan.assemble import PACK, Batch, Table, assemble
+from episerve_server.plan.assemble import PACK, Batch, Table, assemble, gather_cached
 from episerve_server.storage.annotations import load_spans
 from episerve_server.storage.catalog import Catalog, Episode
 from episerve_server.storage.readers import ChunkReader, Raw, decode_chunk, episode_exists
+
+MAX_CHECKED_KEYMAPS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +53,9 @@ class Planner:
         self.offload_bytes = offload_bytes
         self._fetch_limit = fetch_limit
         self._sem: asyncio.Semaphore | None = None
+        # Per keymap: the episodes already checked against it (a keymap x episode check
+        # runs once, not on every batch). Bounded; an episode reopened is checked again.
+        self._checked: OrderedDict[Keymap, dict[str, Episode]] = OrderedDict()
 
     async def read(self, keymap: Keymap, samples: Sequence[tuple[str, int]],
                    options: ReadOptions = ReadOptions()) -> BatchResult:
@@ -63,9 +69,13 @@ class Planner:
         windows = self._windows(keymap, batch, spans, options)
         tables = {key: self._table(key, keymap, batch, windows) for key in sorted(keymap.zarr_keys)}
         budget = _Budget(options.max_response_bytes, out_bytes, len(samples))
+        self._lookup(tables, batch)
+        partial = gather_cached(keymap, batch, windows, tables, self.cache.slab_data)
         await self._load(tables, batch, budget)
+        # Only rows of fetched chunks are still to gather: a warm batch is assembled here.
+        pending = any(p.pending is not None for p in partial.values())
         result: BatchResult = await self._offload(
-            out_bytes, assemble, keymap, batch, windows, tables, spans
+            out_bytes if pending else 0, assemble, keymap, batch, windows, tables, spans, partial
         )
         if options.max_response_bytes and result.nbytes > options.max_response_bytes:
             raise _too_big(result.nbytes, options.max_response_bytes, len(samples))
@@ -79,13 +89,20 @@ class Planner:
     def _resolve(self, keymap: Keymap, samples: Sequence[tuple[str, int]]) -> Batch:
         position: dict[str, int] = {}
         episodes: list[Episode] = []
+        checked = self._checked.get(keymap)
+        if checked is None:
+            checked = self._checked[keymap] = {}
+            while len(self._checked) > MAX_CHECKED_KEYMAPS:
+                self._checked.popitem(last=False)
         ep = np.empty(len(samples), np.int64)
         frame = np.empty(len(samples), np.int64)
         for b, (episode_id, f) in enumerate(samples):
             pos = position.get(episode_id)
             if pos is None:
                 episode = self.catalog.lookup(episode_id)
-                _check_keys(keymap, episode)
+                if checked.get(episode_id) is not episode:
+                    _check_keys(keymap, episode)
+                    checked[episode_id] = episode
                 pos = position[episode_id] = len(episodes)
                 episodes.append(episode)
             e = episodes[pos]
@@ -151,17 +168,34 @@ class Planner:
                 f"but a window needs row {int(rows[k])} (total_frames={e.total_frames})",
                 episode=e.hash, key=key,
             )
-        packed = np.unique(eps * PACK + rows // chunk_rows[eps])
-        needed = np.unique(eps * PACK + rows)
+        packed = distinct(eps * PACK + rows // chunk_rows[eps])
+        needed = distinct(eps * PACK + rows)
         return Table(readers, chunk_rows, packed, [None] * len(packed), needed)
 
     # -- fetching ---------------------------------------------------------------------------
 
+    def _lookup(self, tables: dict[str, Table], batch: Batch) -> None:
+        """Find every numeric chunk of the batch in the cache: a few numpy calls per key."""
+        uids = None
+        for key, table in tables.items():
+            if table.reader_of[0].info.is_bytes:
+                continue
+            if uids is None:
+                uids = self.cache.uids([e.hash for e in batch.episodes])
+            ep_pos, chunk = np.divmod(table.packed, PACK)
+            table.slab, table.slot = self.cache.lookup(key, uids[ep_pos], chunk)
+            hits = int((table.slab >= 0).sum())
+            self.cache.count(hits, len(table.packed) - hits)
+
     async def _load(self, tables: dict[str, Table], batch: Batch, budget: _Budget) -> None:
         jobs: list[tuple[str, Table, int, int]] = []  # key, table, first pos, last pos
         for key, table in tables.items():
-            missing = []
             is_bytes = table.reader_of[0].info.is_bytes
+            if not is_bytes:
+                missing = np.flatnonzero(table.slab < 0).tolist()
+                jobs.extend((key, table, a, b) for a, b in _runs(missing, table.packed))
+                continue
+            missing = []
             for j, pk in enumerate(table.packed.tolist()):
                 ep_pos, chunk = divmod(pk, int(PACK))
                 hit = self.cache.get((batch.episodes[ep_pos].hash, key, chunk))
@@ -184,7 +218,13 @@ class Planner:
         for key, (table, j, _), chunk in zip(keys, work, decoded):
             table.chunks[j] = chunk
             ep_pos, chunk_id = divmod(int(table.packed[j]), int(PACK))
-            self.cache.put((batch.episodes[ep_pos].hash, key, chunk_id), chunk)
+            reader = table.reader_of[ep_pos]
+            if isinstance(chunk, np.ndarray):
+                n_chunks = -(-reader.info.rows // reader.info.chunk_rows)
+                self.cache.store(key, self.cache.uid(batch.episodes[ep_pos].hash), n_chunks,
+                                 chunk_id, chunk)
+            else:
+                self.cache.put((batch.episodes[ep_pos].hash, key, chunk_id), chunk)
 
     async def _fetch(self, table: Table, first: int, last: int,
                      budget: _Budget) -> list[Raw | Chunk]:
@@ -239,6 +279,18 @@ class Planner:
         if nbytes >= self.offload_bytes:
             return await asyncio.to_thread(fn, *args)
         return fn(*args)
+
+
+def distinct(values: np.ndarray) -> np.ndarray:
+    """The sorted distinct values: ``np.unique`` without its hash path, which numpy 2.4
+    takes for integers and which costs ~9x a sort on the few thousand keys of a batch."""
+    s = np.sort(values, kind="stable")
+    if s.size == 0:
+        return s
+    keep = np.empty(s.size, dtype=bool)
+    keep[0] = True
+    np.not_equal(s[1:], s[:-1], out=keep[1:])
+    return s[keep]
 
 
 class _Budget:
