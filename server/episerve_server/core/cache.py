@@ -208,34 +208,49 @@ class ChunkCache:
 
     def store(self, key: str, uid: int, n_chunks: int, chunk: int, data: np.ndarray) -> None:
         """Keep one decoded numeric chunk of (episode uid, key)."""
-        if not self.enabled:
-            return
-        sid = self._slab(tuple(data.shape))
-        if sid < 0:
+        self.store_many(key, [(uid, n_chunks, chunk, data)])
+
+    def store_many(self, key: str, chunks: Sequence[tuple[int, int, int, np.ndarray]]) -> None:
+        """Keep decoded numeric chunks of one key, each (uid, chunks of that episode's array,
+        chunk index, data); room for all of them is made in one eviction pass."""
+        if not self.enabled or not chunks:
             return
         table = self._table(key)
-        ok, old_start, new_start = table.ensure(uid, max(n_chunks, chunk + 1), sid)
-        if not ok:
-            return
-        slab = self._slabs[sid]
-        if old_start >= 0:  # the uid's entries moved: so do their slots' owner positions
-            region = table.flat[new_start: new_start + int(table.size[uid])]
-            held = np.flatnonzero(region >= 0)
-            slab.owner_pos[region[held]] = new_start + held
-        pos = int(table.base[uid]) + chunk
-        old = int(table.flat[pos])
-        if old >= 0:  # replacing: the old copy goes
-            self._release(sid, np.array([old], np.int64))
-        self._make_room(slab.slot_bytes, sid, 1)
-        if slab.free == 0:
-            return
-        s = int(slab.take(1)[0])
-        slab.data[s] = data
-        self._clock += 1
-        slab.stamp[s], slab.owner_table[s], slab.owner_pos[s] = self._clock, table.index, pos
-        table.flat[pos] = s
-        self._bytes += slab.slot_bytes
-        self._entries += 1
+        placed: list[tuple[int, int, np.ndarray]] = []  # slab, table position, data
+        for uid, n_chunks, chunk, data in chunks:
+            sid = self._slab(tuple(data.shape))
+            if sid < 0:
+                continue
+            ok, old_start, new_start = table.ensure(uid, max(n_chunks, chunk + 1), sid)
+            if not ok:
+                continue
+            slab = self._slabs[sid]
+            if old_start >= 0:  # the uid's entries moved: so do their slots' owner positions
+                region = table.flat[new_start: new_start + int(table.size[uid])]
+                held = np.flatnonzero(region >= 0)
+                slab.owner_pos[region[held]] = new_start + held
+            pos = int(table.base[uid]) + chunk
+            old = int(table.flat[pos])
+            if old >= 0:  # replacing: the old copy goes
+                self._release(sid, np.array([old], np.int64))
+            placed.append((sid, pos, data))
+        for sid in sorted({p[0] for p in placed}):
+            mine = [(pos, data) for s, pos, data in placed if s == sid]
+            slab = self._slabs[sid]
+            mine = mine[-slab.capacity:]  # more than the slab can hold: keep the last
+            self._make_room(slab.slot_bytes * len(mine), sid, len(mine))
+            mine = mine[len(mine) - min(len(mine), slab.free):]
+            slots = slab.take(len(mine))
+            if not len(mine):
+                continue
+            slab.data[slots] = np.stack([d for _, d in mine])
+            positions = np.array([pos for pos, _ in mine], np.int64)
+            self._clock += 1
+            slab.stamp[slots], slab.owner_table[slots] = self._clock, table.index
+            slab.owner_pos[slots] = positions
+            table.flat[positions] = slots
+            self._bytes += slab.slot_bytes * len(mine)
+            self._entries += len(mine)
         self._sync_gauges()
 
     # -- frame bytes and the scalar API -------------------------------------------------------

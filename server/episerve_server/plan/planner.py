@@ -215,16 +215,19 @@ class Planner:
         keys = [key for (key, _, a, _), raws in zip(jobs, fetched) for _ in raws]
         nbytes = sum(len(r) for _, _, r in work if isinstance(r, bytes))
         decoded = await self._offload(nbytes, _decode_all, work)
+        numeric: dict[str, list[tuple[int, int, int, np.ndarray]]] = {}
         for key, (table, j, _), chunk in zip(keys, work, decoded):
             table.chunks[j] = chunk
             ep_pos, chunk_id = divmod(int(table.packed[j]), int(PACK))
-            reader = table.reader_of[ep_pos]
+            info = table.reader_of[ep_pos].info
             if isinstance(chunk, np.ndarray):
-                n_chunks = -(-reader.info.rows // reader.info.chunk_rows)
-                self.cache.store(key, self.cache.uid(batch.episodes[ep_pos].hash), n_chunks,
-                                 chunk_id, chunk)
+                uid = self.cache.uid(batch.episodes[ep_pos].hash)
+                numeric.setdefault(key, []).append(
+                    (uid, -(-info.rows // info.chunk_rows), chunk_id, chunk))
             else:
                 self.cache.put((batch.episodes[ep_pos].hash, key, chunk_id), chunk)
+        for key, stored in numeric.items():
+            self.cache.store_many(key, stored)
 
     async def _fetch(self, table: Table, first: int, last: int,
                      budget: _Budget) -> list[Raw | Chunk]:
