@@ -14,7 +14,7 @@ from episerve_client._probe import check_keys, probe
 from episerve_client.client import Client
 from episerve_client.convert import EpisodeInfo, ReadResult
 from episerve_client.data.batch import SampleBatch
-from episerve_client.data.jpeg import FrameSizeMismatch, decode_column
+from episerve_client.data.jpeg import FrameCheck, FrameSizeMismatch, declared_size, decode_column
 from episerve_client.errors import (
     BrokenEpisodeError,
     DataLossError,
@@ -54,6 +54,7 @@ class WindowDataset(Dataset[dict[str, Any]]):
         listing = probe(target, self.keymap, timeout_s=connect_timeout_s,
                         client_options=self.client_options)
         self.episodes = _select(listing.episodes, listing.broken, episodes)
+        self._features = {e.hash: e.features for e in self.episodes}
         check_keys(self.keymap, listing, [e.hash for e in self.episodes])
         self.camera_keys = {
             name for name, spec in self.keymap.items() if spec.get("key_type") == "camera_keys"
@@ -102,7 +103,12 @@ class WindowDataset(Dataset[dict[str, Any]]):
         return self.episodes[e].hash, g - int(self._starts[e])
 
     def read_batch(self, samples: Sequence[tuple[str, int]]) -> SampleBatch:
-        """One RPC for the batch; samples with an undecodable frame are retried (SPEC)."""
+        """One RPC for the batch; samples with an undecodable frame are retried (SPEC).
+
+        A frame whose JPEG header disagrees with its episode's declared ``features`` shape
+        raises ``DeclaredSizeMismatch`` (a ``DataLossError``) at once, without decoding it
+        and without a retry: every frame of such a dataset is the wrong size.
+        """
         batch, failed = self._materialize(self.client.read(
             self.keymap, samples, annotation_cutoff=self.annotation_cutoff))
         for b in sorted(failed):
@@ -135,8 +141,10 @@ class WindowDataset(Dataset[dict[str, Any]]):
                 objects[name] = [frames[int(k)] if np.ndim(k) == 0 else [frames[int(j)]
                                  for j in k] for k in index]
                 continue
+            check = FrameCheck(source, result.episodes, result.frame_index.tolist(), {
+                e: declared_size(self._features.get(e, {}), source) for e in set(result.episodes)})
             try:
-                decoded, bad = decode_column(frames, index)
+                decoded, bad = decode_column(frames, index, check)
             except FrameSizeMismatch as exc:
                 episode = result.episodes[exc.position]
                 raise InvalidArgument(

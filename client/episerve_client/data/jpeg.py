@@ -1,11 +1,27 @@
-"""JPEG frames to CHW float32 in [0, 1], decoding each distinct frame once."""
+"""JPEG frames to CHW float32 in [0, 1], decoding each distinct frame once.
+
+Every frame's header is read before the frame is decoded: its size must be the one the
+episode's ``features`` declare for the camera key (``[H, W, 3]``), so a dataset whose frames
+are far larger than declared costs a header parse, never the decoded frame.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import simplejpeg
 
+from episerve_proto.errors import DataLossError
+
 _SCALE = np.float32(1.0 / 255.0)
+#: The most pixels a frame may have when its episode declares no size for the key (8K UHD
+#: fits), and the most a declared size may ask for.
+MAX_FRAME_PIXELS = 2**25
+
+Size = tuple[int, int]  # (height, width)
 
 
 class FrameDecodeError(ValueError):
@@ -19,6 +35,71 @@ class FrameSizeMismatch(ValueError):
         super().__init__(f"frame of sample {position} is {got[0]}x{got[1]}, the batch's "
                          f"others are {expected[0]}x{expected[1]}")
         self.position, self.got, self.expected = position, got, expected
+
+
+class DeclaredSizeMismatch(DataLossError):
+    """A frame's JPEG header gives another size than the episode's ``features`` declare.
+
+    The dataset is wrong, not one frame: the frame is not decoded, and the sample is not
+    retried at another frame. Built by :meth:`of`; the constructor is the shared table's, so
+    the error pickles (DataLoader workers) like every other.
+    """
+
+    @classmethod
+    def of(cls, episode: str, key: str, frame: int, got: Size,
+           declared: Size | None) -> DeclaredSizeMismatch:
+        if declared is None:
+            expected = (f"declare no shape for it, and an undeclared frame may have at most "
+                        f"{MAX_FRAME_PIXELS} pixels")
+        elif got == declared:
+            expected = (f"declare that size, which is over the {MAX_FRAME_PIXELS} pixels a "
+                        "frame may have")
+        else:
+            expected = f"declare shape {[declared[0], declared[1], 3]!r}"
+        return cls(
+            f"episode {episode!r} key {key!r}: a frame of the sample at frame {frame} is a "
+            f"{got[0]}x{got[1]} (HxW) JPEG, but the episode's features {expected}; the frame "
+            "was not decoded (fix the dataset's frames or its features attribute)",
+            episode=episode, key=key,
+        )
+
+
+def declared_size(features: Mapping[str, Any], key: str) -> Size | None:
+    """``(H, W)`` of a ``{dtype: jpeg, shape: [H, W, 3]}`` feature; None when not declared."""
+    spec = features.get(key)
+    shape = spec.get("shape") if isinstance(spec, Mapping) else None
+    if not isinstance(shape, list | tuple) or len(shape) != 3:
+        return None
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in shape):
+        return None
+    return int(shape[0]), int(shape[1])
+
+
+@dataclass(frozen=True, slots=True)
+class FrameCheck:
+    """What the frames of one camera key must be: per sample, its episode and frame index,
+    and per episode the size its features declare (None: undeclared)."""
+
+    key: str
+    episodes: Sequence[str]
+    frame_index: Sequence[int]
+    declared: Mapping[str, Size | None]
+
+    def check(self, position: int, got: Size) -> None:
+        episode = self.episodes[position]
+        want = self.declared.get(episode)
+        if (want is not None and got != want) or got[0] * got[1] > MAX_FRAME_PIXELS:
+            raise DeclaredSizeMismatch.of(episode, self.key, int(self.frame_index[position]),
+                                          got, want)
+
+
+def header_size(data: bytes) -> Size | None:
+    """``(H, W)`` from a JPEG header, without decoding; None when the header does not parse."""
+    try:
+        height, width, _, _ = simplejpeg.decode_jpeg_header(data)
+    except (ValueError, RuntimeError, TypeError):
+        return None
+    return int(height), int(width)
 
 
 def decode_rgb(data: bytes) -> np.ndarray:
@@ -36,19 +117,38 @@ def to_chw(img: np.ndarray, out: np.ndarray) -> None:
     np.multiply(img.transpose(2, 0, 1), _SCALE, out=out, dtype=np.float32)
 
 
-def decode_column(frames: list[bytes], index: np.ndarray) -> tuple[np.ndarray | None, set[int]]:
+def _checked_decode(data: bytes, position: int, check: FrameCheck | None) -> np.ndarray | None:
+    """The frame, or None when it does not decode; its header is checked first."""
+    size = header_size(data)
+    if size is None:
+        return None  # undecodable: the sample is retried at another frame
+    if check is not None:
+        check.check(position, size)
+    elif size[0] * size[1] > MAX_FRAME_PIXELS:
+        return None  # never decoded; with no episode to name, it counts as undecodable
+    try:
+        img = decode_rgb(data)
+    except FrameDecodeError:
+        return None
+    return img if img.shape[:2] == size else None
+
+
+def decode_column(frames: list[bytes], index: np.ndarray,
+                  check: FrameCheck | None = None) -> tuple[np.ndarray | None, set[int]]:
     """Frames ``index`` (shape [B] or [B, K]) as [B, (K,) 3, H, W] float32.
 
     Returns the array (None if nothing decoded) and the sample positions whose frames
-    failed to decode. Frames that decode to a different size raise ``FrameSizeMismatch``.
+    failed to decode. Each frame's header is checked against ``check`` before the frame is
+    decoded (``DeclaredSizeMismatch``); without one, a frame over ``MAX_FRAME_PIXELS`` counts
+    as undecodable. Frames
+    that decode to different sizes within the batch raise ``FrameSizeMismatch``.
     """
     flat = index.reshape(len(index), -1)
     decoded: dict[int, np.ndarray | None] = {}
-    for k in np.unique(flat).tolist():
-        try:
-            decoded[k] = decode_rgb(frames[k])
-        except FrameDecodeError:
-            decoded[k] = None
+    for b, row in enumerate(flat.tolist()):
+        for k in row:
+            if k not in decoded:
+                decoded[k] = _checked_decode(frames[k], b, check)
     shapes = [d.shape for d in decoded.values() if d is not None]
     if not shapes:
         return None, set(range(len(index)))
