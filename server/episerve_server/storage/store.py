@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import posixpath
-from collections.abc import AsyncIterator, Awaitable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
 from zarr.abc.store import ByteRequest, Store
@@ -77,11 +77,11 @@ class CountingStore(WrapperStore[Store]):
         else:
             self.stats.store_reads += 1
 
-    async def _timed(self, call: str, key: str, work: Awaitable[T]) -> T:
+    async def _timed(self, call: str, key: str, work: Callable[[], Awaitable[T]]) -> T:
         async def run() -> T:
             if self.latency_s:
                 await asyncio.sleep(self.latency_s)
-            return await work
+            return await work()
 
         if not self.timeout_s or self.timeout_s <= 0:
             return await run()
@@ -97,10 +97,12 @@ class CountingStore(WrapperStore[Store]):
     async def _get(self, call: str, key: str, prototype: BufferPrototype,
                    byte_range: ByteRequest | None, max_bytes: int | None) -> Buffer | None:
         inner = self._store
-        if isinstance(inner, ConfinedLocalStore):
-            work = inner.get(key, prototype, byte_range, max_bytes=max_bytes)
-        else:
-            work = inner.get(key, prototype, byte_range)
+
+        def work() -> Awaitable[Buffer | None]:
+            if isinstance(inner, ConfinedLocalStore):
+                return inner.get(key, prototype, byte_range, max_bytes=max_bytes)
+            return inner.get(key, prototype, byte_range)
+
         buf = await self._timed(call, key, work)
         if buf is not None:
             cap = max_bytes
@@ -128,13 +130,13 @@ class CountingStore(WrapperStore[Store]):
 
     async def exists(self, key: str) -> bool:
         self.stats.metadata_requests += 1
-        return await self._timed("exists", key, self._store.exists(key))
+        return await self._timed("exists", key, lambda: self._store.exists(key))
 
     async def list_dir(self, prefix: str) -> AsyncIterator[str]:
         async def collect() -> list[str]:
             return [entry async for entry in self._store.list_dir(prefix)]
 
-        for entry in await self._timed("list_dir", prefix, collect()):
+        for entry in await self._timed("list_dir", prefix, collect):
             yield entry
 
     async def get_partial_values(
