@@ -141,6 +141,7 @@ class ChunkCache:
         self._slabs: list[_Slab] = []
         self._slab_of: dict[tuple[int, ...], int] = {}
         self._frames: OrderedDict[ChunkKey, tuple[list[bytes], int, int]] = OrderedDict()
+        self._frames_of: dict[str, set[ChunkKey]] = {}  # per episode, so a drop is cheap
 
     @property
     def enabled(self) -> bool:
@@ -276,24 +277,35 @@ class ChunkCache:
         return None
 
     def put(self, key: ChunkKey, chunk: Chunk) -> None:
+        if isinstance(chunk, np.ndarray):
+            if self.enabled and chunk_nbytes(chunk) <= self.budget_bytes:
+                episode, name, index = key
+                self.store(name, self.uid(episode), index + 1, index, chunk)
+            return
+        self.put_frames([(key, chunk)])
+
+    def put_frames(self, items: Sequence[tuple[ChunkKey, list[bytes]]]) -> None:
+        """Keep chunks of frame bytes; room for all of them is made in one eviction pass."""
         if not self.enabled:
             return
-        size = chunk_nbytes(chunk)
-        if size > self.budget_bytes:
+        fits = [(k, c, chunk_nbytes(c)) for k, c in items]
+        fits = [(k, c, n) for k, c, n in fits if n <= self.budget_bytes]
+        for key, _, _ in fits:
+            old = self._frames.pop(key, None)
+            if old is not None:
+                self._bytes -= old[1]
+                self._entries -= 1
+        while sum(n for _, _, n in fits) > self.budget_bytes:
+            fits.pop(0)  # more than the whole budget: keep the last ones
+        if not fits:
             return
-        episode, name, index = key
-        if isinstance(chunk, np.ndarray):
-            self.store(name, self.uid(episode), index + 1, index, chunk)
-            return
-        old = self._frames.pop(key, None)
-        if old is not None:
-            self._bytes -= old[1]
-            self._entries -= 1
-        self._make_room(size)
+        self._make_room(sum(n for _, _, n in fits))
         self._clock += 1
-        self._frames[key] = (list(chunk), size, self._clock)
-        self._bytes += size
-        self._entries += 1
+        for key, chunk, size in fits:
+            self._frames[key] = (list(chunk), size, self._clock)
+            self._frames_of.setdefault(key[0], set()).add(key)
+            self._bytes += size
+            self._entries += 1
         self._sync_gauges()
 
     # -- eviction -----------------------------------------------------------------------------
@@ -332,7 +344,8 @@ class ChunkCache:
             chosen = order[:n]
             frames_out = int((all_kinds[chosen] == -1).sum())
             for _ in range(frames_out):
-                _, (_, size, _) = self._frames.popitem(last=False)
+                gone, (_, size, _) = self._frames.popitem(last=False)
+                self._frames_of.get(gone[0], set()).discard(gone)
                 self._bytes -= size
                 self._entries -= 1
             for i, (sid, pick) in enumerate(owners):
@@ -364,8 +377,11 @@ class ChunkCache:
 
     def drop_episode(self, episode: str) -> None:
         """Forget one episode's chunks; costs what that episode holds, not the cache."""
-        for key in [k for k in self._frames if k[0] == episode]:
-            self._bytes -= self._frames.pop(key)[1]
+        for key in self._frames_of.pop(episode, set()):
+            entry = self._frames.pop(key, None)
+            if entry is None:
+                continue
+            self._bytes -= entry[1]
             self._entries -= 1
         uid = self._uids.pop(episode, None)
         if uid is not None:

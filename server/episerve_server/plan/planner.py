@@ -216,6 +216,7 @@ class Planner:
         nbytes = sum(len(r) for _, _, r in work if isinstance(r, bytes))
         decoded = await self._offload(nbytes, _decode_all, work)
         numeric: dict[str, list[tuple[int, int, int, np.ndarray]]] = {}
+        frames: list[tuple[tuple[str, str, int], list[bytes]]] = []
         for key, (table, j, _), chunk in zip(keys, work, decoded):
             table.chunks[j] = chunk
             ep_pos, chunk_id = divmod(int(table.packed[j]), int(PACK))
@@ -225,9 +226,10 @@ class Planner:
                 numeric.setdefault(key, []).append(
                     (uid, -(-info.rows // info.chunk_rows), chunk_id, chunk))
             else:
-                self.cache.put((batch.episodes[ep_pos].hash, key, chunk_id), chunk)
+                frames.append(((batch.episodes[ep_pos].hash, key, chunk_id), chunk))
         for key, stored in numeric.items():
             self.cache.store_many(key, stored)
+        self.cache.put_frames(frames)
 
     async def _fetch(self, table: Table, first: int, last: int,
                      budget: _Budget) -> list[Raw | Chunk]:
