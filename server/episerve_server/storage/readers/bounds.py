@@ -102,6 +102,8 @@ def decode_zstd(data: bytes, limit: int, exact: bool) -> bytes:
     size = zstd_content_size(data, limit)
     if exact and size != limit:
         raise BoundError(f"zstd data declares {size} bytes, expected exactly {limit}")
+    if size == 0:  # numcodecs cannot decode an empty frame
+        return b""
     out = bytes(numcodecs.Zstd().decode(data))
     if len(out) != size:
         raise BoundError(f"zstd data decoded to {len(out)} bytes, declared {size}")
@@ -117,6 +119,8 @@ def decode_blosc(data: bytes, limit: int, exact: bool) -> bytes:
     if nbytes > limit or (exact and nbytes != limit):
         want = f"exactly {limit}" if exact else f"at most {limit}"
         raise BoundError(f"blosc header declares {nbytes} bytes, expected {want}")
+    if nbytes == 0:  # numcodecs cannot decode an empty buffer
+        return b""
     return bytes(numcodecs.Blosc().decode(data))
 
 
