@@ -144,7 +144,7 @@ class ServerConfig:
 
     def _validate_sizes(self) -> None:
         for f in fields(self):
-            if not f.name.endswith("_bytes"):
+            if not _is_size(f.name):
                 continue
             value, least = getattr(self, f.name), 0 if f.name == "cache_bytes" else 1
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
@@ -162,6 +162,11 @@ class ServerConfig:
                              f"least one keymap of max_keymap_bytes ({self.max_keymap_bytes})")
 
 
+def _is_size(name: str) -> bool:
+    """Sizes say their unit: ``cache_bytes``, ``max_buffered_bytes_per_peer``."""
+    return name.endswith("_bytes") or "_bytes_per_" in name
+
+
 def _refuse_empty(name: str, where: str, raw: Any) -> None:
     items = raw if isinstance(raw, list) else [raw]
     if name == "allow" and isinstance(raw, str):
@@ -176,7 +181,7 @@ def _refuse_empty(name: str, where: str, raw: Any) -> None:
 
 def _convert(name: str, default: Any, raw: Any) -> Any:
     try:
-        if name.endswith("_bytes"):
+        if _is_size(name):
             return parse_bytes(raw)
         if isinstance(default, tuple):
             items = raw if isinstance(raw, list) else str(raw).split(",")

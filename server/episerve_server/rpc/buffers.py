@@ -6,6 +6,12 @@ window, would make the daemon hold every response it asked for. So each response
 counted from the handler's return until its RPC is done (``context.add_done_callback``),
 per peer (``context.peer()``: one TCP connection) and in total, and a Read that arrives
 while either is over its limit is refused as ``Overloaded`` (transient: clients back off).
+Reads that arrive together all pass that check, so a finished response is checked again
+before it is handed over: one that would take its peer (or the total) over the limit is
+refused too, unless nothing is held yet (so a response larger than a limit is still served
+alone). A peer thus never holds more than ``max(limit, one response)``. While a peer holds
+bytes, the size of its latest response is kept, and a new Read from it that would likely
+not fit beside what it holds is refused on arrival, before any work is done for it.
 
 All unix-socket clients report the same peer (``unix:``, no per-connection address), so
 for them only the total limit applies.
@@ -26,6 +32,7 @@ class ResponseBuffers:
         self.max_bytes, self.max_per_peer = max_bytes, max_per_peer
         self.total = 0
         self.by_peer: dict[str, int] = {}
+        self._latest: dict[str, int] = {}  # a holding peer's latest response size
 
     def check(self, peer: str) -> None:
         """Refuse a new Read while the total, or this peer's share, is over its limit."""
@@ -35,16 +42,38 @@ class ResponseBuffers:
                 f"slow clients, over the limit of {self.max_bytes} (--max-buffered-bytes); "
                 "back off and retry")
         held = self.by_peer.get(peer, 0)
-        if peer not in SHARED_PEERS and held >= self.max_per_peer:
+        if peer in SHARED_PEERS or not held:
+            return
+        if held + self._latest.get(peer, 0) > self.max_per_peer:
             raise Overloaded(
                 f"{held} bytes of responses to this connection ({shown(peer)}) are still "
-                f"waiting to be sent, over the limit of {self.max_per_peer} "
+                f"waiting to be sent; another response like its latest "
+                f"({self._latest.get(peer, 0)} bytes) would pass the limit of "
+                f"{self.max_per_peer} (--max-buffered-bytes-per-peer): read the earlier "
+                "responses, then retry")
+
+    def admit(self, peer: str, nbytes: int) -> None:
+        """Refuse a finished response that would take the total or ``peer`` over a limit."""
+        if self.total and self.total + nbytes > self.max_bytes:
+            raise Overloaded(
+                f"a response of {nbytes} bytes would make {self.total + nbytes} bytes wait "
+                f"for slow clients, over the limit of {self.max_bytes} (--max-buffered-bytes); "
+                "back off and retry")
+        held = self.by_peer.get(peer, 0)
+        if peer not in SHARED_PEERS and held:
+            self._latest[peer] = nbytes
+        if peer not in SHARED_PEERS and held and held + nbytes > self.max_per_peer:
+            raise Overloaded(
+                f"a response of {nbytes} bytes would make this connection ({shown(peer)}) "
+                f"hold {held + nbytes} unsent bytes, over the limit of {self.max_per_peer} "
                 "(--max-buffered-bytes-per-peer): read the earlier responses, then retry")
 
     def hold(self, peer: str, nbytes: int) -> Callable[[object], None]:
         """Count ``nbytes`` for ``peer``; returns the callback that releases them (once)."""
         self.total += nbytes
         self.by_peer[peer] = self.by_peer.get(peer, 0) + nbytes
+        if peer not in SHARED_PEERS:
+            self._latest[peer] = nbytes
         released = False
 
         def release(_context: object = None) -> None:
@@ -58,5 +87,6 @@ class ResponseBuffers:
                 self.by_peer[peer] = left
             else:
                 del self.by_peer[peer]
+                self._latest.pop(peer, None)
 
         return release

@@ -214,6 +214,7 @@ class EpiserveService:
             self.inflight -= 1
         self.stats.read_ns += time.perf_counter_ns() - start
         # gRPC holds the response until the client's window lets it out: count it till then.
+        self.buffers.admit(peer, len(data))
         context.add_done_callback(self.buffers.hold(peer, len(data)))
         return data
 
