@@ -18,7 +18,6 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +70,7 @@ class HealthProbe:
     """Checks health every 10 ms on its own channel, in a thread; keeps the latencies."""
 
     def __init__(self, target: str) -> None:
-        self.target, self.ms = target, []  # type: ignore[var-annotated]
+        self.target, self.ms = target, list[float]()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -284,7 +283,7 @@ class StalledClient:
 def _stalled_client_class() -> Any:
     """The shared raw client of tests/support when it exists, else the one above."""
     try:
-        from tests.support import h2raw  # type: ignore[attr-defined]
+        from tests.support import h2raw
     except ImportError:
         return StalledClient
     return getattr(h2raw, "StalledClient", StalledClient)
@@ -296,10 +295,11 @@ PER_READ = 64 * 4 * 200 * (63 + 1) * 4  # 64 samples, 4 outputs, their masks: ~1
 
 
 @pytest.fixture
-def slow_daemon(ramp_roots: dict[str, Path], start_daemon: Any) -> Iterator[DaemonProcess]:
-    yield start_daemon(ramp_roots["sharded"], "--max-buffered-bytes-per-peer", "32MiB",
-                       "--max-buffered-bytes", "128MiB", "--max-connection-age-s", "4",
-                       "--grace-s", "1", "--log-level", "ERROR")
+def slow_daemon(ramp_roots: dict[str, Path], start_daemon: Any) -> DaemonProcess:
+    d: DaemonProcess = start_daemon(
+        ramp_roots["sharded"], "--max-buffered-bytes-per-peer", "32MiB", "--max-buffered-bytes",
+        "128MiB", "--max-connection-age-s", "4", "--grace-s", "1", "--log-level", "ERROR")
+    return d
 
 
 def test_a_client_that_never_reads_holds_little_and_not_for_long(
