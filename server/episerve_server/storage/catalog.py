@@ -260,6 +260,9 @@ def _add_array(episode: Episode, store: CountingStore, key: str, array: AsyncArr
     try:
         reader = build_reader(episode.hash, key, array, store, f"{episode.hash}{SUFFIX}/{key}",
                               count_read, max_item_bytes=max_item_bytes)
+    except ValueError as exc:  # a check of build_reader: the message says it all
+        episode.problems[key] = f"array {key!r} cannot be read: {_said(exc)}"
+        return
     except Exception as exc:
         episode.problems[key] = (
             f"array {key!r} cannot be read ({type(exc).__name__}: {_said(exc)})"

@@ -41,7 +41,7 @@ def build_reader(episode: str, name: str, array: AsyncArray[Any], store: Countin
     is_bytes = array.dtype == np.dtype(object)
     shape = tuple(int(n) for n in meta.shape)
     chunks = tuple(int(n) for n in array.chunks)  # the inner chunks, for sharded arrays
-    _check(name, shape, chunks, array.dtype, is_bytes)
+    _check(shape, chunks, array.dtype, is_bytes)
     info = ArrayInfo(episode, name, shape[0], chunks[0], shape[1:], is_bytes,
                      array.dtype.itemsize, max_item_bytes)
     if isinstance(meta, ArrayV3Metadata) and isinstance(meta.codecs[0], ShardingCodec) \
@@ -53,10 +53,10 @@ def build_reader(episode: str, name: str, array: AsyncArray[Any], store: Countin
     return KeyedReader(info, decoder, store, _key_fn(meta, prefix, len(shape)))
 
 
-def _check(name: str, shape: tuple[int, ...], chunks: tuple[int, ...], dtype: np.dtype[Any],
+def _check(shape: tuple[int, ...], chunks: tuple[int, ...], dtype: np.dtype[Any],
            is_bytes: bool) -> None:
     def bad(what: str) -> ValueError:
-        return ValueError(f"array {name!r}: {what}")
+        return ValueError(what)
 
     if not shape:
         raise bad("a 0-d array has no rows")
@@ -106,7 +106,7 @@ def _sharded(info: ArrayInfo, array: AsyncArray[Any], meta: ArrayV3Metadata,
     inner = tuple(sharding.chunk_shape)
     inner_chunks = math.prod(-(-s // c) for s, c in zip(shard_shape, inner))
     if inner_chunks > MAX_CHUNKS_PER_SHARD:
-        raise ValueError(f"array {info.name!r}: shard shape {shard_shape!r} holds "
+        raise ValueError(f"shard shape {shard_shape!r} holds "
                          f"{inner_chunks} inner chunks of {inner!r}, more than "
                          f"{MAX_CHUNKS_PER_SHARD}")
     shard_bytes = inner_chunks * (info.raw_bound + 16) + 4
