@@ -278,3 +278,44 @@ def test_episodes_whose_open_timed_out_are_opened_by_the_next_scan(tmp_path: Pat
     assert catalog.broken == {}
     assert [e.hash for e in catalog.healthy()] == ["ep", "other"]
     assert run(catalog.scan()) == ([], [])
+
+
+# -- the same against a real daemon -------------------------------------------------------
+
+
+def _hwm(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise KeyError("VmHWM")
+
+
+@pytest.mark.timeout(120)
+def test_a_real_daemon_refuses_a_hostile_root_and_keeps_serving(tmp_path: Path) -> None:
+    from episerve_client import Client, errors
+    from episerve_tools.launch import DaemonProcess
+
+    root, outside = _roots(tmp_path)
+    for h, no in (("linked", 3), ("fifo", 4), ("bomb", 5)):
+        ramp.write_ramp_episode(root, h, episode_no=no, total_frames=257, layout="unsharded")
+    target = crafted.chunk_file(outside, "secret", KP, 1)
+    _replace(crafted.chunk_file(root, "linked", KP, 1), lambda p: p.symlink_to(target))
+    _replace(crafted.chunk_file(root, "fifo", KP, 1), _fifo)
+    crafted.chunk_file(root, "bomb", KP, 1).write_bytes(crafted.zstd_bomb(256 << 20))
+    (root / "evil.zarr").symlink_to(outside / "secret.zarr")
+    secret = ramp.ramp_row(2, KP, 150)
+    with DaemonProcess(root, "--rescan-s", "0", "--cache-bytes", "0", "--log-level", "ERROR",
+                       unix=tmp_path / "d.sock") as d, Client(d.target, timeout_s=30) as c:
+        listing = c.list_episodes()
+        assert "evil" in listing.broken and "OutsideRoot" in listing.broken["evil"]
+        before = _hwm(d.pid)
+        for h in ("linked", "fifo", "bomb"):
+            for _ in range(3):
+                with pytest.raises(errors.DataLossError) as info:
+                    c.read(KEYPOINTS, [("other", 3), (h, 150)])
+                assert (info.value.episode, info.value.key) == (h, KP)
+        assert _hwm(d.pid) - before < 64 << 20  # a 256 MiB bomb never inflated
+        result = c.read(CHUNKED, [("linked", 60), ("other", 100), ("ep", 150)])
+        assert not np.isin(secret, result.arrays["a"]).any()
+        assert np.array_equal(result.arrays["a"][2][0], ramp.ramp_row(0, KP, 150))
+        assert c.stats()["episodes_open"] >= 5
