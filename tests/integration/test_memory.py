@@ -13,9 +13,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import socket
-import struct
 import threading
 import time
 from pathlib import Path
@@ -31,7 +29,8 @@ from episerve_client import Client, convert, errors
 from episerve_proto.contract import SERVICE_PATH
 from episerve_tools.launch import DaemonProcess
 from episerve_tools.synth.writer import write_episode
-from tests.support import ramp
+from tests.support import h2raw, ramp
+from tests.support.h2raw import RawH2Client
 
 MiB = 2**20
 BIG_KEY, BAD_KEY = "big", "zbad"  # keys are decoded in sorted order: the corrupt one last
@@ -188,105 +187,34 @@ def test_responses_refused_after_loading_frames_leave_nothing_behind(
 
 # -- a client that never opens its receive window ---------------------------------------------
 
-PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-DATA, HEADERS, RST_STREAM, SETTINGS, PING, GOAWAY = 0, 1, 3, 4, 6, 7
-END_STREAM, END_HEADERS, ACK = 0x1, 0x4, 0x1
-SETTINGS_ENABLE_PUSH, SETTINGS_INITIAL_WINDOW_SIZE = 2, 4
 
+class Stalled:
+    """``tests.support.h2raw``'s raw HTTP/2 client with a receive window of 0 that it never
+    opens (it answers SETTINGS and PING, so it looks alive), seen per stream."""
 
-def _frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
-    return (len(payload).to_bytes(3, "big") + bytes([kind, flags])
-            + stream.to_bytes(4, "big") + payload)
-
-
-def _hpack_int(n: int) -> bytes:
-    """An HPACK integer with a 7-bit prefix (string lengths, no Huffman coding)."""
-    if n < 127:
-        return bytes([n])
-    out, n = bytearray([127]), n - 127
-    while n >= 128:
-        out.append(n % 128 + 128)
-        n //= 128
-    out.append(n)
-    return bytes(out)
-
-
-def _hpack(headers: list[tuple[str, str]]) -> bytes:
-    """Literal header fields without indexing, new names: no dynamic table to keep."""
-    return b"".join(b"\x00" + _hpack_int(len(k)) + k.encode() + _hpack_int(len(v)) + v.encode()
-                    for k, v in headers)
-
-
-class StalledClient:
-    """A raw HTTP/2 connection that announces a receive window of 0 and never sends a
-    WINDOW_UPDATE, so no response DATA can ever reach it. It acknowledges SETTINGS and
-    PING (it looks alive to keepalive) and notes which streams the server ended."""
-
-    def __init__(self, address: tuple[str, int]) -> None:
-        self.sock = socket.create_connection(address)
-        settings = struct.pack(">HIHI", SETTINGS_INITIAL_WINDOW_SIZE, 0, SETTINGS_ENABLE_PUSH, 0)
-        self.sock.sendall(PREFACE + _frame(SETTINGS, 0, 0, settings))
-        self.ended: set[int] = set()
-        self.data_bytes = 0
-        self.goaway = threading.Event()
-        self.closed = threading.Event()
-        self._next, self._lock = 1, threading.Lock()
-        threading.Thread(target=self._read, daemon=True).start()
+    def __init__(self, target: str) -> None:
+        self.raw = RawH2Client(target, initial_window=0)
 
     def call(self, method: str, message: bytes) -> int:
-        stream, self._next = self._next, self._next + 2
-        block = _hpack([(":method", "POST"), (":scheme", "http"),
-                        (":path", SERVICE_PATH + method), (":authority", "localhost"),
-                        ("content-type", "application/grpc"), ("te", "trailers")])
-        body = b"\x00" + len(message).to_bytes(4, "big") + message
-        with self._lock:
-            self.sock.sendall(_frame(HEADERS, END_HEADERS, stream, block)
-                              + _frame(DATA, END_STREAM, stream, body))
-        return stream
+        return self.raw.send_grpc(SERVICE_PATH + method, message)
 
-    def _exactly(self, n: int) -> bytes:
-        buf = b""
-        while len(buf) < n:
-            part = self.sock.recv(n - len(buf))
-            if not part:
-                raise ConnectionError("closed by the server")
-            buf += part
-        return buf
+    @property
+    def ended(self) -> list[int]:
+        return [sid for sid, s in list(self.raw.streams.items()) if s.ended]
 
-    def _read(self) -> None:
-        try:
-            while True:
-                head = self._exactly(9)
-                length, kind, flags = int.from_bytes(head[:3], "big"), head[3], head[4]
-                stream = int.from_bytes(head[5:], "big") & 0x7FFFFFFF
-                payload = self._exactly(length) if length else b""
-                if kind in (SETTINGS, PING) and not flags & ACK:
-                    with self._lock:
-                        self.sock.sendall(_frame(kind, ACK, 0, payload if kind == PING else b""))
-                elif kind == GOAWAY:
-                    self.goaway.set()
-                elif kind == DATA:
-                    self.data_bytes += length
-                if kind == RST_STREAM or (kind in (HEADERS, DATA) and flags & END_STREAM):
-                    self.ended.add(stream)
-        except OSError:
-            pass
-        finally:
-            self.closed.set()
+    @property
+    def data_bytes(self) -> int:
+        return sum(s.data_bytes for s in list(self.raw.streams.values()))
+
+    def errors(self) -> list[str | None]:
+        return [s.field("episerve-error") for s in list(self.raw.streams.values()) if s.ended]
+
+    @property
+    def closed(self) -> threading.Event:
+        return self.raw.closed
 
     def close(self) -> None:
-        with contextlib.suppress(OSError):  # shutdown first: it wakes the reader thread
-            self.sock.shutdown(socket.SHUT_RDWR)
-        self.sock.close()
-
-
-def _stalled_client_class() -> Any:
-    """The shared raw client of tests/support when it exists, else the one above."""
-    try:
-        from tests.support import h2raw
-    except ImportError:
-        return StalledClient
-    return getattr(h2raw, "StalledClient", StalledClient)
+        self.raw.close()
 
 
 WIDE = {f"a{k}": {"zarr_key": "left.obs_keypoints", "key_type": "action_keys",
@@ -308,13 +236,12 @@ def test_a_client_that_never_reads_holds_little_and_not_for_long(
     share (32 MiB) is taken, every further Read of it is refused on arrival, for as long as
     it asks. Its connection is recycled after 4 s (+1 s grace) and the buffers let go."""
     d = slow_daemon
-    host, port = d.target.rsplit(":", 1)
     payload = convert.read_request([("ep003d", f) for f in range(64)], keymap=WIDE)
     asked = 50
     with Client(d.target, timeout_s=30) as good, HealthProbe(d.target) as probe:
         good.read(WIDE, [("ep003d", 0)])
         base = rss(d.pid)
-        stalled = _stalled_client_class()((host, int(port)))
+        stalled = Stalled(d.target)
         peak, reads_ms, buffered = base, [], []
 
         def wait_buffered(n: int) -> None:
@@ -340,7 +267,7 @@ def test_a_client_that_never_reads_holds_little_and_not_for_long(
             deadline = time.monotonic() + 2
             while len(stalled.ended) < asked - 2 and time.monotonic() < deadline:
                 time.sleep(0.01)
-            refused = len(stalled.ended)
+            refused, stalled_errors = len(stalled.ended), stalled.errors()
             assert stalled.closed.wait(10), "the connection was never closed"
             deadline = time.monotonic() + 5
             while good.stats()["buffered_bytes"] and time.monotonic() < deadline:
@@ -358,6 +285,7 @@ def test_a_client_that_never_reads_holds_little_and_not_for_long(
     assert 0 < held <= 32 * MiB + PER_READ
     assert max(buffered) <= 32 * MiB + PER_READ
     assert refused == asked - 2  # every Read after the first two, refused as Overloaded
+    assert set(stalled_errors) == {"Overloaded"}
     assert released == 0  # recycled (max connection age + grace): every buffer let go
     # Bounded by what it holds (2 x 13 MB) and their copies in gRPC, not by what it asked.
     assert peak - base < 8 * PER_READ < asked * PER_READ / 6
@@ -372,9 +300,8 @@ def test_reads_over_the_total_buffer_limit_are_overloaded_and_say_why(
         ramp_roots: dict[str, Path], start_daemon: Any) -> None:
     d = start_daemon(ramp_roots["sharded"], "--max-buffered-bytes", "24MiB",
                      "--log-level", "ERROR")
-    host, port = d.target.rsplit(":", 1)
     payload = convert.read_request([("ep003d", f) for f in range(64)], keymap=WIDE)
-    stalled = _stalled_client_class()((host, int(port)))
+    stalled = Stalled(d.target)
     with grpc.insecure_channel(d.target, (("grpc.max_receive_message_length", 64 * MiB),)) as ch:
         read = ch.unary_unary(SERVICE_PATH + "Read")
         stats = ch.unary_unary(SERVICE_PATH + "GetStats")
@@ -415,8 +342,7 @@ def test_hundreds_of_idle_connections_cost_little(ramp_roots: dict[str, Path],
             for k in range(300):
                 s = socket.create_connection((host, int(port)))
                 if k % 2:  # half speak HTTP/2 (window shut), half never say a thing
-                    settings = struct.pack(">HI", SETTINGS_INITIAL_WINDOW_SIZE, 0)
-                    s.sendall(PREFACE + _frame(SETTINGS, 0, 0, settings))
+                    s.sendall(h2raw.PREFACE + h2raw.settings([(h2raw.INITIAL_WINDOW_SIZE, 0)]))
                 conns.append(s)
             time.sleep(1.0)
             latencies = [health_ms(ch) for _ in range(50)]
