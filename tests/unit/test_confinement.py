@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -319,3 +321,18 @@ def test_a_real_daemon_refuses_a_hostile_root_and_keeps_serving(tmp_path: Path) 
         assert not np.isin(secret, result.arrays["a"]).any()
         assert np.array_equal(result.arrays["a"][2][0], ramp.ramp_row(0, KP, 150))
         assert c.stats()["episodes_open"] >= 5
+
+
+@pytest.mark.timeout(120)
+def test_a_real_daemon_on_hung_storage_fails_fast_naming_the_call(tmp_path: Path) -> None:
+    """Storage slower than ``--store-timeout-s`` at start-up: the root listing times out and
+    the daemon exits saying so, instead of hanging."""
+    root, _ = _roots(tmp_path)
+    cmd = [sys.executable, "-m", "episerve_tools.cli", "serve", str(root), "--rescan-s", "0",
+           "--inject-latency-s", "2", "--store-timeout-s", "0.2",
+           "--unix", str(tmp_path / "d.sock")]
+    started = time.monotonic()
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
+    assert time.monotonic() - started < 60
+    assert done.returncode != 0
+    assert "storage call list_dir('') timed out after 0.2 s" in done.stdout + done.stderr

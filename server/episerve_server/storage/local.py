@@ -30,7 +30,7 @@ import posixpath
 import stat
 from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
-from typing import Self
+from typing import Any, Self
 
 from zarr.abc.store import ByteRequest, OffsetByteRequest, RangeByteRequest, SuffixByteRequest
 from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
@@ -79,6 +79,11 @@ class ConfinedLocalStore(LocalStore):
         return type(self)(self.root, read_only=read_only,
                           max_metadata_bytes=self.max_metadata_bytes,
                           max_object_bytes=self.max_object_bytes)
+
+    async def _open(self, *, mode: Any = None) -> None:
+        if not await asyncio.to_thread(os.path.isdir, self.root):
+            raise FileNotFoundError(f"dataset root {str(self.root)!r} is not a folder")
+        self._is_open = True
 
     def cap_for(self, key: str) -> int:
         if posixpath.basename(key) in METADATA_NAMES:
