@@ -49,9 +49,10 @@ def _uniform_jpeg(height: int, width: int, value: int) -> bytes:
 
 def _episode(root: Path, h: str, frames: list[bytes]) -> Path:
     n = len(frames)
-    return write_episode(root, h, total_frames=n, fps=30, embodiment="human_bimanual",
-                         numeric={"obs_head_pose": ramp.ramp_values(n, (7,))},
-                         jpeg={CAMERA: frames}, annotations=[])
+    group: Path = write_episode(root, h, total_frames=n, fps=30, embodiment="human_bimanual",
+                                numeric={"obs_head_pose": ramp.ramp_values(n, (7,))},
+                                jpeg={CAMERA: frames}, annotations=[])
+    return group
 
 
 @pytest.fixture(scope="module")

@@ -200,7 +200,8 @@ def replace_chunk(group: Path, key: str, chunk: int, data: bytes) -> None:
     per_shard, _ = sharding
     shard, within = divmod(chunk, per_shard)
     path = chunk_file(group, key, shard)
-    parts = split_shard(path.read_bytes(), per_shard) if path.exists() else [None] * per_shard
+    parts: list[bytes | None] = (split_shard(path.read_bytes(), per_shard) if path.exists()
+                                 else [None] * per_shard)
     parts[within] = data
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(build_shard(parts))
@@ -253,6 +254,8 @@ def release_fifo(path: Path) -> None:
 
 
 def _varint(n: int) -> bytes:
+    if n < 0x80:
+        return bytes((n,))
     out = bytearray()
     while n >= 0x80:
         out.append(n & 0x7F | 0x80)
@@ -278,8 +281,15 @@ def keyspec(name: str, zarr_key: str, key_type: str) -> bytes:
 
 def keymap_bytes(names: Iterable[str], zarr_key: str = "obs_head_pose",
                  key_type: str = "proprio_keys") -> bytes:
-    """A ``Keymap`` message: one single-frame entry per output name."""
-    return b"".join(pb_bytes(1, keyspec(n, zarr_key, key_type)) for n in names)
+    """A ``Keymap`` message: one single-frame entry per output name (fast enough for a
+    million entries)."""
+    suffix = pb_bytes(2, zarr_key) + pb_bytes(3, key_type)
+    parts = []
+    for name in names:
+        raw = name.encode()
+        inner = b"\x0a" + _varint(len(raw)) + raw + suffix
+        parts.append(b"\x0a" + _varint(len(inner)) + inner)
+    return b"".join(parts)
 
 
 def read_request_bytes(samples: Sequence[tuple[str, int]], *, keymap: bytes | None = None,
@@ -508,10 +518,11 @@ def measure(case: str, pid: int, poller: HealthPoller, attack: Callable[[], Any]
 
 
 class Victim:
-    """A daemon (unix socket, address space capped) with its health poller; restarted when
-    an attack killed it or left it unable to answer."""
+    """A daemon (on a unix socket, or on 127.0.0.1 when ``sock`` is None; its address space
+    capped) with its health poller; restarted when an attack killed it or left it unable
+    to answer."""
 
-    def __init__(self, name: str, root: Path, sock: Path, *flags: str,
+    def __init__(self, name: str, root: Path, sock: Path | None, *flags: str,
                  headroom_bytes: int = 3 * 2**30) -> None:
         self.name, self.root, self.sock, self.flags = name, root, sock, flags
         self.headroom_bytes = headroom_bytes
@@ -522,7 +533,7 @@ class Victim:
     def _start(self) -> None:
         from episerve_tools.launch import DaemonProcess
 
-        if self.sock.exists():
+        if self.sock is not None and self.sock.exists():
             self.sock.unlink()
         self.daemon = DaemonProcess(self.root, "--rescan-s", "0", "--grace-s", "1",
                                     "--log-level", "WARNING", *self.flags, unix=self.sock)
@@ -531,11 +542,11 @@ class Victim:
 
     @property
     def target(self) -> str:
-        return self.daemon.target
+        return str(self.daemon.target)
 
     @property
     def pid(self) -> int:
-        return self.daemon.pid
+        return int(self.daemon.pid)
 
     def alive(self) -> bool:
         return self.daemon.proc.poll() is None
