@@ -211,3 +211,115 @@ def test_as_dict_round_trips(raw: dict[str, dict[str, Any]]) -> None:
         assert e.zarr_key == raw[e.name]["zarr_key"]
         assert e.horizon == raw[e.name].get("horizon")
         assert e.history == raw[e.name].get("history")
+
+
+# -- limits: entries, name lengths; the registry and the response buffers -------------------------
+
+from episerve_proto.contract import MAX_NAME_CHARS
+from episerve_proto.errors import LimitExceeded, Overloaded
+from episerve_server.core.keymap import MAX_ENTRIES
+
+
+def test_a_keymap_has_at_most_max_entries() -> None:
+    raw = {f"o{k}": entry() for k in range(MAX_ENTRIES)}
+    assert len(Keymap.parse(raw)) == MAX_ENTRIES
+    raw["one_more"] = entry()
+    with pytest.raises(LimitExceeded, match=f"{MAX_ENTRIES + 1} entries, over the limit of "
+                                            f"{MAX_ENTRIES}"):
+        Keymap.parse(raw)
+    with pytest.raises(LimitExceeded, match="limit of 3"):
+        Keymap.parse({f"o{k}": entry() for k in range(4)}, max_entries=3)
+
+
+@pytest.mark.parametrize("field", ["name", "zarr_key", "key_type"])
+def test_names_longer_than_the_limit_are_refused_and_cut_short(field: str) -> None:
+    long = "z" * 100_000
+    spec = entry()
+    name = long if field == "name" else "out"
+    if field != "name":
+        spec[field] = long
+    with pytest.raises(KeymapError) as info:
+        Keymap.parse({name: spec})
+    message = str(info.value)
+    assert str(MAX_NAME_CHARS) in message and "... (100000 chars)" in message
+    assert len(message) < 400
+    at_limit = "z" * MAX_NAME_CHARS
+    if field == "name":
+        assert Keymap.parse({at_limit: entry()}).entries[0].name == at_limit
+    elif field == "zarr_key":
+        assert Keymap.parse({"out": entry(zarr_key=at_limit)}).entries[0].zarr_key == at_limit
+
+
+def test_bad_values_are_echoed_cut_short() -> None:
+    with pytest.raises(KeymapError) as info:
+        Keymap.parse({"out": entry(horizon="9" * 10_000)})
+    assert "... (10000 chars)" in str(info.value) and len(str(info.value)) < 300
+
+
+def _pb_keymap(n: int, name: str = "o") -> Any:
+    from episerve_client.convert import keymap_message
+
+    return keymap_message({f"{name}{k}": entry() for k in range(n)})
+
+
+def test_the_rpc_layer_checks_entries_and_bytes_before_parsing() -> None:
+    from episerve_server.rpc.convert import Limits, keymap_from_pb
+
+    limits = Limits(max_batch=10, max_keymap_entries=4, max_keymap_bytes=300)
+    assert len(keymap_from_pb(_pb_keymap(4), limits)) == 4
+    with pytest.raises(LimitExceeded, match=r"keymap\.entries: 5 entries.*--max-keymap-entries"):
+        keymap_from_pb(_pb_keymap(5), limits)
+    with pytest.raises(LimitExceeded, match=r"over the limit of 300 \(--max-keymap-bytes\)"):
+        keymap_from_pb(_pb_keymap(3, name="x" * 100), limits)
+    roomy = Limits(10, 4, 10_000)
+    with pytest.raises(KeymapError, match=r"keymap\.entries\[0\]\.name .xxx"):
+        keymap_from_pb(_pb_keymap(2, name="x" * 300), roomy)
+
+
+def test_the_registry_evicts_least_recently_used_under_its_byte_budget() -> None:
+    from episerve_server.rpc.registry import KeymapRegistry, held_bytes
+
+    one = Keymap.parse({"a": entry()})
+    cost = held_bytes(one, 40)
+    registry = KeymapRegistry(max_bytes=3 * cost)
+    for kid in ("k1", "k2", "k3"):
+        registry.add(kid, one, 40)
+    assert registry.get("k1") is one  # k1 is now the most recently used
+    registry.add("k4", one, 40)
+    assert "k2" not in registry
+    assert all(k in registry for k in ("k1", "k3", "k4"))
+    assert registry.nbytes == 3 * cost and registry.evictions == 1
+    registry.add("k4", one, 40)  # registering again refreshes, charges once
+    assert registry.nbytes == 3 * cost and len(registry) == 3
+    big = Keymap.parse({f"o{k}": entry() for k in range(50)})
+    registry.add("big", big, 5000)  # larger than the budget alone: kept, the rest evicted
+    assert len(registry) == 1 and registry.get("big") is big
+
+
+def test_response_buffers_count_until_released_per_peer_and_in_total() -> None:
+    from episerve_server.rpc.buffers import ResponseBuffers
+
+    buffers = ResponseBuffers(max_bytes=100, max_per_peer=40)
+    a, b = "ipv4:127.0.0.1:1000", "ipv4:127.0.0.1:2000"
+    buffers.check(a)
+    buffers.admit(a, 60)  # larger than the peer's limit, but it holds nothing: served alone
+    release_a = buffers.hold(a, 60)
+    with pytest.raises(Overloaded, match="--max-buffered-bytes-per-peer"):
+        buffers.check(a)  # holding, and another like its latest would not fit
+    buffers.check(b)
+    buffers.admit(b, 30)
+    release_b = buffers.hold(b, 30)
+    with pytest.raises(Overloaded, match=r"--max-buffered-bytes\)"):
+        buffers.admit("unix:", 20)  # 90 + 20 > 100 in total
+    release_a(None)
+    release_a(None)  # released once only
+    assert buffers.total == 30 and buffers.by_peer == {b: 30}
+    buffers.check(a)
+    release_b(None)
+    assert buffers.total == 0 and buffers.by_peer == {}
+    for _ in range(6):  # unix peers share one name: only the total applies to them
+        buffers.hold("unix:", 15)
+        buffers.check("unix:")
+    buffers.hold("unix:", 15)  # 105 bytes held in all
+    with pytest.raises(Overloaded, match="slow clients"):
+        buffers.check("unix:")
