@@ -173,3 +173,138 @@ def test_plaintext_tokens_only_to_local_targets_when_asked(target: str, local: b
     else:
         with pytest.raises(errors.InvalidArgument):
             check_token_transport(target, "secret", None, plaintext_token_ok=True)
+
+
+# -- limits both sides agree on ----------------------------------------------------------------
+
+
+def test_shown_cuts_long_values_and_keeps_short_ones_as_repr() -> None:
+    assert shared_errors.shown("ep000a") == "'ep000a'"
+    long = shared_errors.shown("x" * 100_000)
+    assert long == f"{'x' * 80!r}... (100000 chars)"
+    assert shared_errors.shown(b"\x00" * 500).endswith("... (500 bytes)")
+    assert len(shared_errors.shown(list(range(10_000)))) < 120
+    clipped = shared_errors.clipped("\u00e9" * 10_000)
+    assert len(clipped.encode()) <= shared_errors.MAX_MESSAGE_CHARS
+    assert clipped.endswith("... (10000 chars)")
+
+
+def test_error_trailers_fit_any_client_metadata_limit() -> None:
+    exc = shared_errors.InvalidEpisodeId("x", episode="e" * 100_000, key="k" * 100_000)
+    trailers = dict(error_metadata(exc))
+    assert all(len(v) <= 4 * 256 for v in trailers.values())
+    err = errors.from_rpc_error(FakeRpcError(grpc.StatusCode.INVALID_ARGUMENT, "x",
+                                             tuple(trailers.items())))
+    assert type(err) is shared_errors.InvalidEpisodeId and err.episode.startswith("eee")
+
+
+def test_server_options_bound_requests_connections_and_streams() -> None:
+    from episerve_proto.contract import MAX_REQUEST_BYTES
+    from episerve_server.config import ServerConfig
+    from episerve_server.rpc.daemon import server_options
+
+    options = dict(server_options(ServerConfig()))
+    assert options["grpc.max_receive_message_length"] == MAX_REQUEST_BYTES
+    assert options["grpc.max_connection_age_ms"] == 600_000
+    assert options["grpc.max_connection_age_grace_ms"] == 10_000
+    assert options["grpc.max_connection_idle_ms"] == 300_000
+    assert options["grpc.max_concurrent_streams"] == 256
+    never = dict(server_options(ServerConfig(max_connection_age_s=0, max_connection_idle_s=0,
+                                             grace_s=0)))
+    assert "grpc.max_connection_age_ms" not in never
+    assert "grpc.max_connection_idle_ms" not in never
+
+
+# -- ListEpisodes pages: the server's pages, followed by the client's flow ---------------------
+
+
+def _episodes(hashes: list[str], attrs_bytes: int = 10) -> list[Any]:
+    from types import SimpleNamespace
+
+    return [SimpleNamespace(hash=h, total_frames=5, fps=30.0, embodiment="e",
+                            attrs={"note": "n" * attrs_bytes, "features": {}},
+                            features={}, readers={"a": None}) for h in hashes]
+
+
+def _serve_pages(flow: Any, serve: Any) -> Any:
+    """Drive a list flow: each Call is answered by ``serve(request)``."""
+    from episerve_proto.v1 import episerve_pb2 as pb
+
+    try:
+        ops = next(flow)
+        while True:
+            [op] = ops
+            assert isinstance(op, Call) and op.method == "ListEpisodes"
+            request = pb.ListEpisodesRequest.FromString(op.payload)
+            ops = flow.send([serve(request.page_token, request.page_size)])
+    except StopIteration as done:
+        return done.value
+
+
+def test_the_client_follows_pages_into_one_listing() -> None:
+    from episerve_server.rpc.convert import PageRequest, encode_listing
+
+    episodes = _episodes([f"ep{k:03d}" for k in range(0, 40, 2)])
+    broken = {"ep005": "unreadable", "ep999": "gone"}
+    calls: list[str] = []
+
+    def serve(token: str, size: int) -> bytes:
+        calls.append(token)
+        return encode_listing(episodes, broken, PageRequest(token, size), budget=200)
+
+    listing = _serve_pages(BaseClient("a:1").list_flow(), serve)
+    assert [e.hash for e in listing.episodes] == [f"ep{k:03d}" for k in range(0, 40, 2)]
+    assert listing.broken == broken
+    assert len(calls) > 3 and calls[0] == "" and calls == sorted(calls)
+    small = _serve_pages(BaseClient("a:1").list_flow(page_size=4), serve)
+    assert small == listing
+
+
+def test_pages_stay_consistent_when_episodes_appear_between_them() -> None:
+    from episerve_server.rpc.convert import PageRequest, encode_listing
+
+    current = _episodes([f"ep{k:03d}" for k in range(0, 30, 3)])
+    pages = 0
+
+    def serve(token: str, size: int) -> bytes:
+        nonlocal current
+        nonlocal pages
+        pages += 1
+        if pages == 2:  # one before the last hash served, one after it
+            current = sorted([*current, *_episodes(["ep001", "ep028"])], key=lambda e: e.hash)
+        return encode_listing(current, {}, PageRequest(token, 3))
+
+    listing = _serve_pages(BaseClient("a:1").list_flow(page_size=3), serve)
+    hashes = [e.hash for e in listing.episodes]
+    assert hashes == sorted(set(hashes))  # none twice
+    assert set(hashes) >= {f"ep{k:03d}" for k in range(0, 30, 3)}  # none skipped
+    assert "ep028" in hashes and "ep001" not in hashes
+
+
+def test_one_episode_with_huge_attributes_is_listed_with_a_marker() -> None:
+    from episerve_client.convert import listing
+    from episerve_proto.contract import (
+        MAX_LISTED_ATTRS_BYTES,
+        TOO_LARGE_ATTR,
+        TOO_LARGE_BYTES_ATTR,
+    )
+    from episerve_server.rpc.convert import encode_listing
+
+    huge, fine = _episodes(["big"], MAX_LISTED_ATTRS_BYTES * 2) + _episodes(["small"])
+    out = listing(encode_listing([huge, fine], {}))
+    by_hash = {e.hash: e for e in out.episodes}
+    marker = by_hash["big"].attrs
+    assert marker[TOO_LARGE_BYTES_ATTR] > 2 * MAX_LISTED_ATTRS_BYTES
+    assert "over the listing limit" in marker[TOO_LARGE_ATTR]
+    assert by_hash["big"].total_frames == 5 and by_hash["small"].attrs["note"] == "n" * 10
+
+
+def test_a_page_token_that_does_not_advance_is_data_loss() -> None:
+    from episerve_proto.v1 import episerve_pb2 as pb
+
+    stuck = pb.ListEpisodesResponse(next_page_token="").SerializeToString()
+    loop = pb.ListEpisodesResponse(next_page_token="a").SerializeToString()
+    answers = iter([pb.ListEpisodesResponse(next_page_token="b").SerializeToString(), loop,
+                    stuck])
+    with pytest.raises(errors.DataLossError, match="did not advance"):
+        _serve_pages(BaseClient("a:1").list_flow(), lambda token, size: next(answers))
