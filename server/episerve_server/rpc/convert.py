@@ -169,7 +169,12 @@ def encode_keymap_id(kid: str) -> bytes:
 
 
 def _listed_json(value: Any, what: str) -> str:
-    text = json.dumps(value, default=str)
+    """``value`` as JSON, or a marker when it is too large (or too deep) to list."""
+    try:
+        text = json.dumps(value, default=str)
+    except (ValueError, TypeError, RecursionError) as exc:
+        return json.dumps({TOO_LARGE_ATTR: f"the episode's {what} cannot be listed as JSON "
+                                           f"({type(exc).__name__})", TOO_LARGE_BYTES_ATTR: -1})
     size = len(text.encode())
     if size <= MAX_LISTED_ATTRS_BYTES:
         return text
