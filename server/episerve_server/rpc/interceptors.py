@@ -14,6 +14,8 @@ import grpc
 log = logging.getLogger(__name__)
 
 REQUEST_ID = "x-request-id"
+#: A client's request id is logged cut to this many characters.
+MAX_REQUEST_ID_CHARS = 64
 # Health and reflection stay open without a token, so probes need no secret.
 OPEN_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
@@ -57,7 +59,7 @@ class LoggingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         method = details.method
 
         async def around(request: Any, context: grpc.aio.ServicerContext, inner: Any) -> Any:
-            rid = _metadata(context, REQUEST_ID) or uuid.uuid4().hex[:12]
+            rid = _metadata(context, REQUEST_ID)[:MAX_REQUEST_ID_CHARS] or uuid.uuid4().hex[:12]
             start = time.perf_counter()
             code = "OK"
             try:
