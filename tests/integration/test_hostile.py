@@ -599,7 +599,7 @@ REQUEST_CASES = [
     RequestCase("zarr_key_100kb", attack_long_zarr_key(100_000), (("keymap", "zarr_key"),)),
     RequestCase("zarr_key_10kb", attack_long_zarr_key(10_000), (("zarr_key",),)),
 ]
-REQUESTS_FLAGS = ("--cache-bytes", "64MiB", "--max-buffered-bytes-per-peer", "32MiB")
+REQUESTS_FLAGS = ("--cache-bytes", "64MiB", "--max-buffered-bytes-per-peer", str(32 * MiB))
 
 
 @pytest.mark.parametrize("case", REQUEST_CASES, ids=[c.name for c in REQUEST_CASES])
