@@ -46,8 +46,10 @@ from episerve_server.storage.catalog import Catalog
 log = logging.getLogger(__name__)
 
 OFFLOAD_ENCODE_BYTES = 1 << 20
-#: A ListEpisodes page is filled up to this many bytes (well under MAX_MESSAGE_BYTES).
-LIST_PAGE_BYTES = 16 * 2**20
+#: A ListEpisodes page is filled up to this many bytes: well under MAX_MESSAGE_BYTES, and
+#: small enough that encoding one page never keeps health waiting (measured: 16 MiB pages
+#: of 200 kB attributes delayed health by 260 ms; 4 MiB pages do not).
+LIST_PAGE_BYTES = 4 * 2**20
 #: Traceback lines longer than this are cut in the log.
 LOG_LINE_CHARS = 400
 
