@@ -218,3 +218,24 @@ def test_one_array_per_episode_matches_a_reference_lru(
                     del model[(e, m)]
         assert stats.cache_bytes == 20 * len(model)
         assert stats.cache_entries == len(model)
+
+
+def test_a_hold_keeps_released_slots_from_reuse_until_it_ends() -> None:
+    """A gather running in a worker thread reads slots it looked up; while the cache is
+    held, an eviction or a drop frees no slot for reuse, so those slots keep their data."""
+    stats = Stats()
+    cache = ChunkCache(200, stats)  # room for two chunks of one shape
+    cache.put(key(0, "a"), chunk(100, 1.0))
+    cache.put(key(0, "b"), chunk(100, 2.0))
+    slab, slot = cache.lookup("k0", cache.uids(["a"]), np.array([0]))
+    data = cache.slab_data(int(slab[0]))
+    cache.hold()
+    cache.drop_episode("a")
+    cache.put(key(0, "c"), chunk(100, 3.0))  # the only free slot is a's: not handed out
+    assert float(data[int(slot[0])][0]) == 1.0
+    assert cache.get(key(0, "a")) is None
+    cache.unhold()
+    cache.put(key(0, "d"), chunk(100, 4.0))
+    got = cache.get(key(0, "d"))
+    assert got is not None and float(got[0]) == 4.0
+    assert stats.cache_bytes <= 200

@@ -142,6 +142,8 @@ class ChunkCache:
         self._slab_of: dict[tuple[int, ...], int] = {}
         self._frames: OrderedDict[ChunkKey, tuple[list[bytes], int, int]] = OrderedDict()
         self._frames_of: dict[str, set[ChunkKey]] = {}  # per episode, so a drop is cheap
+        self._holds = 0  # gathers running in worker threads: slots are not reused meanwhile
+        self._deferred: list[tuple[_Slab, np.ndarray]] = []
 
     @property
     def enabled(self) -> bool:
@@ -178,6 +180,18 @@ class ChunkCache:
 
     def slab_data(self, slab: int) -> np.ndarray:
         return self._slabs[slab].data
+
+    def hold(self) -> None:
+        """While held, no slot is handed out again: a gather in a worker thread can read
+        the slots it looked up, whatever the event loop evicts or drops meanwhile."""
+        self._holds += 1
+
+    def unhold(self) -> None:
+        self._holds -= 1
+        if not self._holds:
+            for slab, slots in self._deferred:
+                slab.release(slots)
+            self._deferred.clear()
 
     # -- numeric chunks, batched --------------------------------------------------------------
 
@@ -370,7 +384,11 @@ class ChunkCache:
             flat = self._table_list[t].flat
             pos = slab.owner_pos[mine]
             flat[pos[flat[pos] == mine]] = -1
-        slab.release(live)
+        if self._holds:
+            self._deferred.append((slab, live))
+            slab.stamp[live] = -1  # gone for lookups and eviction; reused after the hold
+        else:
+            slab.release(live)
         self._bytes -= slab.slot_bytes * len(live)
         self._entries -= len(live)
         self._sync_gauges()

@@ -38,6 +38,9 @@ from episerve_server.storage.catalog import Catalog, Episode
 from episerve_server.storage.readers import ChunkReader, Raw, decode_chunk, episode_exists
 
 MAX_CHECKED_KEYMAPS = 64
+# Gathers this large run in a worker thread (a few ms on the loop below it); smaller ones
+# run on the loop, where the thread hop would cost more than the copy.
+GATHER_OFFLOAD_BYTES = 4 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +73,15 @@ class Planner:
         tables = {key: self._table(key, keymap, batch, windows) for key in sorted(keymap.zarr_keys)}
         budget = _Budget(options.max_response_bytes, out_bytes, len(samples))
         self._lookup(tables, batch)
-        partial = gather_cached(keymap, batch, windows, tables, self.cache.slab_data)
+        if out_bytes >= GATHER_OFFLOAD_BYTES:  # a large gather runs off the event loop
+            self.cache.hold()
+            try:
+                partial = await asyncio.to_thread(
+                    gather_cached, keymap, batch, windows, tables, self.cache.slab_data)
+            finally:
+                self.cache.unhold()
+        else:
+            partial = gather_cached(keymap, batch, windows, tables, self.cache.slab_data)
         await self._load(tables, batch, budget)
         # Only rows of fetched chunks are still to gather: a warm batch is assembled here.
         pending = any(p.pending is not None for p in partial.values())

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import logging
 import signal
 import sys
@@ -214,7 +216,27 @@ async def _rescan_loop(service: EpiserveService, every_s: float) -> None:
             log.exception("rescan of the root failed; will retry")
 
 
+def tune_allocator() -> None:
+    """Make glibc hand large buffers back to the system when they are freed.
+
+    By default glibc raises its mmap threshold each time a large block is freed, so later
+    response-sized buffers come from the heap and their memory stays with the process after
+    a failed or cancelled read. A fixed threshold (1 MiB) keeps every large buffer in its
+    own mapping, returned on free; fewer arenas bound the per-thread heaps.
+    """
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return  # not glibc: nothing to tune
+    m_trim_threshold, m_mmap_threshold, m_arena_max = -1, -3, -8
+    mallopt(m_mmap_threshold, 1 << 20)
+    mallopt(m_trim_threshold, 4 << 20)
+    mallopt(m_arena_max, 2)
+
+
 def run(config: ServerConfig) -> int:
+    tune_allocator()
     logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
     import uvloop
