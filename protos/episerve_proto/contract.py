@@ -34,6 +34,6 @@ MIN_PING_INTERVAL_MS = 10_000
 CLIENT_KEEPALIVE_MS = 30_000
 #: An episode's attributes (and, apart, its features) over this many bytes of JSON are
 #: listed as a marker instead: ``{TOO_LARGE_ATTR: "<why>", TOO_LARGE_BYTES_ATTR: size}``.
-MAX_LISTED_ATTRS_BYTES = 256 * 2**10
+MAX_LISTED_ATTRS_BYTES = 64 * 2**10
 TOO_LARGE_ATTR = "episerve.too_large"
 TOO_LARGE_BYTES_ATTR = "episerve.bytes"

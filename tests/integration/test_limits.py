@@ -27,6 +27,7 @@ from episerve_proto.contract import (
     TOO_LARGE_ATTR,
     TOO_LARGE_BYTES_ATTR,
 )
+from episerve_server.rpc.service import LIST_PAGE_BYTES
 from episerve_tools.launch import DaemonProcess
 from tests.support import ramp
 
@@ -248,7 +249,8 @@ def test_listing_pages_over_the_byte_budget_and_caps_one_episodes_attributes(
     root = tmp_path / "root"
     ramp.write_ramp_episode(root, "a0000", episode_no=0, total_frames=20)
     blob = "x" * (MAX_LISTED_ATTRS_BYTES - 4096)  # just under the per-episode cap
-    for k in range(24):  # ~6 MB of attributes: more than one 4 MiB page
+    n = 4 * LIST_PAGE_BYTES // MAX_LISTED_ATTRS_BYTES // 3  # more than one page of them
+    for k in range(n):
         _bare_episode(root, f"b{k:04d}", {"notes": blob})
     _bare_episode(root, "c0000", {"notes": "y" * (MAX_LISTED_ATTRS_BYTES + 10)})
     d = start_daemon(root, "--log-level", "WARNING", unix=True)
@@ -257,9 +259,9 @@ def test_listing_pages_over_the_byte_budget_and_caps_one_episodes_attributes(
     with Client(d.target) as c:
         listing = c.list_episodes()
         hashes = [e.hash for e in listing.episodes]
-        assert hashes == sorted(hashes) == ["a0000", *[f"b{k:04d}" for k in range(24)], "c0000"]
+        assert hashes == sorted(hashes) == ["a0000", *[f"b{k:04d}" for k in range(n)], "c0000"]
         by_hash = {e.hash: e for e in listing.episodes}
-        assert by_hash["b0023"].attrs["notes"] == blob
+        assert by_hash[f"b{n - 1:04d}"].attrs["notes"] == blob
         marker = by_hash["c0000"].attrs
         assert set(marker) == {TOO_LARGE_ATTR, TOO_LARGE_BYTES_ATTR}
         assert marker[TOO_LARGE_BYTES_ATTR] > MAX_LISTED_ATTRS_BYTES

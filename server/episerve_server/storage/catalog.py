@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import fnmatch
+import json
 import logging
 import math
 import re
@@ -26,6 +27,7 @@ import zarr.api.asynchronous as zasync
 from zarr import AsyncArray
 from zarr.storage import StorePath
 
+from episerve_proto.contract import MAX_LISTED_ATTRS_BYTES, TOO_LARGE_ATTR, TOO_LARGE_BYTES_ATTR
 from episerve_proto.errors import (
     BrokenEpisodeError,
     EpisodeNotFound,
@@ -203,7 +205,7 @@ async def open_episode(store: CountingStore, name: str, *,
         raise BrokenEpisodeError(f"the group holds {len(keys)} entries, more than "
                                  f"{MAX_ARRAYS}", episode=name)
     total, fps, embodiment = _core_attrs(name, attrs)
-    episode = Episode(name, total, fps, embodiment, attrs, {})
+    episode = Episode(name, total, fps, embodiment, _kept_attrs(attrs), {})
     members = await asyncio.gather(*(group.getitem(k) for k in keys), return_exceptions=True)
     for key, member in zip(keys, members):
         if isinstance(member, Unavailable):
@@ -224,6 +226,32 @@ def _said(exc: BaseException) -> str:
     """An exception's message, cut short: zarr may quote a whole hostile document."""
     text = str(exc)
     return text if len(text) <= 300 else f"{text[:300]}... ({len(text)} chars)"
+
+
+def _kept_attrs(attrs: dict[str, Any]) -> dict[str, Any]:
+    """The attributes the catalog keeps to pass through: all of them when they are small,
+    as real episodes' are; past the listing's cap, only ``features`` and a marker saying how
+    large the rest was, so the daemon holds at most about the cap per episode. (The core
+    attributes are checked before this and kept on the ``Episode``.)"""
+    try:
+        size = len(json.dumps(attrs, default=str).encode())
+    except (ValueError, TypeError, RecursionError):
+        size = -1
+    if 0 <= size <= MAX_LISTED_ATTRS_BYTES:
+        return attrs
+    kept: dict[str, Any] = {}
+    features = attrs.get("features")
+    try:
+        if len(json.dumps(features, default=str).encode()) <= MAX_LISTED_ATTRS_BYTES:
+            kept["features"] = features
+    except (ValueError, TypeError, RecursionError):
+        pass
+    kept[TOO_LARGE_ATTR] = (f"the episode's attributes are {size} bytes of JSON, over the "
+                            f"listing limit of {MAX_LISTED_ATTRS_BYTES} bytes; read them from "
+                            "the store"
+                            if size >= 0 else "the episode's attributes cannot be JSON")
+    kept[TOO_LARGE_BYTES_ATTR] = size
+    return kept
 
 
 def _core_attrs(name: str, attrs: Mapping[str, Any]) -> tuple[int, float, str]:
