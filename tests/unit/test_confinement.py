@@ -18,7 +18,7 @@ import pytest
 from zarr.abc.store import RangeByteRequest, SuffixByteRequest
 from zarr.core.buffer import default_buffer_prototype
 
-from episerve_proto.errors import DataLossError, KeymapError, Unavailable
+from episerve_proto.errors import BrokenEpisodeError, DataLossError, Unavailable
 from episerve_server.core.stats import Stats
 from episerve_server.storage.catalog import Catalog
 from episerve_server.storage.local import (
@@ -124,7 +124,7 @@ def test_array_folder_symlinked_outside_is_a_problem_of_that_key(
     served = serve(root, 0)
     reason = served.catalog.broken_listing()["ep"]
     assert "'obs_head_pose'" in reason and "outside" in reason
-    with pytest.raises(KeymapError, match="outside") as info:
+    with pytest.raises(BrokenEpisodeError, match="outside") as info:
         served.read(HEAD, [("ep", 3)])
     assert (info.value.episode, info.value.key) == ("ep", "obs_head_pose")
     _assert_other_episodes_serve(served)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import zarr
 
-from episerve_proto.errors import DataLossError, KeymapError
+from episerve_proto.errors import BrokenEpisodeError, DataLossError
 from episerve_server.core.spans import MAX_SPANS
 from tests.support import crafted, ramp
 
@@ -110,7 +110,7 @@ def test_absurd_array_metadata_is_a_problem_of_that_key(episode: str,
     for needle in needles:
         assert needle in reason, reason
     assert len(reason) < 2000
-    with pytest.raises(KeymapError) as info:
+    with pytest.raises(BrokenEpisodeError) as info:
         served.read(READ, [("a", 3), (episode, 3)])
     assert (info.value.episode, info.value.key) == (episode, KP)
     no = list(ARRAY_PROBLEMS).index(episode) if episode in ARRAY_PROBLEMS else 3

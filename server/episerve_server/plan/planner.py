@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from episerve_proto.errors import (
+    BrokenEpisodeError,
     DataLossError,
     EpisodeNotFound,
     FrameOutOfRange,
@@ -350,8 +351,14 @@ def _output_bytes(keymap: Keymap, batch: Batch) -> int:
 def _check_keys(keymap: Keymap, episode: Episode) -> None:
     for e in keymap:
         reader = episode.readers.get(e.zarr_key)
+        if reader is None and e.zarr_key in episode.problems:  # the data is broken, not the keymap
+            raise BrokenEpisodeError(
+                f"output key {e.name!r}: episode {episode.hash!r} cannot serve zarr_key "
+                f"{e.zarr_key!r}: {episode.problems[e.zarr_key]}",
+                episode=episode.hash, key=e.zarr_key,
+            )
         if reader is None:
-            why = episode.problems.get(e.zarr_key, "it has no such array")
+            why = "it has no such array"
             raise KeymapError(
                 f"output key {e.name!r}: episode {episode.hash!r} cannot serve zarr_key "
                 f"{e.zarr_key!r} ({why})", episode=episode.hash, key=e.zarr_key,
