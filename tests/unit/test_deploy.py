@@ -175,6 +175,7 @@ def test_probes_are_grpc_on_the_plaintext_health_port(workload: Workload) -> Non
     assert config.host == "0.0.0.0", f"{workload}: the kubelet probes the pod IP"
     annotations = workload.doc["spec"]["template"]["metadata"]["annotations"]
     assert annotations["prometheus.io/port"] == str(config.metrics_port)
+    assert config.metrics_host == "0.0.0.0", f"{workload}: Prometheus scrapes the pod IP"
 
 
 def test_grace_period_covers_prestop_and_drain(workload: Workload) -> None:
@@ -261,6 +262,7 @@ def test_compose_daemon_and_prometheus_agree() -> None:
     assert daemon["command"][0] == "serve"
     config = ServerConfig.from_args(daemon["command"][1:], daemon["environment"])
     assert config.metrics_port and config.host == "0.0.0.0"
+    assert config.metrics_host == "0.0.0.0"  # Prometheus runs in another container
     published = [p.rsplit(":", 2) for p in daemon["ports"]]
     assert [(host, int(inside)) for host, _, inside in published] == [("127.0.0.1", config.port)]
     assert seconds(daemon["stop_grace_period"]) >= config.grace_s + MARGIN_S

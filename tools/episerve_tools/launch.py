@@ -62,6 +62,7 @@ class DaemonProcess:
                                   f"{''.join(self.lines[-20:])}")
         if not found:
             self.proc.wait(5)
+            self._release()
             raise Unavailable(f"the daemon exited with code {self.proc.returncode}: "
                               f"{''.join(self.lines[-20:])}")
         return found[0]
