@@ -71,10 +71,9 @@ REFERENCE_KEYMAP = {
     "t": {"zarr_key": "annotations", "key_type": "annotation_keys"},
 }
 REFERENCE = [("ep000a", 36), ("ep001b", 50), ("ep003d", 200), ("ep003d", 0)]
-# A broken array may also be refused as a keymap naming an array the episode cannot serve
-# (KeymapError, INVALID_ARGUMENT): the planner's existing answer for an unreadable array.
-DATA_ERRORS: tuple[type[EpiserveError], ...] = (errors.DataLossError, errors.FailedPrecondition,
-                                                errors.KeymapError)
+# A broken array is refused as data loss, or as a failed precondition (a broken episode or
+# array, with its reason): never as a bad request.
+DATA_ERRORS: tuple[type[EpiserveError], ...] = (errors.DataLossError, errors.FailedPrecondition)
 REQUEST_ERRORS: tuple[type[EpiserveError], ...] = (errors.ResourceExhausted,
                                                    errors.InvalidArgument)
 OUTCOMES: list[Outcome] = []
