@@ -76,8 +76,8 @@ class ServerConfig:
     max_keymap_entries: int = 256
     max_keymap_bytes: int = 64 * 2**10  # one keymap, as sent
     max_registry_bytes: int = 16 * 2**20  # every registered keymap together (LRU)
-    max_buffered_bytes: int = 1 * 2**30  # responses handed to gRPC but not yet sent, in all
-    max_buffered_bytes_per_peer: int = 256 * 2**20  # the same, per client connection
+    max_buffered_bytes: int = 256 * 2**20  # responses handed to gRPC but not yet sent, in all
+    max_buffered_bytes_per_peer: int = 64 * 2**20  # the same, per client connection
     store_timeout_s: float = 30.0  # one storage call
     metrics_host: str = "127.0.0.1"
     inject_latency_s: float = 0.0  # fault injection for tests: delay every store request
@@ -247,9 +247,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-registry-bytes", help="registered keymaps kept, in all, least "
                    "recently used evicted first (default 16MiB)")
     p.add_argument("--max-buffered-bytes", help="responses waiting to be sent, in all, "
-                   "before new Reads are refused as overloaded (default 1GiB)")
+                   "before new Reads are refused as overloaded (default 256MiB; gRPC "
+                   "keeps its own copy of each, so up to about twice that in memory)")
     p.add_argument("--max-buffered-bytes-per-peer", help="the same, per client connection "
-                   "(default 256MiB)")
+                   "(default 64MiB; over a unix socket every client is one peer, so "
+                   "only the total applies)")
     p.add_argument("--store-timeout-s", type=float, help="time limit of one storage call "
                    "(default 30)")
     p.add_argument("--metrics-host", help="address the Prometheus endpoint binds "
