@@ -323,3 +323,22 @@ def test_response_buffers_count_until_released_per_peer_and_in_total() -> None:
     buffers.hold("unix:", 15)  # 105 bytes held in all
     with pytest.raises(Overloaded, match="slow clients"):
         buffers.check("unix:")
+
+
+def test_reads_arriving_together_are_refused_before_the_work() -> None:
+    """A response's size is reserved as soon as the planner knows it, so of many reads
+    that arrive at once only those that fit are built; a read's reservation ends with it."""
+    from episerve_server.rpc.buffers import ResponseBuffers
+
+    buffers = ResponseBuffers(max_bytes=1000, max_per_peer=40)
+    peer = "ipv4:127.0.0.1:1000"
+    for _ in range(5):
+        buffers.check(peer)  # nothing is held yet: every read passes the arrival check
+    releases = [buffers.reserve(peer, 15), buffers.reserve(peer, 15)]
+    with pytest.raises(Overloaded, match="--max-buffered-bytes-per-peer"):
+        buffers.reserve(peer, 15)  # 45 > 40, and this peer already has reads in progress
+    assert buffers.by_peer == {peer: 30}
+    for release in releases:
+        release(None)
+    assert buffers.total == 0 and buffers.by_peer == {}
+    buffers.reserve(peer, 15)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +48,9 @@ GATHER_OFFLOAD_BYTES = 4 << 20
 class ReadOptions:
     annotation_cutoff: bool = False
     max_response_bytes: int = 0  # 0: no limit
+    # Told the numeric response size as soon as it is known, before any window is built:
+    # the service refuses there a read whose response it could not hold for its client.
+    admit: Callable[[int], None] | None = None
 
 
 class Planner:
@@ -69,6 +72,8 @@ class Planner:
         out_bytes = _output_bytes(keymap, batch)  # refuse before building anything large
         if options.max_response_bytes and out_bytes > options.max_response_bytes:
             raise _too_big(out_bytes, options.max_response_bytes, len(samples))
+        if options.admit is not None:
+            options.admit(out_bytes)
         spans = await self._spans(keymap, batch, options)
         windows = self._windows(keymap, batch, spans, options)
         tables = {key: self._table(key, keymap, batch, windows) for key in sorted(keymap.zarr_keys)}

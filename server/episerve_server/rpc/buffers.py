@@ -68,6 +68,13 @@ class ResponseBuffers:
                 f"hold {held + nbytes} unsent bytes, over the limit of {self.max_per_peer} "
                 "(--max-buffered-bytes-per-peer): read the earlier responses, then retry")
 
+    def reserve(self, peer: str, nbytes: int) -> Callable[[object], None]:
+        """Count a response that is about to be built (its size known from the request), so
+        reads that arrive together are refused before the work, not after; returns the
+        release, to call once the real response is held (or the read failed)."""
+        self.admit(peer, nbytes)
+        return self.hold(peer, nbytes)
+
     def hold(self, peer: str, nbytes: int) -> Callable[[object], None]:
         """Count ``nbytes`` for ``peer``; returns the callback that releases them (once)."""
         self.total += nbytes

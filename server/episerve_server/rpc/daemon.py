@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import ctypes.util
+import gc
 import logging
 import signal
 import sys
@@ -105,6 +106,10 @@ async def start(config: ServerConfig, *, stats: Stats | None = None) -> Daemon:
     preflight.check(config)
     core = build_read_core(config, stats=stats)
     await core.catalog.scan()
+    # The catalog is long-lived: keep the collector from walking it on every full pass
+    # (a pass over a large catalog stalls every RPC), and collect less often.
+    gc.freeze()
+    gc.set_threshold(50_000, 50, 100)
     service = EpiserveService(config, core.catalog, core.planner, core.stats)
     metrics = _metrics(config, service)
     interceptors: list[grpc.aio.ServerInterceptor] = [LoggingInterceptor(metrics)]

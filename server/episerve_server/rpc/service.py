@@ -212,17 +212,24 @@ class EpiserveService:
         self.buffers.check(peer)
         self.inflight += 1
         start = time.perf_counter_ns()
+        reserved: list[Callable[[object], None]] = []
+
+        def admit(nbytes: int) -> None:
+            reserved.append(self.buffers.reserve(peer, nbytes))
+
         try:
-            data = await self._read(request)
+            data = await self._read(request, admit)
         finally:
             self.inflight -= 1
+            for release in reserved:
+                release(None)
         self.stats.read_ns += time.perf_counter_ns() - start
         # gRPC holds the response until the client's window lets it out: count it till then.
         self.buffers.admit(peer, len(data))
         context.add_done_callback(self.buffers.hold(peer, len(data)))
         return data
 
-    async def _read(self, request: bytes) -> bytes:
+    async def _read(self, request: bytes, admit: Callable[[int], None]) -> bytes:
         arrived = time.monotonic()
         call = convert.parse_read(request, self.limits)
         del request
@@ -231,7 +238,7 @@ class EpiserveService:
         limit = self.config.max_response_bytes
         if call.max_response_bytes:
             limit = min(limit, call.max_response_bytes)
-        options = ReadOptions(call.annotation_cutoff, limit)
+        options = ReadOptions(call.annotation_cutoff, limit, admit)
         try:
             result = await self.planner.read(keymap, call.samples, options)
         except EpisodeNotFound as exc:
