@@ -15,6 +15,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from episerve_client import errors
 from episerve_tools.launch import DaemonProcess
 from tests.support import ramp
+from tests.support.daemons import sample_of
 from tests.support.keymaps import BATCH, CASES, KEYMAPS
 from tests.support.served import assert_same_sample, oracle_of
 
@@ -34,20 +35,6 @@ def test_reads_equal_the_oracle(transport: str, name: str, cutoff: bool,
     for b, (episode, frame) in enumerate(BATCH):
         want = oracle_of(ramp_roots["sharded"], episode, frame, KEYMAPS[name], cutoff)
         assert_same_sample(sample_of(result, b), want, (name, b, episode, frame))
-
-
-def sample_of(result: Any, b: int) -> dict[str, Any]:
-    """Sample ``b`` of a client ``ReadResult`` in the oracle's form."""
-    out: dict[str, Any] = {k: v[b] for k, v in result.arrays.items()}
-    for name, (source, index) in result.images.items():
-        idx = index[b]
-        frames = result.frames[source]
-        out[name] = frames[int(idx)] if idx.ndim == 0 else [frames[int(k)] for k in idx]
-    for name, texts in result.texts.items():
-        out[name] = texts[b]
-    out.update(episode_hash=result.episodes[b], embodiment=result.embodiments[b],
-               fps=float(result.fps[b]), frame_index=int(result.frame_index[b]))
-    return out
 
 
 def test_health_serving_and_reflection_lists_the_service(

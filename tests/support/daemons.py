@@ -38,3 +38,17 @@ class SyncAsync:
     def close(self) -> None:
         self.loop.run_until_complete(self.inner.aclose())
         self.loop.close()
+
+
+def sample_of(result: Any, b: int) -> dict[str, Any]:
+    """Sample ``b`` of a client ``ReadResult`` in the oracle's form."""
+    out: dict[str, Any] = {k: v[b] for k, v in result.arrays.items()}
+    for name, (source, index) in result.images.items():
+        idx = index[b]
+        frames = result.frames[source]
+        out[name] = frames[int(idx)] if idx.ndim == 0 else [frames[int(k)] for k in idx]
+    for name, texts in result.texts.items():
+        out[name] = texts[b]
+    out.update(episode_hash=result.episodes[b], embodiment=result.embodiments[b],
+               fps=float(result.fps[b]), frame_index=int(result.frame_index[b]))
+    return out

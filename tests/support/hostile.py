@@ -578,25 +578,12 @@ class Victim:
         return measure(case, self.pid, self.poller, fn, self.alive)
 
 
-def sample_of(result: Any, b: int) -> dict[str, Any]:
-    """Sample ``b`` of a client ``ReadResult`` in the oracle's form."""
-    out: dict[str, Any] = {k: v[b] for k, v in result.arrays.items()}
-    for name, (source, index) in result.images.items():
-        idx = index[b]
-        frames = result.frames[source]
-        out[name] = frames[int(idx)] if idx.ndim == 0 else [frames[int(k)] for k in idx]
-    for name, texts in result.texts.items():
-        out[name] = texts[b]
-    out.update(episode_hash=result.episodes[b], embodiment=result.embodiments[b],
-               fps=float(result.fps[b]), frame_index=int(result.frame_index[b]))
-    return out
-
-
 def reference_problems(target: str, root: Path, keymap: dict[str, Any],
                        samples: Sequence[tuple[str, int]], timeout_s: float = 10.0) -> list[str]:
     """Read ``samples`` and compare each with the per-entry oracle; what went wrong."""
     from episerve_client import Client
     from episerve_client.errors import EpiserveError
+    from tests.support.daemons import sample_of
     from tests.support.served import assert_same_sample, oracle_of
 
     try:
