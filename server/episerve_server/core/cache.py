@@ -174,8 +174,12 @@ class ChunkCache:
             slot_bytes = int(np.prod(shape)) * 4
             if len(self._slabs) >= MAX_SLABS or slot_bytes > self.budget_bytes:
                 return -1
+            try:
+                slab = _Slab(shape, self.budget_bytes // slot_bytes)
+            except (OSError, ValueError, MemoryError):
+                return -1  # the reservation was refused (strict overcommit): not cached
             sid = self._slab_of[shape] = len(self._slabs)
-            self._slabs.append(_Slab(shape, self.budget_bytes // slot_bytes))
+            self._slabs.append(slab)
         return sid
 
     def slab_data(self, slab: int) -> np.ndarray:
