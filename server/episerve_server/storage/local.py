@@ -62,6 +62,9 @@ class ObjectTooLarge(Refused):
     """The object is larger than the cap for it."""
 
 
+MAX_REMEMBERED_DIRS = 1 << 16
+
+
 class ConfinedLocalStore(LocalStore):
     """A read-only ``LocalStore`` that serves only regular files inside its root."""
 
@@ -72,6 +75,10 @@ class ConfinedLocalStore(LocalStore):
             raise ValueError("ConfinedLocalStore is read-only")
         super().__init__(root, read_only=True)
         self.real_root = os.path.realpath(self.root)
+        # Real paths of folders already resolved: a chunk's check is then one lstat, not a
+        # walk of every component. (A folder swapped for a link out of the root after it was
+        # first seen is still caught by the check of the opened descriptor.)
+        self._real_dirs: dict[str, str] = {}
         self.max_metadata_bytes = max_metadata_bytes
         self.max_object_bytes = max_object_bytes
 
@@ -112,7 +119,11 @@ class ConfinedLocalStore(LocalStore):
     def read_sync(self, key: str, byte_range: ByteRequest | None, cap: int) -> bytes | None:
         """The bytes of ``key`` (or a range of them); None if there is no such file."""
         path = os.path.join(self.root, key)
-        if not self.inside(os.path.realpath(path)):  # before opening: no outside device opens
+        try:
+            real = self._real_path(path)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        if not self.inside(real):  # before opening: no outside device opens
             raise OutsideRoot(key, f"resolves outside the dataset root {self.real_root!r}")
         try:
             fd = os.open(path, _FLAGS)
@@ -122,6 +133,19 @@ class ConfinedLocalStore(LocalStore):
             return self._read_fd(key, fd, byte_range, cap)
         finally:
             os.close(fd)
+
+    def _real_path(self, path: str) -> str:
+        """``os.path.realpath(path)``, with the folder part remembered between calls."""
+        folder, name = os.path.split(path)
+        real_folder = self._real_dirs.get(folder)
+        if real_folder is None:
+            real_folder = os.path.realpath(folder)
+            if len(self._real_dirs) >= MAX_REMEMBERED_DIRS:
+                self._real_dirs.clear()
+            self._real_dirs[folder] = real_folder
+        if stat.S_ISLNK(os.lstat(path).st_mode):
+            return os.path.realpath(path)
+        return os.path.join(real_folder, name)
 
     def _read_fd(self, key: str, fd: int, byte_range: ByteRequest | None, cap: int) -> bytes:
         st = os.fstat(fd)
