@@ -51,7 +51,9 @@ class ServerConfig:
     max_batch: int = 4096
     max_window: int = 1024
     max_response_bytes: int = 64 * 2**20
-    max_concurrent_reads: int = 64
+    # 8 ranks x 8 DataLoader workers, validation loaders and a load tool, with room to spare;
+    # the bytes they may hold are bounded by the buffered-response budget, not by this.
+    max_concurrent_reads: int = 128
     grace_s: float = 10.0
     rescan_s: float = 30.0
     metrics_port: int = 0
@@ -213,7 +215,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-window", type=int, help="longest window per entry (default 1024)")
     p.add_argument("--max-response-bytes", help="largest response (default 64MiB)")
     p.add_argument("--max-concurrent-reads", type=int, help="Reads in flight before "
-                   "RESOURCE_EXHAUSTED (default 64)")
+                   "RESOURCE_EXHAUSTED (default 128: 8 ranks x 8 workers with headroom)")
     p.add_argument("--grace-s", type=float, help="drain time on SIGTERM (default 10)")
     p.add_argument("--rescan-s", type=float, help="rescan the root this often; 0: only "
                    "on ListEpisodes (default 30)")
