@@ -4,6 +4,7 @@ environment variables, then defaults. Nothing else in the server reads ``os.envi
 from __future__ import annotations
 
 import argparse
+import difflib
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -202,9 +203,26 @@ class _Parser(argparse.ArgumentParser):
         raise ValueError(f"{message} (see episerve serve --help)")
 
 
+def unknown_settings(environ: Mapping[str, str]) -> list[str]:
+    """``EPISERVE_*`` variables that name no setting, each with the nearest one if any."""
+    known = sorted(f.name.upper() for f in fields(ServerConfig))
+    out = []
+    for name in sorted(k for k in environ if k.startswith(ENV_PREFIX)):
+        setting = name[len(ENV_PREFIX):]
+        if setting in known:
+            continue
+        near = difflib.get_close_matches(setting, known, n=1)  # the prefix would match all
+        out.append(f"{name} (did you mean {ENV_PREFIX}{near[0]}?)" if near else name)
+    return out
+
+
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="episerve serve", description="Run the read daemon.",
-                argument_default=None)
+                argument_default=None,
+                epilog=f"Every flag can also be set in the environment as {ENV_PREFIX}<FLAG> "
+                       f"(--cache-bytes as {ENV_PREFIX}CACHE_BYTES=4GiB); a flag given on "
+                       f"the command line wins. An unknown {ENV_PREFIX}* variable is "
+                       "reported at start-up.")
     p.add_argument("root", nargs="?", help=f"dataset root: a folder or s3:// URL "
                    f"(default {DEFAULT_ROOT}, written on first use)")
     p.add_argument("--host", help="TCP host (default 127.0.0.1)")

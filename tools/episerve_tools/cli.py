@@ -6,13 +6,17 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from importlib import metadata
 from pathlib import Path
 
-from episerve_server.config import DEFAULT_ROOT, ServerConfig
+from episerve_server.config import DEFAULT_ROOT, ServerConfig, unknown_settings
 
 DEMO_EPISODES = 24
 
 USAGE = """usage: episerve COMMAND [ARGS]
+
+options:
+  -V, --version       print the version and exit
 
 commands:
   serve ROOT          run the read daemon (episerve serve --help)
@@ -35,6 +39,9 @@ def ensure_demo_dataset(root: str | Path = DEFAULT_ROOT, episodes: int = DEMO_EP
 
 def _serve(argv: Sequence[str]) -> int:
     """Run the daemon. A setting it cannot run with is one line on stderr and exit code 2."""
+    for name in unknown_settings(os.environ):
+        print(f"episerve serve: warning: ignoring {name}: it names no setting",
+              file=sys.stderr)
     try:
         config = ServerConfig.from_args(argv, os.environ)
     except ValueError as exc:
@@ -78,11 +85,21 @@ def _make_dataset(argv: Sequence[str]) -> int:
     return 0
 
 
+def _version() -> str:
+    try:
+        return metadata.version("episerve")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in {"-h", "--help", "help"}:
         print(USAGE)
         return 0 if args else 2
+    if args[0] in {"-V", "--version"}:
+        print(f"episerve {_version()}")
+        return 0
     command, rest = args[0], args[1:]
     if command == "serve":
         return _serve(rest)

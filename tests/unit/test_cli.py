@@ -1,0 +1,40 @@
+"""The `episerve` command's own options and its start-up warnings."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from importlib import metadata
+
+from episerve_server.config import unknown_settings
+
+
+def test_version_is_the_installed_distributions() -> None:
+    done = subprocess.run([sys.executable, "-m", "episerve_tools.cli", "--version"],
+                          capture_output=True, text=True, timeout=60, check=True)
+    assert done.stdout.strip() == f"episerve {metadata.version('episerve')}"
+
+
+def test_unknown_settings_are_named_with_the_nearest_one() -> None:
+    env = {"EPISERVE_CACHE_BYTS": "1GiB", "EPISERVE_PORT": "1", "EPISERVE_ZZZ": "x",
+           "HOME": "/root"}
+    assert unknown_settings(env) == [
+        "EPISERVE_CACHE_BYTS (did you mean EPISERVE_CACHE_BYTES?)", "EPISERVE_ZZZ"]
+
+
+def test_serve_warns_of_a_misspelt_variable_before_anything_else() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "episerve_tools.cli", "serve", "--port", "99999"],
+        capture_output=True, text=True, timeout=60,
+        env={"EPISERVE_CACHE_BYTS": "1GiB", "PATH": "/usr/bin:/bin"})
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2
+    assert lines[0] == ("episerve serve: warning: ignoring EPISERVE_CACHE_BYTS (did you mean "
+                        "EPISERVE_CACHE_BYTES?): it names no setting")
+    assert "99999" in lines[1] and len(lines) == 2
+
+
+def test_serve_help_names_the_environment() -> None:
+    done = subprocess.run([sys.executable, "-m", "episerve_tools.cli", "serve", "--help"],
+                          capture_output=True, text=True, timeout=60, check=True)
+    assert "EPISERVE_<FLAG>" in done.stdout
