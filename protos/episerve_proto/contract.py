@@ -10,7 +10,7 @@ PACKAGE = "episerve.v1"
 SERVICE_NAME = f"{PACKAGE}.EpiServe"
 #: The prefix of every method path: ``SERVICE_PATH + "Read"``.
 SERVICE_PATH = f"/{SERVICE_NAME}/"
-METHODS = ("ListEpisodes", "RegisterKeymap", "Read", "GetStats")
+METHODS = ("ListEpisodes", "RegisterKeymap", "Read", "GetStats", "GetKeyStats", "GetTopology")
 
 #: Trailers of an error answer: the error's class name, then the episode and the key (UTF-8).
 ERROR_TRAILER = "episerve-error"

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KeySpec(_message.Message):
-    __slots__ = ("name", "zarr_key", "key_type", "horizon", "history", "history_stride", "history_stride_s", "lag_s")
+    __slots__ = ("name", "zarr_key", "key_type", "horizon", "history", "history_stride", "history_stride_s", "lag_s", "offsets_s")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ZARR_KEY_FIELD_NUMBER: _ClassVar[int]
     KEY_TYPE_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class KeySpec(_message.Message):
     HISTORY_STRIDE_FIELD_NUMBER: _ClassVar[int]
     HISTORY_STRIDE_S_FIELD_NUMBER: _ClassVar[int]
     LAG_S_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_S_FIELD_NUMBER: _ClassVar[int]
     name: str
     zarr_key: str
     key_type: str
@@ -24,7 +25,8 @@ class KeySpec(_message.Message):
     history_stride: int
     history_stride_s: float
     lag_s: float
-    def __init__(self, name: _Optional[str] = ..., zarr_key: _Optional[str] = ..., key_type: _Optional[str] = ..., horizon: _Optional[int] = ..., history: _Optional[int] = ..., history_stride: _Optional[int] = ..., history_stride_s: _Optional[float] = ..., lag_s: _Optional[float] = ...) -> None: ...
+    offsets_s: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, name: _Optional[str] = ..., zarr_key: _Optional[str] = ..., key_type: _Optional[str] = ..., horizon: _Optional[int] = ..., history: _Optional[int] = ..., history_stride: _Optional[int] = ..., history_stride_s: _Optional[float] = ..., lag_s: _Optional[float] = ..., offsets_s: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Keymap(_message.Message):
     __slots__ = ("entries",)
@@ -45,20 +47,32 @@ class RegisterKeymapResponse(_message.Message):
     def __init__(self, keymap_id: _Optional[str] = ...) -> None: ...
 
 class ReadRequest(_message.Message):
-    __slots__ = ("keymap", "keymap_id", "episodes", "frames", "annotation_cutoff", "max_response_bytes")
+    __slots__ = ("keymap", "keymap_id", "episodes", "frames", "annotation_cutoff", "max_response_bytes", "all_masks", "prefetch")
     KEYMAP_FIELD_NUMBER: _ClassVar[int]
     KEYMAP_ID_FIELD_NUMBER: _ClassVar[int]
     EPISODES_FIELD_NUMBER: _ClassVar[int]
     FRAMES_FIELD_NUMBER: _ClassVar[int]
     ANNOTATION_CUTOFF_FIELD_NUMBER: _ClassVar[int]
     MAX_RESPONSE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ALL_MASKS_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_FIELD_NUMBER: _ClassVar[int]
     keymap: Keymap
     keymap_id: str
     episodes: _containers.RepeatedScalarFieldContainer[str]
     frames: _containers.RepeatedScalarFieldContainer[int]
     annotation_cutoff: bool
     max_response_bytes: int
-    def __init__(self, keymap: _Optional[_Union[Keymap, _Mapping]] = ..., keymap_id: _Optional[str] = ..., episodes: _Optional[_Iterable[str]] = ..., frames: _Optional[_Iterable[int]] = ..., annotation_cutoff: _Optional[bool] = ..., max_response_bytes: _Optional[int] = ...) -> None: ...
+    all_masks: bool
+    prefetch: Samples
+    def __init__(self, keymap: _Optional[_Union[Keymap, _Mapping]] = ..., keymap_id: _Optional[str] = ..., episodes: _Optional[_Iterable[str]] = ..., frames: _Optional[_Iterable[int]] = ..., annotation_cutoff: _Optional[bool] = ..., max_response_bytes: _Optional[int] = ..., all_masks: _Optional[bool] = ..., prefetch: _Optional[_Union[Samples, _Mapping]] = ...) -> None: ...
+
+class Samples(_message.Message):
+    __slots__ = ("episodes", "frames")
+    EPISODES_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    episodes: _containers.RepeatedScalarFieldContainer[str]
+    frames: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, episodes: _Optional[_Iterable[str]] = ..., frames: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Tensor(_message.Message):
     __slots__ = ("name", "dtype", "shape", "data")
@@ -107,7 +121,7 @@ class TextColumn(_message.Message):
     def __init__(self, name: _Optional[str] = ..., samples: _Optional[_Iterable[_Union[Texts, _Mapping]]] = ...) -> None: ...
 
 class ReadResponse(_message.Message):
-    __slots__ = ("episodes", "frame_index", "fps", "embodiments", "arrays", "images", "frames", "texts")
+    __slots__ = ("episodes", "frame_index", "fps", "embodiments", "arrays", "images", "frames", "texts", "total_frames")
     EPISODES_FIELD_NUMBER: _ClassVar[int]
     FRAME_INDEX_FIELD_NUMBER: _ClassVar[int]
     FPS_FIELD_NUMBER: _ClassVar[int]
@@ -116,6 +130,7 @@ class ReadResponse(_message.Message):
     IMAGES_FIELD_NUMBER: _ClassVar[int]
     FRAMES_FIELD_NUMBER: _ClassVar[int]
     TEXTS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FRAMES_FIELD_NUMBER: _ClassVar[int]
     episodes: _containers.RepeatedScalarFieldContainer[str]
     frame_index: _containers.RepeatedScalarFieldContainer[int]
     fps: _containers.RepeatedScalarFieldContainer[float]
@@ -124,18 +139,21 @@ class ReadResponse(_message.Message):
     images: _containers.RepeatedCompositeFieldContainer[ImageColumn]
     frames: _containers.RepeatedCompositeFieldContainer[FrameSource]
     texts: _containers.RepeatedCompositeFieldContainer[TextColumn]
-    def __init__(self, episodes: _Optional[_Iterable[str]] = ..., frame_index: _Optional[_Iterable[int]] = ..., fps: _Optional[_Iterable[float]] = ..., embodiments: _Optional[_Iterable[str]] = ..., arrays: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., images: _Optional[_Iterable[_Union[ImageColumn, _Mapping]]] = ..., frames: _Optional[_Iterable[_Union[FrameSource, _Mapping]]] = ..., texts: _Optional[_Iterable[_Union[TextColumn, _Mapping]]] = ...) -> None: ...
+    total_frames: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, episodes: _Optional[_Iterable[str]] = ..., frame_index: _Optional[_Iterable[int]] = ..., fps: _Optional[_Iterable[float]] = ..., embodiments: _Optional[_Iterable[str]] = ..., arrays: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., images: _Optional[_Iterable[_Union[ImageColumn, _Mapping]]] = ..., frames: _Optional[_Iterable[_Union[FrameSource, _Mapping]]] = ..., texts: _Optional[_Iterable[_Union[TextColumn, _Mapping]]] = ..., total_frames: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ListEpisodesRequest(_message.Message):
-    __slots__ = ("page_token", "page_size")
+    __slots__ = ("page_token", "page_size", "brief")
     PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BRIEF_FIELD_NUMBER: _ClassVar[int]
     page_token: str
     page_size: int
-    def __init__(self, page_token: _Optional[str] = ..., page_size: _Optional[int] = ...) -> None: ...
+    brief: bool
+    def __init__(self, page_token: _Optional[str] = ..., page_size: _Optional[int] = ..., brief: _Optional[bool] = ...) -> None: ...
 
 class EpisodeInfo(_message.Message):
-    __slots__ = ("hash", "total_frames", "fps", "embodiment", "features_json", "attrs_json", "arrays")
+    __slots__ = ("hash", "total_frames", "fps", "embodiment", "features_json", "attrs_json", "arrays", "content_hash")
     HASH_FIELD_NUMBER: _ClassVar[int]
     TOTAL_FRAMES_FIELD_NUMBER: _ClassVar[int]
     FPS_FIELD_NUMBER: _ClassVar[int]
@@ -143,6 +161,7 @@ class EpisodeInfo(_message.Message):
     FEATURES_JSON_FIELD_NUMBER: _ClassVar[int]
     ATTRS_JSON_FIELD_NUMBER: _ClassVar[int]
     ARRAYS_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_HASH_FIELD_NUMBER: _ClassVar[int]
     hash: str
     total_frames: int
     fps: float
@@ -150,7 +169,8 @@ class EpisodeInfo(_message.Message):
     features_json: str
     attrs_json: str
     arrays: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, hash: _Optional[str] = ..., total_frames: _Optional[int] = ..., fps: _Optional[float] = ..., embodiment: _Optional[str] = ..., features_json: _Optional[str] = ..., attrs_json: _Optional[str] = ..., arrays: _Optional[_Iterable[str]] = ...) -> None: ...
+    content_hash: str
+    def __init__(self, hash: _Optional[str] = ..., total_frames: _Optional[int] = ..., fps: _Optional[float] = ..., embodiment: _Optional[str] = ..., features_json: _Optional[str] = ..., attrs_json: _Optional[str] = ..., arrays: _Optional[_Iterable[str]] = ..., content_hash: _Optional[str] = ...) -> None: ...
 
 class BrokenEpisode(_message.Message):
     __slots__ = ("hash", "reason")
@@ -203,3 +223,51 @@ class GetStatsResponse(_message.Message):
     counters: _containers.ScalarMap[str, int]
     episodes: _containers.MessageMap[str, EpisodeCounters]
     def __init__(self, counters: _Optional[_Mapping[str, int]] = ..., episodes: _Optional[_Mapping[str, EpisodeCounters]] = ...) -> None: ...
+
+class KeyStatsRequest(_message.Message):
+    __slots__ = ("keys", "episodes")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    EPISODES_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    episodes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, keys: _Optional[_Iterable[str]] = ..., episodes: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class KeyStats(_message.Message):
+    __slots__ = ("key", "count", "episodes", "mean", "std", "min", "max", "q01", "q99")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    EPISODES_FIELD_NUMBER: _ClassVar[int]
+    MEAN_FIELD_NUMBER: _ClassVar[int]
+    STD_FIELD_NUMBER: _ClassVar[int]
+    MIN_FIELD_NUMBER: _ClassVar[int]
+    MAX_FIELD_NUMBER: _ClassVar[int]
+    Q01_FIELD_NUMBER: _ClassVar[int]
+    Q99_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    count: int
+    episodes: int
+    mean: Tensor
+    std: Tensor
+    min: Tensor
+    max: Tensor
+    q01: Tensor
+    q99: Tensor
+    def __init__(self, key: _Optional[str] = ..., count: _Optional[int] = ..., episodes: _Optional[int] = ..., mean: _Optional[_Union[Tensor, _Mapping]] = ..., std: _Optional[_Union[Tensor, _Mapping]] = ..., min: _Optional[_Union[Tensor, _Mapping]] = ..., max: _Optional[_Union[Tensor, _Mapping]] = ..., q01: _Optional[_Union[Tensor, _Mapping]] = ..., q99: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class KeyStatsResponse(_message.Message):
+    __slots__ = ("stats",)
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    stats: _containers.RepeatedCompositeFieldContainer[KeyStats]
+    def __init__(self, stats: _Optional[_Iterable[_Union[KeyStats, _Mapping]]] = ...) -> None: ...
+
+class GetTopologyRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Topology(_message.Message):
+    __slots__ = ("workers", "routing")
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    ROUTING_FIELD_NUMBER: _ClassVar[int]
+    workers: _containers.RepeatedScalarFieldContainer[str]
+    routing: str
+    def __init__(self, workers: _Optional[_Iterable[str]] = ..., routing: _Optional[str] = ...) -> None: ...

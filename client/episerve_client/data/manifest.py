@@ -1,0 +1,141 @@
+"""``Manifest``: the pinned, ordered episode set a dataset's global index is built on.
+
+A dataset built from a manifest maps global index ``g`` to the same (episode, frame) for as
+long as the manifest lives, whatever the daemon picks up or drops meanwhile: ranks, workers
+and resumed runs that share a manifest share the index. Episodes are ordered by hash (SPEC
+"Global index"); ``digest`` is a short content hash of the whole list, cheap to compare
+between ranks or against a checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from episerve_client.errors import InvalidArgument
+
+FORMAT = "episerve.manifest/1"
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    """Episodes as ``(hash, total_frames)``, sorted by hash, each hash once."""
+
+    episodes: tuple[tuple[str, int], ...]
+    _starts: np.ndarray = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        seen: set[str] = set()
+        for entry in self.episodes:
+            if (not isinstance(entry, tuple) or len(entry) != 2 or not isinstance(entry[0], str)
+                    or isinstance(entry[1], bool) or not isinstance(entry[1], int)):
+                raise InvalidArgument(
+                    f"a manifest entry is (episode hash, total_frames), got {entry!r}")
+            h, total = entry
+            if total < 1:
+                raise InvalidArgument(
+                    f"manifest episode {h!r}: total_frames must be >= 1, got {total!r}",
+                    episode=h)
+            if h in seen:
+                raise InvalidArgument(f"manifest lists episode {h!r} twice", episode=h)
+            seen.add(h)
+        if list(self.episodes) != sorted(self.episodes):
+            raise InvalidArgument("manifest episodes must be sorted by hash")
+        lengths = np.array([t for _, t in self.episodes], np.int64)
+        object.__setattr__(self, "_starts", np.concatenate([[0], np.cumsum(lengths)]))
+
+    @classmethod
+    def of(cls, episodes: Iterable[tuple[str, int]]) -> Manifest:
+        """From (hash, total_frames) pairs in any order."""
+        return cls(tuple(sorted((str(h), int(t)) for h, t in episodes)))
+
+    # -- the index ------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        """Samples (the sum of every episode's T), as the dataset's ``len``."""
+        return int(self._starts[-1])
+
+    @property
+    def hashes(self) -> tuple[str, ...]:
+        return tuple(h for h, _ in self.episodes)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Each episode's T, in manifest order (int64)."""
+        return np.diff(self._starts)
+
+    @property
+    def starts(self) -> np.ndarray:
+        """The global index of each episode's frame 0, then ``len`` (int64, read-only)."""
+        view = self._starts.view()
+        view.flags.writeable = False
+        return view
+
+    def locate(self, g: int) -> tuple[str, int]:
+        """Global index -> (episode hash, frame)."""
+        if not 0 <= g < len(self):
+            raise IndexError(f"index {g} is outside [0, {len(self)})")
+        e = int(np.searchsorted(self._starts, g, side="right")) - 1
+        return self.episodes[e][0], g - int(self._starts[e])
+
+    def subset(self, hashes: Sequence[str]) -> Manifest:
+        """The manifest of some of its episodes (for example a train/val split)."""
+        by_hash = dict(self.episodes)
+        missing = [h for h in hashes if h not in by_hash]
+        if missing:
+            raise InvalidArgument(
+                f"episode {missing[0]!r} is not in the manifest ({len(by_hash)} episodes, "
+                f"digest {self.digest})", episode=missing[0])
+        return Manifest.of((h, by_hash[h]) for h in hashes)
+
+    # -- identity and files -----------------------------------------------------------------
+
+    @property
+    def digest(self) -> str:
+        """16 hex digits of SHA-256 over the canonical JSON of the entries."""
+        body = json.dumps([list(e) for e in self.episodes], separators=(",", ":"))
+        return hashlib.sha256(body.encode()).hexdigest()[:16]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": FORMAT, "digest": self.digest,
+                "episodes": [[h, t] for h, t in self.episodes]}
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> Manifest:
+        if not isinstance(raw, Mapping) or raw.get("format") != FORMAT:
+            got = raw.get("format") if isinstance(raw, Mapping) else raw
+            raise InvalidArgument(f"not an episerve manifest: format is {got!r}, "
+                                  f"expected {FORMAT!r}")
+        entries = raw.get("episodes")
+        if not isinstance(entries, list):
+            raise InvalidArgument(f"manifest 'episodes' must be a list, got {entries!r:.80}")
+        manifest = cls(tuple(tuple(e) if isinstance(e, list) else e for e in entries))
+        if "digest" in raw and raw["digest"] != manifest.digest:
+            raise InvalidArgument(
+                f"manifest digest {raw['digest']!r} does not match its episodes "
+                f"({manifest.digest!r}): the file was edited or is corrupt")
+        return manifest
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        tmp.replace(path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> Manifest:
+        path = Path(path)
+        try:
+            raw = json.loads(path.read_text())
+        except OSError as exc:
+            raise InvalidArgument(f"cannot read manifest {str(path)!r}: {exc}") from exc
+        except ValueError as exc:
+            raise InvalidArgument(f"manifest {str(path)!r} is not JSON: {exc}") from exc
+        return cls.from_dict(raw)
