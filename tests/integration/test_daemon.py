@@ -37,6 +37,29 @@ def test_reads_equal_the_oracle(transport: str, name: str, cutoff: bool,
         assert_same_sample(sample_of(result, b), want, (name, b, episode, frame))
 
 
+@pytest.mark.parametrize("transport", ["tcp", "unix"])
+@pytest.mark.parametrize("cutoff", [False, True])
+@pytest.mark.parametrize("name", ["offsets", "mecka_keypoints_k4", "camera_history"])
+def test_all_masks_reads_equal_the_oracle(transport: str, name: str, cutoff: bool,
+                                          shared_daemons: dict[str, DaemonProcess],
+                                          ramp_roots: dict[str, Path], make_client: Any) -> None:
+    """masks="all" through the real daemon: ``<output>_is_pad`` (bool) for every window,
+    camera windows included, and total_frames, against the oracle's per-entry masks."""
+    client = make_client(shared_daemons[transport].target)
+    result = client.read(KEYMAPS[name], BATCH, annotation_cutoff=cutoff, all_masks=True)
+    assert result.total_frames is not None
+    totals = {h: total for h, _, total, _ in ramp.RAMP_DATASET}
+    assert result.total_frames.tolist() == [totals[h] for h, _ in BATCH]
+    for b, (episode, frame) in enumerate(BATCH):
+        want = oracle_of(ramp_roots["sharded"], episode, frame, KEYMAPS[name], cutoff, True)
+        assert_same_sample(sample_of(result, b), want, (name, b, episode, frame))
+    pads = [k for k in result.arrays if k.endswith("_is_pad")]
+    assert pads and all(result.arrays[k].dtype == np.bool_ for k in pads)
+    assert any(result.arrays[k].any() for k in pads)  # some rows really are padding
+    plain = client.read(KEYMAPS[name], BATCH, annotation_cutoff=cutoff)
+    assert plain.total_frames is None and not set(pads) & set(plain.arrays)
+
+
 def test_health_serving_and_reflection_lists_the_service(
         shared_daemons: dict[str, DaemonProcess]) -> None:
     with _channel(shared_daemons["tcp"].target) as ch:
