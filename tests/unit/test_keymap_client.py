@@ -41,7 +41,7 @@ def test_the_daemon_parses_what_the_client_sends_as_the_keymap_itself(
 
 
 def test_history_stride_one_travels_and_is_checked() -> None:
-    with pytest.raises(KeymapError, match="'history_stride'.*without 'history'"):
+    with pytest.raises(KeymapError, match=r"'history_stride'.*without 'history'"):
         through_the_wire({"a": entry(history_stride=1)})
 
 
