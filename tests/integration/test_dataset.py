@@ -72,6 +72,7 @@ CASES = [
     ("camera_history", False, "fork", True),
     ("history_one", False, "fork", False),
     ("annotations", True, "fork", False),
+    ("offsets", True, "fork", False),
 ]
 
 
