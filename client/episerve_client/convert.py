@@ -71,9 +71,11 @@ def keymap_message(keymap: Mapping[str, Mapping[str, Any]]) -> Any:
         for key in spec:
             if key not in KEYMAP_FIELDS:
                 hint = did_you_mean(key, KEYMAP_FIELDS) if isinstance(key, str) else ""
+                zarr_key = spec.get("zarr_key")
                 raise KeymapError(
                     f"output key {shown(name)}: unknown field {shown(key)}{hint} "
-                    f"(the fields are {', '.join(KEYMAP_FIELDS)})")
+                    f"(the fields are {', '.join(KEYMAP_FIELDS)})",
+                    key=zarr_key if isinstance(zarr_key, str) else "")
         entry = msg.entries.add(name=str(name))
         for opt in ("zarr_key", "key_type", *WINDOW_FIELDS, *LIST_FIELDS):
             value = spec.get(opt)

@@ -40,6 +40,14 @@ def test_the_daemon_parses_what_the_client_sends_as_the_keymap_itself(
     assert through_the_wire(keymap) == Keymap.parse(local)
 
 
+def test_unknown_fields_name_the_zarr_key_on_both_sides() -> None:
+    spec = {"a": entry(horizen=10)}
+    for parse in (keymap_message, Keymap.parse):
+        with pytest.raises(KeymapError) as info:
+            parse(spec)
+        assert info.value.key == "obs_head_pose"
+
+
 def test_history_stride_one_travels_and_is_checked() -> None:
     with pytest.raises(KeymapError, match=r"'history_stride'.*without 'history'"):
         through_the_wire({"a": entry(history_stride=1)})

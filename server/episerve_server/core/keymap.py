@@ -188,9 +188,11 @@ def _parse_entry(name: object, spec: object) -> KeySpec:
             f"output key {shown(name)}: the spec must be a mapping, got {shown(spec)}")
     for field in spec:
         if field not in _FIELDS:
+            key = spec.get("zarr_key")
             raise KeymapError(
                 f"output key {shown(name)}: unknown field {shown(field)}{_hint(field)} "
-                f"(the fields are {', '.join(KEYMAP_FIELDS)})")
+                f"(the fields are {', '.join(KEYMAP_FIELDS)})",
+                key=key if isinstance(key, str) else "")
     zarr_key = spec.get("zarr_key")
     if isinstance(zarr_key, str):
         _check_length(f"output key {shown(name)}: zarr_key", zarr_key)
