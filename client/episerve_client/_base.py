@@ -19,7 +19,13 @@ from typing import Any, TypeAlias
 import numpy as np
 
 from episerve_client import convert
-from episerve_client.channel import TLS, check_token_transport, note_grpc_use, parse_targets
+from episerve_client.channel import (
+    TLS,
+    check_token_transport,
+    check_unix_target,
+    note_grpc_use,
+    parse_targets,
+)
 from episerve_client.convert import ReadResult
 from episerve_client.errors import (
     DataLossError,
@@ -135,6 +141,8 @@ class BaseClient:
             self._channels, self._pid = {}, os.getpid()
         channel = self._channels.get(target)
         if channel is None:
+            if self.wait_for_ready:  # one daemon: a missing socket fails now, not at the deadline
+                check_unix_target(target)
             note_grpc_use()
             channel = self._channels[target] = self._open_channel(target)
         return channel

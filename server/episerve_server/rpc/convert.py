@@ -89,6 +89,18 @@ def parse_list(data: bytes) -> PageRequest:
     return PageRequest(req.page_token, max(0, req.page_size))
 
 
+def read_batch_size(data: object) -> int:
+    """The samples a Read request asks for (for its log line); 0 if it does not parse."""
+    if not isinstance(data, bytes):
+        return 0
+    req = pb.ReadRequest()
+    try:
+        req.ParseFromString(data)
+    except (DecodeError, RuntimeError, ValueError):
+        return 0
+    return len(req.frames)
+
+
 def parse_register(data: bytes, limits: Limits) -> tuple[Keymap, int]:
     """The keymap and its size in bytes as received."""
     req = _parse(pb.RegisterKeymapRequest(), data, "RegisterKeymap")
