@@ -24,7 +24,7 @@ def test_unix_path(target: str, path: str | None) -> None:
 def test_a_missing_socket_fails_within_a_second_naming_it(tmp_path: Path) -> None:
     target = f"unix:{tmp_path / 'nope.sock'}"
     start = time.monotonic()
-    with pytest.raises(Unavailable, match="nope.sock' does not exist") as info:
+    with pytest.raises(Unavailable, match=r"nope\.sock' does not exist") as info:
         Client(target, timeout_s=30).list_episodes()
     assert time.monotonic() - start < 1.0
     assert info.value.target == target
@@ -49,6 +49,6 @@ def test_a_dataset_over_a_missing_socket_fails_fast(tmp_path: Path) -> None:
 
     keymap = {"k": {"zarr_key": "left.obs_keypoints", "key_type": "proprio_keys"}}
     start = time.monotonic()
-    with pytest.raises(Unavailable, match="gone.sock"):
+    with pytest.raises(Unavailable, match=r"gone\.sock"):
         WindowDataset(f"unix:{tmp_path / 'gone.sock'}", keymap)
     assert time.monotonic() - start < 5.0  # a child interpreter's start-up, not 15 s
