@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import fnmatch
+import hashlib
 import json
 import logging
 import math
@@ -74,6 +75,7 @@ class Episode:
     readers: dict[str, ChunkReader]
     problems: dict[str, str] = field(default_factory=dict)
     spans: dict[str, list[Span]] = field(default_factory=dict)
+    content_hash: str = ""  # 16 hex digits over the group's attributes and array metadata
 
     @property
     def features(self) -> dict[str, Any]:
@@ -207,6 +209,7 @@ async def open_episode(store: CountingStore, name: str, *,
     total, fps, embodiment = _core_attrs(name, attrs)
     episode = Episode(name, total, fps, embodiment, _kept_attrs(attrs), {})
     members = await asyncio.gather(*(group.getitem(k) for k in keys), return_exceptions=True)
+    episode.content_hash = content_hash(attrs, keys, members)
     for key, member in zip(keys, members):
         if isinstance(member, Unavailable):
             raise member
@@ -220,6 +223,19 @@ async def open_episode(store: CountingStore, name: str, *,
                 f"{_said(member)})"
             )
     return episode
+
+
+def content_hash(attrs: Mapping[str, Any], keys: Iterable[str], members: Iterable[object]) -> str:
+    """16 hex digits of sha256 over the group's attributes and each array's metadata
+    document (shape, chunks, codecs, dtype): it changes when the episode is rewritten."""
+    digest = hashlib.sha256(json.dumps(attrs, sort_keys=True, default=str).encode())
+    for key, member in zip(keys, members):
+        if isinstance(member, AsyncArray):
+            meta = json.dumps(member.metadata.to_dict(), sort_keys=True, default=str)
+            digest.update(f"\0{key}\0{meta}".encode())
+        else:  # unreadable: its error is part of what the episode serves
+            digest.update(f"\0{key}\0!{type(member).__name__}".encode())
+    return digest.hexdigest()[:16]
 
 
 def _said(exc: BaseException) -> str:
