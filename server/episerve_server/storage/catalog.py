@@ -44,6 +44,18 @@ log = logging.getLogger(__name__)
 
 SUFFIX = ".zarr"
 MAX_ARRAYS = 4096  # entries of one episode folder
+#: Attribute values shared between episodes (``features``, ``intrinsics``...): at most this
+#: many distinct ones, each at most ``MAX_SHARED_VALUE_BYTES`` of JSON.
+MAX_SHARED_VALUES = 4096
+MAX_SHARED_VALUE_BYTES = 64 * 2**10
+#: Episodes opened at once by a rescan while the daemon serves. Opening parses zarr
+#: metadata on the event loop in steps of 1-3 ms; each episode in flight adds its ready
+#: steps to every loop iteration, so at 32 a Read waited up to 220 ms behind them, at 4
+#: under 20 ms, and the scan itself got faster (less contention). The first scan, before
+#: serving, keeps ``open_limit``. (Opening on a thread with its own loop was measured
+#: too, and was worse: a CPU-bound thread makes the loop wait up to the 5 ms GIL switch
+#: interval after every poll.)
+RESCAN_OPEN_LIMIT = 4
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,199}")
 
 
@@ -101,6 +113,8 @@ class Catalog:
         self.broken: dict[str, str] = {}
         self._retry: set[str] = set()  # broken by a storage timeout: opened again next scan
         self._scan_lock = asyncio.Lock()
+        self._shared: dict[str, Any] = {}  # canonical JSON -> the one parsed value kept
+        self._scans = 0
 
     def allowed(self, episode_id: str) -> bool:
         return not self.allow or any(fnmatch.fnmatchcase(episode_id, p) for p in self.allow)
@@ -141,18 +155,36 @@ class Catalog:
         async with self._scan_lock:
             names = await self._list()
             removed = sorted((set(self.episodes) | set(self.broken)) - names)
-            for name in removed:
+            for name in removed:  # one at a time: a Read waits for one drop at most
                 self.drop(name)
+                await asyncio.sleep(0)
             known = set(self.episodes) | (set(self.broken) - self._retry)
             added = sorted(names - known)
-            sem = asyncio.Semaphore(self.open_limit)
-
-            async def opened(name: str) -> None:
-                async with sem:
-                    await self._open(name)
-
-            await asyncio.gather(*(opened(n) for n in added))
+            first, self._scans = not self._scans, self._scans + 1
+            limit = self.open_limit if first else min(self.open_limit, RESCAN_OPEN_LIMIT)
+            outcomes = await _open_many(self.store, added, limit, self.max_item_bytes)
+            for name, outcome in zip(added, outcomes):
+                self._opened(name, outcome)
             return added, removed
+
+    def _share(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        """The same attributes, with each value equal to one another episode has (a
+        dataset's episodes mostly share ``features``) replaced by that episode's object: the
+        catalog then holds each distinct value once. Values are never mutated."""
+        out = {}
+        for name, value in attrs.items():
+            if isinstance(value, dict | list):
+                try:
+                    canon = f"{name}\0{json.dumps(value, sort_keys=True)}"
+                except (ValueError, TypeError, RecursionError):
+                    canon = ""
+                if canon and len(canon) <= MAX_SHARED_VALUE_BYTES:
+                    found = self._shared.get(canon)
+                    if found is None and len(self._shared) < MAX_SHARED_VALUES:
+                        self._shared[canon] = found = value
+                    value = value if found is None else found
+            out[name] = value
+        return out
 
     async def _list(self) -> set[str]:
         names = set()
@@ -170,23 +202,41 @@ class Catalog:
                 names.add(name)
         return names
 
-    async def _open(self, name: str) -> None:
+    def _opened(self, name: str, episode: Episode | BaseException) -> None:
         self._retry.discard(name)
-        try:
-            episode = await open_episode(self.store, name, max_item_bytes=self.max_item_bytes)
-        except BrokenEpisodeError as exc:
-            self.broken[name] = exc.message
-            log.warning("episode %s is broken: %s", name, exc.message)
+        if isinstance(episode, BrokenEpisodeError):
+            self.broken[name] = episode.message
+            log.warning("episode %s is broken: %s", name, episode.message)
             return
-        except Unavailable as exc:
-            self.broken[name] = exc.message
+        if isinstance(episode, Unavailable):
+            self.broken[name] = episode.message
             self._retry.add(name)
-            log.warning("episode %s could not be opened, will retry: %s", name, exc.message)
+            log.warning("episode %s could not be opened, will retry: %s", name,
+                        episode.message)
             return
+        if isinstance(episode, BaseException):
+            raise episode
         self.broken.pop(name, None)
+        episode.attrs = self._share(episode.attrs)
         self.episodes[name] = episode
         if episode.problems:
             log.warning("episode %s has problems: %s", name, episode.reason())
+
+
+async def _open_many(store: CountingStore, names: list[str], limit: int,
+                     max_item_bytes: int) -> list[Episode | BaseException]:
+    """Each episode opened, or the ``BrokenEpisodeError``/``Unavailable`` saying why not;
+    at most ``limit`` at a time."""
+    sem = asyncio.Semaphore(limit)
+
+    async def one(name: str) -> Episode | BaseException:
+        async with sem:
+            try:
+                return await open_episode(store, name, max_item_bytes=max_item_bytes)
+            except (BrokenEpisodeError, Unavailable) as exc:
+                return exc
+
+    return list(await asyncio.gather(*(one(n) for n in names)))
 
 
 async def open_episode(store: CountingStore, name: str, *,
@@ -227,12 +277,15 @@ async def open_episode(store: CountingStore, name: str, *,
 
 def content_hash(attrs: Mapping[str, Any], keys: Iterable[str], members: Iterable[object]) -> str:
     """16 hex digits of sha256 over the group's attributes and each array's metadata
-    document (shape, chunks, codecs, dtype): it changes when the episode is rewritten."""
+    (shape, inner and outer chunks, dtype, codecs): it changes when the episode is
+    rewritten with other attributes or shapes."""
     digest = hashlib.sha256(json.dumps(attrs, sort_keys=True, default=str).encode())
     for key, member in zip(keys, members):
-        if isinstance(member, AsyncArray):
-            meta = json.dumps(member.metadata.to_dict(), sort_keys=True, default=str)
-            digest.update(f"\0{key}\0{meta}".encode())
+        if isinstance(member, AsyncArray):  # (to_dict would cost 10% of opening)
+            meta = member.metadata
+            codecs = [type(c).__name__ for c in getattr(meta, "codecs", ())]
+            digest.update(f"\0{key}\0{meta.shape}\0{member.chunks}\0{member.dtype}\0"
+                          f"{getattr(meta, 'chunk_grid', '')}\0{codecs}".encode())
         else:  # unreadable: its error is part of what the episode serves
             digest.update(f"\0{key}\0!{type(member).__name__}".encode())
     return digest.hexdigest()[:16]
