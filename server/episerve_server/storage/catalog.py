@@ -50,12 +50,13 @@ MAX_SHARED_VALUES = 4096
 MAX_SHARED_VALUE_BYTES = 64 * 2**10
 #: Episodes opened at once by a rescan while the daemon serves. Opening parses zarr
 #: metadata on the event loop in steps of 1-3 ms; each episode in flight adds its ready
-#: steps to every loop iteration, so at 32 a Read waited up to 220 ms behind them, at 4
-#: under 20 ms, and the scan itself got faster (less contention). The first scan, before
-#: serving, keeps ``open_limit``. (Opening on a thread with its own loop was measured
-#: too, and was worse: a CPU-bound thread makes the loop wait up to the 5 ms GIL switch
-#: interval after every poll.)
-RESCAN_OPEN_LIMIT = 4
+#: steps to every loop iteration (one per array), so at 32 a Read waited up to 220 ms
+#: behind them. While serving, a rescan opens 2 at a time, each one array after the other:
+#: at most 2 parse steps are ready at once. The first scan, before serving, keeps
+#: ``open_limit`` and reads each episode's arrays concurrently. (Opening on a thread with
+#: its own loop was measured too, and was worse: a CPU-bound thread makes the loop wait up
+#: to the 5 ms GIL switch interval after every poll.)
+RESCAN_OPEN_LIMIT = 2
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,199}")
 
 
@@ -162,9 +163,11 @@ class Catalog:
             added = sorted(names - known)
             first, self._scans = not self._scans, self._scans + 1
             limit = self.open_limit if first else min(self.open_limit, RESCAN_OPEN_LIMIT)
-            outcomes = await _open_many(self.store, added, limit, self.max_item_bytes)
+            outcomes = await _open_many(self.store, added, limit, self.max_item_bytes,
+                                        not first)
             for name, outcome in zip(added, outcomes):
                 self._opened(name, outcome)
+                await asyncio.sleep(0)  # adding one is ~0.1-0.5 ms: serve between them
             return added, removed
 
     def _share(self, attrs: dict[str, Any]) -> dict[str, Any]:
@@ -224,7 +227,7 @@ class Catalog:
 
 
 async def _open_many(store: CountingStore, names: list[str], limit: int,
-                     max_item_bytes: int) -> list[Episode | BaseException]:
+                     max_item_bytes: int, serving: bool) -> list[Episode | BaseException]:
     """Each episode opened, or the ``BrokenEpisodeError``/``Unavailable`` saying why not;
     at most ``limit`` at a time."""
     sem = asyncio.Semaphore(limit)
@@ -232,7 +235,8 @@ async def _open_many(store: CountingStore, names: list[str], limit: int,
     async def one(name: str) -> Episode | BaseException:
         async with sem:
             try:
-                return await open_episode(store, name, max_item_bytes=max_item_bytes)
+                return await open_episode(store, name, max_item_bytes=max_item_bytes,
+                                          one_at_a_time=serving)
             except (BrokenEpisodeError, Unavailable) as exc:
                 return exc
 
@@ -240,9 +244,11 @@ async def _open_many(store: CountingStore, names: list[str], limit: int,
 
 
 async def open_episode(store: CountingStore, name: str, *,
-                       max_item_bytes: int = DEFAULT_MAX_ITEM_BYTES) -> Episode:
+                       max_item_bytes: int = DEFAULT_MAX_ITEM_BYTES,
+                       one_at_a_time: bool = False) -> Episode:
     """Open one episode group; ``BrokenEpisodeError`` says why it cannot be served
-    (``Unavailable`` if storage timed out)."""
+    (``Unavailable`` if storage timed out). ``one_at_a_time``: the arrays' metadata one
+    after the other (while serving: one parse step ready at a time, not one per array)."""
     try:
         group = await zasync.open_group(store=StorePath(store, name + SUFFIX), mode="r")
         attrs = dict(group.attrs)
@@ -258,7 +264,11 @@ async def open_episode(store: CountingStore, name: str, *,
                                  f"{MAX_ARRAYS}", episode=name)
     total, fps, embodiment = _core_attrs(name, attrs)
     episode = Episode(name, total, fps, embodiment, _kept_attrs(attrs), {})
-    members = await asyncio.gather(*(group.getitem(k) for k in keys), return_exceptions=True)
+    if one_at_a_time:
+        members = [await _member(group, k) for k in keys]
+    else:
+        members = await asyncio.gather(*(group.getitem(k) for k in keys),
+                                       return_exceptions=True)
     episode.content_hash = content_hash(attrs, keys, members)
     for key, member in zip(keys, members):
         if isinstance(member, Unavailable):
@@ -273,6 +283,13 @@ async def open_episode(store: CountingStore, name: str, *,
                 f"{_said(member)})"
             )
     return episode
+
+
+async def _member(group: Any, key: str) -> Any:
+    try:
+        return await group.getitem(key)
+    except Exception as exc:  # as gather(return_exceptions=True) would hand it over
+        return exc
 
 
 def content_hash(attrs: Mapping[str, Any], keys: Iterable[str], members: Iterable[object]) -> str:
