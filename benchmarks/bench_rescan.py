@@ -77,10 +77,10 @@ class Reader(threading.Thread):
 def stall(spans: list[tuple[float, float]], window: tuple[float, float]) -> tuple[float, ...]:
     """(slowest read overlapping the window, the read just before it, median before), ms."""
     lo, hi = window
-    during = [e - s for s, e in spans if s < hi and e > lo]
+    during = sorted(e - s for s, e in spans if s < hi and e > lo)
     before = [e - s for s, e in spans if e <= lo]
-    return (max(during) * 1e3, before[-1] * 1e3, statistics.median(before[-50:]) * 1e3,
-            len(during))
+    return (during[-1] * 1e3, before[-1] * 1e3, statistics.median(before[-50:]) * 1e3,
+            len(during), during[len(during) // 2] * 1e3, during[int(len(during) * 0.9)] * 1e3)
 
 
 def main() -> None:
@@ -147,12 +147,16 @@ def main() -> None:
         assert len(ds.episodes) == len(episodes)
     rows = []
     for what, window in windows.items():
-        slow, before, med, n = stall(reader.spans, window)
+        slow, before, med, n, p50, p90 = stall(reader.spans, window)
         rows.append((f"rescan that {what}s {len(moved)}", f"{(window[1] - window[0]) * 1e3:.0f}",
-                     f"{n}", f"{slow:.1f}", f"{before:.1f}", f"{med:.1f}",
-                     f"{slow - before:+.1f}"))
-    print(table(rows, ("event", "rescan+list ms", "reads during", "slowest read ms",
-                       "read before ms", "median before ms", "slowest - before ms")))
+                     f"{n}", f"{p50:.1f} / {p90:.1f}", f"{slow:.1f}", f"{before:.1f}",
+                     f"{med:.1f}", f"{slow - before:+.1f}"))
+    idle = sorted(e - s for s, e in reader.spans if e <= windows["remove"][0])
+    print(f"reads before the first rescan: p50 {idle[len(idle) // 2] * 1e3:.1f} ms, "
+          f"p90 {idle[int(len(idle) * 0.9)] * 1e3:.1f} ms, max {idle[-1] * 1e3:.1f} ms")
+    print(table(rows, ("event", "rescan+list ms", "reads during", "p50 / p90 during ms",
+                       "slowest read ms", "read before ms", "median before ms",
+                       "slowest - before ms")))
     print(f"reads: {len(reader.spans)}, failed: {len(reader.errors)} "
           f"{reader.errors[:2] if reader.errors else ''}")
     print(f"ListEpisodes at {len(episodes)} episodes: full {sizes[False] / 1e6:.2f} MB in "
