@@ -19,7 +19,13 @@ from typing import Any, TypeAlias
 import numpy as np
 
 from episerve_client import convert
-from episerve_client.channel import TLS, check_token_transport, note_grpc_use, parse_targets
+from episerve_client.channel import (
+    TLS,
+    check_token_transport,
+    check_unix_target,
+    note_grpc_use,
+    parse_targets,
+)
 from episerve_client.convert import ReadResult
 from episerve_client.errors import (
     DataLossError,
@@ -135,6 +141,8 @@ class BaseClient:
             self._channels, self._pid = {}, os.getpid()
         channel = self._channels.get(target)
         if channel is None:
+            if self.wait_for_ready:  # one daemon: a missing socket fails now, not at the deadline
+                check_unix_target(target)
             note_grpc_use()
             channel = self._channels[target] = self._open_channel(target)
         return channel
@@ -179,8 +187,12 @@ class BaseClient:
             yield [Sleep(min(self.backoff(attempt), _left(deadline)))]
             attempt += 1
 
-    def list_flow(self, timeout_s: float | None = None, page_size: int = 0) -> Flow:
+    def list_flow(self, timeout_s: float | None = None, page_size: int = 0,
+                  brief: bool = False) -> Flow:
         """Every page of ``ListEpisodes``, from one target, as one ``Listing``.
+
+        ``brief``: only each episode's hash, ``total_frames`` and ``content_hash`` (and the
+        broken ones with their reasons), what a dataset needs: a fraction of the bytes.
 
         Pages continue after the last hash served, so episodes added meanwhile never make
         one listed twice or skipped; the deadline covers all pages.
@@ -188,7 +200,7 @@ class BaseClient:
         deadline = time.monotonic() + (timeout_s or self.timeout_s)
         pages, token = [], ""
         while True:
-            payload = convert.list_request(token, page_size)
+            payload = convert.list_request(token, page_size, brief)
             data = yield from self.unary_flow("ListEpisodes", payload, None,
                                               max(_left(deadline), 0.001))
             page, next_token = convert.listing_page(data)

@@ -37,8 +37,11 @@ class AsyncClient(BaseClient):
     async def aclose(self) -> None:
         await asyncio.gather(*(c.close() for c in self._take_channels()))
 
-    async def list_episodes(self, *, timeout_s: float | None = None) -> Listing:
-        listing: Listing = await self._run(self.list_flow(timeout_s))
+    async def list_episodes(self, *, timeout_s: float | None = None,
+                      brief: bool = False) -> Listing:
+        """Every episode the daemon serves, and the broken ones with their reasons.
+        ``brief=True``: only hash, total_frames and content_hash per episode."""
+        listing: Listing = await self._run(self.list_flow(timeout_s, brief=brief))
         return listing
 
     async def stats(self, *, target: str | None = None,

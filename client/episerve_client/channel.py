@@ -5,6 +5,8 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import stat
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,7 +14,7 @@ from typing import Any
 
 import grpc
 
-from episerve_client.errors import InvalidArgument
+from episerve_client.errors import InvalidArgument, Unavailable
 from episerve_proto.contract import CLIENT_KEEPALIVE_MS, MAX_MESSAGE_BYTES
 
 log = logging.getLogger(__name__)
@@ -114,3 +116,51 @@ def check_token_transport(target: str, token: str, tls: TLS | None,
             f"refusing to send a token in plaintext to {target!r}: use tls=TLS(...), or, for "
             "a unix socket or loopback target only, pass plaintext_token_ok=True"
         )
+
+
+#: A unix socket that does not exist yet is looked for this long before the call fails (a
+#: daemon restarting re-creates its socket within this).
+UNIX_WAIT_S = 0.25
+
+
+def unix_path(target: str) -> str | None:
+    """The socket path of a ``unix:`` target (``unix:/p``, ``unix:///p``, ``unix:rel``);
+    ``None`` for any other target (TCP, ``unix-abstract:``)."""
+    if not target.startswith("unix:"):
+        return None
+    path = target[len("unix:"):]
+    if path.startswith("//"):
+        path = path[2:]  # unix:///abs/path -> /abs/path (gRPC: unix://<absolute path>)
+    return path or None
+
+
+def check_unix_target(target: str, wait_s: float = UNIX_WAIT_S) -> None:
+    """Fail at once, naming the path, when a unix target has no socket to connect to.
+
+    gRPC would otherwise wait for the socket until the call's deadline (minutes by
+    default) before answering UNAVAILABLE without saying why.
+    """
+    path = unix_path(target)
+    if path is None:
+        return
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            mode = os.stat(path).st_mode
+        except FileNotFoundError:
+            if time.monotonic() >= deadline:
+                raise Unavailable(
+                    f"no daemon at {target!r}: the unix socket {path!r} does not exist "
+                    "(is the daemon running, and started with --unix at that path?)",
+                    target=target) from None
+            time.sleep(0.02)
+            continue
+        except OSError as exc:
+            raise Unavailable(f"cannot reach the daemon at {target!r}: the unix socket "
+                              f"{path!r} cannot be checked ({exc.strerror})",
+                              target=target) from None
+        if not stat.S_ISSOCK(mode):
+            raise Unavailable(f"no daemon at {target!r}: {path!r} exists but is not a unix "
+                              "socket (expected the path given to the daemon's --unix)",
+                              target=target)
+        return

@@ -41,8 +41,11 @@ class Client(BaseClient):
         for channel in self._take_channels():
             channel.close()
 
-    def list_episodes(self, *, timeout_s: float | None = None) -> Listing:
-        listing: Listing = self._run(self.list_flow(timeout_s))
+    def list_episodes(self, *, timeout_s: float | None = None,
+                      brief: bool = False) -> Listing:
+        """Every episode the daemon serves, and the broken ones with their reasons.
+        ``brief=True``: only hash, total_frames and content_hash per episode."""
+        listing: Listing = self._run(self.list_flow(timeout_s, brief=brief))
         return listing
 
     def stats(self, *, target: str | None = None, timeout_s: float | None = None) -> dict[str, Any]:

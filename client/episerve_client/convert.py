@@ -26,6 +26,7 @@ class EpisodeInfo:
     features: dict[str, Any]
     attrs: dict[str, Any]
     arrays: tuple[str, ...] = ()
+    content_hash: str = ""  # changes when the episode is rewritten
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,14 +168,16 @@ def read_result(data: bytes) -> ReadResult:
     return out
 
 
-def list_request(page_token: str = "", page_size: int = 0) -> bytes:
-    msg = pb.ListEpisodesRequest(page_token=page_token, page_size=page_size)
+def list_request(page_token: str = "", page_size: int = 0, brief: bool = False) -> bytes:
+    msg = pb.ListEpisodesRequest(page_token=page_token, page_size=page_size, brief=brief)
     return msg.SerializeToString()  # type: ignore[no-any-return]
 
 
 def _json(text: str, what: str, episode: str) -> Any:
+    if not text:
+        return {}  # a brief listing, or nothing there
     try:
-        return json.loads(text or "{}")
+        return json.loads(text)
     except ValueError as exc:
         raise DataLossError(f"episode {episode!r}: the daemon sent {what} that are not JSON "
                             f"({exc})", episode=episode) from exc
@@ -186,7 +189,7 @@ def listing_page(data: bytes) -> tuple[Listing, str]:
     episodes = [
         EpisodeInfo(e.hash, e.total_frames, e.fps, e.embodiment,
                     _json(e.features_json, "features", e.hash),
-                    _json(e.attrs_json, "attributes", e.hash), tuple(e.arrays))
+                    _json(e.attrs_json, "attributes", e.hash), tuple(e.arrays), e.content_hash)
         for e in msg.episodes
     ]
     return Listing(episodes, {b.hash: b.reason for b in msg.broken}), str(msg.next_page_token)

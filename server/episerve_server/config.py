@@ -23,10 +23,11 @@ DURATIONS = ("grace_s", "rescan_s", "store_timeout_s", "max_connection_age_s",
 COUNTS = ("max_batch", "max_window", "max_concurrent_reads", "max_store_concurrency",
           "max_keymap_entries", "max_streams_per_connection")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+LOG_FORMATS = ("text", "json")
 #: Settings where an explicitly empty value would silently mean something else (no auth,
 #: no filter, TCP instead of a socket...): given empty, they are refused.
 NO_EMPTY = ("root", "host", "unix", "allow", "token", "tls_cert", "tls_key", "tls_client_ca",
-            "s3_endpoint", "log_level", "metrics_host")
+            "s3_endpoint", "log_level", "metrics_host", "log_format")
 ENV_PREFIX = "EPISERVE_"
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -66,6 +67,7 @@ class ServerConfig:
     tls_client_ca: str = ""
     s3_endpoint: str = ""
     log_level: str = "INFO"
+    log_format: str = "text"  # or "json": one object per line
     max_store_concurrency: int = 64
     # A connection is closed (GOAWAY, then grace_s for its RPCs) after this long, so new
     # replicas get load and no client holds the daemon's buffers for longer; 0: never.
@@ -141,6 +143,9 @@ class ServerConfig:
         if self.log_level.upper() not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, "
                              f"got {self.log_level!r}")
+        if self.log_format not in LOG_FORMATS:
+            raise ValueError(f"log_format must be one of {', '.join(LOG_FORMATS)}, "
+                             f"got {self.log_format!r}")
         for pattern in self.allow:
             if not pattern.strip():
                 raise ValueError(f"allow: an empty pattern would match nothing, got {self.allow!r}")
@@ -247,6 +252,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-client-ca", help="CA for client certificates: mutual TLS")
     p.add_argument("--s3-endpoint", help="endpoint URL of an S3-compatible store")
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING (default INFO)")
+    p.add_argument("--log-format", help="text, or json: one object per line with ts, level, "
+                   "logger, msg and the line's fields (default text)")
     p.add_argument("--max-store-concurrency", type=int, help="store requests in flight "
                    "(default 64)")
     p.add_argument("--max-connection-age-s", type=float, help="close client connections "
@@ -277,4 +284,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-host", help="address the Prometheus endpoint binds "
                    "(default 127.0.0.1: loopback only; 0.0.0.0 for every interface)")
     p.add_argument("--inject-latency-s", type=float, help=argparse.SUPPRESS)
+    for action in p._actions:  # every flag names the variable it also reads
+        if action.dest != "help" and action.help not in (None, argparse.SUPPRESS):
+            action.help = f"{action.help} [{ENV_PREFIX}{action.dest.upper()}]"
     return p

@@ -148,3 +148,54 @@ def _listening(pid: int, port: int) -> set[str]:
         if state == "0A" and int(hex_port, 16) == port:
             found.add(socket.inet_ntoa(bytes.fromhex(address)[::-1]))
     return found
+
+
+def test_json_logs_carry_every_rpc_field_and_standard_tools_get_answers(
+        ramp_roots: dict[str, Path], start_daemon: Any) -> None:
+    import json
+
+    import grpc
+    from grpc_health.v1 import health_pb2
+    from grpc_reflection.v1alpha import reflection_pb2
+
+    d = start_daemon(ramp_roots["sharded"], "--log-format", "json", unix=True)
+    channel = grpc.insecure_channel(d.target)
+    listed = channel.unary_unary(
+        "/grpc.health.v1.Health/List",
+        request_serializer=health_pb2.HealthListRequest.SerializeToString,
+        response_deserializer=health_pb2.HealthListResponse.FromString)(
+        health_pb2.HealthListRequest(), timeout=10)
+    assert {k: v.status for k, v in listed.statuses.items()} == {
+        "": health_pb2.HealthCheckResponse.SERVING,
+        "episerve.v1.EpiServe": health_pb2.HealthCheckResponse.SERVING}
+    for version in ("v1", "v1alpha"):
+        info = channel.stream_stream(
+            f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
+            request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+            response_deserializer=reflection_pb2.ServerReflectionResponse.FromString)
+        out = list(info(iter([
+            reflection_pb2.ServerReflectionRequest(list_services=""),
+            reflection_pb2.ServerReflectionRequest(file_containing_symbol="episerve.v1.EpiServe"),
+            reflection_pb2.ServerReflectionRequest(
+                file_containing_symbol="grpc.reflection.v1.ServerReflection"),
+        ]), timeout=10))
+        names = {s.name for s in out[0].list_services_response.service}
+        assert {"episerve.v1.EpiServe", "grpc.health.v1.Health",
+                "grpc.reflection.v1.ServerReflection",
+                "grpc.reflection.v1alpha.ServerReflection"} <= names, version
+        for answer in out[1:]:
+            assert answer.WhichOneof("message_response") == "file_descriptor_response"
+    channel.close()
+    with Client(d.target) as client:
+        h = client.list_episodes().episodes[0].hash
+        data = client.read(KEYPOINTS, [(h, 0), (h, 1), (h, 2)])
+        assert len(data) == 3
+    d.stop(timeout_s=15)
+    records = [json.loads(line) for line in d.lines if line.startswith("{")]
+    assert len(records) == len([line for line in d.lines if line.strip()]) - 1  # + "listening"
+    assert all({"ts", "level", "logger", "msg"} <= set(r) for r in records)
+    assert not [r for r in records if r["level"] in ("ERROR", "CRITICAL")], records
+    [read] = [r for r in records if r.get("method") == "/episerve.v1.EpiServe/Read"]
+    assert read["code"] == "OK" and read["batch"] == 3 and read["peer"].startswith("unix")
+    assert read["bytes_sent"] > 3 * 4 * 63 and read["duration_ms"] > 0
+    assert f"batch=3 sent={read['bytes_sent']}B" in read["msg"]

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
+from dataclasses import fields
 from importlib import metadata
 
 from episerve_server.config import unknown_settings
@@ -38,3 +40,31 @@ def test_serve_help_names_the_environment() -> None:
     done = subprocess.run([sys.executable, "-m", "episerve_tools.cli", "serve", "--help"],
                           capture_output=True, text=True, timeout=60, check=True)
     assert "EPISERVE_<FLAG>" in done.stdout
+
+
+def test_every_flag_of_every_subcommand_has_help() -> None:
+    from episerve_server.config import ENV_PREFIX, ServerConfig
+    from episerve_tools.cli import USAGE, parsers
+
+    found = parsers()
+    assert set(found) == {line.split()[0] for line in USAGE.split("commands:")[1].splitlines()
+                          if line.strip()}
+    settings = {f.name for f in fields(ServerConfig)}
+    for command, parser in found.items():
+        for action in parser._actions:
+            if action.dest == "help" or action.help == argparse.SUPPRESS:
+                continue
+            flag = action.option_strings[-1] if action.option_strings else action.dest
+            assert action.help and len(action.help) > 10, (command, flag)
+            if command == "serve":  # every serve flag is also a setting in the environment
+                assert action.dest in settings, flag
+                assert f"[{ENV_PREFIX}{action.dest.upper()}]" in action.help, (flag, action.help)
+        assert parser.format_help()
+
+
+def test_subcommand_help_exits_0() -> None:
+    for command in ("make-dataset", "loadtest"):
+        done = subprocess.run([sys.executable, "-m", "episerve_tools.cli", command, "--help"],
+                              capture_output=True, text=True, timeout=60, check=False)
+        assert done.returncode == 0, done.stderr
+        assert "--" in done.stdout and "usage: episerve" in done.stdout

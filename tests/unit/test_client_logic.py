@@ -223,7 +223,8 @@ def _episodes(hashes: list[str], attrs_bytes: int = 10) -> list[Any]:
 
     return [SimpleNamespace(hash=h, total_frames=5, fps=30.0, embodiment="e",
                             attrs={"note": "n" * attrs_bytes, "features": {}},
-                            features={}, readers={"a": None}) for h in hashes]
+                            features={}, readers={"a": None}, content_hash="0" * 16)
+            for h in hashes]
 
 
 def _serve_pages(flow: Any, serve: Any) -> Any:

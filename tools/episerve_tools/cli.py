@@ -63,16 +63,29 @@ def _refuse(why: str) -> int:
     return 2
 
 
-def _make_dataset(argv: Sequence[str]) -> int:
+def _make_dataset_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="episerve make-dataset",
                                 description="Write synthetic episodes (SPEC section 1 layout).")
-    p.add_argument("out", help="output folder")
-    p.add_argument("--episodes", type=int, default=DEMO_EPISODES)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--min-frames", type=int, default=120)
-    p.add_argument("--max-frames", type=int, default=700)
-    p.add_argument("--layout", choices=("sharded", "unsharded", "v2"), default="sharded")
-    p.add_argument("--workers", type=int, default=None)
+    p.add_argument("out", help="output folder (created; episodes of the same name are "
+                   "overwritten)")
+    p.add_argument("--episodes", type=int, default=DEMO_EPISODES,
+                   help=f"number of episodes (default {DEMO_EPISODES})")
+    p.add_argument("--seed", type=int, default=0, help="random seed; episode i depends only "
+                   "on (seed, i) (default 0)")
+    p.add_argument("--min-frames", type=int, default=120,
+                   help="shortest episode, in frames (default 120)")
+    p.add_argument("--max-frames", type=int, default=700,
+                   help="longest episode, in frames (default 700)")
+    p.add_argument("--layout", choices=("sharded", "unsharded", "v2"), default="sharded",
+                   help="zarr v3 sharded (as the converters write), v3 unsharded, or zarr v2 "
+                   "(default sharded)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="writer processes (default: one per core)")
+    return p
+
+
+def _make_dataset(argv: Sequence[str]) -> int:
+    p = _make_dataset_parser()
     args = p.parse_args(argv)
     if args.episodes < 1 or not 1 <= args.min_frames <= args.max_frames:
         p.error("need --episodes >= 1 and 1 <= --min-frames <= --max-frames")
@@ -83,6 +96,16 @@ def _make_dataset(argv: Sequence[str]) -> int:
                          layout=args.layout, workers=args.workers)
     print(f"wrote {len(paths)} episodes to {args.out}")
     return 0
+
+
+def parsers() -> dict[str, argparse.ArgumentParser]:
+    """Every subcommand's argument parser, by command name (``episerve COMMAND --help``)."""
+    from episerve_server.config import _parser as serve_parser
+    from episerve_tools.demo import _parser as demo_parser
+    from episerve_tools.loadtest import _parser as loadtest_parser
+
+    return {"serve": serve_parser(), "make-dataset": _make_dataset_parser(),
+            "demo": demo_parser(), "loadtest": loadtest_parser()}
 
 
 def _version() -> str:

@@ -28,16 +28,27 @@ def bundled_keymap(name: str = DEFAULT_KEYMAP) -> Path:
     return Path(str(resources.files("episerve_client") / "keymaps" / name))
 
 
-def _args(argv: Sequence[str]) -> argparse.Namespace:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="episerve demo", description=__doc__)
-    p.add_argument("--root", default="data/demo", help="dataset root (written if empty)")
-    p.add_argument("--episodes", type=int, default=24)
-    p.add_argument("--batches", type=int, default=200)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--keymap", default=str(bundled_keymap()))
-    p.add_argument("--out", default="out/demo_contact_sheet.png")
-    return p.parse_args(argv)
+    p.add_argument("--root", default="data/demo", help="dataset root (written if empty; "
+                   "default data/demo)")
+    p.add_argument("--episodes", type=int, default=24,
+                   help="episodes to write when the root is empty (default 24)")
+    p.add_argument("--batches", type=int, default=200,
+                   help="batches to read in the train loop (default 200)")
+    p.add_argument("--batch-size", type=int, default=32, help="samples per batch (default 32)")
+    p.add_argument("--workers", type=int, default=2,
+                   help="DataLoader worker processes (default 2)")
+    p.add_argument("--keymap", default=str(bundled_keymap()),
+                   help=f"keymap YAML (default: the bundled {DEFAULT_KEYMAP})")
+    p.add_argument("--out", default="out/demo_contact_sheet.png",
+                   help="where to write the contact sheet PNG "
+                   "(default out/demo_contact_sheet.png)")
+    return p
+
+
+def _args(argv: Sequence[str]) -> argparse.Namespace:
+    return _parser().parse_args(argv)
 
 
 def main(argv: Sequence[str] = ()) -> int:

@@ -67,6 +67,7 @@ class ReadCall:
 class PageRequest:
     token: str
     size: int  # 0: as many as fit
+    brief: bool = False  # only hash, total_frames and content_hash per episode
 
 
 def _parse(message: Message, data: bytes, what: str) -> Any:
@@ -88,7 +89,19 @@ def parse_list(data: bytes) -> PageRequest:
         raise InvalidArgument(
             f"page_token {shown(req.page_token)} is {len(req.page_token)} characters long, "
             f"over the limit of {MAX_NAME_CHARS}; pass the next_page_token of the last page")
-    return PageRequest(req.page_token, max(0, req.page_size))
+    return PageRequest(req.page_token, max(0, req.page_size), req.brief)
+
+
+def read_batch_size(data: object) -> int:
+    """The samples a Read request asks for (for its log line); 0 if it does not parse."""
+    if not isinstance(data, bytes):
+        return 0
+    req = pb.ReadRequest()
+    try:
+        req.ParseFromString(data)
+    except (DecodeError, RuntimeError, ValueError):
+        return 0
+    return len(req.frames)
 
 
 def parse_register(data: bytes, limits: Limits) -> tuple[Keymap, int]:
@@ -197,7 +210,12 @@ def _episode_info(e: Episode) -> Any:
         hash=e.hash, total_frames=e.total_frames, fps=e.fps, embodiment=e.embodiment,
         features_json=_listed_json(e.features, "features"),
         attrs_json=_listed_json(attrs, "attributes"), arrays=sorted(e.readers),
+        content_hash=e.content_hash,
     )
+
+
+def _brief_info(e: Episode) -> Any:
+    return pb.EpisodeInfo(hash=e.hash, total_frames=e.total_frames, content_hash=e.content_hash)
 
 
 def encode_listing(episodes: Sequence[Episode], broken: dict[str, str],
@@ -217,7 +235,7 @@ def encode_listing(episodes: Sequence[Episode], broken: dict[str, str],
         if isinstance(item, str):
             entry = pb.BrokenEpisode(hash=h, reason=clipped(item, MAX_REASON_BYTES))
         else:
-            entry = _episode_info(item)
+            entry = _brief_info(item) if page.brief else _episode_info(item)
         size = entry.ByteSize() + 8  # tag and length
         if served and used + size > budget:
             break

@@ -8,7 +8,6 @@ import ctypes.util
 import gc
 import logging
 import signal
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,7 +16,6 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from episerve_proto.contract import (
     MAX_MESSAGE_BYTES,
@@ -28,7 +26,7 @@ from episerve_proto.contract import (
 from episerve_proto.v1 import episerve_pb2
 from episerve_server.config import ServerConfig
 from episerve_server.core.stats import Stats
-from episerve_server.rpc import preflight
+from episerve_server.rpc import introspection, logs, preflight
 from episerve_server.rpc.interceptors import LoggingInterceptor, TokenInterceptor
 from episerve_server.rpc.preflight import StartupError
 from episerve_server.rpc.service import EpiserveService
@@ -117,11 +115,8 @@ async def start(config: ServerConfig, *, stats: Stats | None = None) -> Daemon:
         interceptors.append(TokenInterceptor(config.token))
     server = grpc.aio.server(interceptors=interceptors, options=server_options(config))
     server.add_generic_rpc_handlers((service.handlers(),))
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-    )
+    health_servicer = introspection.add_health(server)
+    introspection.add_reflection(server, (SERVICE_NAME,))
     assert episerve_pb2.DESCRIPTOR.services_by_name["EpiServe"]
     extra: list[Any] = []
     try:
@@ -242,8 +237,7 @@ def tune_allocator() -> None:
 
 def run(config: ServerConfig) -> int:
     tune_allocator()
-    logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logs.configure(config.log_level, config.log_format)
     import uvloop
 
     return uvloop.run(serve(config, announce=lambda line: print(line, flush=True)))

@@ -11,6 +11,8 @@ from typing import Any, Protocol
 
 import grpc
 
+from episerve_server.rpc.convert import read_batch_size
+
 log = logging.getLogger(__name__)
 
 REQUEST_ID = "x-request-id"
@@ -49,7 +51,9 @@ def _wrap(handler: grpc.RpcMethodHandler,
 
 
 class LoggingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    """At most one INFO line per RPC (method, code, duration, request id)."""
+    """At most one INFO line per RPC: request id, method, code, duration, peer, batch size
+    (samples asked for, for a Read) and bytes sent. The same values are the record's fields
+    (``--log-format json``)."""
 
     def __init__(self, observer: RpcObserver | None = None) -> None:
         self.observer = observer
@@ -61,9 +65,11 @@ class LoggingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         async def around(request: Any, context: grpc.aio.ServicerContext, inner: Any) -> Any:
             rid = _metadata(context, REQUEST_ID)[:MAX_REQUEST_ID_CHARS] or uuid.uuid4().hex[:12]
             start = time.perf_counter()
-            code = "OK"
+            code, sent = "OK", 0
             try:
-                return await inner(request, context)
+                response = await inner(request, context)
+                sent = len(response) if isinstance(response, bytes | bytearray) else 0
+                return response
             except grpc.aio.AbortError:
                 code = _code_name(context)
                 raise
@@ -75,9 +81,22 @@ class LoggingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 if self.observer is not None:
                     self.observer.observe(method, code, seconds)
                 if method.startswith("/episerve."):
-                    log.info("rpc %s %s %s %.1fms", rid, method, code, seconds * 1e3)
+                    _log_rpc(rid, method, code, seconds, context, request, sent)
 
         return _wrap(handler, around)
+
+
+def _log_rpc(rid: str, method: str, code: str, seconds: float,
+             context: grpc.aio.ServicerContext, request: Any, sent: int) -> None:
+    if not log.isEnabledFor(logging.INFO):
+        return
+    peer = context.peer() or "-"
+    batch = read_batch_size(request) if method.endswith("/Read") else 0
+    log.info("rpc %s %s %s %.1fms peer=%s batch=%d sent=%dB", rid, method, code,
+             seconds * 1e3, peer, batch, sent,
+             extra={"request_id": rid, "method": method, "code": code,
+                    "duration_ms": round(seconds * 1e3, 3), "peer": peer, "batch": batch,
+                    "bytes_sent": sent})
 
 
 def _code_name(context: grpc.aio.ServicerContext) -> str:

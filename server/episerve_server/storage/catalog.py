@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import fnmatch
+import hashlib
 import json
 import logging
 import math
@@ -43,6 +44,19 @@ log = logging.getLogger(__name__)
 
 SUFFIX = ".zarr"
 MAX_ARRAYS = 4096  # entries of one episode folder
+#: Attribute values shared between episodes (``features``, ``intrinsics``...): at most this
+#: many distinct ones, each at most ``MAX_SHARED_VALUE_BYTES`` of JSON.
+MAX_SHARED_VALUES = 4096
+MAX_SHARED_VALUE_BYTES = 64 * 2**10
+#: Episodes opened at once by a rescan while the daemon serves. Opening parses zarr
+#: metadata on the event loop in steps of 1-3 ms; each episode in flight adds its ready
+#: steps to every loop iteration (one per array), so at 32 a Read waited up to 220 ms
+#: behind them. While serving, a rescan opens 2 at a time, each one array after the other:
+#: at most 2 parse steps are ready at once. The first scan, before serving, keeps
+#: ``open_limit`` and reads each episode's arrays concurrently. (Opening on a thread with
+#: its own loop was measured too, and was worse: a CPU-bound thread makes the loop wait up
+#: to the 5 ms GIL switch interval after every poll.)
+RESCAN_OPEN_LIMIT = 2
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,199}")
 
 
@@ -74,6 +88,7 @@ class Episode:
     readers: dict[str, ChunkReader]
     problems: dict[str, str] = field(default_factory=dict)
     spans: dict[str, list[Span]] = field(default_factory=dict)
+    content_hash: str = ""  # 16 hex digits over the group's attributes and array metadata
 
     @property
     def features(self) -> dict[str, Any]:
@@ -99,6 +114,8 @@ class Catalog:
         self.broken: dict[str, str] = {}
         self._retry: set[str] = set()  # broken by a storage timeout: opened again next scan
         self._scan_lock = asyncio.Lock()
+        self._shared: dict[str, Any] = {}  # canonical JSON -> the one parsed value kept
+        self._scans = 0
 
     def allowed(self, episode_id: str) -> bool:
         return not self.allow or any(fnmatch.fnmatchcase(episode_id, p) for p in self.allow)
@@ -139,18 +156,38 @@ class Catalog:
         async with self._scan_lock:
             names = await self._list()
             removed = sorted((set(self.episodes) | set(self.broken)) - names)
-            for name in removed:
+            for name in removed:  # one at a time: a Read waits for one drop at most
                 self.drop(name)
+                await asyncio.sleep(0)
             known = set(self.episodes) | (set(self.broken) - self._retry)
             added = sorted(names - known)
-            sem = asyncio.Semaphore(self.open_limit)
-
-            async def opened(name: str) -> None:
-                async with sem:
-                    await self._open(name)
-
-            await asyncio.gather(*(opened(n) for n in added))
+            first, self._scans = not self._scans, self._scans + 1
+            limit = self.open_limit if first else min(self.open_limit, RESCAN_OPEN_LIMIT)
+            outcomes = await _open_many(self.store, added, limit, self.max_item_bytes,
+                                        not first)
+            for name, outcome in zip(added, outcomes):
+                self._opened(name, outcome)
+                await asyncio.sleep(0)  # adding one is ~0.1-0.5 ms: serve between them
             return added, removed
+
+    def _share(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        """The same attributes, with each value equal to one another episode has (a
+        dataset's episodes mostly share ``features``) replaced by that episode's object: the
+        catalog then holds each distinct value once. Values are never mutated."""
+        out = {}
+        for name, value in attrs.items():
+            if isinstance(value, dict | list):
+                try:
+                    canon = f"{name}\0{json.dumps(value, sort_keys=True)}"
+                except (ValueError, TypeError, RecursionError):
+                    canon = ""
+                if canon and len(canon) <= MAX_SHARED_VALUE_BYTES:
+                    found = self._shared.get(canon)
+                    if found is None and len(self._shared) < MAX_SHARED_VALUES:
+                        self._shared[canon] = found = value
+                    value = value if found is None else found
+            out[name] = value
+        return out
 
     async def _list(self) -> set[str]:
         names = set()
@@ -168,29 +205,50 @@ class Catalog:
                 names.add(name)
         return names
 
-    async def _open(self, name: str) -> None:
+    def _opened(self, name: str, episode: Episode | BaseException) -> None:
         self._retry.discard(name)
-        try:
-            episode = await open_episode(self.store, name, max_item_bytes=self.max_item_bytes)
-        except BrokenEpisodeError as exc:
-            self.broken[name] = exc.message
-            log.warning("episode %s is broken: %s", name, exc.message)
+        if isinstance(episode, BrokenEpisodeError):
+            self.broken[name] = episode.message
+            log.warning("episode %s is broken: %s", name, episode.message)
             return
-        except Unavailable as exc:
-            self.broken[name] = exc.message
+        if isinstance(episode, Unavailable):
+            self.broken[name] = episode.message
             self._retry.add(name)
-            log.warning("episode %s could not be opened, will retry: %s", name, exc.message)
+            log.warning("episode %s could not be opened, will retry: %s", name,
+                        episode.message)
             return
+        if isinstance(episode, BaseException):
+            raise episode
         self.broken.pop(name, None)
+        episode.attrs = self._share(episode.attrs)
         self.episodes[name] = episode
         if episode.problems:
             log.warning("episode %s has problems: %s", name, episode.reason())
 
 
+async def _open_many(store: CountingStore, names: list[str], limit: int,
+                     max_item_bytes: int, serving: bool) -> list[Episode | BaseException]:
+    """Each episode opened, or the ``BrokenEpisodeError``/``Unavailable`` saying why not;
+    at most ``limit`` at a time."""
+    sem = asyncio.Semaphore(limit)
+
+    async def one(name: str) -> Episode | BaseException:
+        async with sem:
+            try:
+                return await open_episode(store, name, max_item_bytes=max_item_bytes,
+                                          one_at_a_time=serving)
+            except (BrokenEpisodeError, Unavailable) as exc:
+                return exc
+
+    return list(await asyncio.gather(*(one(n) for n in names)))
+
+
 async def open_episode(store: CountingStore, name: str, *,
-                       max_item_bytes: int = DEFAULT_MAX_ITEM_BYTES) -> Episode:
+                       max_item_bytes: int = DEFAULT_MAX_ITEM_BYTES,
+                       one_at_a_time: bool = False) -> Episode:
     """Open one episode group; ``BrokenEpisodeError`` says why it cannot be served
-    (``Unavailable`` if storage timed out)."""
+    (``Unavailable`` if storage timed out). ``one_at_a_time``: the arrays' metadata one
+    after the other (while serving: one parse step ready at a time, not one per array)."""
     try:
         group = await zasync.open_group(store=StorePath(store, name + SUFFIX), mode="r")
         attrs = dict(group.attrs)
@@ -206,7 +264,12 @@ async def open_episode(store: CountingStore, name: str, *,
                                  f"{MAX_ARRAYS}", episode=name)
     total, fps, embodiment = _core_attrs(name, attrs)
     episode = Episode(name, total, fps, embodiment, _kept_attrs(attrs), {})
-    members = await asyncio.gather(*(group.getitem(k) for k in keys), return_exceptions=True)
+    if one_at_a_time:
+        members = [await _member(group, k) for k in keys]
+    else:
+        members = await asyncio.gather(*(group.getitem(k) for k in keys),
+                                       return_exceptions=True)
+    episode.content_hash = content_hash(attrs, keys, members)
     for key, member in zip(keys, members):
         if isinstance(member, Unavailable):
             raise member
@@ -220,6 +283,29 @@ async def open_episode(store: CountingStore, name: str, *,
                 f"{_said(member)})"
             )
     return episode
+
+
+async def _member(group: Any, key: str) -> Any:
+    try:
+        return await group.getitem(key)
+    except Exception as exc:  # as gather(return_exceptions=True) would hand it over
+        return exc
+
+
+def content_hash(attrs: Mapping[str, Any], keys: Iterable[str], members: Iterable[object]) -> str:
+    """16 hex digits of sha256 over the group's attributes and each array's metadata
+    (shape, inner and outer chunks, dtype, codecs): it changes when the episode is
+    rewritten with other attributes or shapes."""
+    digest = hashlib.sha256(json.dumps(attrs, sort_keys=True, default=str).encode())
+    for key, member in zip(keys, members):
+        if isinstance(member, AsyncArray):  # (to_dict would cost 10% of opening)
+            meta = member.metadata
+            codecs = [type(c).__name__ for c in getattr(meta, "codecs", ())]
+            digest.update(f"\0{key}\0{meta.shape}\0{member.chunks}\0{member.dtype}\0"
+                          f"{getattr(meta, 'chunk_grid', '')}\0{codecs}".encode())
+        else:  # unreadable: its error is part of what the episode serves
+            digest.update(f"\0{key}\0!{type(member).__name__}".encode())
+    return digest.hexdigest()[:16]
 
 
 def _said(exc: BaseException) -> str:

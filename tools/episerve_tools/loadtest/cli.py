@@ -53,8 +53,10 @@ def _parser() -> argparse.ArgumentParser:
                    "them (default --timeout-s + 2)")
     p.add_argument("--time-limit-s", type=float, default=DEFAULT_TIME_LIMIT_S,
                    help="with --requests: stop after this long regardless")
-    p.add_argument("--annotation-cutoff", action="store_true")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--annotation-cutoff", action="store_true",
+                   help="stop action windows at the end of their annotation span (SPEC rule 2)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the sample order, for repeatable runs (default 0)")
     p.add_argument("--json", metavar="OUT", help="also write the figures to this JSON file")
     p.add_argument("--quiet", action="store_true", help="no progress line")
     p.add_argument("--token", default="", help="bearer token (loopback/unix only without TLS)")

@@ -1,0 +1,34 @@
+"""Building the distribution prints no setuptools warning and ships the bundled keymaps."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_the_wheel_builds_without_warnings_and_holds_the_keymaps(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src / name)
+    for name in ("protos", "server", "client", "tools"):
+        shutil.copytree(REPO / name, src / name,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    done = subprocess.run(
+        [sys.executable, "-W", "always", "-c",
+         "from setuptools import build_meta; "
+         f"print(build_meta.build_wheel({str(tmp_path / 'dist')!r}))"],
+        cwd=src, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = done.stdout + done.stderr
+    assert "Warning" not in said and "!!" not in said, said[-3000:]
+    wheel = tmp_path / "dist" / done.stdout.strip().splitlines()[-1]
+    names = zipfile.ZipFile(wheel).namelist()
+    bundled = {Path(n).name for n in names if n.startswith("episerve_client/keymaps/")}
+    assert bundled == {p.name for p in (REPO / "client/episerve_client/keymaps").glob("*.yaml")}
+    assert "episerve_client/py.typed" in names and "episerve_server/py.typed" in names
