@@ -31,8 +31,8 @@ def build_read_core(config: ServerConfig, *, stats: Stats | None = None) -> Read
     store = open_root(config.root, stats=stats, storage_options=storage_options(config),
                       max_connections=config.max_store_concurrency,
                       timeout_s=config.store_timeout_s,
-                      max_metadata_bytes=config.max_metadata_bytes)
-    store.latency_s = config.inject_latency_s
+                      max_metadata_bytes=config.max_metadata_bytes,
+                      latency_s=config.inject_latency_s)
     cache = ChunkCache(config.cache_bytes, stats)
     # A dropped episode's chunks leave the cache with it.
     catalog = Catalog(store, allow=config.allow, on_drop=cache.drop_episode,
