@@ -55,9 +55,12 @@ class Client(BaseClient):
                                                            timeout_s)))
 
     def read(self, keymap: KeymapLike, samples: Sequence[tuple[str, int]], *,
-             annotation_cutoff: bool = False, timeout_s: float | None = None) -> ReadResult:
+             annotation_cutoff: bool = False, timeout_s: float | None = None,
+             prefetch: Sequence[tuple[str, int]] = ()) -> ReadResult:
+        """One batch; ``prefetch`` names samples to be read soon (a hint, see README)."""
         result: ReadResult = self._run(self.read_flow(
-            keymap, samples, annotation_cutoff=annotation_cutoff, timeout_s=timeout_s))
+            keymap, samples, annotation_cutoff=annotation_cutoff, timeout_s=timeout_s,
+            prefetch=prefetch))
         return result
 
     # -- I/O ------------------------------------------------------------------------------

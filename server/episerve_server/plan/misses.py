@@ -89,6 +89,7 @@ class Fetcher:
         self._sem: asyncio.Semaphore | None = None
         self.active = 0  # store jobs holding a slot
         self.waiting = 0  # reads waiting for a slot
+        self.background = 0  # background store jobs (hints, preload): they hold no slot
 
     # -- store concurrency ------------------------------------------------------------------
 
@@ -109,10 +110,21 @@ class Fetcher:
             self.active -= 1
             self._sem.release()
 
+    @contextlib.asynccontextmanager
+    async def _background_slot(self) -> AsyncIterator[None]:
+        """Background jobs take no read slot, so a read never waits behind one; they start
+        only when ``spare`` says so, and are few (see ``plan.background``)."""
+        self.background += 1
+        try:
+            yield
+        finally:
+            self.background -= 1
+
     def spare(self, share: float = 0.5) -> bool:
         """Whether background work may start now: no read waits for a slot, and fewer than
-        ``share`` of the slots are in use."""
-        return self.waiting == 0 and self.active < max(1, int(self.limit * share))
+        ``share`` of the slots are in use, background jobs included."""
+        busy = self.active + self.background
+        return self.waiting == 0 and busy < max(1, int(self.limit * share))
 
     def in_flight(self, cid: ChunkId) -> bool:
         return cid in self._flights
@@ -192,9 +204,10 @@ class Fetcher:
         return failed, error
 
     def start(self, needs: Sequence[Need], charge: Callable[[int], None] | None = None,
-              *, count: str = "") -> Job:
+              *, count: str = "", background: bool = False) -> Job:
         """Register ``needs`` as in flight (none may be) and start the job fetching them;
-        ``count`` names a counter of ``Stats`` that the job adds its chunks to."""
+        ``count`` names a counter of ``Stats`` that the job adds its chunks to;
+        ``background`` jobs (hints, preload) hold no read slot."""
         ids = [n.id for n in needs]
         for cid in ids:
             if cid in self._flights:  # never: callers take chunks in flight from their job
@@ -202,14 +215,15 @@ class Fetcher:
         job = Job(ids)
         for cid in ids:
             self._flights[cid] = job
-        job.task = asyncio.ensure_future(self._run(job, list(needs), charge, count))
+        job.task = asyncio.ensure_future(self._run(job, list(needs), charge, count,
+                                                   background))
         job.task.add_done_callback(_observed)
         return job
 
     # -- one job ----------------------------------------------------------------------------
 
     async def _run(self, job: Job, needs: list[Need], charge: Callable[[int], None] | None,
-                   count: str) -> dict[ChunkId, Chunk]:
+                   count: str, background: bool) -> dict[ChunkId, Chunk]:
         try:
             runs = _runs(needs)
             plans = await self._plans(runs)
@@ -219,7 +233,7 @@ class Fetcher:
                 charge(sum(plan.known_bytes for _, plan in known))
                 job.charged.update((r.info.episode, r.info.name, c)
                                    for (r, c0, c1), _ in known for c in range(c0, c1 + 1))
-            decoded = await self._fetch_decode(runs, plans)
+            decoded = await self._fetch_decode(runs, plans, background)
             await self._check_absent(runs, decoded)
             result = self._keep(runs, decoded)
             if count:
@@ -259,11 +273,12 @@ class Fetcher:
                 f"({type(exc).__name__}: {exc})", episode=info.episode, key=info.name) from exc
 
     async def _fetch_decode(self, runs: list[tuple[ChunkReader, int, int]],
-                            plans: list[RunPlan | None]) -> list[list[tuple[Raw | Chunk, Chunk]]]:
+                            plans: list[RunPlan | None],
+                            background: bool) -> list[list[tuple[Raw | Chunk, Chunk]]]:
         """Per run, per chunk: (raw, decoded)."""
         requests = [req for plan in plans if plan is not None for req in plan.requests]
         others = [k for k, plan in enumerate(plans) if plan is None]
-        async with self.slot():
+        async with self._background_slot() if background else self.slot():
             try:
                 got: list[Any] = await asyncio.gather(
                     self.catalog.store.get_many(requests),

@@ -12,7 +12,7 @@ import asyncio
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -38,6 +38,9 @@ from episerve_server.storage.annotations import load_spans
 from episerve_server.storage.catalog import Catalog, Episode
 from episerve_server.storage.readers import ChunkReader
 
+if TYPE_CHECKING:
+    from episerve_server.plan.background import Background
+
 MAX_CHECKED_KEYMAPS = 64
 # Gathers this large run in a worker thread (a few ms on the loop below it); smaller ones
 # run on the loop, where the thread hop would cost more than the copy.
@@ -60,6 +63,7 @@ class Planner:
         self.offload_bytes = offload_bytes
         self.fetcher = Fetcher(catalog, cache, stats, limit=fetch_limit,
                                offload_bytes=offload_bytes)
+        self.background: Background | None = None  # hints and preload (wiring sets it)
         # Per keymap: the episodes already checked against it (a keymap x episode check
         # runs once, not on every batch). Bounded; an episode reopened is checked again.
         self._checked: OrderedDict[Keymap, dict[str, Episode]] = OrderedDict()
@@ -101,6 +105,29 @@ class Planner:
             self.stats.episodes[e.hash].read_rpcs += 1
         self.stats.samples_read += len(samples)
         return result
+
+    def uncached(self, keymap: Keymap, samples: Sequence[tuple[str, int]]) -> list[Need]:
+        """The chunks a read of ``samples`` would fetch now: neither cached nor in flight
+        (for prefetch hints; the annotation cutoff only shortens windows, so it is left
+        out). Raises as a read would for a sample it cannot serve. Counts no hits."""
+        batch = self._resolve(keymap, samples)
+        windows = self._windows(keymap, batch, {}, ReadOptions())
+        uids = self.cache.uids([e.hash for e in batch.episodes])
+        out: list[Need] = []
+        for key in sorted(keymap.zarr_keys):
+            table = self._table(key, keymap, batch, windows)
+            ep_pos, chunk = np.divmod(table.packed, PACK)
+            if table.reader_of[0].info.is_bytes:
+                missing = [j for j, (p, c) in enumerate(zip(ep_pos.tolist(), chunk.tolist()))
+                           if not self.cache.has_frames((batch.episodes[p].hash, key, c))]
+            else:
+                slab, _ = self.cache.lookup(key, uids[ep_pos], chunk)
+                missing = np.flatnonzero(slab < 0).tolist()
+            for j in missing:
+                need = Need(table.reader_of[int(ep_pos[j])], int(chunk[j]))
+                if not self.fetcher.in_flight(need.id):
+                    out.append(need)
+        return out
 
     # -- planning ---------------------------------------------------------------------------
 

@@ -74,6 +74,8 @@ class Episode:
     readers: dict[str, ChunkReader]
     problems: dict[str, str] = field(default_factory=dict)
     spans: dict[str, list[Span]] = field(default_factory=dict)
+    # Annotation loads in flight: concurrent first reads share one (single-flight).
+    span_loads: dict[str, asyncio.Future[list[Span]]] = field(default_factory=dict)
 
     @property
     def features(self) -> dict[str, Any]:
