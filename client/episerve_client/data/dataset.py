@@ -77,7 +77,7 @@ class WindowDataset(Dataset[dict[str, Any]]):
         # daemon then fetches their chunks into its cache in the background.
         ahead = getattr(indices, "prefetch", None) or ()
         hints = [self.locate(int(g)) for g in ahead if 0 <= int(g) < len(self)]
-        batch = self.read_batch(samples, prefetch=hints)
+        batch = self.read_batch(samples, prefetch=hints) if hints else self.read_batch(samples)
         if self.transforms:
             out = []
             for sample in batch:
