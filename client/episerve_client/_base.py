@@ -214,8 +214,10 @@ class BaseClient:
 
     def read_flow(self, keymap: KeymapLike, samples: Sequence[tuple[str, int]], *,
                   annotation_cutoff: bool = False, timeout_s: float | None = None,
-                  all_masks: bool = False) -> Flow:
+                  all_masks: bool = False,
+                  prefetch: Sequence[tuple[str, int]] = ()) -> Flow:
         km = load_keymap(keymap)
+        hints = self._hints(prefetch)
         km_key = json.dumps(km, sort_keys=True, default=str)
         samples = [(str(e), int(f)) for e, f in samples]
         if not samples:
@@ -230,8 +232,8 @@ class BaseClient:
                 Call(t, "Read", convert.read_request(
                     [samples[i] for i in idx], keymap_id=self._keymap_ids.get((t, km_key), ""),
                     annotation_cutoff=annotation_cutoff,
-                    max_response_bytes=self.max_response_bytes, all_masks=all_masks),
-                    _left(deadline))
+                    max_response_bytes=self.max_response_bytes, all_masks=all_masks,
+                    prefetch=hints.pop(t, ())), _left(deadline))
                 for t, idx in groups
             ]
             outcomes = yield calls
@@ -256,6 +258,14 @@ class BaseClient:
                 yield [Sleep(min(self.backoff(attempt), _left(deadline)))]
                 attempt += 1
         return merge_results(parts, len(samples))
+
+    def _hints(self, prefetch: Sequence[tuple[str, int]]) -> dict[str, list[tuple[str, int]]]:
+        """Hinted samples by the target that owns their episode; each is sent once, with
+        the first call to that target (a hint is never retried)."""
+        hinted = [(str(e), int(f)) for e, f in prefetch]
+        return {t: [hinted[i] for i in idx]
+                for t, idx in self.router.route(hinted, list(range(len(hinted))),
+                                                max(1, len(hinted)))}
 
     def _register(self, km: dict[str, Any], km_key: str, targets: set[str],
                   deadline: float) -> Generator[list[Op], list[Outcome], None]:

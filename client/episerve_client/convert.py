@@ -118,12 +118,16 @@ def register_request(keymap: Mapping[str, Mapping[str, Any]]) -> bytes:
 def read_request(samples: Sequence[tuple[str, int]], *, keymap_id: str = "",
                  keymap: Mapping[str, Mapping[str, Any]] | None = None,
                  annotation_cutoff: bool = False, max_response_bytes: int = 0,
-                 all_masks: bool = False) -> bytes:
+                 all_masks: bool = False,
+                 prefetch: Sequence[tuple[str, int]] = ()) -> bytes:
     msg = pb.ReadRequest(
         episodes=[s[0] for s in samples], frames=[int(s[1]) for s in samples],
         annotation_cutoff=annotation_cutoff, max_response_bytes=max_response_bytes,
         all_masks=all_masks,
     )
+    if prefetch:  # a hint: samples the caller will read soon
+        msg.prefetch.episodes.extend(s[0] for s in prefetch)
+        msg.prefetch.frames.extend(int(s[1]) for s in prefetch)
     if keymap is not None:
         msg.keymap.CopyFrom(keymap_message(keymap))
     else:

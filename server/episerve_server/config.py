@@ -22,6 +22,8 @@ DURATIONS = ("grace_s", "rescan_s", "store_timeout_s", "max_connection_age_s",
              "max_connection_idle_s", "inject_latency_s")
 COUNTS = ("max_batch", "max_window", "max_concurrent_reads", "max_store_concurrency",
           "max_keymap_entries", "max_streams_per_connection")
+PRELOAD_KINDS = ("off", "numeric")
+ZERO_OK = ("cache_bytes", "prefetch_bytes")  # sizes where 0 means off
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 LOG_FORMATS = ("text", "json")
 #: Settings where an explicitly empty value would silently mean something else (no auth,
@@ -86,6 +88,9 @@ class ServerConfig:
     store_timeout_s: float = 30.0  # one storage call
     metrics_host: str = "127.0.0.1"
     inject_latency_s: float = 0.0  # fault injection for tests: delay every store request
+    # Prefetch hints: decoded bytes in flight for them (at most half the cache); 0: ignored.
+    prefetch_bytes: int = 256 * 2**20
+    preload: str = "off"  # "numeric": fetch every numeric array into the cache at start-up
 
     @property
     def tls(self) -> bool:
@@ -146,6 +151,9 @@ class ServerConfig:
         if self.log_format not in LOG_FORMATS:
             raise ValueError(f"log_format must be one of {', '.join(LOG_FORMATS)}, "
                              f"got {self.log_format!r}")
+        if self.preload not in PRELOAD_KINDS:
+            raise ValueError(f"preload must be one of {', '.join(PRELOAD_KINDS)}, "
+                             f"got {self.preload!r}")
         for pattern in self.allow:
             if not pattern.strip():
                 raise ValueError(f"allow: an empty pattern would match nothing, got {self.allow!r}")
@@ -154,7 +162,7 @@ class ServerConfig:
         for f in fields(self):
             if not _is_size(f.name):
                 continue
-            value, least = getattr(self, f.name), 0 if f.name == "cache_bytes" else 1
+            value, least = getattr(self, f.name), 0 if f.name in ZERO_OK else 1
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"{f.name} must be a size >= {least} bytes, got {value!r}")
         if self.max_response_bytes > MAX_RESPONSE_BYTES:
@@ -284,6 +292,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-host", help="address the Prometheus endpoint binds "
                    "(default 127.0.0.1: loopback only; 0.0.0.0 for every interface)")
     p.add_argument("--inject-latency-s", type=float, help=argparse.SUPPRESS)
+    p.add_argument("--prefetch-bytes", help="decoded bytes in flight for Read prefetch "
+                   "hints, at most half of --cache-bytes (default 256MiB); 0 ignores hints")
+    p.add_argument("--preload", choices=PRELOAD_KINDS, help="numeric: after start-up, fetch "
+                   "every numeric array of every episode into the cache, in the background, "
+                   "up to --cache-bytes (default off)")
     for action in p._actions:  # every flag names the variable it also reads
         if action.dest != "help" and action.help not in (None, argparse.SUPPRESS):
             action.help = f"{action.help} [{ENV_PREFIX}{action.dest.upper()}]"

@@ -9,6 +9,7 @@ from typing import Any
 from episerve_server.config import ServerConfig
 from episerve_server.core.cache import ChunkCache
 from episerve_server.core.stats import Stats
+from episerve_server.plan.background import Background
 from episerve_server.plan.planner import Planner
 from episerve_server.storage.catalog import Catalog
 from episerve_server.storage.store import CountingStore, open_root
@@ -23,6 +24,7 @@ class ReadCore:
     cache: ChunkCache
     catalog: Catalog
     planner: Planner
+    background: Background  # prefetch hints and --preload
 
 
 def build_read_core(config: ServerConfig, *, stats: Stats | None = None) -> ReadCore:
@@ -31,14 +33,17 @@ def build_read_core(config: ServerConfig, *, stats: Stats | None = None) -> Read
     store = open_root(config.root, stats=stats, storage_options=storage_options(config),
                       max_connections=config.max_store_concurrency,
                       timeout_s=config.store_timeout_s,
-                      max_metadata_bytes=config.max_metadata_bytes)
-    store.latency_s = config.inject_latency_s
+                      max_metadata_bytes=config.max_metadata_bytes,
+                      latency_s=config.inject_latency_s)
     cache = ChunkCache(config.cache_bytes, stats)
     # A dropped episode's chunks leave the cache with it.
     catalog = Catalog(store, allow=config.allow, on_drop=cache.drop_episode,
                       max_item_bytes=config.max_item_bytes)
     planner = Planner(catalog, cache, stats, fetch_limit=config.max_store_concurrency)
-    return ReadCore(stats, store, cache, catalog, planner)
+    # Hints: at most --prefetch-bytes in flight, and never more than half the cache.
+    background = planner.background = Background(
+        planner, budget_bytes=min(config.prefetch_bytes, config.cache_bytes // 2))
+    return ReadCore(stats, store, cache, catalog, planner, background)
 
 
 def storage_options(config: ServerConfig) -> dict[str, Any]:

@@ -52,12 +52,13 @@ class RecordingDataset(WindowDataset):
 
     log_path: str | None = None
 
-    def read_batch(self, samples: Sequence[tuple[str, int]]) -> SampleBatch:
+    def read_batch(self, samples: Sequence[tuple[str, int]], *,
+                   prefetch: Sequence[tuple[str, int]] = ()) -> SampleBatch:
         if self.log_path is not None:
             line = json.dumps(sorted({episode for episode, _ in samples})) + "\n"
             with open(self.log_path, "a") as f:  # O_APPEND: workers' lines never interleave
                 f.write(line)
-        return super().read_batch(samples)
+        return super().read_batch(samples, prefetch=prefetch)
 
 
 def recording(target: str, episodes: Sequence[str], log_path: Path) -> RecordingDataset:

@@ -16,7 +16,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from episerve_client import Client, convert, errors
 from tests.support import ramp
 
-SLOW = ("--inject-latency-s", "0.1", "--max-store-concurrency", "1", "--cache-bytes", "0")
+# A cold read waits two store round trips (its shard indexes, then its chunks, each batch of
+# requests issued together): about 2 s here.
+SLOW = ("--inject-latency-s", "1.0", "--max-store-concurrency", "1", "--cache-bytes", "0")
 KEYPOINTS = {"k": {"zarr_key": "left.obs_keypoints", "key_type": "proprio_keys"}}
 CAMERA = {"front": {"zarr_key": "images.front_1", "key_type": "camera_keys"}}
 
@@ -29,7 +31,7 @@ def _health(target: str) -> int:
 
 def test_sigterm_drains_in_flight_reads(ramp_roots: dict[str, Path], start_daemon: Any) -> None:
     d = start_daemon(ramp_roots["sharded"], *SLOW, "--grace-s", "10")
-    samples = [("ep003d", f) for f in range(0, 257, 2)]  # apart: one store call each, 0.1 s
+    samples = [("ep003d", f) for f in range(0, 257, 2)]  # apart: one store call each
     outcome: dict[str, Any] = {}
 
     def read() -> None:
@@ -38,7 +40,7 @@ def test_sigterm_drains_in_flight_reads(ramp_roots: dict[str, Path], start_daemo
 
     reader = threading.Thread(target=read)
     reader.start()
-    time.sleep(0.8)  # the read is in flight: 20 chunks x 0.1 s
+    time.sleep(0.8)  # the read is in flight: two round trips of 1 s
     started = time.monotonic()
     d.proc.send_signal(signal.SIGTERM)
     time.sleep(0.2)
@@ -56,7 +58,9 @@ def test_sigterm_drains_in_flight_reads(ramp_roots: dict[str, Path], start_daemo
 def test_cancelled_read_stops_its_store_reads(ramp_roots: dict[str, Path],
                                               start_daemon: Any) -> None:
     d = start_daemon(ramp_roots["sharded"], *SLOW)
-    samples = [("ep003d", f) for f in range(0, 200, 2)]  # 100 store calls: 10 s uncancelled
+    # 100 chunks, requested together once the shard index is in, after 1 s: the read is
+    # cancelled before that, so none is requested
+    samples = [("ep003d", f) for f in range(0, 200, 2)]
     with Client(d.target) as c:
         before = c.stats()["store_reads"]
         with pytest.raises(errors.DeadlineExceeded):

@@ -21,6 +21,7 @@ from zarr.core.buffer import default_buffer_prototype
 from episerve_proto.errors import BrokenEpisodeError, DataLossError, Unavailable
 from episerve_server.core.stats import Stats
 from episerve_server.storage.catalog import Catalog
+from episerve_server.storage.latency import LatencyStore
 from episerve_server.storage.local import (
     ConfinedLocalStore,
     NotARegularFile,
@@ -247,7 +248,7 @@ def test_confined_store_refuses_and_does_not_follow_links_out(tmp_path: Path, ru
 
 def test_store_calls_time_out_as_unavailable(tmp_path: Path, run: Any) -> None:
     root, _ = _roots(tmp_path)
-    store = CountingStore(_store(root), Stats(), latency_s=0.5, timeout_s=0.05)
+    store = CountingStore(LatencyStore(_store(root), 0.5), Stats(), timeout_s=0.05)
     proto = default_buffer_prototype()
 
     async def check() -> None:

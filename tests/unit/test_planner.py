@@ -44,6 +44,7 @@ from episerve_proto.errors import (
 )
 from episerve_server.core.keymap import Keymap
 from episerve_server.plan.planner import ReadOptions
+from episerve_server.storage.latency import LatencyStore
 from tests.support import oracle, ramp
 from tests.support.keymaps import (
     BATCH,
@@ -363,7 +364,8 @@ def test_concurrent_reads_match_oracle_and_read_each_shard_index_once(
         cache_bytes: int, ramp_roots: dict[str, Path], serve: Callable[..., Any],
         matches_oracle: Any) -> None:
     served = serve(ramp_roots["sharded"], cache_bytes)
-    served.catalog.store.latency_s = 0.002  # so that the reads interleave
+    store = served.catalog.store
+    store._store = LatencyStore(store._store, 0.002)  # so that the reads interleave
     before = served.stats.metadata_requests
     keymap = KEYMAPS["mecka_keypoints_k4"]
     batches = [BATCH[k::4] for k in range(4)]

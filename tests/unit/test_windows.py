@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from episerve_server.core.keymap import Keymap, KeySpec
 from episerve_server.core.windows import frames, window
 from episerve_server.plan.assemble import PACK
-from episerve_server.plan.planner import _runs
+from episerve_server.plan.misses import Need, _runs
 from tests.support import oracle
 from tests.support.oracle import merge_intervals, row_runs
 from tests.support.strategies import window_fields
@@ -70,17 +70,18 @@ def test_row_runs_examples() -> None:
 
 def planner_runs(rows_by_episode: list[list[int]], chunk: int) -> list[tuple[int, int, int]]:
     """The planner's store runs over every touched chunk (the cache off), as
-    (episode position, first chunk, last chunk), from ``Planner._runs`` itself."""
+    (episode position, first chunk, last chunk), from the fetcher's ``_runs`` itself."""
     packed = np.unique(np.concatenate([
         np.asarray(rows, np.int64) // chunk + e * PACK
         for e, rows in enumerate(rows_by_episode)]))
-    runs = _runs(list(range(len(packed))), packed)
-    out = []
-    for first, last in runs:
-        e, c0 = divmod(int(packed[first]), int(PACK))
-        assert int(packed[last]) // int(PACK) == e  # a run never crosses episodes
-        out.append((e, c0, int(packed[last]) % int(PACK)))
-    return out
+    return _episode_runs(packed, list(range(len(packed))))
+
+
+def _episode_runs(packed: np.ndarray, missing: list[int]) -> list[tuple[int, int, int]]:
+    readers: list[Any] = [object() for _ in range(int(packed.max()) // int(PACK) + 1)]
+    needs = [Need(readers[int(packed[j]) // int(PACK)], int(packed[j]) % int(PACK))
+             for j in missing]
+    return [(readers.index(r), c0, c1) for r, c0, c1 in _runs(needs)]
 
 
 rows_strategy = st.lists(st.integers(0, 2000), min_size=1, max_size=60)
@@ -97,7 +98,8 @@ def test_planner_runs_are_the_literal_merged_groups(rows: list[list[int]], chunk
 
 def test_planner_runs_skip_cached_chunks() -> None:
     packed = np.array([3, 4, 5, 9, PACK + 10, PACK + 11], np.int64)
-    assert _runs([0, 2, 3, 4, 5], packed) == [(0, 0), (2, 2), (3, 3), (4, 5)]
+    assert _episode_runs(packed, [0, 2, 3, 4, 5]) == [(0, 3, 3), (0, 5, 5), (0, 9, 9),
+                                                      (1, 10, 11)]
 
 
 @settings(max_examples=200, deadline=None)

@@ -73,7 +73,11 @@ class WindowDataset(Dataset[dict[str, Any]]):
 
     def __getitems__(self, indices: Sequence[int]) -> SampleBatch | list[dict[str, Any]]:
         samples = [self.locate(int(g)) for g in indices]
-        batch = self.read_batch(samples)
+        # A batch sampler may attach the indices of a batch to come (``.prefetch``): the
+        # daemon then fetches their chunks into its cache in the background.
+        ahead = getattr(indices, "prefetch", None) or ()
+        hints = [self.locate(int(g)) for g in ahead if 0 <= int(g) < len(self)]
+        batch = self.read_batch(samples, prefetch=hints) if hints else self.read_batch(samples)
         if self.transforms:
             out = []
             for sample in batch:
@@ -102,7 +106,8 @@ class WindowDataset(Dataset[dict[str, Any]]):
         e = int(np.searchsorted(self._starts, g, side="right")) - 1
         return self.episodes[e].hash, g - int(self._starts[e])
 
-    def read_batch(self, samples: Sequence[tuple[str, int]]) -> SampleBatch:
+    def read_batch(self, samples: Sequence[tuple[str, int]], *,
+                   prefetch: Sequence[tuple[str, int]] = ()) -> SampleBatch:
         """One RPC for the batch; samples with an undecodable frame are retried (SPEC).
 
         A frame whose JPEG header disagrees with its episode's declared ``features`` shape
@@ -110,7 +115,8 @@ class WindowDataset(Dataset[dict[str, Any]]):
         and without a retry: every frame of such a dataset is the wrong size.
         """
         batch, failed = self._materialize(self.client.read(
-            self.keymap, samples, annotation_cutoff=self.annotation_cutoff))
+            self.keymap, samples, annotation_cutoff=self.annotation_cutoff,
+            prefetch=prefetch))
         for b in sorted(failed):
             batch.replace(b, self._retry(samples[b]))
         return batch

@@ -229,11 +229,13 @@ class ChunkCache:
         """Keep one decoded numeric chunk of (episode uid, key)."""
         self.store_many(key, [(uid, n_chunks, chunk, data)])
 
-    def store_many(self, key: str, chunks: Sequence[tuple[int, int, int, np.ndarray]]) -> None:
+    def store_many(self, key: str, chunks: Sequence[tuple[int, int, int, np.ndarray]]) -> int:
         """Keep decoded numeric chunks of one key, each (uid, chunks of that episode's array,
-        chunk index, data); room for all of them is made in one eviction pass."""
+        chunk index, data); room for all of them is made in one eviction pass. Returns how
+        many were already cached (replaced: a chunk fetched twice)."""
         if not self.enabled or not chunks:
-            return
+            return 0
+        replaced = 0
         table = self._table(key)
         placed: list[tuple[int, int, np.ndarray]] = []  # slab, table position, data
         for uid, n_chunks, chunk, data in chunks:
@@ -252,6 +254,7 @@ class ChunkCache:
             old = int(table.flat[pos])
             if old >= 0:  # replacing: the old copy goes
                 self._release(sid, np.array([old], np.int64))
+                replaced += 1
             placed.append((sid, pos, data))
         for sid in sorted({p[0] for p in placed}):
             mine = [(pos, data) for s, pos, data in placed if s == sid]
@@ -271,6 +274,7 @@ class ChunkCache:
             self._bytes += slab.slot_bytes * len(mine)
             self._entries += len(mine)
         self._sync_gauges()
+        return replaced
 
     # -- frame bytes and the scalar API -------------------------------------------------------
 
@@ -294,6 +298,10 @@ class ChunkCache:
         self.stats.cache_misses += 1
         return None
 
+    def has_frames(self, key: ChunkKey) -> bool:
+        """Whether a chunk of frame bytes is cached (not counted as a hit or a miss)."""
+        return key in self._frames
+
     def put(self, key: ChunkKey, chunk: Chunk) -> None:
         if isinstance(chunk, np.ndarray):
             if self.enabled and chunk_nbytes(chunk) <= self.budget_bytes:
@@ -302,10 +310,12 @@ class ChunkCache:
             return
         self.put_frames([(key, chunk)])
 
-    def put_frames(self, items: Sequence[tuple[ChunkKey, list[bytes]]]) -> None:
-        """Keep chunks of frame bytes; room for all of them is made in one eviction pass."""
+    def put_frames(self, items: Sequence[tuple[ChunkKey, list[bytes]]]) -> int:
+        """Keep chunks of frame bytes; room for all of them is made in one eviction pass.
+        Returns how many were already cached (replaced: a chunk fetched twice)."""
         if not self.enabled:
-            return
+            return 0
+        replaced = 0
         fits = [(k, c, chunk_nbytes(c)) for k, c in items]
         fits = [(k, c, n) for k, c, n in fits if n <= self.budget_bytes]
         for key, _, _ in fits:
@@ -313,10 +323,11 @@ class ChunkCache:
             if old is not None:
                 self._bytes -= old[1]
                 self._entries -= 1
+                replaced += 1
         while sum(n for _, _, n in fits) > self.budget_bytes:
             fits.pop(0)  # more than the whole budget: keep the last ones
         if not fits:
-            return
+            return replaced
         self._make_room(sum(n for _, _, n in fits))
         self._clock += 1
         for key, chunk, size in fits:
@@ -325,6 +336,7 @@ class ChunkCache:
             self._bytes += size
             self._entries += 1
         self._sync_gauges()
+        return replaced
 
     # -- eviction -----------------------------------------------------------------------------
 

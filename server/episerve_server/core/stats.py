@@ -22,6 +22,13 @@ COUNTERS = (
     "bytes_fetched",
     "bytes_sent",
     "read_ns",
+    # the miss path: single-flight, prefetch hints, preload
+    "duplicate_fetches",
+    "shared_fetches",
+    "prefetch_hinted_samples",
+    "prefetch_chunks",
+    "prefetch_dropped",
+    "preload_chunks",
 )
 
 
@@ -44,6 +51,14 @@ class Stats:
     bytes_fetched: int = 0
     bytes_sent: int = 0
     read_ns: int = 0  # time spent serving successful Reads, parse to serialized response
+    # A chunk fetched while it was already cached or being fetched (single-flight: 0).
+    duplicate_fetches: int = 0
+    shared_fetches: int = 0  # chunks a read took from another's fetch in flight
+    prefetch_hinted_samples: int = 0  # samples named in Read prefetch hints
+    prefetch_chunks: int = 0  # chunks fetched into the cache for hints
+    prefetch_dropped: int = 0  # hinted samples not prefetched (budget, queue, bad hint)
+    preload_chunks: int = 0  # chunks fetched by --preload
+    preload_total: int = 0  # chunks --preload means to fetch (a gauge: its progress)
     cache_bytes: int = 0
     cache_entries: int = 0
     episodes: defaultdict[str, EpisodeCounters] = field(
@@ -55,6 +70,7 @@ class Stats:
         out: dict[str, Any] = {name: getattr(self, name) for name in COUNTERS}
         out["cache_bytes"] = self.cache_bytes
         out["cache_entries"] = self.cache_entries
+        out["preload_total"] = self.preload_total
         out["episodes"] = {
             ep: {"chunks_fetched": c.chunks_fetched, "read_rpcs": c.read_rpcs}
             for ep, c in sorted(self.episodes.items())

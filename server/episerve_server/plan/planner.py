@@ -12,14 +12,13 @@ import asyncio
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from episerve_proto.errors import (
     BrokenEpisodeError,
     DataLossError,
-    EpisodeNotFound,
     FrameOutOfRange,
     InvalidArgument,
     KeymapError,
@@ -27,16 +26,20 @@ from episerve_proto.errors import (
     ShortArrayError,
     Unavailable,
 )
-from episerve_server.core.cache import Chunk, ChunkCache
+from episerve_server.core.cache import ChunkCache
 from episerve_server.core.keymap import Keymap, Rule
 from episerve_server.core.result import BatchResult
 from episerve_server.core.spans import cutoff_ends
 from episerve_server.core.stats import Stats
 from episerve_server.core.windows import Window, window
 from episerve_server.plan.assemble import PACK, Batch, Table, assemble, gather_cached
+from episerve_server.plan.misses import Fetcher, Need
 from episerve_server.storage.annotations import load_spans
 from episerve_server.storage.catalog import Catalog, Episode
-from episerve_server.storage.readers import ChunkReader, Raw, decode_chunk, episode_exists
+from episerve_server.storage.readers import ChunkReader
+
+if TYPE_CHECKING:
+    from episerve_server.plan.background import Background
 
 MAX_CHECKED_KEYMAPS = 64
 # Gathers this large run in a worker thread (a few ms on the loop below it); smaller ones
@@ -59,8 +62,9 @@ class Planner:
                  fetch_limit: int = 64, offload_bytes: int = 1 << 20) -> None:
         self.catalog, self.cache, self.stats = catalog, cache, stats
         self.offload_bytes = offload_bytes
-        self._fetch_limit = fetch_limit
-        self._sem: asyncio.Semaphore | None = None
+        self.fetcher = Fetcher(catalog, cache, stats, limit=fetch_limit,
+                               offload_bytes=offload_bytes)
+        self.background: Background | None = None  # hints and preload (wiring sets it)
         # Per keymap: the episodes already checked against it (a keymap x episode check
         # runs once, not on every batch). Bounded; an episode reopened is checked again.
         self._checked: OrderedDict[Keymap, dict[str, Episode]] = OrderedDict()
@@ -81,7 +85,8 @@ class Planner:
         tables = {key: self._table(key, keymap, batch, windows) for key in sorted(keymap.zarr_keys)}
         budget = _Budget(options.max_response_bytes, out_bytes, len(samples))
         self._lookup(tables, batch)
-        if out_bytes >= GATHER_OFFLOAD_BYTES:  # a large gather runs off the event loop
+        offload = out_bytes >= GATHER_OFFLOAD_BYTES
+        if offload:  # a large gather runs off the event loop
             self.cache.hold()
             try:
                 partial = await asyncio.to_thread(
@@ -90,7 +95,7 @@ class Planner:
                 self.cache.unhold()
         else:
             partial = gather_cached(keymap, batch, windows, tables, self.cache.slab_data)
-        await self._load(tables, batch, budget)
+        await self._load(tables, batch, budget, recheck=offload)
         # Only rows of fetched chunks are still to gather: a warm batch is assembled here.
         pending = any(p.pending is not None for p in partial.values())
         result: BatchResult = await self._offload(
@@ -103,6 +108,29 @@ class Planner:
             self.stats.episodes[e.hash].read_rpcs += 1
         self.stats.samples_read += len(samples)
         return result
+
+    def uncached(self, keymap: Keymap, samples: Sequence[tuple[str, int]]) -> list[Need]:
+        """The chunks a read of ``samples`` would fetch now: neither cached nor in flight
+        (for prefetch hints; the annotation cutoff only shortens windows, so it is left
+        out). Raises as a read would for a sample it cannot serve. Counts no hits."""
+        batch = self._resolve(keymap, samples)
+        windows = self._windows(keymap, batch, {}, ReadOptions())
+        uids = self.cache.uids([e.hash for e in batch.episodes])
+        out: list[Need] = []
+        for key in sorted(keymap.zarr_keys):
+            table = self._table(key, keymap, batch, windows)
+            ep_pos, chunk = np.divmod(table.packed, PACK)
+            if table.reader_of[0].info.is_bytes:
+                missing = [j for j, (p, c) in enumerate(zip(ep_pos.tolist(), chunk.tolist()))
+                           if not self.cache.has_frames((batch.episodes[p].hash, key, c))]
+            else:
+                slab, _ = self.cache.lookup(key, uids[ep_pos], chunk)
+                missing = np.flatnonzero(slab < 0).tolist()
+            for j in missing:
+                need = Need(table.reader_of[int(ep_pos[j])], int(chunk[j]))
+                if not self.fetcher.in_flight(need.id):
+                    out.append(need)
+        return out
 
     # -- planning ---------------------------------------------------------------------------
 
@@ -207,72 +235,57 @@ class Planner:
             hits = int((table.slab >= 0).sum())
             self.cache.count(hits, len(table.packed) - hits)
 
-    async def _load(self, tables: dict[str, Table], batch: Batch, budget: _Budget) -> None:
-        jobs: list[tuple[str, Table, int, int]] = []  # key, table, first pos, last pos
+    async def _load(self, tables: dict[str, Table], batch: Batch, budget: _Budget,
+                    recheck: bool = False) -> None:
+        """Fill every chunk the cache lacks, through the fetcher: one job for the batch,
+        and chunks other reads are already fetching taken from their jobs. ``recheck``:
+        the cache was looked up before an await, so chunks may have arrived since."""
+        needs: list[Need] = []
+        where: list[tuple[Table, int]] = []
         for key, table in tables.items():
-            is_bytes = table.reader_of[0].info.is_bytes
-            if not is_bytes:
-                missing = np.flatnonzero(table.slab < 0).tolist()
-                jobs.extend((key, table, a, b) for a, b in _runs(missing, table.packed))
+            if not table.reader_of[0].info.is_bytes:
+                missing = np.flatnonzero(table.slab < 0)
+                if recheck and missing.size:
+                    missing = self._recheck(key, table, batch, missing)
+                for j in missing.tolist():
+                    ep_pos, chunk = divmod(int(table.packed[j]), int(PACK))
+                    needs.append(Need(table.reader_of[ep_pos], chunk))
+                    where.append((table, j))
                 continue
-            missing = []
             for j, pk in enumerate(table.packed.tolist()):
                 ep_pos, chunk = divmod(pk, int(PACK))
                 hit = self.cache.get((batch.episodes[ep_pos].hash, key, chunk))
                 if hit is None:
-                    missing.append(j)
+                    needs.append(Need(table.reader_of[ep_pos], chunk))
+                    where.append((table, j))
                 else:
                     table.chunks[j] = hit
-                    if is_bytes:
-                        budget.add(sum(len(b) for b in hit))
-            for first, last in _runs(missing, table.packed):
-                jobs.append((key, table, first, last))
-        if not jobs:
+                    budget.add(sum(len(b) for b in hit))
+        if not needs:
             return
-        fetched = await _all_or_none([self._fetch(t, a, b, budget) for _, t, a, b in jobs])
-        work = [(t, j, raw) for (_, t, a, _), raws in zip(jobs, fetched)
-                for j, raw in zip(range(a, a + len(raws)), raws)]
-        keys = [key for (key, _, a, _), raws in zip(jobs, fetched) for _ in raws]
-        nbytes = sum(len(r) for _, _, r in work if isinstance(r, bytes))
-        decoded = await self._offload(nbytes, _decode_all, work)
-        numeric: dict[str, list[tuple[int, int, int, np.ndarray]]] = {}
-        frames: list[tuple[tuple[str, str, int], list[bytes]]] = []
-        for key, (table, j, _), chunk in zip(keys, work, decoded):
-            table.chunks[j] = chunk
-            ep_pos, chunk_id = divmod(int(table.packed[j]), int(PACK))
-            info = table.reader_of[ep_pos].info
-            if isinstance(chunk, np.ndarray):
-                uid = self.cache.uid(batch.episodes[ep_pos].hash)
-                numeric.setdefault(key, []).append(
-                    (uid, -(-info.rows // info.chunk_rows), chunk_id, chunk))
-            else:
-                frames.append(((batch.episodes[ep_pos].hash, key, chunk_id), chunk))
-        for key, stored in numeric.items():
-            self.cache.store_many(key, stored)
-        self.cache.put_frames(frames)
+        fetched = await self.fetcher.get(needs, budget.add)
+        for (table, j), got in zip(where, fetched):
+            table.chunks[j] = got
 
-    async def _fetch(self, table: Table, first: int, last: int,
-                     budget: _Budget) -> list[Raw | Chunk]:
-        ep_pos, c0 = divmod(int(table.packed[first]), int(PACK))
-        c1 = int(table.packed[last]) % int(PACK)
-        reader = table.reader_of[ep_pos]
-        raws = await self._fetch_raw(reader, c0, c1)
-        if reader.info.is_bytes:  # frames count toward the response limit as they arrive
-            budget.add(sum(len(r) for r in raws if isinstance(r, bytes)))
-        unknown = {c0 + k for k, r in enumerate(raws) if r is None} - reader.absent
-        if unknown:  # for one-object chunks, missing may mean deleted: check once per chunk
-            await self._check_present(reader)
-            reader.absent |= unknown
-        return raws
+    def _recheck(self, key: str, table: Table, batch: Batch,
+                 missing: np.ndarray) -> np.ndarray:
+        """Chunks stored by other reads since the lookup are copied, not fetched again."""
+        ep_pos, chunk = np.divmod(table.packed[missing], PACK)
+        uids = self.cache.uids([e.hash for e in batch.episodes])
+        slab, slot = self.cache.lookup(key, uids[ep_pos], chunk)
+        found = slab >= 0
+        for j, sid, sl in zip(missing[found].tolist(), slab[found].tolist(),
+                              slot[found].tolist()):
+            table.chunks[j] = self.cache.slab_data(sid)[sl].copy()
+        return missing[~found]
 
     async def _fetch_raw(self, reader: ChunkReader, first: int, last: int) -> list[Any]:
-        if self._sem is None:
-            self._sem = asyncio.Semaphore(self._fetch_limit)
-        async with self._sem:
+        """Raw chunks for the annotation loader (decoded there, a few chunks at a time)."""
+        async with self.fetcher.slot():
             try:
                 raws = await reader.fetch(first, last)
             except FileNotFoundError as exc:
-                await self._check_present(reader)
+                await self.fetcher.check_present(reader)
                 info = reader.info
                 raise DataLossError(
                     f"episode {info.episode!r} key {info.name!r}: data went missing "
@@ -288,17 +301,6 @@ class Planner:
         self.stats.chunks_fetched += len(raws)
         self.stats.bytes_fetched += sum(len(r) for r in raws if isinstance(r, bytes))
         return raws
-
-    async def _check_present(self, reader: ChunkReader) -> None:
-        """Missing data may mean the episode folder was deleted: then drop it, NOT_FOUND."""
-        episode = reader.info.episode
-        if await episode_exists(self.catalog.store, episode):
-            return
-        self.catalog.drop(episode)
-        raise EpisodeNotFound(
-            f"episode {episode!r} was removed from the dataset while being served",
-            episode=episode, key=reader.info.name,
-        )
 
     async def _offload(self, nbytes: int, fn: Any, *args: Any) -> Any:
         if nbytes >= self.offload_bytes:
@@ -330,18 +332,6 @@ class _Budget:
         self.used += nbytes
         if self.limit and self.used > self.limit:
             raise _too_big(self.used, self.limit, self.batch, at_least=True)
-
-
-async def _all_or_none(coros: list[Any]) -> list[Any]:
-    """Run concurrently; on the first failure cancel the rest, so no fetch outlives it."""
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    try:
-        return list(await asyncio.gather(*tasks))
-    except BaseException:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
 
 
 def _output_bytes(keymap: Keymap, batch: Batch, all_masks: bool = False) -> int:
@@ -390,25 +380,6 @@ def _key_rows(key: str, keymap: Keymap, batch: Batch,
             eps.append(np.broadcast_to(batch.ep[:, None], w.shape).ravel())
             rows.append(w.ravel())
     return np.concatenate(eps), np.concatenate(rows)
-
-
-def _runs(missing: list[int], packed: np.ndarray) -> list[tuple[int, int]]:
-    """Runs of missing positions whose chunks are consecutive in one episode."""
-    runs: list[tuple[int, int]] = []
-    for j in missing:
-        if runs and runs[-1][1] == j - 1 and packed[j] == packed[j - 1] + 1:
-            runs[-1] = (runs[-1][0], j)
-        else:
-            runs.append((j, j))
-    return runs
-
-
-def _decode_all(work: list[tuple[Table, int, Any]]) -> list[Chunk]:
-    out = []
-    for table, j, raw in work:
-        ep_pos, chunk = divmod(int(table.packed[j]), int(PACK))
-        out.append(decode_chunk(table.reader_of[ep_pos], raw, chunk))
-    return out
 
 
 def _too_big(nbytes: int, limit: int, batch: int, *, at_least: bool = False) -> ResponseTooLarge:

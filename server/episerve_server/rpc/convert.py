@@ -10,7 +10,7 @@ import bisect
 import hashlib
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from google.protobuf.message import DecodeError, Message
@@ -61,6 +61,8 @@ class ReadCall:
     annotation_cutoff: bool
     max_response_bytes: int
     all_masks: bool = False
+    prefetch: list[tuple[str, int]] = field(default_factory=list)  # hinted samples
+    prefetch_refused: int = 0  # hinted samples dropped whole (over a request bound)
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +136,7 @@ def parse_read(data: bytes, limits: Limits) -> ReadCall:
         raise InvalidArgument(
             f"keymap_id {shown(req.keymap_id)} is {len(req.keymap_id)} characters long, over "
             f"the limit of {MAX_NAME_CHARS}; use the id RegisterKeymap returned")
+    hinted = _prefetch(req.prefetch, limits)
     return ReadCall(
         keymap=keymap_from_pb(req.keymap, limits, "keymap (inline)") if ref == "keymap"
         else None,
@@ -142,7 +145,20 @@ def parse_read(data: bytes, limits: Limits) -> ReadCall:
         annotation_cutoff=req.annotation_cutoff,
         max_response_bytes=max(0, req.max_response_bytes),
         all_masks=req.all_masks,
+        prefetch=hinted,
+        prefetch_refused=len(req.prefetch.episodes) - len(hinted),
     )
+
+
+def _prefetch(hint: Any, limits: Limits) -> list[tuple[str, int]]:
+    """Hinted samples, bounded like the read's own: never an error (a hint that breaks a
+    bound is dropped here whole; the daemon drops samples it cannot serve later)."""
+    n = len(hint.episodes)
+    if n == 0 or n != len(hint.frames) or n > limits.max_batch:
+        return []
+    if any(len(e) > MAX_NAME_CHARS for e in hint.episodes):
+        return []
+    return list(zip(hint.episodes, hint.frames))
 
 
 def keymap_from_pb(msg: Any, limits: Limits, field: str = "keymap") -> Keymap:

@@ -109,6 +109,8 @@ async def start(config: ServerConfig, *, stats: Stats | None = None) -> Daemon:
     gc.freeze()
     gc.set_threshold(50_000, 50, 100)
     service = EpiserveService(config, core.catalog, core.planner, core.stats)
+    if config.preload == "numeric":  # in the background: health and reads never wait for it
+        core.background.start_preload()
     metrics = _metrics(config, service)
     interceptors: list[grpc.aio.ServerInterceptor] = [LoggingInterceptor(metrics)]
     if config.token:

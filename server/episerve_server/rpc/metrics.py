@@ -58,6 +58,12 @@ COUNTER_HELP = {
     "cache_evictions": "Chunks evicted from the cache to stay within its budget.",
     "bytes_fetched": "Bytes fetched from the store.",
     "bytes_sent": "Bytes of Read responses sent.",
+    "duplicate_fetches": "Chunks fetched while already cached or being fetched (0: single-flight).",
+    "shared_fetches": "Chunks a read took from a fetch already in flight for another.",
+    "prefetch_hinted_samples": "Samples named in Read prefetch hints.",
+    "prefetch_chunks": "Chunks fetched into the cache for prefetch hints.",
+    "prefetch_dropped": "Hinted samples not prefetched (budget, queue, stale or bad hint).",
+    "preload_chunks": "Chunks fetched into the cache by --preload.",
 }
 
 
@@ -87,6 +93,8 @@ class StatsCollector(Collector):
             ("episodes_open", "Episodes open and readable.", open_),
             ("episodes_broken", "Episodes listed as broken.", broken),
             ("reads_in_flight", "Read RPCs in progress.", service.inflight),
+            ("preload_total_chunks", "Chunks --preload means to fetch (progress: "
+             "episerve_preload_chunks).", stats.preload_total),
             ("draining", "1 while the daemon drains before stopping.", int(service.draining)),
         )
         for name, text, value in gauges:

@@ -250,11 +250,21 @@ class EpiserveService:
         else:
             data = wire.encode_result(result)
         del result
+        self._hint(call, keymap)
         self.stats.read_rpcs += 1
         self.stats.bytes_sent += len(data)
         if self.on_batch is not None:
             self.on_batch(len(call.samples))
         return data
+
+    def _hint(self, call: convert.ReadCall, keymap: Keymap) -> None:
+        """Queue a Read's prefetch hint, once the read itself is served; never an error."""
+        if call.prefetch_refused:
+            self.stats.prefetch_hinted_samples += call.prefetch_refused
+            self.stats.prefetch_dropped += call.prefetch_refused
+        background = self.planner.background
+        if call.prefetch and background is not None:
+            background.hint(keymap, call.prefetch)
 
     def _registered(self, kid: str) -> Keymap:
         keymap = self.keymaps.get(kid)

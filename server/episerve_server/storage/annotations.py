@@ -20,10 +20,28 @@ from episerve_server.storage.readers import ChunkReader, decode_chunk
 
 async def load_spans(episode: Episode, key: str,
                      fetch: Callable[[ChunkReader, int, int], Awaitable[list[Any]]]) -> list[Span]:
-    """The valid spans of ``key``, in listed order; read once per episode, then kept."""
+    """The valid spans of ``key``, in listed order; read once per episode, then kept.
+    Concurrent first reads wait for one load."""
     cached = episode.spans.get(key)
     if cached is not None:
         return cached
+    loading = episode.span_loads.get(key)
+    if loading is None:
+        loading = asyncio.ensure_future(_load(episode, key, fetch))
+        episode.span_loads[key] = loading
+        loading.add_done_callback(lambda f: _done(episode, key, f))
+    return await asyncio.shield(loading)
+
+
+def _done(episode: Episode, key: str, fut: asyncio.Future[list[Span]]) -> None:
+    if episode.span_loads.get(key) is fut:
+        del episode.span_loads[key]
+    if not fut.cancelled():
+        fut.exception()  # retrieved: a load nobody waits for any more logs nothing
+
+
+async def _load(episode: Episode, key: str,
+                fetch: Callable[[ChunkReader, int, int], Awaitable[list[Any]]]) -> list[Span]:
     reader = episode.readers.get(key)
     if reader is None:  # the cutoff on an episode without annotations: nothing to cut
         episode.spans[key] = []

@@ -89,6 +89,8 @@ class Episode:
     problems: dict[str, str] = field(default_factory=dict)
     spans: dict[str, list[Span]] = field(default_factory=dict)
     content_hash: str = ""  # 16 hex digits over the group's attributes and array metadata
+    # Annotation loads in flight: concurrent first reads share one (single-flight).
+    span_loads: dict[str, asyncio.Future[list[Span]]] = field(default_factory=dict)
 
     @property
     def features(self) -> dict[str, Any]:

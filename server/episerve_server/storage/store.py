@@ -10,19 +10,21 @@ from __future__ import annotations
 
 import asyncio
 import posixpath
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 from zarr.abc.store import ByteRequest, Store
-from zarr.core.buffer import Buffer, BufferPrototype
+from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
 from zarr.storage import FsspecStore, WrapperStore
 
 from episerve_proto.errors import Unavailable
 from episerve_server.core.stats import Stats
+from episerve_server.storage.latency import LatencyStore
 from episerve_server.storage.local import (
     DEFAULT_MAX_METADATA_BYTES,
     DEFAULT_MAX_OBJECT_BYTES,
     METADATA_NAMES,
+    ByteGet,
     ConfinedLocalStore,
     NotARegularFile,
     ObjectTooLarge,
@@ -31,7 +33,8 @@ from episerve_server.storage.local import (
 )
 
 __all__ = [
-    "METADATA_NAMES", "ConfinedLocalStore", "CountingStore", "NotARegularFile",
+    "METADATA_NAMES", "ByteGet", "ConfinedLocalStore", "CountingStore", "LatencyStore",
+    "NotARegularFile",
     "ObjectTooLarge", "OutsideRoot", "Refused", "open_root", "split_key",
 ]
 
@@ -51,25 +54,31 @@ def split_key(store_key: str) -> tuple[str, str]:
 
 
 class CountingStore(WrapperStore[Store]):
-    """Counts metadata documents and data reads separately, bounds every call by
-    ``timeout_s`` (``Unavailable`` on expiry), and optionally adds latency.
+    """Counts metadata documents and data reads separately and bounds every call by
+    ``timeout_s`` (``Unavailable`` on expiry).
 
-    ``latency_s`` exists for fault tests that need slow storage; it counts toward the
-    timeout, as slow storage would.
+    Slow storage for tests is a :class:`~episerve_server.storage.latency.LatencyStore`
+    underneath (``open_root(latency_s=...)``); its wait counts toward the timeout, as slow
+    storage would.
     """
 
-    def __init__(self, store: Store, stats: Stats | None = None, latency_s: float = 0.0,
+    def __init__(self, store: Store, stats: Stats | None = None,
                  timeout_s: float = DEFAULT_TIMEOUT_S,
                  max_metadata_bytes: int = DEFAULT_MAX_METADATA_BYTES) -> None:
         super().__init__(store)
         self.stats = stats if stats is not None else Stats()
-        self.latency_s = latency_s
         self.timeout_s = timeout_s
         self.max_metadata_bytes = max_metadata_bytes
 
     def _with_store(self, store: Store) -> CountingStore:
-        return type(self)(store, self.stats, self.latency_s, self.timeout_s,
-                          self.max_metadata_bytes)
+        return type(self)(store, self.stats, self.timeout_s, self.max_metadata_bytes)
+
+    @property
+    def sized(self) -> bool:
+        """Whether the store underneath checks sizes before reading (a local root)."""
+        inner = self._store
+        return isinstance(inner, ConfinedLocalStore) or (
+            isinstance(inner, LatencyStore) and inner.sized)
 
     def _count(self, key: str) -> None:
         if posixpath.basename(key) in METADATA_NAMES:
@@ -78,15 +87,10 @@ class CountingStore(WrapperStore[Store]):
             self.stats.store_reads += 1
 
     async def _timed(self, call: str, key: str, work: Callable[[], Awaitable[T]]) -> T:
-        async def run() -> T:
-            if self.latency_s:
-                await asyncio.sleep(self.latency_s)
-            return await work()
-
         if not self.timeout_s or self.timeout_s <= 0:
-            return await run()
+            return await work()
         try:
-            return await asyncio.wait_for(run(), self.timeout_s)
+            return await asyncio.wait_for(work(), self.timeout_s)
         except TimeoutError as exc:
             episode, array = split_key(key)
             raise Unavailable(
@@ -99,7 +103,7 @@ class CountingStore(WrapperStore[Store]):
         inner = self._store
 
         def work() -> Awaitable[Buffer | None]:
-            if isinstance(inner, ConfinedLocalStore):
+            if isinstance(inner, ConfinedLocalStore | LatencyStore):
                 return inner.get(key, prototype, byte_range, max_bytes=max_bytes)
             return inner.get(key, prototype, byte_range)
 
@@ -119,6 +123,28 @@ class CountingStore(WrapperStore[Store]):
         """``max_bytes`` caps the object (for local roots: its size on disk, before reading)."""
         self._count(key)
         return await self._get("get", key, prototype, byte_range, max_bytes)
+
+    async def get_many(self, requests: Sequence[ByteGet]) -> list[bytes | None]:
+        """Ranged data reads of one batch, issued together: each (key, range, cap) is one
+        store read, counted and capped as ``get`` would; the whole call is bounded by
+        ``timeout_s`` once. A local root reads them all in one worker thread, opening each
+        file once; other stores issue them concurrently."""
+        self.stats.store_reads += len(requests)
+        if not requests:
+            return []
+        inner = self._store
+        if isinstance(inner, ConfinedLocalStore | LatencyStore):
+            out = await self._timed("get_many", requests[0][0],
+                                    lambda: inner.get_many(requests))
+        else:
+            proto = default_buffer_prototype()
+            bufs = await self._timed("get_many", requests[0][0], lambda: asyncio.gather(
+                *(inner.get(key, proto, rng) for key, rng, _ in requests)))
+            out = [None if b is None else b.to_bytes() for b in bufs]
+        for (key, _, cap), data in zip(requests, out):
+            if data is not None and len(data) > cap:
+                raise ObjectTooLarge(key, f"returned {len(data)} bytes, over the limit of {cap}")
+        return out
 
     async def get_index(
         self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None = None,
@@ -159,6 +185,7 @@ def open_root(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     max_metadata_bytes: int = DEFAULT_MAX_METADATA_BYTES,
     max_object_bytes: int = DEFAULT_MAX_OBJECT_BYTES,
+    latency_s: float = 0.0,
 ) -> CountingStore:
     """A read-only store for a local folder or an fsspec URL such as ``s3://bucket/prefix``.
 
@@ -166,7 +193,7 @@ def open_root(
     ``max_metadata_bytes`` and other objects over ``max_object_bytes`` (unless a reader
     gives its own cap) are refused. S3 reads take the endpoint and credentials from the
     usual ``AWS_*`` variables unless ``storage_options`` say otherwise (see
-    :func:`object_store_options`).
+    :func:`object_store_options`). ``latency_s`` puts a :class:`LatencyStore` underneath.
     """
     if "://" in root and not root.startswith("file://"):
         options = object_store_options(root, storage_options, max_connections)
@@ -175,6 +202,8 @@ def open_root(
         inner = ConfinedLocalStore(root.removeprefix("file://"),
                                    max_metadata_bytes=max_metadata_bytes,
                                    max_object_bytes=max_object_bytes)
+    if latency_s:  # slow storage for tests and benchmarks (the hidden --inject-latency-s)
+        inner = LatencyStore(inner, latency_s)
     return CountingStore(inner, stats, timeout_s=timeout_s,
                          max_metadata_bytes=max_metadata_bytes)
 

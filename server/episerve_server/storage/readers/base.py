@@ -2,10 +2,28 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 from episerve_proto.errors import DataLossError
 from episerve_server.core.cache import Chunk
 from episerve_server.storage.readers.decode import ArrayInfo, Decoder, Raw
-from episerve_server.storage.store import CountingStore, Refused
+from episerve_server.storage.store import ByteGet, CountingStore, Refused
+
+
+@dataclass(frozen=True, slots=True)
+class RunPlan:
+    """How to read chunks [first, last] of one array in a batched store call.
+
+    ``requests`` go to ``CountingStore.get_many`` together with other runs'; ``split``
+    turns their answers (in order) into one raw chunk per chunk of the run (None: fill).
+    It is pure, so it runs in the worker thread that decodes. ``known_bytes`` is what the
+    run will read, when the layout says so before reading (a shard index), else 0.
+    """
+
+    requests: list[ByteGet]
+    split: Callable[[list[bytes | None]], list[Raw]]
+    known_bytes: int = 0
 
 
 class ShardVanished(FileNotFoundError):
@@ -34,6 +52,17 @@ class ChunkReader:
 
     async def _fetch(self, first: int, last: int) -> list[Raw | Chunk]:
         raise NotImplementedError
+
+    #: Whether chunks can be read through ``plan`` (one batched store call for many runs).
+    batched = False
+
+    async def plan(self, first: int, last: int) -> RunPlan:
+        """The store reads of chunks [first, last], and how to cut the chunks from them."""
+        raise NotImplementedError
+
+    def plan_now(self, first: int, last: int) -> RunPlan | None:
+        """``plan`` without waiting, or None when it would have to (an index to load)."""
+        return None
 
     def loss(self, what: str) -> DataLossError:
         info = self.info

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from zarr.core.buffer import default_buffer_prototype
 
 from episerve_server.core.cache import Chunk
-from episerve_server.storage.readers.base import ChunkReader
+from episerve_server.storage.readers.base import ChunkReader, RunPlan
 from episerve_server.storage.readers.decode import ArrayInfo, Decoder, Raw
 from episerve_server.storage.store import CountingStore
 
@@ -30,3 +30,16 @@ class KeyedReader(ChunkReader):
               for c in range(first, last + 1))
         )
         return [None if b is None else b.to_bytes() for b in bufs]
+
+    batched = True
+
+    async def plan(self, first: int, last: int) -> RunPlan:
+        return self.plan_now(first, last)
+
+    def plan_now(self, first: int, last: int) -> RunPlan:
+        cap = self.info.raw_bound
+        return RunPlan([(self.key_of(c), None, cap) for c in range(first, last + 1)], _same)
+
+
+def _same(raws: list[bytes | None]) -> list[bytes | None]:
+    return raws

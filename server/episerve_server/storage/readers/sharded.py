@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numcodecs
@@ -13,11 +14,27 @@ from zarr.abc.store import RangeByteRequest, SuffixByteRequest
 from zarr.core.buffer import default_buffer_prototype
 
 from episerve_server.core.cache import Chunk
-from episerve_server.storage.readers.base import ChunkReader, ShardVanished, episode_exists
+from episerve_server.storage.readers.base import (
+    ChunkReader,
+    RunPlan,
+    ShardVanished,
+    episode_exists,
+)
 from episerve_server.storage.readers.decode import ArrayInfo, Decoder, Raw
-from episerve_server.storage.store import CountingStore
+from episerve_server.storage.store import ByteGet, CountingStore
 
 EMPTY = 2**64 - 1  # an index entry of a chunk that is not stored
+
+
+@dataclass(frozen=True, slots=True)
+class _ShardPart:
+    """The chunks of one run that lie in one shard: their index entries (None: fill) and
+    where their bytes are among the run's requests (``first`` < 0: the shard is all fill)."""
+
+    key: str
+    first: int
+    merged: bool  # one ranged read for all of them
+    entries: list[tuple[int, int] | None]
 
 
 class ShardedReader(ChunkReader):
@@ -71,6 +88,69 @@ class ShardedReader(ChunkReader):
         it = iter(parts)
         return [next(it) if p else None for p in present]
 
+    batched = True
+
+    async def plan(self, first: int, last: int) -> RunPlan:
+        """One ranged read per run of chunks contiguous in their shard, else one per chunk;
+        the sizes are known from the shard index before anything is read."""
+        shards = range(first // self.per_shard, last // self.per_shard + 1)
+        indexes = await asyncio.gather(*(self._shard_index(s) for s in shards))
+        return self._plan(first, last, dict(zip(shards, indexes)))
+
+    def plan_now(self, first: int, last: int) -> RunPlan | None:
+        indexes: dict[int, np.ndarray | None] = {}
+        for shard in range(first // self.per_shard, last // self.per_shard + 1):
+            fut = self._index.get(shard)
+            if fut is None or not fut.done() or fut.cancelled() or fut.exception() is not None:
+                return None
+            indexes[shard] = fut.result()
+        return self._plan(first, last, indexes)
+
+    def _plan(self, first: int, last: int, indexes: dict[int, np.ndarray | None]) -> RunPlan:
+        requests: list[ByteGet] = []
+        layout: list[_ShardPart] = []
+        known = 0
+        for shard in range(first // self.per_shard, last // self.per_shard + 1):
+            lo = max(first, shard * self.per_shard)
+            hi = min(last, (shard + 1) * self.per_shard - 1)
+            index = indexes[shard]
+            if index is None:  # the whole shard is fill
+                layout.append(_ShardPart("", -1, False, [None] * (hi - lo + 1)))
+                continue
+            base, key = shard * self.per_shard, self.key_of(shard)
+            entries = self._entries(key, lo, index[lo - base : hi - base + 1].tolist())
+            spans = [e for e in entries if e is not None]
+            known += sum(n for _, n in spans)
+            cap = self.shard_bound
+            merged = bool(spans) and all(
+                b[0] == a[0] + a[1] for a, b in itertools.pairwise(spans))
+            layout.append(_ShardPart(key, len(requests), merged, entries))
+            if merged:
+                stop = spans[-1][0] + spans[-1][1]
+                requests.append((key, RangeByteRequest(spans[0][0], stop), cap))
+            else:
+                requests.extend((key, RangeByteRequest(o, o + n), cap) for o, n in spans)
+        return RunPlan(requests, lambda bufs: self._split(layout, bufs), known)
+
+    def _split(self, layout: list[_ShardPart], bufs: list[bytes | None]) -> list[Raw]:
+        out: list[Raw] = []
+        for part in layout:
+            spans = [e for e in part.entries if e is not None]
+            if part.first < 0 or not spans:
+                out.extend([None] * len(part.entries))
+                continue
+            if part.merged:
+                start = spans[0][0]
+                blob = self._require(bufs[part.first], part.key,
+                                     spans[-1][0] + spans[-1][1] - start)
+                pieces = [blob[o - start : o + n - start] for o, n in spans]
+            else:
+                pieces = [self._require(bufs[part.first + k], part.key, n)
+                          for k, (_, n) in enumerate(spans)]
+            it = iter(pieces)
+            out.extend(next(it) if e is not None else None for e in part.entries)
+        return out
+
     def _entries(self, key: str, lo: int, rows: list[list[int]]) -> list[tuple[int, int] | None]:
         """Index entries (offset, length) of chunks lo.., checked before anything is fetched:
         EMPTY is fill; a length over the raw-chunk bound or an end past 2**63 is refused."""
@@ -93,7 +173,7 @@ class ShardedReader(ChunkReader):
     def _require(self, buf: Any, key: str, nbytes: int) -> bytes:
         if buf is None:
             raise ShardVanished(f"shard {key!r} of episode {self.info.episode!r} is gone")
-        data = buf.to_bytes()
+        data = buf if isinstance(buf, bytes) else buf.to_bytes()
         if len(data) != nbytes:
             raise self.loss(f"shard {key!r} returned {len(data)} bytes, expected {nbytes}")
         return bytes(data)

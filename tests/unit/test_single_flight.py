@@ -1,0 +1,102 @@
+"""The fetcher's single-flight rules, in process: who waits, who cancels, who retries."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from episerve_server.config import ServerConfig
+from episerve_server.core.keymap import Keymap
+from episerve_server.plan.planner import ReadOptions
+from episerve_server.storage.latency import LatencyStore
+from tests.support import ramp
+
+KEYPOINTS = Keymap.parse({"k": {"zarr_key": "left.obs_keypoints", "key_type": "proprio_keys"}})
+KP = "left.obs_keypoints"
+
+
+def _slow(served: Any, latency_s: float) -> None:
+    store = served.catalog.store
+    store._store = LatencyStore(store._store, latency_s)
+
+
+def test_a_cancelled_read_leaves_the_fetch_to_the_read_still_waiting(
+        ramp_roots: dict[str, Path], serve: Callable[..., Any]) -> None:
+    served = serve(ramp_roots["sharded"], 0)
+    _slow(served, 0.1)
+    samples = [("ep003d", 120)]
+
+    async def both() -> Any:
+        first = asyncio.ensure_future(served.planner.read(KEYPOINTS, samples))
+        await asyncio.sleep(0.01)
+        second = asyncio.ensure_future(served.planner.read(KEYPOINTS, samples))
+        await asyncio.sleep(0.05)
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        return await second
+
+    result = served.run(both())
+    assert result.arrays["k"][0].tolist() == ramp.ramp_row(3, KP, 120).tolist()
+    assert served.stats.store_reads == 1
+    assert served.stats.shared_fetches == 1
+    assert served.stats.duplicate_fetches == 0
+
+
+def test_the_last_read_to_leave_cancels_the_fetch(ramp_roots: dict[str, Path],
+                                                   serve: Callable[..., Any]) -> None:
+    served = serve(ramp_roots["sharded"], 0)
+    _slow(served, 0.2)
+    served.run(served.planner.read(KEYPOINTS, [("ep003d", 10)]))  # the shard index is in
+    reads = served.stats.store_reads
+
+    async def leave() -> None:
+        task = asyncio.ensure_future(served.planner.read(KEYPOINTS, [("ep003d", 250)]))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await asyncio.sleep(0.01)
+        assert served.planner.fetcher.flights == 0
+
+    served.run(leave())
+    assert served.stats.store_reads == reads + 1  # asked for, then abandoned
+    assert served.stats.chunks_fetched == 1  # only the first read's chunk arrived
+
+
+def test_a_read_retries_chunks_whose_shared_fetch_failed_for_its_owner(
+        ramp_roots: dict[str, Path], serve: Callable[..., Any]) -> None:
+    """The owner's response limit fails its own job; the read waiting on it fetches again."""
+    served = serve(ramp_roots["sharded"], 0)
+    _slow(served, 0.1)
+    camera = Keymap.parse({"f": {"zarr_key": "images.front_1", "key_type": "camera_keys"}})
+    samples = [("ep003d", f) for f in range(0, 40, 4)]
+
+    async def both() -> tuple[Any, Any]:
+        tight = ReadOptions(max_response_bytes=64)
+        first = asyncio.ensure_future(served.planner.read(camera, samples, tight))
+        await asyncio.sleep(0.01)
+        second = asyncio.ensure_future(served.planner.read(camera, samples))
+        got = await asyncio.gather(first, second, return_exceptions=True)
+        return got[0], got[1]
+
+    failed, result = served.run(both())
+    assert type(failed).__name__ == "ResponseTooLarge"
+    assert len(result.frames["images.front_1"]) == len(samples)
+    assert served.stats.shared_fetches == len(samples)  # it did wait on the failed job
+    assert served.stats.duplicate_fetches == 0
+
+
+def test_hint_and_preload_settings() -> None:
+    config = ServerConfig.from_args(["--preload", "numeric", "--prefetch-bytes", "0"], {})
+    assert (config.preload, config.prefetch_bytes) == ("numeric", 0)
+    assert ServerConfig.from_args([], {"EPISERVE_PREFETCH_BYTES": "64MiB"}).prefetch_bytes \
+        == 64 << 20
+    assert ServerConfig().preload == "off"
+    with pytest.raises(ValueError, match="preload"):
+        ServerConfig.from_args(["--preload", "everything"], {})
+    with pytest.raises(ValueError, match="preload"):
+        ServerConfig.from_args([], {"EPISERVE_PRELOAD": "camera"})
