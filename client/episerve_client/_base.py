@@ -243,6 +243,17 @@ class BaseClient:
                 attempt += 1
         return merge_results(parts, len(samples))
 
+    def key_stats_payload(self, keys: Sequence[str],
+                          episodes: Sequence[str] | None = None) -> bytes:
+        """A ``GetKeyStats`` request; ``keys`` is a list of zarr keys, not one string."""
+        if isinstance(keys, str | bytes) or not all(isinstance(k, str) for k in keys):
+            raise InvalidArgument(f"keys must be a list of zarr key names, got {keys!r}")
+        if not keys:
+            raise InvalidArgument("key_stats() needs at least one key")
+        if isinstance(episodes, str | bytes):
+            raise InvalidArgument(f"episodes must be a list of episode hashes, got {episodes!r}")
+        return convert.key_stats_request(keys, [str(e) for e in episodes or ()])
+
     def _register(self, km: dict[str, Any], km_key: str, targets: set[str],
                   deadline: float) -> Generator[list[Op], list[Outcome], None]:
         need = sorted(t for t in targets if (t, km_key) not in self._keymap_ids)

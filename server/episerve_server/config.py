@@ -84,6 +84,7 @@ class ServerConfig:
     store_timeout_s: float = 30.0  # one storage call
     metrics_host: str = "127.0.0.1"
     inject_latency_s: float = 0.0  # fault injection for tests: delay every store request
+    stats_cache_bytes: int = 512 * 2**20  # GetKeyStats: per (episode, key) parts and tails
 
     @property
     def tls(self) -> bool:
@@ -277,4 +278,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-host", help="address the Prometheus endpoint binds "
                    "(default 127.0.0.1: loopback only; 0.0.0.0 for every interface)")
     p.add_argument("--inject-latency-s", type=float, help=argparse.SUPPRESS)
+    p.add_argument("--stats-cache-bytes", help="GetKeyStats keeps each (episode, key)'s "
+                   "moments and values, and the percentile tails of recent episode sets, "
+                   "under this budget, least recently used first (default 512MiB)")
     return p

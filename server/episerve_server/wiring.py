@@ -3,6 +3,7 @@ benchmarks all call :func:`build_read_core`, so none of them can forget a hook."
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,6 +11,7 @@ from episerve_server.config import ServerConfig
 from episerve_server.core.cache import ChunkCache
 from episerve_server.core.stats import Stats
 from episerve_server.plan.planner import Planner
+from episerve_server.plan.statistics import KeyStatsEngine
 from episerve_server.storage.catalog import Catalog
 from episerve_server.storage.store import CountingStore, open_root
 
@@ -23,6 +25,7 @@ class ReadCore:
     cache: ChunkCache
     catalog: Catalog
     planner: Planner
+    key_stats: KeyStatsEngine
 
 
 def build_read_core(config: ServerConfig, *, stats: Stats | None = None) -> ReadCore:
@@ -34,11 +37,19 @@ def build_read_core(config: ServerConfig, *, stats: Stats | None = None) -> Read
                       max_metadata_bytes=config.max_metadata_bytes)
     store.latency_s = config.inject_latency_s
     cache = ChunkCache(config.cache_bytes, stats)
-    # A dropped episode's chunks leave the cache with it.
-    catalog = Catalog(store, allow=config.allow, on_drop=cache.drop_episode,
+    # A dropped episode's chunks (and its statistics) leave the caches with it.
+    dropped: list[Callable[[str], None]] = [cache.drop_episode]
+
+    def on_drop(episode: str) -> None:
+        for forget in dropped:
+            forget(episode)
+
+    catalog = Catalog(store, allow=config.allow, on_drop=on_drop,
                       max_item_bytes=config.max_item_bytes)
     planner = Planner(catalog, cache, stats, fetch_limit=config.max_store_concurrency)
-    return ReadCore(stats, store, cache, catalog, planner)
+    key_stats = KeyStatsEngine(catalog, planner, cache, config.stats_cache_bytes)
+    dropped.append(key_stats.drop_episode)
+    return ReadCore(stats, store, cache, catalog, planner, key_stats)
 
 
 def storage_options(config: ServerConfig) -> dict[str, Any]:

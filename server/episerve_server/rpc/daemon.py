@@ -110,7 +110,8 @@ async def start(config: ServerConfig, *, stats: Stats | None = None) -> Daemon:
     # (a pass over a large catalog stalls every RPC), and collect less often.
     gc.freeze()
     gc.set_threshold(50_000, 50, 100)
-    service = EpiserveService(config, core.catalog, core.planner, core.stats)
+    service = EpiserveService(config, core.catalog, core.planner, core.stats,
+                              key_stats=core.key_stats)
     metrics = _metrics(config, service)
     interceptors: list[grpc.aio.ServerInterceptor] = [LoggingInterceptor(metrics)]
     if config.token:
