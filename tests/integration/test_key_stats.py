@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 import subprocess
 import sys
@@ -200,3 +201,20 @@ def test_stats_command(root: Path, start_daemon: Callable[..., DaemonProcess],
     bad = subprocess.run([*args[:4], d.target, "--keys", ramp.CAMERA_KEY],
                          capture_output=True, text=True, timeout=120, check=False)
     assert bad.returncode == 1 and "InvalidArgument" in bad.stderr
+
+
+def test_readme_stats_command_runs(root: Path, tmp_path: Path) -> None:
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    lines = [line for line in readme.splitlines() if line.startswith("episerve stats ")]
+    assert lines
+    for ep in ("noisy0", "noisy1", "noisy2"):  # the keymap's keys are in every episode left
+        shutil.rmtree(root / f"{ep}.zarr")
+    with DaemonProcess(root, "--rescan-s", "0", unix=tmp_path / "episerve.sock"):
+        for line in lines:
+            args = shlex.split(line.replace("/tmp/", f"{tmp_path}/"))
+            done = subprocess.run([sys.executable, "-m", "episerve_tools.cli", *args[1:]],
+                                  cwd=Path(__file__).parents[2], capture_output=True,
+                                  text=True, timeout=120, check=False)
+            assert done.returncode == 0, done.stderr
+            doc = json.loads((tmp_path / "stats.json").read_text())
+            assert sorted(doc["keys"]) == sorted(KEYS)
