@@ -77,6 +77,7 @@ class _Part:
 class _TailsEntry:
     members: dict[str, int]  # episode -> token of the part it holds
     tails: Tails
+    moments: Moments  # of the whole set
 
     @property
     def nbytes(self) -> int:
@@ -113,11 +114,11 @@ class KeyStatsEngine:
         chosen = self._episodes(episodes)
         async with self._lock:
             self.rpcs += 1
-            plans = [self._plan(key, chosen) for key in keys]
+            n = sum(e.total_frames for e in chosen)
+            plans = [self._plan(key, chosen, n) for key in keys]
             await self._read_missing(plans, chosen)
-            out = []
+            out = await asyncio.to_thread(lambda: [plan.finish() for plan in plans])
             for plan in plans:
-                out.append(await asyncio.to_thread(plan.finish))
                 self._keep_tails(plan)
             return out
 
@@ -147,7 +148,7 @@ class KeyStatsEngine:
             self._next_token += 1
         return token
 
-    def _plan(self, key: str, chosen: list[Episode]) -> _KeyPlan:
+    def _plan(self, key: str, chosen: list[Episode], n: int) -> _KeyPlan:
         readers = [_numeric_reader(e, key) for e in chosen]
         features = {r.info.feature for r in readers}
         if len(features) > 1:
@@ -158,7 +159,6 @@ class KeyStatsEngine:
                 episode=readers[0].info.episode, key=key)
         feature = readers[0].info.feature
         tokens = {e.hash: self._token(r) for e, r in zip(chosen, readers)}
-        n = sum(e.total_frames for e in chosen)
         size = math.prod(feature)
         start = self._best_tails(key, tokens, n)
         members = start.members if start is not None else {}
@@ -170,19 +170,21 @@ class KeyStatsEngine:
                 f"{MAX_TAILS_BYTES}; ask for fewer episodes at a time", key=key)
         builder = TailBuilder(size, room, start.tails if start is not None else None)
         plan = _KeyPlan(key, feature, chosen, readers, tokens, builder)
-        for e in chosen:
+        # Episodes in the tails' set are in their moments too: only the others are looked at.
+        added = [e for e in chosen if e.hash not in members]
+        if start is not None:
+            plan.base, plan.added = start.moments, [e.hash for e in added]
+        for e in added:
             part = self._get(("e", e.hash, key))
             if isinstance(part, _Part) and part.token == tokens[e.hash]:
                 self.parts_cached += 1
                 plan.moments[e.hash] = part.moments
-                if e.hash not in members:
-                    if part.values is None:
-                        plan.to_read.add(e.hash)
-                    else:
-                        plan.cached_values.append(part.values)
+                if part.values is None:
+                    plan.to_read.add(e.hash)
+                else:
+                    plan.cached_values.append(part.values)
             else:
                 plan.to_read.add(e.hash)
-            plan.feed[e.hash] = e.hash not in members
         return plan
 
     def _best_tails(self, key: str, tokens: dict[str, int], n: int) -> _TailsEntry | None:
@@ -191,8 +193,7 @@ class KeyStatsEngine:
             entry = self._lru.get(lru_key)
             if not isinstance(entry, _TailsEntry) or not entry.tails.covers(n):
                 continue
-            if len(entry.members) > len(tokens) or any(
-                    tokens.get(h) != t for h, t in entry.members.items()):
+            if not entry.members.items() <= tokens.items():
                 continue
             if best is None or entry.tails.count > best.tails.count:
                 best = entry
@@ -206,13 +207,12 @@ class KeyStatsEngine:
                 plan.cached_values = []
         sem = asyncio.Semaphore(EPISODE_CONCURRENCY)
 
-        async def one(e: Episode) -> None:
-            mine = [p for p in plans if e.hash in p.to_read]
-            if mine:
-                async with sem:
-                    await self._read_episode(e, mine)
+        async def one(e: Episode, mine: list[_KeyPlan]) -> None:
+            async with sem:
+                await self._read_episode(e, mine)
 
-        tasks = [asyncio.ensure_future(one(e)) for e in chosen]
+        work = [(e, [p for p in plans if e.hash in p.to_read]) for e in chosen]
+        tasks = [asyncio.ensure_future(one(e, mine)) for e, mine in work if mine]
         try:
             await asyncio.gather(*tasks)
         except BaseException:
@@ -232,7 +232,7 @@ class KeyStatsEngine:
             for c0 in range(0, n_chunks, step):
                 c1 = min(n_chunks, c0 + step) - 1
                 chunks = await self._chunks(e, reader, c0, c1)
-                feed = plan.builder if plan.feed[e.hash] else None
+                feed = plan.builder
                 blocks.append(await asyncio.to_thread(
                     _summarize, reader, chunks, c0, e.total_frames, feed))
                 if not keep:
@@ -310,7 +310,9 @@ class KeyStatsEngine:
         while len(self._tails_of.get(plan.key, [])) >= TAILS_PER_KEY:
             self._pop(self._tails_of[plan.key][0])
         self._serial += 1
-        self._put(("t", plan.key, self._serial), _TailsEntry(plan.tokens, plan.result_tails))
+        assert plan.result_moments is not None
+        self._put(("t", plan.key, self._serial),
+                  _TailsEntry(plan.tokens, plan.result_tails, plan.result_moments))
 
     def drop_episode(self, episode: str) -> None:
         """Forget an episode's parts and every set's tails that hold it."""
@@ -342,13 +344,23 @@ class _KeyPlan:
         self.tokens, self.builder = tokens, builder
         self.moments: dict[str, Moments] = {}
         self.to_read: set[str] = set()
-        self.feed: dict[str, bool] = {}
         self.cached_values: list[np.ndarray] = []
+        # With tails to grow from: their set's moments, and the episodes added to it.
+        self.base: Moments | None = None
+        self.added: list[str] = []
         self.result_tails: Tails | None = None
+        self.result_moments: Moments | None = None
 
     def finish(self) -> KeyStats:
+        """The merge (in a worker thread): tails, moments, the statistics."""
         tails = self.result_tails = self.builder.finish()
-        moments = combine([self.moments[e.hash] for e in self.chosen])
+        if self.base is None:
+            moments = combine([self.moments[e.hash] for e in self.chosen])
+        elif self.added:
+            moments = combine([self.base, *(self.moments[h] for h in self.added)])
+        else:
+            moments = self.base
+        self.result_moments = moments
         return key_stats(self.key, self.feature, len(self.chosen), moments, tails)
 
 
