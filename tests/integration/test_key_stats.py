@@ -224,3 +224,32 @@ def test_readme_stats_command_runs(root: Path, tmp_path: Path) -> None:
             assert done.returncode == 0, done.stderr
             doc = json.loads((tmp_path / "stats.json").read_text())
             assert sorted(doc["keys"]) == sorted(KEYS)
+
+
+@pytest.mark.parametrize("budget", [1, 2**30])
+def test_long_episodes_in_blocks_and_a_tiny_budget(root: Path, budget: int,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """In process: episodes read in blocks of one chunk, parts kept or not by the budget."""
+    import asyncio
+
+    from episerve_server.config import ServerConfig
+    from episerve_server.plan import statistics
+    from episerve_server.wiring import build_read_core
+
+    monkeypatch.setattr(statistics, "BLOCK_BYTES", 1)
+    core = build_read_core(ServerConfig(root=str(root), stats_cache_bytes=budget))
+    noisy = ["noisy0", "noisy1", "noisy2"]
+
+    async def run() -> list[Any]:
+        await core.catalog.scan()
+        first = await core.key_stats.compute(["noise", "grid"], noisy)
+        sub = await core.key_stats.compute(["grid"], ["noisy2", "noisy0"])
+        return [*first, *sub]
+
+    noise, grid, sub = asyncio.run(run())
+    assert_matches(noise, oracle(root, noisy, "noise"), 3)
+    assert_matches(grid, oracle(root, noisy, "grid"), 3)
+    assert_matches(sub, oracle(root, ["noisy0", "noisy2"], "grid"), 2)
+    counters = core.key_stats.counters()
+    assert counters["key_stats_cache_bytes"] <= budget
+    assert counters["key_stats_parts_computed"] == (8 if budget == 1 else 6)

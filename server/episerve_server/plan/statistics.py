@@ -52,7 +52,7 @@ MAX_KEYS = 256
 #: Tails kept per key (for that many different episode sets).
 TAILS_PER_KEY = 4
 #: Episodes computed at once; each is read and then summarized in one worker thread.
-EPISODE_CONCURRENCY = 4
+EPISODE_CONCURRENCY = 8
 #: Decoded bytes of one block of an episode's rows: a longer episode is read in blocks.
 BLOCK_BYTES = 32 << 20
 #: The tails of one key may take at most this many bytes (about 4% of its values).
@@ -222,26 +222,33 @@ class KeyStatsEngine:
             raise
 
     async def _read_episode(self, e: Episode, plans: list[_KeyPlan]) -> None:
+        """Every key of one episode: in rounds of one block per key, each round's chunks
+        fetched at once and summarized in one worker thread."""
+        todo = []  # plan, reader, block ranges, whether the values are kept
         for plan in plans:
             reader = e.readers[plan.key]
             size = math.prod(plan.feature) * 4
-            keep = e.total_frames * size <= self.budget_bytes
             n_chunks = -(-e.total_frames // reader.info.chunk_rows)
             step = max(1, BLOCK_BYTES // max(1, reader.info.chunk_rows * size))
-            blocks: list[tuple[Moments, np.ndarray]] = []
-            for c0 in range(0, n_chunks, step):
-                c1 = min(n_chunks, c0 + step) - 1
-                chunks = await self._chunks(e, reader, c0, c1)
-                feed = plan.builder
-                blocks.append(await asyncio.to_thread(
-                    _summarize, reader, chunks, c0, e.total_frames, feed))
-                if not keep:
-                    blocks[-1] = (blocks[-1][0], np.empty((0, 0), np.float32))
-            moments = combine([m for m, _ in blocks]) if len(blocks) > 1 else blocks[0][0]
-            values = None
+            ranges = [(c0, min(n_chunks, c0 + step) - 1) for c0 in range(0, n_chunks, step)]
+            todo.append((plan, reader, ranges, e.total_frames * size <= self.budget_bytes))
+        blocks: list[list[tuple[Moments, np.ndarray]]] = [[] for _ in todo]
+        for k in range(max(len(ranges) for _, _, ranges, _ in todo)):
+            now = [(j, t) for j, t in enumerate(todo) if k < len(t[2])]
+            fetched = await asyncio.gather(*(self._chunks(e, reader, *ranges[k])
+                                             for _, (_, reader, ranges, _) in now))
+            done = await asyncio.to_thread(_summarize_all, [
+                (reader, chunks, ranges[k][0], e.total_frames, plan.builder)
+                for (_, (plan, reader, ranges, _)), chunks in zip(now, fetched)])
+            for (j, (_, _, _, keep)), (part_moments, part_values) in zip(now, done):
+                blocks[j].append((part_moments,
+                                  part_values if keep else np.empty((0, 0), np.float32)))
+        for (plan, _, _, keep), mine in zip(todo, blocks):
+            moments = combine([m for m, _ in mine]) if len(mine) > 1 else mine[0][0]
+            values: np.ndarray | None = None
             if keep:
-                values = blocks[0][1] if len(blocks) == 1 else \
-                    np.concatenate([v for _, v in blocks], axis=1)
+                values = mine[0][1] if len(mine) == 1 else \
+                    np.concatenate([v for _, v in mine], axis=1)
             plan.moments[e.hash] = moments
             self.parts_computed += 1
             self._put(("e", e.hash, plan.key), _Part(plan.tokens[e.hash], moments, values))
@@ -367,6 +374,11 @@ class _KeyPlan:
 def _feed_all(builder: TailBuilder, values: Iterable[np.ndarray]) -> None:
     for v in values:
         builder.add(v)
+
+
+def _summarize_all(jobs: list[tuple[ChunkReader, list[Any], int, int, TailBuilder]]
+                   ) -> list[tuple[Moments, np.ndarray]]:
+    return [_summarize(*job) for job in jobs]
 
 
 def _summarize(reader: ChunkReader, chunks: list[Any], c0: int, total: int,
