@@ -54,7 +54,7 @@ def load(targets: list[str], keymaps: list[dict[str, Any]], concat: bool,
          batch_by_source: bool, weights: list[float], num_samples: int) -> dict[str, Any]:
     """Runs in a fresh interpreter: the mixture through a DataLoader with 2 workers."""
     subs = [WindowDataset(t, km) for t, km in zip(targets, keymaps)]
-    mix = MixtureDataset(subs)
+    mix = MixtureDataset(subs, parallel=True)  # the threads, in each DataLoader worker
     sampler = WeightedMixtureSampler(mix, weights, batch_size=32, num_samples=num_samples,
                                      seed=3, batch_by_source=batch_by_source)
     data = ConcatDataset(subs) if concat else mix
