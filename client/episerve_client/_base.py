@@ -266,6 +266,16 @@ class BaseClient:
         return {t: [hinted[i] for i in idx]
                 for t, idx in self.router.route(hinted, list(range(len(hinted))),
                                                 max(1, len(hinted)))}
+    def key_stats_payload(self, keys: Sequence[str],
+                          episodes: Sequence[str] | None = None) -> bytes:
+        """A ``GetKeyStats`` request; ``keys`` is a list of zarr keys, not one string."""
+        if isinstance(keys, str | bytes) or not all(isinstance(k, str) for k in keys):
+            raise InvalidArgument(f"keys must be a list of zarr key names, got {keys!r}")
+        if not keys:
+            raise InvalidArgument("key_stats() needs at least one key")
+        if isinstance(episodes, str | bytes):
+            raise InvalidArgument(f"episodes must be a list of episode hashes, got {episodes!r}")
+        return convert.key_stats_request(keys, [str(e) for e in episodes or ()])
 
     def _register(self, km: dict[str, Any], km_key: str, targets: set[str],
                   deadline: float) -> Generator[list[Op], list[Outcome], None]:

@@ -20,7 +20,7 @@ from episerve_client._base import (
     load_keymap,
 )
 from episerve_client.channel import CHANNEL_OPTIONS
-from episerve_client.convert import Listing, ReadResult
+from episerve_client.convert import KeyStats, Listing, ReadResult
 from episerve_client.errors import from_rpc_error
 from episerve_proto.contract import SERVICE_PATH
 
@@ -67,6 +67,14 @@ class Client(BaseClient):
             keymap, samples, annotation_cutoff=annotation_cutoff, timeout_s=timeout_s,
             all_masks=all_masks, prefetch=prefetch))
         return result
+
+    def key_stats(self, keys: Sequence[str], *, episodes: Sequence[str] | None = None,
+                  timeout_s: float | None = None) -> dict[str, KeyStats]:
+        """Per-feature mean, std, min, max and 1st/99th percentiles of numeric ``keys`` over
+        the real rows of ``episodes`` (default: every episode the daemon serves)."""
+        payload = self.key_stats_payload(keys, episodes)
+        return convert.key_stats(self._run(self.unary_flow("GetKeyStats", payload, None,
+                                                           timeout_s)))
 
     # -- I/O ------------------------------------------------------------------------------
 

@@ -218,3 +218,54 @@ def stats(data: bytes) -> dict[str, Any]:
         for ep, c in sorted(msg.episodes.items())
     }
     return out
+
+
+# -- GetKeyStats ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class KeyStats:
+    """Statistics of one zarr key over the real rows of the chosen episodes, per feature:
+    float64 arrays of the key's feature shape (``std`` is the population std)."""
+
+    key: str
+    count: int  # rows counted
+    episodes: int
+    mean: np.ndarray
+    std: np.ndarray
+    min: np.ndarray
+    max: np.ndarray
+    q01: np.ndarray  # 1st percentile (numpy's default linear interpolation)
+    q99: np.ndarray
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain lists and numbers, e.g. for ``json.dump``."""
+        out: dict[str, Any] = {"count": self.count, "episodes": self.episodes}
+        for name in KEY_STATS_FIELDS:
+            out[name] = getattr(self, name).tolist()
+        return out
+
+
+def key_stats_request(keys: Sequence[str], episodes: Sequence[str] = ()) -> bytes:
+    msg = pb.KeyStatsRequest(keys=list(keys), episodes=list(episodes))
+    return msg.SerializeToString()  # type: ignore[no-any-return]
+
+
+def _array(t: Any, key: str) -> np.ndarray:
+    try:
+        return np.frombuffer(t.data, dtype=t.dtype).reshape(tuple(t.shape)).copy()
+    except (TypeError, ValueError) as exc:
+        raise DataLossError(f"key {key!r}: the daemon sent a {t.name!r} tensor that does not "
+                            f"parse ({exc})", key=key) from exc
+
+
+KEY_STATS_FIELDS = ("mean", "std", "min", "max", "q01", "q99")
+
+
+def key_stats(data: bytes) -> dict[str, KeyStats]:
+    msg = _parse(pb.KeyStatsResponse, data)
+    return {
+        s.key: KeyStats(s.key, s.count, s.episodes,
+                        *(_array(getattr(s, name), s.key) for name in KEY_STATS_FIELDS))
+        for s in msg.stats
+    }

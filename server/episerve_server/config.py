@@ -91,6 +91,7 @@ class ServerConfig:
     # Prefetch hints: decoded bytes in flight for them (at most half the cache); 0: ignored.
     prefetch_bytes: int = 256 * 2**20
     preload: str = "off"  # "numeric": fetch every numeric array into the cache at start-up
+    stats_cache_bytes: int = 512 * 2**20  # GetKeyStats: per (episode, key) parts and tails
 
     @property
     def tls(self) -> bool:
@@ -297,6 +298,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--preload", choices=PRELOAD_KINDS, help="numeric: after start-up, fetch "
                    "every numeric array of every episode into the cache, in the background, "
                    "up to --cache-bytes (default off)")
+    p.add_argument("--stats-cache-bytes", help="GetKeyStats keeps each (episode, key)'s "
+                   "moments and values, and the percentile tails of recent episode sets, "
+                   "under this budget, least recently used first (default 512MiB)")
     for action in p._actions:  # every flag names the variable it also reads
         if action.dest != "help" and action.help not in (None, argparse.SUPPRESS):
             action.help = f"{action.help} [{ENV_PREFIX}{action.dest.upper()}]"

@@ -3,6 +3,7 @@ benchmarks all call :func:`build_read_core`, so none of them can forget a hook."
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,6 +12,7 @@ from episerve_server.core.cache import ChunkCache
 from episerve_server.core.stats import Stats
 from episerve_server.plan.background import Background
 from episerve_server.plan.planner import Planner
+from episerve_server.plan.statistics import KeyStatsEngine
 from episerve_server.storage.catalog import Catalog
 from episerve_server.storage.store import CountingStore, open_root
 
@@ -25,6 +27,7 @@ class ReadCore:
     catalog: Catalog
     planner: Planner
     background: Background  # prefetch hints and --preload
+    key_stats: KeyStatsEngine
 
 
 def build_read_core(config: ServerConfig, *, stats: Stats | None = None) -> ReadCore:
@@ -36,14 +39,22 @@ def build_read_core(config: ServerConfig, *, stats: Stats | None = None) -> Read
                       max_metadata_bytes=config.max_metadata_bytes,
                       latency_s=config.inject_latency_s)
     cache = ChunkCache(config.cache_bytes, stats)
-    # A dropped episode's chunks leave the cache with it.
-    catalog = Catalog(store, allow=config.allow, on_drop=cache.drop_episode,
+    # A dropped episode's chunks (and its statistics) leave the caches with it.
+    dropped: list[Callable[[str], None]] = [cache.drop_episode]
+
+    def on_drop(episode: str) -> None:
+        for forget in dropped:
+            forget(episode)
+
+    catalog = Catalog(store, allow=config.allow, on_drop=on_drop,
                       max_item_bytes=config.max_item_bytes)
     planner = Planner(catalog, cache, stats, fetch_limit=config.max_store_concurrency)
     # Hints: at most --prefetch-bytes in flight, and never more than half the cache.
     background = planner.background = Background(
         planner, budget_bytes=min(config.prefetch_bytes, config.cache_bytes // 2))
-    return ReadCore(stats, store, cache, catalog, planner, background)
+    key_stats = KeyStatsEngine(catalog, planner, cache, config.stats_cache_bytes)
+    dropped.append(key_stats.drop_episode)
+    return ReadCore(stats, store, cache, catalog, planner, background, key_stats)
 
 
 def storage_options(config: ServerConfig) -> dict[str, Any]:

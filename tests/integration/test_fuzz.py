@@ -39,7 +39,7 @@ from tests.support import ramp
 from tests.support.strategies import window_fields
 
 SERVICE = SERVICE_PATH
-METHODS = ("Read", "RegisterKeymap", "ListEpisodes", "GetStats")
+METHODS = ("Read", "RegisterKeymap", "ListEpisodes", "GetStats", "GetKeyStats")
 CALL_TIMEOUT_S = 10.0
 NEVER = {"UNKNOWN", "INTERNAL", "DEADLINE_EXCEEDED", "UNAVAILABLE", "CANCELLED"}
 REAL_IDS = [h for h, *_ in ramp.RAMP_DATASET]
@@ -365,6 +365,20 @@ def test_random_bytes_on_the_wire_get_deliberate_answers(fuzzed: Fuzzed, method:
         assert code == "UNIMPLEMENTED"
 
 
+@settings(FUZZ, max_examples=200)
+@given(keys=st.lists(st.sampled_from([*REAL_KEYS, "nope", ""]) | st.text(max_size=300),
+                     max_size=6),
+       episodes=st.lists(st.sampled_from([*REAL_IDS, *PATH_LIKE]) | st.text(max_size=300),
+                         max_size=5))
+def test_fuzzed_key_stats_get_deliberate_answers(fuzzed: Fuzzed, keys: list[str],
+                                                 episodes: list[str]) -> None:
+    payload = pb.KeyStatsRequest(keys=keys, episodes=episodes).SerializeToString()
+    code, _ = fuzzed.send("key_stats", "GetKeyStats", payload)
+    assert code in ("OK", "INVALID_ARGUMENT", "NOT_FOUND", "RESOURCE_EXHAUSTED")
+    if code == "OK":
+        assert set(keys) <= set(ramp.MECKA_KEYS)
+
+
 def _valid_payloads(keymap_id: str) -> list[tuple[str, bytes]]:
     samples = [("ep003d", 200), ("ep000a", 36), ("ep002c", 0)]
     return [
@@ -372,6 +386,7 @@ def _valid_payloads(keymap_id: str) -> list[tuple[str, bytes]]:
         ("Read", convert.read_request(samples, keymap_id=keymap_id, max_response_bytes=1 << 20)),
         ("RegisterKeymap", convert.register_request(MECKA)),
         ("ListEpisodes", b""),
+        ("GetKeyStats", convert.key_stats_request(list(ramp.MECKA_KEYS), ["ep000a", "ep003d"])),
     ]
 
 

@@ -1,4 +1,4 @@
-"""``episerve``: serve, make-dataset, demo and loadtest."""
+"""``episerve``: serve, make-dataset, demo, loadtest and stats."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ commands:
   make-dataset OUT    write synthetic episodes in the SPEC layout
   demo                write a demo dataset, serve it, train-loop over it, report
   loadtest TARGET...  drive a running daemon and report throughput and latency
+  stats TARGET        per-key statistics (mean, std, min, max, q01, q99) from a daemon
 """
 
 
@@ -136,6 +137,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from episerve_tools.loadtest import main as loadtest
 
         return loadtest(rest)
+    if command == "stats":
+        from episerve_tools.stats import main as stats
+
+        return stats(rest)
     print(f"episerve: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
     return 2
 

@@ -302,6 +302,11 @@ class Planner:
         self.stats.bytes_fetched += sum(len(r) for r in raws if isinstance(r, bytes))
         return raws
 
+    async def fetch_chunks(self, reader: ChunkReader, first: int, last: int) -> list[Any]:
+        """Raw chunks [first, last] of one array, under the same store limit and counters
+        as a Read's fetches (the statistics pass reads through here)."""
+        return await self._fetch_raw(reader, first, last)
+
     async def _offload(self, nbytes: int, fn: Any, *args: Any) -> Any:
         if nbytes >= self.offload_bytes:
             return await asyncio.to_thread(fn, *args)

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from google.protobuf.message import DecodeError, Message
 
 from episerve_proto.contract import (
@@ -34,6 +35,7 @@ from episerve_proto.errors import (
 from episerve_proto.v1 import episerve_pb2 as pb
 from episerve_server.config import ServerConfig
 from episerve_server.core.keymap import Keymap
+from episerve_server.core.keystats import KeyStats
 from episerve_server.storage.catalog import Episode
 
 #: A broken episode's reason is cut to this many bytes in a listing.
@@ -270,4 +272,42 @@ def encode_stats(snapshot: dict[str, Any]) -> bytes:
     for ep, counters in snapshot.get("episodes", {}).items():
         msg.episodes[ep].chunks_fetched = counters["chunks_fetched"]
         msg.episodes[ep].read_rpcs = counters["read_rpcs"]
+    return msg.SerializeToString()  # type: ignore[no-any-return]
+
+
+# -- GetKeyStats ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class KeyStatsCall:
+    keys: list[str]
+    episodes: list[str]
+
+
+def parse_key_stats(data: bytes, max_keys: int) -> KeyStatsCall:
+    """Keys and episodes of a ``GetKeyStats``; counts and name lengths checked first."""
+    req = _parse(pb.KeyStatsRequest(), data, "GetKeyStats")
+    if len(req.keys) > max_keys:
+        raise LimitExceeded(f"{len(req.keys)} keys asked for, over the limit of {max_keys}; "
+                            "ask for fewer keys at a time")
+    for i, episode in enumerate(req.episodes):
+        if len(episode) > MAX_NAME_CHARS:
+            raise InvalidEpisodeId(
+                f"episodes[{i}]: episode id {shown(episode)} is {len(episode)} characters "
+                f"long, over the limit of {MAX_NAME_CHARS}")
+    return KeyStatsCall(list(req.keys), list(req.episodes))
+
+
+def _tensor(name: str, value: Any) -> Any:
+    arr = np.ascontiguousarray(value, dtype="<f8")
+    return pb.Tensor(name=name, dtype=arr.dtype.str, shape=list(arr.shape), data=arr.tobytes())
+
+
+def encode_key_stats(results: Sequence[KeyStats]) -> bytes:
+    msg = pb.KeyStatsResponse()
+    for r in results:
+        msg.stats.append(pb.KeyStats(
+            key=r.key, count=r.count, episodes=r.episodes,
+            mean=_tensor("mean", r.mean), std=_tensor("std", r.std), min=_tensor("min", r.min),
+            max=_tensor("max", r.max), q01=_tensor("q01", r.q01), q99=_tensor("q99", r.q99)))
     return msg.SerializeToString()  # type: ignore[no-any-return]

@@ -108,7 +108,8 @@ async def start(config: ServerConfig, *, stats: Stats | None = None) -> Daemon:
     # (a pass over a large catalog stalls every RPC), and collect less often.
     gc.freeze()
     gc.set_threshold(50_000, 50, 100)
-    service = EpiserveService(config, core.catalog, core.planner, core.stats)
+    service = EpiserveService(config, core.catalog, core.planner, core.stats,
+                              key_stats=core.key_stats)
     if config.preload == "numeric":  # in the background: health and reads never wait for it
         core.background.start_preload()
     metrics = _metrics(config, service)

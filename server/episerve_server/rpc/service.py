@@ -38,6 +38,7 @@ from episerve_server.config import ServerConfig
 from episerve_server.core.keymap import Keymap
 from episerve_server.core.stats import Stats
 from episerve_server.plan.planner import Planner, ReadOptions
+from episerve_server.plan.statistics import MAX_KEYS, KeyStatsEngine
 from episerve_server.rpc import convert, wire
 from episerve_server.rpc.buffers import ResponseBuffers
 from episerve_server.rpc.registry import KeymapRegistry
@@ -131,8 +132,10 @@ def _rpc(fn: Handler) -> Handler:
 
 class EpiserveService:
     def __init__(self, config: ServerConfig, catalog: Catalog, planner: Planner,
-                 stats: Stats) -> None:
+                 stats: Stats, *, key_stats: KeyStatsEngine | None = None) -> None:
         self.config, self.catalog, self.planner, self.stats = config, catalog, planner, stats
+        self.key_stats = key_stats if key_stats is not None else KeyStatsEngine(
+            catalog, planner, planner.cache, config.stats_cache_bytes)
         self.keymaps = KeymapRegistry(config.max_registry_bytes)
         self.buffers = ResponseBuffers(config.max_buffered_bytes,
                                        config.max_buffered_bytes_per_peer)
@@ -149,6 +152,7 @@ class EpiserveService:
             "RegisterKeymap": self.register_keymap,
             "Read": self.read,
             "GetStats": self.get_stats,
+            "GetKeyStats": self.get_key_stats,
         }
         assert set(methods) <= set(METHODS)  # a method not served here answers UNIMPLEMENTED
         return grpc.method_handlers_generic_handler(
@@ -197,7 +201,22 @@ class EpiserveService:
         snapshot["keymaps_registered"] = len(self.keymaps)
         snapshot["keymap_registry_bytes"] = self.keymaps.nbytes
         snapshot["keymap_evictions"] = self.keymaps.evictions
+        snapshot.update(self.key_stats.counters())
         return convert.encode_stats(snapshot)
+
+    @_rpc
+    async def get_key_stats(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        arrived = time.monotonic()
+        call = convert.parse_key_stats(request, MAX_KEYS)
+        if not call.episodes:  # every episode: pick up the ones added since the last scan
+            await self.rescan()
+        try:
+            results = await self.key_stats.compute(call.keys, call.episodes)
+        except EpisodeNotFound as exc:
+            release_chain(exc)
+            await self.rescan(arrived)
+            results = await self.key_stats.compute(call.keys, call.episodes)
+        return convert.encode_key_stats(results)
 
     @_rpc
     async def read(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
