@@ -164,3 +164,9 @@ def stats(data: bytes) -> dict[str, Any]:
         for ep, c in sorted(msg.episodes.items())
     }
     return out
+
+
+def topology(data: bytes) -> tuple[tuple[str, ...], str]:
+    """A ``GetTopology`` answer: the workers' addresses and the routing rule's name."""
+    msg = _parse(pb.Topology, data)
+    return tuple(msg.workers), str(msg.routing)
