@@ -8,7 +8,11 @@ SIGTERM drains; a client that cannot reach the workers reads through the front.
 from __future__ import annotations
 
 import os
+import re
+import shlex
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -276,3 +280,25 @@ def test_workers_exit_when_the_front_is_killed(ramp_roots: dict[str, Path],
     while any(_alive(pid) for pid in pids.values()) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(_alive(pid) for pid in pids.values())
+
+
+def test_readme_workers_example_runs(tmp_path: Path) -> None:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("## Every core of the node")[1].split("\n## ")[0]
+    [block] = re.findall(r"```bash\n(.*?)```", section, flags=re.S)
+    args = shlex.split(block.strip().replace("/tmp/", f"{tmp_path}/"))
+    assert args[:2] == ["episerve", "serve"]
+    root, flags = args[2], args[3:]
+    subprocess.run([sys.executable, "-m", "episerve_tools.cli", "make-dataset", root,
+                    "--episodes", "3", "--min-frames", "120", "--max-frames", "150"],
+                   check=True, timeout=300, capture_output=True)
+    unix = flags.pop(flags.index("--unix") + 1)
+    flags.remove("--unix")
+    with DaemonProcess(root, *flags, unix=unix) as d:
+        announced = section.split("It prints `")[1].split("`")[0]
+        assert any(announced.replace("/tmp/", f"{tmp_path}/") in line for line in d.lines)
+        with Client(d.target) as c:
+            episodes = c.list_episodes().episodes
+            result = c.read(KEYPOINTS, [(e.hash, 3) for e in episodes])
+            assert len(result) == 3 and len(c.workers.of[d.target]) == 2
+        assert Path(f"{unix}.workers").is_dir()
