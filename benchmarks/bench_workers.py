@@ -91,52 +91,70 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=10.0)
     p.add_argument("--batches", type=int, default=20)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--only", choices=("loadtest", "dataloader"), default=None)
     opts = p.parse_args()
     episodes = ensure_dataset(opts.root, opts.episodes)
     root = str(Path(opts.root).resolve())
     with tempfile.TemporaryDirectory() as tmp:
         keymap = Path(tmp) / "numeric.yaml"
         keymap.write_text(yaml.safe_dump(NUMERIC_MECKA))
-        runs: dict[int, list[dict[str, float]]] = {1: [], 2: []}
-        for r in range(opts.rounds):
-            for workers in (1, 2):
-                runs[workers].append(measure_loadtest(root, keymap, workers, opts.seconds,
-                                                      f"{tmp}/lt{r}{workers}.sock"))
-                print(workers, runs[workers][-1], flush=True)
-        rows = []
-        for procs in ("1p", "2p"):
-            one = float(np.median([m[procs] for m in runs[1]]))
-            two = float(np.median([m[procs] for m in runs[2]]))
-            cpu1 = float(np.median([m[procs + "_cpu"] for m in runs[1]]))
-            cpu2 = float(np.median([m[procs + "_cpu"] for m in runs[2]]))
-            rows.append((f"{procs[0]} loadtest process(es), {CLIENTS} clients",
-                         f"{one:,.0f}", f"{two:,.0f}", f"{two / one:.2f}x",
-                         f"{cpu1:.1f}", f"{cpu2:.1f}"))
-        print(f"loadtest: numeric mecka, batch {BATCH}, first {EPISODES} episodes, warm, "
-              f"{opts.seconds:g} s per run, median of {opts.rounds} alternating runs")
-        print(table(rows, ("load", "--workers 1 samples/s", "--workers 2 samples/s",
-                           "ratio", "CPU ms/1k (1)", "CPU ms/1k (2)")))
+        if opts.only != "dataloader":
+            bench_loadtest(root, keymap, opts.rounds, opts.seconds, tmp)
+        if opts.only != "loadtest":
+            bench_dataloader(root, episodes, opts.rounds, opts.batches, tmp)
 
-        index = Index(episodes)
-        rng = np.random.default_rng(0)
-        indices = rng.permutation(len(index))[: (opts.batches + 1) * BATCH].tolist()
-        rows = []
+
+def bench_loadtest(root: str, keymap: Path, rounds: int, seconds: float, tmp: str) -> None:
+    runs: dict[int, list[dict[str, float]]] = {1: [], 2: []}
+    for r in range(rounds):
+        for workers in (1, 2):
+            runs[workers].append(measure_loadtest(root, keymap, workers, seconds,
+                                                  f"{tmp}/lt{r}{workers}.sock"))
+            print(workers, runs[workers][-1], flush=True)
+    rows = []
+    for procs in ("1p", "2p"):
+        one = float(np.median([m[procs] for m in runs[1]]))
+        two = float(np.median([m[procs] for m in runs[2]]))
+        cpu1 = float(np.median([m[procs + "_cpu"] for m in runs[1]]))
+        cpu2 = float(np.median([m[procs + "_cpu"] for m in runs[2]]))
+        rows.append((f"{procs[0]} loadtest process(es), {CLIENTS} clients",
+                     f"{one:,.0f}", f"{two:,.0f}", f"{two / one:.2f}x",
+                     f"{cpu1:.1f}", f"{cpu2:.1f}"))
+    print(f"loadtest: numeric mecka, batch {BATCH}, first {EPISODES} episodes, warm, "
+          f"{seconds:g} s per run, median of {rounds} alternating runs")
+    print(table(rows, ("load", "--workers 1 samples/s", "--workers 2 samples/s",
+                       "ratio", "CPU ms/1k (1)", "CPU ms/1k (2)")))
+
+
+def bench_dataloader(root: str, episodes: list[tuple[str, int]], rounds: int, batches: int,
+                     tmp: str) -> None:
+    index = Index(episodes)
+    rng = np.random.default_rng(0)
+    indices = rng.permutation(len(index))[: (batches + 1) * BATCH].tolist()
+    names = ["(c) TensorStore + cache pool", "(d) WindowDataset, --workers 1",
+             "(d) WindowDataset, --workers 2"]
+    got: dict[str, list[tuple[float, float]]] = {n: [] for n in names}
+    for r in range(rounds):  # alternating, so drift on the shared machine hits all three
         cold, warm, _ = run(TensorStoreDataset(root, NUMERIC_MECKA, episodes), indices,
                             default_collate)
-        base = warm
-        rows.append(("(c) TensorStore + cache pool", f"{cold:.0f}", f"{warm:.0f}", "1.00x"))
-        print(rows[-1], flush=True)
+        got[names[0]].append((cold, warm))
         for workers in (1, 2):
             with DaemonProcess(root, "--log-level", "WARNING", "--cache-bytes", "8GiB",
-                               "--rescan-s", "0", unix=f"{tmp}/dl{workers}.sock",
+                               "--rescan-s", "0", unix=f"{tmp}/dl{r}{workers}.sock",
                                workers=workers) as d:
                 cold, warm, _ = run(WindowDataset(d.target, NUMERIC_MECKA), indices, collate)
-            rows.append((f"(d) WindowDataset, --workers {workers}", f"{cold:.0f}",
-                         f"{warm:.0f}", f"{warm / base:.2f}x"))
-            print(rows[-1], flush=True)
-        print(f"DataLoader: numeric mecka, 2 workers, batch {BATCH}, {opts.batches} batches")
-        print(table(rows, ("loader", "samples/s first pass", "samples/s second pass",
-                           "second pass vs TensorStore")))
+            got[names[workers]].append((cold, warm))
+        print({n: [f"{c:.0f}/{w:.0f}" for c, w in v] for n, v in got.items()}, flush=True)
+    base = float(np.median([w for _, w in got[names[0]]]))
+    rows = []
+    for n in names:
+        cold = float(np.median([c for c, _ in got[n]]))
+        warm = float(np.median([w for _, w in got[n]]))
+        rows.append((n, f"{cold:.0f}", f"{warm:.0f}", f"{warm / base:.2f}x"))
+    print(f"DataLoader: numeric mecka, 2 workers, batch {BATCH}, {batches} batches, median "
+          f"of {rounds} alternating rounds")
+    print(table(rows, ("loader", "samples/s first pass", "samples/s second pass",
+                       "second pass vs TensorStore")))
 
 
 if __name__ == "__main__":

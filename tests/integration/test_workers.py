@@ -11,10 +11,12 @@ import os
 import re
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -302,3 +304,22 @@ def test_readme_workers_example_runs(tmp_path: Path) -> None:
             result = c.read(KEYPOINTS, [(e.hash, 3) for e in episodes])
             assert len(result) == 3 and len(c.workers.of[d.target]) == 2
         assert Path(f"{unix}.workers").is_dir()
+
+
+def test_one_metrics_endpoint_sums_the_workers(ramp_roots: dict[str, Path],
+                                               start_daemon: Any) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    d = start_daemon(ramp_roots["sharded"], "--metrics-port", str(port), workers=2)
+    with Client(d.target) as c:
+        c.read(KEYPOINTS, BATCH)
+        c.read(KEYPOINTS, BATCH)
+        stats = c.stats()
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+              if line and not line.startswith("#")}
+    assert values["episerve_read_rpcs_total"] == stats["read_rpcs"] == 4
+    assert values["episerve_samples_read_total"] == stats["samples_read"] == 2 * len(BATCH)
+    assert values["episerve_workers"] == 2 and values["episerve_workers_ready"] == 2
+    assert values["episerve_episodes_open"] == 4

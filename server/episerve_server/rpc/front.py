@@ -34,6 +34,7 @@ from episerve_proto.contract import METHODS, SERVICE_NAME
 from episerve_proto.errors import Overloaded, Unavailable
 from episerve_server.config import ServerConfig
 from episerve_server.rpc import convert, preflight
+from episerve_server.rpc.buffers import ResponseBuffers
 from episerve_server.rpc.interceptors import LoggingInterceptor, TokenInterceptor
 from episerve_server.rpc.service import OFFLOAD_ENCODE_BYTES, _rpc
 from episerve_server.rpc.workers import WorkerPool
@@ -50,6 +51,9 @@ class FrontService:
     def __init__(self, config: ServerConfig, pool: WorkerPool) -> None:
         self.config, self.pool = config, pool
         self.limits = convert.Limits.of(config)
+        # Merged responses wait in gRPC until the client reads them, as a worker's do.
+        self.buffers = ResponseBuffers(config.max_buffered_bytes,
+                                       config.max_buffered_bytes_per_peer)
         self.draining = False
         self.inflight = 0
         self.on_batch: Callable[[int], None] | None = None
@@ -80,7 +84,8 @@ class FrontService:
         extra = {"workers": len(self.pool.workers),
                  "workers_ready": sum(w.ready for w in self.pool.workers),
                  "worker_restarts": self.pool.restarts_total,
-                 "front_reads_in_flight": self.inflight}
+                 "front_reads_in_flight": self.inflight,
+                 "front_buffered_bytes": self.buffers.total}
         return convert.merge_stats(replies, extra)
 
     @_rpc
@@ -106,6 +111,8 @@ class FrontService:
         if self.inflight >= self.config.max_concurrent_reads:
             raise Overloaded(f"{self.inflight} reads in flight through the front, the limit "
                              f"is {self.config.max_concurrent_reads}; back off and retry")
+        peer = context.peer() or ""
+        self.buffers.check(peer)
         self.inflight += 1
         try:
             parts = convert.split_read(request, self._owner, self.limits)
@@ -121,6 +128,8 @@ class FrontService:
                 data = convert.merge_read_responses(pieces, n)
         finally:
             self.inflight -= 1
+        self.buffers.admit(peer, len(data))
+        context.add_done_callback(self.buffers.hold(peer, len(data)))
         if self.on_batch is not None:
             self.on_batch(n)
         return data
@@ -162,6 +171,7 @@ class FrontCollector:
 
     def __init__(self, front: FrontService, loop: asyncio.AbstractEventLoop) -> None:
         self.front, self.loop = front, loop
+        self.last: dict[str, int] = {}  # while a worker restarts, the last complete sums
 
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -171,9 +181,10 @@ class FrontCollector:
 
         try:
             got = asyncio.run_coroutine_threadsafe(self.front.counters(), self.loop).result(5)
+            self.last = got
         except Exception as exc:
             log.warning("metrics: the workers' counters are unavailable (%s)", exc)
-            got = {}
+            got = self.last
         for name in COUNTERS:
             if name == "read_ns":
                 yield CounterMetricFamily(f"{PREFIX}_read_seconds",
