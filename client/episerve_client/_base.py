@@ -6,10 +6,10 @@ receive their outcomes; the sync and async clients only execute them.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
+import stat
 import time
 from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass
@@ -36,11 +36,14 @@ from episerve_client.errors import (
     Unavailable,
     UnknownKeymap,
 )
+from episerve_proto import routing
 
 DEFAULT_TIMEOUT_S = 120.0
 DEFAULT_BACKOFF_INITIAL_S = 0.05
 DEFAULT_BACKOFF_MAX_S = 2.0
 DEFAULT_DOWN_S = 2.0
+#: Episode owners remembered by the worker router before it starts over.
+MAX_OWNERS_CACHED = 1 << 16
 
 KeymapLike: TypeAlias = Mapping[str, Mapping[str, Any]] | str | Path
 
@@ -85,10 +88,7 @@ class Router:
         self._down_until: dict[str, float] = {}
 
     def order(self, episode: str) -> list[str]:
-        def score(t: str) -> bytes:
-            return hashlib.blake2b(f"{t}\0{episode}".encode(), digest_size=8).digest()
-
-        return sorted(self.targets, key=score, reverse=True)
+        return routing.rank(self.targets, episode)
 
     def pick(self, episode: str) -> str:
         now = time.monotonic()
@@ -111,6 +111,83 @@ class Router:
                 for k in range(0, len(idx), max_per_call)]
 
 
+class WorkerRoutes:
+    """The worker processes of ``--workers N`` daemons, learned once per target.
+
+    ``learn`` asks each target's ``GetTopology`` on first use; ``split`` sends each sample
+    of a group bound for a target to the worker that owns its episode
+    (``routing.owner``), one call per worker. A worker this process cannot reach (its
+    socket is on another host or in another container, or it does not answer) is skipped
+    for ``down_s``: its samples go to the target, which forwards them.
+    """
+
+    def __init__(self, down_s: float) -> None:
+        self.down_s = down_s
+        self.of: dict[str, tuple[str, ...]] = {}  # target -> its workers; () for none
+        self._down_until: dict[str, float] = {}
+        self._owner: dict[tuple[str, int], int] = {}
+
+    def is_worker(self, target: str) -> bool:
+        return any(target in ws for ws in self.of.values())
+
+    def learn(self, targets: Sequence[str], deadline: float) -> Flow:
+        need = [t for t in targets if t not in self.of]
+        if not need:
+            return
+        outcomes = yield [Call(t, "GetTopology", b"", _left(deadline)) for t in need]
+        for t, out in zip(need, outcomes):
+            if isinstance(out, bytes):
+                workers, rule = convert.topology(out)
+                ok = rule == routing.ROUTING and all(map(reachable, workers))
+                self.of[t] = workers if ok else ()
+            elif isinstance(out, EpiserveError) and not out.transient:
+                self.of[t] = ()  # a daemon without GetTopology serves everything itself
+
+    def split(self, groups: list[tuple[str, list[int]]],
+              samples: Sequence[tuple[str, int]]) -> list[tuple[str, list[int]]]:
+        out: list[tuple[str, list[int]]] = []
+        now = time.monotonic()
+        for t, idx in groups:
+            workers = self.of.get(t, ())
+            if not workers:
+                out.append((t, idx))
+                continue
+            by: dict[str, list[int]] = {}
+            for i in idx:
+                w = workers[self.owner(samples[i][0], len(workers))]
+                by.setdefault(t if self._down_until.get(w, 0.0) > now else w, []).append(i)
+            out.extend(by.items())
+        return out
+
+    def owner(self, episode: str, n: int) -> int:
+        key = (episode, n)
+        got = self._owner.get(key)
+        if got is None:
+            if len(self._owner) >= MAX_OWNERS_CACHED:
+                self._owner.clear()
+            got = self._owner[key] = routing.owner(episode, n)
+        return got
+
+    def mark_down(self, target: str) -> bool:
+        """True if ``target`` is a worker (now skipped for ``down_s``)."""
+        if not self.is_worker(target):
+            return False
+        self._down_until[target] = time.monotonic() + self.down_s
+        return True
+
+
+def reachable(address: str) -> bool:
+    """Whether this process can plausibly connect to a worker's address: a unix socket that
+    exists here and that it may open, or a TCP address."""
+    if not address.startswith("unix:"):
+        return True
+    path = address.removeprefix("unix:").removeprefix("//")
+    try:
+        return stat.S_ISSOCK(os.stat(path).st_mode) and os.access(path, os.R_OK | os.W_OK)
+    except OSError:
+        return False
+
+
 class BaseClient:
     def __init__(self, target: str | Sequence[str], *, timeout_s: float = DEFAULT_TIMEOUT_S,
                  token: str = "", tls: TLS | None = None, plaintext_token_ok: bool = False,
@@ -126,6 +203,7 @@ class BaseClient:
         self.backoff_initial_s, self.backoff_max_s = backoff_initial_s, backoff_max_s
         self.max_response_bytes = max_response_bytes
         self.router = Router(self.targets, down_s)
+        self.workers = WorkerRoutes(down_s)
         self._keymap_ids: dict[tuple[str, str], str] = {}
         self._channels: dict[str, Any] = {}
         self._pid = os.getpid()
@@ -160,6 +238,14 @@ class BaseClient:
     def wait_for_ready(self) -> bool:
         """One daemon: ride out its restart. Several: fail over instead of waiting."""
         return len(self.targets) == 1
+
+    def waits_for_ready(self, target: str) -> bool:
+        """A worker never: its samples fail over to the daemon's front instead."""
+        return self.wait_for_ready and not self.workers.is_worker(target)
+
+    def plaintext_worker(self, target: str) -> bool:
+        """Workers listen on plaintext unix sockets (the front alone speaks TLS)."""
+        return target.startswith("unix:") and self.workers.is_worker(target)
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
         return (("authorization", f"Bearer {self.token}"),) if self.token else ()
@@ -225,8 +311,10 @@ class BaseClient:
         deadline = time.monotonic() + (timeout_s or self.timeout_s)
         pending, parts = list(range(len(samples))), []
         max_per_call, attempt = len(samples), 0
+        yield from self.workers.learn(self.targets, deadline)
         while pending:
-            groups = self.router.route(samples, pending, max_per_call)
+            groups = self.workers.split(self.router.route(samples, pending, max_per_call),
+                                        samples)
             yield from self._register(km, km_key, {t for t, _ in groups}, deadline)
             calls: list[Op] = [
                 Call(t, "Read", convert.read_request(
@@ -248,7 +336,7 @@ class BaseClient:
                 elif isinstance(out, ResponseTooLarge) and len(idx) > 1:
                     max_per_call = max(1, min(max_per_call, len(idx)) // 2)
                 elif out.transient and _left(deadline) > 0.01:
-                    if isinstance(out, Unavailable):
+                    if isinstance(out, Unavailable) and not self.workers.mark_down(t):
                         self.router.mark_down(t)
                     retry_after = True
                 else:
@@ -288,6 +376,8 @@ class BaseClient:
         for t, out in zip(need, outcomes):
             if isinstance(out, bytes):
                 self._keymap_ids[(t, km_key)] = convert.keymap_id(out)
+            elif self.workers.is_worker(t):
+                continue  # a worker that does not answer: its samples go through the front
             elif isinstance(out, EpiserveError) and not out.transient:
                 raise out
             # a transient failure leaves the id unset: the Read then fails over or retries

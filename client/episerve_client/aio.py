@@ -76,7 +76,7 @@ class AsyncClient(BaseClient):
     # -- I/O ------------------------------------------------------------------------------
 
     def _open_channel(self, target: str) -> grpc.aio.Channel:
-        if self.tls is not None:
+        if self.tls is not None and not self.plaintext_worker(target):
             return grpc.aio.secure_channel(target, self.tls.credentials(), self.tls.options())
         return grpc.aio.insecure_channel(target, CHANNEL_OPTIONS)
 
@@ -100,7 +100,7 @@ class AsyncClient(BaseClient):
         try:
             data: bytes = await stub(call.payload, timeout=max(call.timeout_s, 0.001),
                                      metadata=self.metadata(),
-                                     wait_for_ready=self.wait_for_ready)
+                                     wait_for_ready=self.waits_for_ready(call.target))
         except grpc.RpcError as exc:
             return from_rpc_error(exc, call.target)
         return data

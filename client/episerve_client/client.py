@@ -79,7 +79,7 @@ class Client(BaseClient):
     # -- I/O ------------------------------------------------------------------------------
 
     def _open_channel(self, target: str) -> grpc.Channel:
-        if self.tls is not None:
+        if self.tls is not None and not self.plaintext_worker(target):
             return grpc.secure_channel(target, self.tls.credentials(), self.tls.options())
         return grpc.insecure_channel(target, CHANNEL_OPTIONS)
 
@@ -110,4 +110,5 @@ class Client(BaseClient):
     def _start(self, call: Call) -> Any:
         stub = self._channel(call.target).unary_unary(SERVICE_PATH + call.method)
         return stub.future(call.payload, timeout=max(call.timeout_s, 0.001),
-                           metadata=self.metadata(), wait_for_ready=self.wait_for_ready)
+                           metadata=self.metadata(),
+                           wait_for_ready=self.waits_for_ready(call.target))

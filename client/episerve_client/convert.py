@@ -269,3 +269,7 @@ def key_stats(data: bytes) -> dict[str, KeyStats]:
                         *(_array(getattr(s, name), s.key) for name in KEY_STATS_FIELDS))
         for s in msg.stats
     }
+def topology(data: bytes) -> tuple[tuple[str, ...], str]:
+    """A ``GetTopology`` answer: the workers' addresses and the routing rule's name."""
+    msg = _parse(pb.Topology, data)
+    return tuple(msg.workers), str(msg.routing)

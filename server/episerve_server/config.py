@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import math
+import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -31,6 +32,9 @@ LOG_FORMATS = ("text", "json")
 NO_EMPTY = ("root", "host", "unix", "allow", "token", "tls_cert", "tls_key", "tls_client_ca",
             "s3_endpoint", "log_level", "metrics_host", "log_format")
 ENV_PREFIX = "EPISERVE_"
+#: ``--workers``: the most processes, and the most the default picks.
+MAX_WORKERS = 64
+AUTO_WORKERS_MAX = 8
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -92,10 +96,19 @@ class ServerConfig:
     prefetch_bytes: int = 256 * 2**20
     preload: str = "off"  # "numeric": fetch every numeric array into the cache at start-up
     stats_cache_bytes: int = 512 * 2**20  # GetKeyStats: per (episode, key) parts and tails
+    # Processes that read (``--workers``); 0: ``auto_workers()``. With more than one, the
+    # process on the daemon's address is a front and each worker serves a share of the
+    # episodes (rpc/front.py, rpc/workers.py).
+    workers: int = 0
 
     @property
     def tls(self) -> bool:
         return bool(self.tls_cert)
+
+    @property
+    def worker_count(self) -> int:
+        """``workers``, or ``auto_workers()`` when it is 0."""
+        return self.workers or auto_workers()
 
     @classmethod
     def from_args(cls, argv: Sequence[str], environ: Mapping[str, str]) -> ServerConfig:
@@ -158,6 +171,13 @@ class ServerConfig:
         for pattern in self.allow:
             if not pattern.strip():
                 raise ValueError(f"allow: an empty pattern would match nothing, got {self.allow!r}")
+        self._validate_workers()
+
+    def _validate_workers(self) -> None:
+        value = self.workers
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_WORKERS:
+            raise ValueError(f"workers must be an integer in 0..{MAX_WORKERS} (0: one per four "
+                             f"usable cores, at most {AUTO_WORKERS_MAX}), got {value!r}")
 
     def _validate_sizes(self) -> None:
         for f in fields(self):
@@ -177,6 +197,21 @@ class ServerConfig:
         if self.max_registry_bytes < self.max_keymap_bytes:
             raise ValueError(f"max_registry_bytes ({self.max_registry_bytes}) must hold at "
                              f"least one keymap of max_keymap_bytes ({self.max_keymap_bytes})")
+
+
+def auto_workers() -> int:
+    """The default ``--workers``: one process per four usable cores, 1 to 8.
+
+    The daemon shares its node with the training job, whose DataLoader workers decode frames
+    and collate on most of the cores; one read process per four cores leaves them three.
+    Eight processes serve well over what 8 ranks x 8 loaders consume. A machine with fewer
+    than eight cores gets one process: exactly the single-process daemon.
+    """
+    try:
+        cores = len(os.sched_getaffinity(0))  # a container's cpuset, not the host's cores
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, min(AUTO_WORKERS_MAX, cores // 4))
 
 
 def _is_size(name: str) -> bool:
@@ -292,6 +327,9 @@ def _parser() -> argparse.ArgumentParser:
                    "(default 30)")
     p.add_argument("--metrics-host", help="address the Prometheus endpoint binds "
                    "(default 127.0.0.1: loopback only; 0.0.0.0 for every interface)")
+    p.add_argument("--workers", type=int, help="read processes, each serving a share of the "
+                   "episodes with cache-bytes/N of cache; 0: one per four usable cores, 1 "
+                   "to 8 (default 0); 1: one process")
     p.add_argument("--inject-latency-s", type=float, help=argparse.SUPPRESS)
     p.add_argument("--prefetch-bytes", help="decoded bytes in flight for Read prefetch "
                    "hints, at most half of --cache-bytes (default 256MiB); 0 ignores hints")

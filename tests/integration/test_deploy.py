@@ -277,6 +277,31 @@ def test_mutual_tls_refuses_clients_without_a_trusted_cert(
     _refused(d.target, TLS(ca=pki["ca"], cert=pki["other_client"], key=pki["other_client_key"]))
 
 
+def test_tls_and_token_with_workers(pki: dict[str, str], ramp_root: Path,
+                                    start_daemon: Any) -> None:
+    """``--workers 2`` behind mutual TLS and a token: a trusted client routes to the
+    workers (plaintext unix sockets in a folder only the daemon's user may open, token
+    still required); an untrusted one is refused at the front as before."""
+    d = start_daemon(ramp_root, "--tls-cert", pki["server"], "--tls-key", pki["server_key"],
+                     "--tls-client-ca", pki["ca"], "--token", "s3cret-token", workers=2)
+    mine = TLS(ca=pki["ca"], cert=pki["client"], key=pki["client_key"])
+    samples = [("ep000a", 3), ("ep001b", 5), ("ep002c", 7), ("ep003d", 9)]
+    with Client(d.target, tls=mine, token="s3cret-token") as c:
+        result = c.read(KEYPOINTS, samples)
+        workers = c.workers.of[d.target]
+        assert len(workers) == 2
+        assert c.stats()["read_rpcs"] == 2  # one Read per worker, none through the front
+    for b, (episode, frame) in enumerate(samples):
+        no = int(episode[2:5])
+        assert np.array_equal(result.arrays["k"][b], ramp.ramp_row(no, "left.obs_keypoints",
+                                                                   frame))
+    folder = Path(workers[0].removeprefix("unix://")).parent
+    assert folder.stat().st_mode & 0o777 == 0o700
+    with Client(workers[0]) as anonymous, pytest.raises(errors.Unauthenticated):
+        anonymous.read(KEYPOINTS, samples[:1])
+    _refused(d.target, TLS(ca=pki["ca"]))
+
+
 def test_token_and_allow_list_limit_access(ramp_root: Path, start_daemon: Any) -> None:
     d = start_daemon(ramp_root, "--allow", "ep00[01]*", env={"EPISERVE_TOKEN": "s3cret-token"})
     with Client(d.target) as c, pytest.raises(errors.Unauthenticated, match="missing"):

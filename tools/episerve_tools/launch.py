@@ -16,16 +16,24 @@ from typing import IO
 from episerve_client.errors import Unavailable
 
 _LISTENING = re.compile(r"episerve listening on (\S+)")
+_WORKER = re.compile(r"worker (\d+) \(pid (\d+)\) serving on (\S+)")
 
 
 class DaemonProcess:
-    """``with DaemonProcess(root, unix=path) as d: Client(d.target)``; SIGTERM on exit."""
+    """``with DaemonProcess(root, unix=path) as d: Client(d.target)``; SIGTERM on exit.
+
+    ``workers`` is passed as ``--workers`` unless ``args`` name it: 1 by default, so that a
+    test or benchmark measures one process whatever the machine's default would be.
+    """
 
     def __init__(self, root: str | Path, *args: str, unix: str | Path | None = None,
                  port: int = 0, env: Mapping[str, str] | None = None,
-                 start_timeout_s: float = 120.0, log: IO[str] | None = None) -> None:
+                 start_timeout_s: float = 120.0, log: IO[str] | None = None,
+                 workers: int = 1) -> None:
         cmd = [sys.executable, "-m", "episerve_tools.cli", "serve", str(root), *args]
         cmd += ["--unix", str(unix)] if unix else ["--port", str(port)]
+        if not any(a == "--workers" or a.startswith("--workers=") for a in args):
+            cmd += ["--workers", str(workers)]
         self.cmd = cmd
         self.lines: list[str] = []
         self._log = log
@@ -70,6 +78,15 @@ class DaemonProcess:
     @property
     def pid(self) -> int:
         return self.proc.pid
+
+    def worker_pids(self) -> dict[int, int]:
+        """With ``--workers N``: each worker's latest pid, from the daemon's log."""
+        out: dict[int, int] = {}
+        for line in list(self.lines):
+            m = _WORKER.search(line)
+            if m:
+                out[int(m.group(1))] = int(m.group(2))
+        return out
 
     def stop(self, timeout_s: float = 30.0) -> int:
         """SIGTERM, then wait for the drain; returns the exit code."""

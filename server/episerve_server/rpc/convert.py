@@ -311,3 +311,107 @@ def encode_key_stats(results: Sequence[KeyStats]) -> bytes:
             mean=_tensor("mean", r.mean), std=_tensor("std", r.std), min=_tensor("min", r.min),
             max=_tensor("max", r.max), q01=_tensor("q01", r.q01), q99=_tensor("q99", r.q99)))
     return msg.SerializeToString()  # type: ignore[no-any-return]
+# -- topology and forwarding (``--workers N``: rpc/front.py) ---------------------------------
+
+#: Counters that every worker reports for the whole daemon (each one sees every episode and
+#: every keymap registered through the front): the front reports their largest value, not
+#: their sum.
+SHARED_GAUGES = frozenset({"episodes_open", "episodes_broken", "keymaps_registered",
+                           "keymap_registry_bytes"})
+
+
+def encode_topology(workers: Sequence[str], routing: str) -> bytes:
+    return pb.Topology(workers=list(workers), routing=routing).SerializeToString()  # type: ignore[no-any-return]
+
+
+def split_read(data: bytes, owner: Any, limits: Limits) -> list[tuple[int, list[int], bytes]]:
+    """A Read for the front to forward: ``(worker, sample positions, request)`` per worker
+    that owns some of its samples. Every other field (keymap, options, prefetch hints) is
+    copied; prefetch hints go to the worker that owns their episode."""
+    req = _parse(pb.ReadRequest(), data, "Read")
+    if len(req.episodes) != len(req.frames) or len(req.episodes) > limits.max_batch:
+        return [(0, list(range(len(req.episodes))), data)]  # the worker says what is wrong
+    groups: dict[int, list[int]] = {}
+    for i, episode in enumerate(req.episodes):
+        groups.setdefault(owner(episode), []).append(i)
+    if len(groups) <= 1:
+        return [(next(iter(groups), 0), list(range(len(req.episodes))), data)]
+    hints: dict[int, list[int]] = {}
+    for j, episode in enumerate(req.prefetch.episodes[:len(req.prefetch.frames)]):
+        hints.setdefault(owner(episode), []).append(j)
+    out = []
+    for worker, idx in sorted(groups.items()):
+        sub = pb.ReadRequest()
+        sub.CopyFrom(req)
+        del sub.episodes[:], sub.frames[:]
+        sub.episodes.extend(req.episodes[i] for i in idx)
+        sub.frames.extend(req.frames[i] for i in idx)
+        sub.ClearField("prefetch")
+        for j in hints.get(worker, []):
+            sub.prefetch.episodes.append(req.prefetch.episodes[j])
+            sub.prefetch.frames.append(req.prefetch.frames[j])
+        out.append((worker, idx, sub.SerializeToString()))
+    return out
+
+
+def merge_read_responses(parts: Sequence[tuple[list[int], bytes]], n: int) -> bytes:
+    """Per-worker ``ReadResponse`` bytes back in request order, as one response."""
+    if len(parts) == 1:
+        return parts[0][1]
+    msgs = [pb.ReadResponse.FromString(data) for _, data in parts]
+    order = np.empty(n, np.int64)
+    pos = 0
+    for idx, _ in parts:
+        order[idx] = np.arange(pos, pos + len(idx))
+        pos += len(idx)
+
+    def each(values: list[Sequence[Any]]) -> list[Any]:
+        flat = [v for vs in values for v in vs]
+        return [flat[k] for k in order] if flat else []
+
+    out = pb.ReadResponse()
+    for name in ("episodes", "frame_index", "fps", "embodiments", "total_frames"):
+        getattr(out, name).extend(each([getattr(m, name) for m in msgs]))
+    for k, first in enumerate(msgs[0].arrays):
+        rows = [np.frombuffer(m.arrays[k].data, dtype=first.dtype).reshape(
+            tuple(m.arrays[k].shape)) for m in msgs]
+        merged = np.concatenate(rows)[order]
+        out.arrays.add(name=first.name, dtype=first.dtype, shape=merged.shape,
+                       data=merged.tobytes())
+    offsets = {src.key: np.cumsum([0] + [len(m.frames[s].frames) for m in msgs])
+               for s, src in enumerate(msgs[0].frames)}
+    for k, first in enumerate(msgs[0].images):
+        off = offsets.get(first.source, np.zeros(len(msgs) + 1, np.int64))
+        index = np.concatenate([np.frombuffer(m.images[k].index, dtype="<i4").reshape(
+            tuple(m.images[k].shape)) + int(off[p]) for p, m in enumerate(msgs)])[order]
+        out.images.add(name=first.name, source=first.source, shape=index.shape,
+                       index=index.astype("<i4").tobytes())
+    for s, src in enumerate(msgs[0].frames):
+        out.frames.add(key=src.key, frames=[f for m in msgs for f in m.frames[s].frames])
+    for k, first in enumerate(msgs[0].texts):
+        col = out.texts.add(name=first.name)
+        col.samples.extend(each([m.texts[k].samples for m in msgs]))
+    return out.SerializeToString()  # type: ignore[no-any-return]
+
+
+def merge_stats(responses: Sequence[bytes], extra: dict[str, int]) -> bytes:
+    """Workers' ``GetStatsResponse``s as one daemon's: counters and per-episode counters
+    summed (``SHARED_GAUGES``: the largest), plus ``extra``."""
+    out = pb.GetStatsResponse()
+    for data in responses:
+        msg = pb.GetStatsResponse.FromString(data)
+        for name, value in msg.counters.items():
+            if name in SHARED_GAUGES:
+                out.counters[name] = max(out.counters[name], value)
+            else:
+                out.counters[name] += value
+        for ep, c in msg.episodes.items():
+            out.episodes[ep].chunks_fetched += c.chunks_fetched
+            out.episodes[ep].read_rpcs += c.read_rpcs
+    for name, value in extra.items():
+        out.counters[name] = value
+    return out.SerializeToString()  # type: ignore[no-any-return]
+
+
+def stats_counters(data: bytes) -> dict[str, int]:
+    return dict(pb.GetStatsResponse.FromString(data).counters)

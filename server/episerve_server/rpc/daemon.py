@@ -191,6 +191,10 @@ def _metrics(config: ServerConfig, service: EpiserveService) -> Any:
 
 
 async def serve(config: ServerConfig, *, announce: Callable[[str], None] = print) -> int:
+    if config.worker_count > 1:  # a front and N worker processes (rpc/front.py)
+        from episerve_server.rpc import front
+
+        return await front.serve(config, announce)
     daemon = await start(config)
     catalog = daemon.service.catalog
     announce(f"episerve listening on {daemon.address} "

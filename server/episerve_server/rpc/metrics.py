@@ -112,7 +112,7 @@ def _episode_counts(service: EpiserveService) -> tuple[int, int]:
 class Metrics:
     """The daemon's Prometheus registry; ``observe`` is fed by the logging interceptor."""
 
-    def __init__(self, service: EpiserveService) -> None:
+    def __init__(self, service: EpiserveService, collector: Collector | None = None) -> None:
         self.service = service
         self.registry = CollectorRegistry()
         self.rpcs = Counter(
@@ -124,19 +124,20 @@ class Metrics:
         self.batch_samples = Histogram(
             f"{PREFIX}_read_batch_samples", "Samples per successful Read.",
             buckets=BATCH_SAMPLES_BUCKETS, registry=self.registry)
-        self.registry.register(StatsCollector(service))
+        self.registry.register(collector or StatsCollector(service))
         self.registry.register(_InfoCollector(service.config))
         ProcessCollector(registry=self.registry)
         service.on_batch = self.batch_samples.observe
         self._http: Any = None
 
     @classmethod
-    def start(cls, config: ServerConfig, service: EpiserveService) -> Metrics:
+    def start(cls, config: ServerConfig, service: EpiserveService,
+              collector: Collector | None = None) -> Metrics:
         """Serve ``/metrics`` on ``config.metrics_host:config.metrics_port`` (loopback by
         default: the endpoint has no auth, so exposing it is the operator's choice)."""
         # No ``*_created`` series: they would double the scrape for nothing.
         disable_created_metrics()  # type: ignore[no-untyped-call]
-        metrics = cls(service)
+        metrics = cls(service, collector)
         server, _thread = start_http_server(config.metrics_port, addr=config.metrics_host,
                                             registry=metrics.registry)
         metrics._http = server

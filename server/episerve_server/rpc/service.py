@@ -12,9 +12,11 @@ import logging
 import time
 import traceback
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import grpc
 
+from episerve_proto import routing
 from episerve_proto.contract import (
     EPISODE_TRAILER,
     ERROR_TRAILER,
@@ -56,7 +58,8 @@ LIST_PAGE_BYTES = 4 * 2**20
 #: Traceback lines longer than this are cut in the log.
 LOG_LINE_CHARS = 400
 
-Handler = Callable[["EpiserveService", bytes, grpc.aio.ServicerContext], Awaitable[bytes]]
+# The service object is an ``EpiserveService`` or, with ``--workers N``, a ``FrontService``.
+Handler = Callable[[Any, bytes, grpc.aio.ServicerContext], Awaitable[bytes]]
 
 
 def error_metadata(exc: EpiserveError) -> tuple[tuple[str, str | bytes], ...]:
@@ -106,7 +109,7 @@ def _rpc(fn: Handler) -> Handler:
     """
 
     @functools.wraps(fn)
-    async def run(self: EpiserveService, request: bytes,
+    async def run(self: Any, request: bytes,
                   context: grpc.aio.ServicerContext) -> bytes:
         try:
             return await fn(self, request, context)
@@ -153,8 +156,9 @@ class EpiserveService:
             "Read": self.read,
             "GetStats": self.get_stats,
             "GetKeyStats": self.get_key_stats,
+            "GetTopology": self.get_topology,
         }
-        assert set(methods) <= set(METHODS)  # a method not served here answers UNIMPLEMENTED
+        assert set(methods) <= set(METHODS)
         return grpc.method_handlers_generic_handler(
             SERVICE_NAME,
             {name: grpc.unary_unary_rpc_method_handler(fn) for name, fn in methods.items()},
@@ -217,6 +221,10 @@ class EpiserveService:
             await self.rescan(arrived)
             results = await self.key_stats.compute(call.keys, call.episodes)
         return convert.encode_key_stats(results)
+    async def get_topology(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        """One process serves every episode: no workers to route to."""
+        convert.parse_empty(request, "GetTopology")
+        return convert.encode_topology((), routing.ROUTING)
 
     @_rpc
     async def read(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:

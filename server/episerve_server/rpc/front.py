@@ -1,0 +1,306 @@
+"""The front of a ``--workers N`` daemon: one logical daemon on the daemon's address.
+
+The front reads nothing itself. It starts the workers (``rpc/workers.py``) and answers:
+
+- ``GetTopology``: the workers' addresses and the routing rule, so that a client sends each
+  sample straight to the worker that owns its episode (``episerve_proto.routing``);
+- ``Read`` for clients that do not route (grpcurl, older clients, clients that cannot reach
+  the workers' sockets): split by owner, forwarded in parallel, merged in request order;
+- ``RegisterKeymap`` on every worker; ``GetStats`` summed over the workers;
+  ``ListEpisodes`` (and any other read-only call) from worker 0, which opens every episode;
+- health: ``SERVING`` only while every worker serves.
+
+Drain (SIGTERM, SIGINT): health ``NOT_SERVING``, new forwarded reads refused, the workers
+drain their own reads, then everything stops. A worker that exits is restarted; more than
+``MAX_RESTARTS`` exits in a minute stop the daemon with exit code 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import signal
+import time
+from collections.abc import Callable, Coroutine, Iterator
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from episerve_proto import routing
+from episerve_proto.contract import METHODS, SERVICE_NAME
+from episerve_proto.errors import Overloaded, Unavailable
+from episerve_server.config import ServerConfig
+from episerve_server.rpc import convert, preflight
+from episerve_server.rpc.buffers import ResponseBuffers
+from episerve_server.rpc.interceptors import LoggingInterceptor, TokenInterceptor
+from episerve_server.rpc.service import OFFLOAD_ENCODE_BYTES, _rpc
+from episerve_server.rpc.workers import WorkerPool
+
+log = logging.getLogger(__name__)
+
+#: A forwarded call without a client deadline gets this long.
+DEFAULT_FORWARD_S = 120.0
+#: Calls the front answers from worker 0 as they are.
+PASSED_THROUGH = ("ListEpisodes", "GetKeyStats")
+
+
+class FrontService:
+    def __init__(self, config: ServerConfig, pool: WorkerPool) -> None:
+        self.config, self.pool = config, pool
+        self.limits = convert.Limits.of(config)
+        # Merged responses wait in gRPC until the client reads them, as a worker's do.
+        self.buffers = ResponseBuffers(config.max_buffered_bytes,
+                                       config.max_buffered_bytes_per_peer)
+        self.draining = False
+        self.inflight = 0
+        self.on_batch: Callable[[int], None] | None = None
+        self._owner = functools.lru_cache(maxsize=1 << 16)(
+            functools.partial(_owner, n=len(pool.workers)))
+
+    def handlers(self) -> grpc.GenericRpcHandler:
+        methods: dict[str, Callable[..., Any]] = {
+            "RegisterKeymap": self.register_keymap,
+            "Read": self.read,
+            "GetStats": self.get_stats,
+            "GetTopology": self.get_topology,
+        }
+        for name in PASSED_THROUGH:
+            methods[name] = _pass_through(self, name)
+        assert set(methods) <= set(METHODS)
+        return grpc.method_handlers_generic_handler(
+            SERVICE_NAME,
+            {name: grpc.unary_unary_rpc_method_handler(fn) for name, fn in methods.items()},
+        )
+
+    async def counters(self) -> dict[str, int]:
+        return convert.stats_counters(await self._stats(5.0))
+
+    async def _stats(self, timeout_s: float) -> bytes:
+        replies = await _all([self.pool.call(w.index, "GetStats", b"", timeout_s)
+                              for w in self.pool.workers])
+        extra = {"workers": len(self.pool.workers),
+                 "workers_ready": sum(w.ready for w in self.pool.workers),
+                 "worker_restarts": self.pool.restarts_total,
+                 "front_reads_in_flight": self.inflight,
+                 "front_buffered_bytes": self.buffers.total}
+        return convert.merge_stats(replies, extra)
+
+    @_rpc
+    async def get_topology(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        convert.parse_empty(request, "GetTopology")
+        return convert.encode_topology(self.pool.addresses, routing.ROUTING)
+
+    @_rpc
+    async def get_stats(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        convert.parse_empty(request, "GetStats")
+        return await self._stats(_timeout(context))
+
+    @_rpc
+    async def register_keymap(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        replies = await _all([self.pool.call(w.index, "RegisterKeymap", request,
+                                             _timeout(context)) for w in self.pool.workers])
+        return replies[0]
+
+    @_rpc
+    async def read(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        if self.draining:
+            raise Unavailable("the daemon is shutting down; retry against another replica")
+        if self.inflight >= self.config.max_concurrent_reads:
+            raise Overloaded(f"{self.inflight} reads in flight through the front, the limit "
+                             f"is {self.config.max_concurrent_reads}; back off and retry")
+        peer = context.peer() or ""
+        self.buffers.check(peer)
+        self.inflight += 1
+        try:
+            parts = convert.split_read(request, self._owner, self.limits)
+            del request
+            timeout_s = _timeout(context)
+            replies = await _all([self.pool.call(w, "Read", payload, timeout_s)
+                                  for w, _, payload in parts])
+            pieces = [(idx, data) for (_, idx, _), data in zip(parts, replies)]
+            n = sum(len(idx) for idx, _ in pieces)
+            if sum(len(d) for d in replies) >= OFFLOAD_ENCODE_BYTES and len(pieces) > 1:
+                data = await asyncio.to_thread(convert.merge_read_responses, pieces, n)
+            else:
+                data = convert.merge_read_responses(pieces, n)
+        finally:
+            self.inflight -= 1
+        self.buffers.admit(peer, len(data))
+        context.add_done_callback(self.buffers.hold(peer, len(data)))
+        if self.on_batch is not None:
+            self.on_batch(n)
+        return data
+
+
+def _pass_through(front: FrontService, method: str) -> Callable[..., Any]:
+    """A handler that answers ``method`` from worker 0 (which opens every episode)."""
+
+    async def handler(self: FrontService, request: bytes,
+                      context: grpc.aio.ServicerContext) -> bytes:
+        return await self.pool.call(0, method, request, _timeout(context))
+
+    return functools.partial(_rpc(handler), front)
+
+
+def _owner(episode: str, n: int) -> int:
+    return routing.owner(episode, n)
+
+
+def _timeout(context: grpc.aio.ServicerContext) -> float:
+    left = context.time_remaining()
+    return DEFAULT_FORWARD_S if left is None else max(0.001, left)
+
+
+async def _all(calls: list[Coroutine[Any, Any, bytes]]) -> list[bytes]:
+    """Every call's result, in order; the first failure cancels the others and is raised."""
+    if len(calls) == 1:
+        return [await calls[0]]
+    tasks = [asyncio.ensure_future(c) for c in calls]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+class FrontCollector:
+    """Prometheus series from the workers' summed counters, read at scrape time."""
+
+    def __init__(self, front: FrontService, loop: asyncio.AbstractEventLoop) -> None:
+        self.front, self.loop = front, loop
+        self.last: dict[str, int] = {}  # while a worker restarts, the last complete sums
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        from episerve_server.core.stats import COUNTERS
+        from episerve_server.rpc.metrics import COUNTER_HELP, PREFIX
+
+        try:
+            got = asyncio.run_coroutine_threadsafe(self.front.counters(), self.loop).result(5)
+            self.last = got
+        except Exception as exc:
+            log.warning("metrics: the workers' counters are unavailable (%s)", exc)
+            got = self.last
+        for name in COUNTERS:
+            if name == "read_ns":
+                yield CounterMetricFamily(f"{PREFIX}_read_seconds",
+                                          "Time spent serving successful Reads.",
+                                          value=got.get(name, 0) / 1e9)
+            else:
+                yield CounterMetricFamily(f"{PREFIX}_{name}",
+                                          COUNTER_HELP.get(name, f"Daemon counter {name}."),
+                                          value=got.get(name, 0))
+        gauges = (
+            ("cache_bytes", "Bytes held by the chunk caches.", got.get("cache_bytes", 0)),
+            ("cache_entries", "Chunks held by the chunk caches.", got.get("cache_entries", 0)),
+            ("cache_budget_bytes", "The chunk cache's budget (--cache-bytes).",
+             self.front.config.cache_bytes),
+            ("episodes_open", "Episodes open and readable.", got.get("episodes_open", 0)),
+            ("episodes_broken", "Episodes listed as broken.", got.get("episodes_broken", 0)),
+            ("reads_in_flight", "Read RPCs in progress.", got.get("reads_in_flight", 0)),
+            ("draining", "1 while the daemon drains before stopping.",
+             int(self.front.draining)),
+            ("workers", "Worker processes (--workers).", len(self.front.pool.workers)),
+            ("workers_ready", "Worker processes serving.",
+             sum(w.ready for w in self.front.pool.workers)),
+            ("worker_restarts", "Worker processes restarted after they exited.",
+             self.front.pool.restarts_total),
+        )
+        for name, text, value in gauges:
+            yield GaugeMetricFamily(f"{PREFIX}_{name}", text, value=value)
+
+
+async def serve(config: ServerConfig, announce: Callable[[str], None]) -> int:
+    """Start the workers, then serve the front until SIGTERM/SIGINT; drain; stop."""
+    from episerve_server.rpc import daemon
+
+    preflight.check(config)
+    pool = WorkerPool.create(config)
+    try:
+        await pool.start()
+    except BaseException:
+        await pool.stop(0)
+        raise
+    front = FrontService(config, pool)
+    loop = asyncio.get_running_loop()
+    metrics = _metrics(config, front, loop)
+    interceptors: list[grpc.aio.ServerInterceptor] = [LoggingInterceptor(metrics)]
+    if config.token:
+        interceptors.append(TokenInterceptor(config.token))
+    server = grpc.aio.server(interceptors=interceptors, options=daemon.server_options(config))
+    server.add_generic_rpc_handlers((front.handlers(),))
+    servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    extra: list[Any] = []
+    try:
+        address = daemon._bind(server, config)
+        if config.health_port:
+            extra.append(await daemon._health_server(config, servicer))
+        await server.start()
+    except BaseException:
+        for s in (server, *extra):
+            await s.stop(0)
+        if metrics is not None:
+            metrics.close()
+        await pool.stop(0)
+        raise
+
+    async def set_health() -> None:
+        status = (health_pb2.HealthCheckResponse.SERVING if pool.all_ready and not front.draining
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for name in ("", SERVICE_NAME):
+            await servicer.set(name, status)
+
+    await set_health()
+    counters = await front.counters()
+    announce(f"episerve listening on {address} ({len(pool.workers)} workers, "
+             f"{counters.get('episodes_open', 0)} episodes, "
+             f"{counters.get('episodes_broken', 0)} broken)")
+    stop = asyncio.Event()
+    exit_code = 0
+
+    async def give_up() -> None:
+        nonlocal exit_code
+        exit_code = 1
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    watch = asyncio.create_task(pool.watch(set_health, give_up))
+    await stop.wait()
+    log.info("draining for up to %.1fs", config.grace_s)
+    front.draining = True
+    await servicer.enter_graceful_shutdown()
+    deadline = time.monotonic() + config.grace_s
+    stopping = asyncio.create_task(pool.stop(config.grace_s))
+    while front.inflight and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    await stopping
+    watch.cancel()
+    await server.stop(max(0.1, deadline - time.monotonic()))
+    for s in extra:
+        await s.stop(0)
+    if metrics is not None:
+        metrics.close()
+    log.info("stopped")
+    return exit_code
+
+
+def _metrics(config: ServerConfig, front: FrontService,
+             loop: asyncio.AbstractEventLoop) -> Any:
+    if not config.metrics_port:
+        return None
+    from episerve_server.rpc.metrics import Metrics
+
+    try:
+        return Metrics.start(config, front, FrontCollector(front, loop))  # type: ignore[arg-type]
+    except OSError as exc:
+        raise preflight.StartupError(
+            f"--metrics-port {config.metrics_port}: cannot listen on {config.metrics_host}:"
+            f"{config.metrics_port} ({exc.strerror})") from None

@@ -1,0 +1,285 @@
+"""The worker processes of a ``--workers N`` daemon: start, watch, restart, stop.
+
+Each worker is a full read daemon (its own catalog, cache of ``cache_bytes / N``, planner)
+in its own interpreter, on a unix socket in a private runtime folder. Every worker opens
+every episode, so any worker can answer for any episode; clients (and the front) send each
+episode to its owner, ``routing.owner(episode, N)``, so that each cache holds its share.
+
+A worker gets its settings from the front as a pickle on stdin (never in argv or the
+environment, where the token would show), serves on plaintext unix sockets (the token
+still applies), ignores SIGINT (the front decides when to stop) and drains on SIGTERM or
+when the front is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2
+
+from episerve_proto.contract import EPISODE_TRAILER, ERROR_TRAILER, KEY_TRAILER, SERVICE_PATH
+from episerve_proto.errors import EpiserveError, Unavailable, error_class
+from episerve_server.config import ServerConfig
+from episerve_server.rpc.preflight import StartupError
+
+log = logging.getLogger(__name__)
+
+#: A worker that has not answered health this long after its start is a start-up failure.
+START_TIMEOUT_S = 120.0
+#: More restarts than this within RESTART_WINDOW_S: the daemon gives up and exits.
+MAX_RESTARTS = 5
+RESTART_WINDOW_S = 60.0
+#: How often the front looks at its workers, and a worker at its front.
+WATCH_S = 0.2
+#: The longest unix socket path (sun_path, less its NUL).
+MAX_SOCKET_PATH = 107
+WORKER_CHANNEL_OPTIONS = (
+    ("grpc.max_receive_message_length", 256 * 2**20),
+    ("grpc.max_send_message_length", 256 * 2**20),
+    ("grpc.enable_retries", 0),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1_000),
+)
+
+
+def runtime_dir(config: ServerConfig) -> Path:
+    """Next to the daemon's socket (``<socket>.workers/``), else a fresh temporary folder.
+
+    Readable by everyone who can reach the daemon; with TLS on, by the daemon's user only
+    (the workers speak plaintext, so only the user that runs the daemon may bypass TLS).
+    """
+    mode = 0o700 if config.tls else 0o755
+    if config.unix:
+        path = Path(config.unix).resolve()
+        folder = path.with_name(path.name + ".workers")
+        if len(str(folder / f"{config.worker_count - 1}.sock")) <= MAX_SOCKET_PATH:
+            folder.mkdir(mode=mode, exist_ok=True)
+            os.chmod(folder, mode)
+            return folder
+    folder = Path(tempfile.mkdtemp(prefix="episerve-workers-"))
+    os.chmod(folder, mode)
+    return folder
+
+
+def worker_config(config: ServerConfig, socket: Path, n: int) -> ServerConfig:
+    """What worker ``i`` of ``n`` runs with: a unix socket, its share of the cache, and no
+    ports or TLS of its own (the front has them)."""
+    return dataclasses.replace(
+        config, unix=str(socket), port=0, cache_bytes=config.cache_bytes // n,
+        metrics_port=0, health_port=0, tls_cert="", tls_key="", tls_client_ca="", workers=1)
+
+
+@dataclass(slots=True)
+class Worker:
+    index: int
+    socket: Path
+    config: ServerConfig
+    process: subprocess.Popen[bytes] | None = None
+    channel: grpc.aio.Channel | None = None
+    ready: bool = False
+
+    @property
+    def address(self) -> str:
+        return f"unix://{self.socket}"
+
+    def spawn(self) -> None:
+        code = "from episerve_server.rpc.workers import main; main()"
+        self.process = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE)
+        assert self.process.stdin is not None
+        self.process.stdin.write(pickle.dumps((self.config, self.index, os.getpid())))
+        self.process.stdin.close()
+        self.ready = False
+
+    def exited(self) -> int | None:
+        return None if self.process is None else self.process.poll()
+
+
+@dataclass(slots=True)
+class WorkerPool:
+    """N workers and a channel to each; ``call`` forwards raw bytes to one of them."""
+
+    config: ServerConfig
+    folder: Path
+    workers: list[Worker]
+    token: str = field(default="", repr=False)
+    restarts: deque[float] = field(default_factory=deque)
+    restarts_total: int = 0
+    stopping: bool = False
+
+    @classmethod
+    def create(cls, config: ServerConfig) -> WorkerPool:
+        n = config.worker_count
+        folder = runtime_dir(config)
+        workers = [Worker(i, folder / f"{i}.sock", worker_config(config, folder / f"{i}.sock",
+                                                                   n)) for i in range(n)]
+        return cls(config, folder, workers, config.token)
+
+    @property
+    def addresses(self) -> list[str]:
+        return [w.address for w in self.workers]
+
+    @property
+    def all_ready(self) -> bool:
+        return all(w.ready for w in self.workers)
+
+    async def start(self) -> None:
+        for w in self.workers:
+            w.spawn()
+        await asyncio.gather(*(self._wait_ready(w) for w in self.workers))
+
+    async def _wait_ready(self, w: Worker) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        if w.channel is None:
+            w.channel = grpc.aio.insecure_channel(w.address, WORKER_CHANNEL_OPTIONS)
+        check = w.channel.unary_unary("/grpc.health.v1.Health/Check",
+                                      health_pb2.HealthCheckRequest.SerializeToString,
+                                      health_pb2.HealthCheckResponse.FromString)
+        while time.monotonic() < deadline:
+            code = w.exited()
+            if code is not None:
+                raise StartupError(f"worker {w.index} exited with code {code} before serving "
+                                   "(its error is in the log above)")
+            with contextlib.suppress(grpc.RpcError):
+                reply = await check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    w.ready = True
+                    return
+            await asyncio.sleep(0.05)
+        raise StartupError(f"worker {w.index} did not serve within {START_TIMEOUT_S:.0f}s")
+
+    async def call(self, index: int, method: str, payload: bytes, timeout_s: float) -> bytes:
+        """Forward one call; a worker's error comes back as the same typed error."""
+        w = self.workers[index]
+        if w.channel is None or not w.ready:
+            raise Unavailable(f"worker {index} of the daemon is restarting; retry")
+        meta = (("authorization", f"Bearer {self.token}"),) if self.token else ()
+        stub = w.channel.unary_unary(SERVICE_PATH + method)
+        try:
+            data: bytes = await stub(payload, timeout=max(timeout_s, 0.001), metadata=meta)
+        except grpc.aio.AioRpcError as exc:
+            raise worker_error(exc, index) from None
+        return data
+
+    async def watch(self, on_change: Any, on_give_up: Any) -> None:
+        """Restart workers that exit; after MAX_RESTARTS in RESTART_WINDOW_S, give up."""
+        while not self.stopping:
+            await asyncio.sleep(WATCH_S)
+            for w in self.workers:
+                code = w.exited()
+                if code is None or self.stopping:
+                    continue
+                log.warning("worker %d (pid %s) exited with code %s; restarting it", w.index,
+                            w.process.pid if w.process else "?", code)
+                w.ready = False
+                await on_change()
+                now = time.monotonic()
+                self.restarts.append(now)
+                self.restarts_total += 1
+                while self.restarts and self.restarts[0] < now - RESTART_WINDOW_S:
+                    self.restarts.popleft()
+                if len(self.restarts) > MAX_RESTARTS:
+                    log.error("workers exited %d times within %.0fs; stopping the daemon",
+                              len(self.restarts), RESTART_WINDOW_S)
+                    await on_give_up()
+                    return
+                w.spawn()
+                try:
+                    await self._wait_ready(w)
+                except StartupError as exc:
+                    log.warning("restarting worker %d failed: %s", w.index, exc)
+                    continue  # exited again: the next pass counts it
+                log.info("worker %d is serving again (pid %s)", w.index,
+                         w.process.pid if w.process else "?")
+                await on_change()
+
+    async def stop(self, grace_s: float) -> None:
+        """SIGTERM every worker (each drains for up to ``grace_s``), SIGKILL stragglers."""
+        self.stopping = True
+        for w in self.workers:
+            if w.process is not None and w.process.poll() is None:
+                w.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s + 5.0
+        for w in self.workers:
+            while w.process is not None and w.process.poll() is None:
+                if time.monotonic() > deadline:
+                    log.warning("worker %d did not stop in time; killing it", w.index)
+                    w.process.kill()
+                    await asyncio.to_thread(w.process.wait)
+                    break
+                await asyncio.sleep(0.02)
+        await asyncio.gather(*(w.channel.close() for w in self.workers if w.channel))
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def worker_error(exc: grpc.aio.AioRpcError, index: int) -> EpiserveError:
+    """A worker's error answer as the class it raised, with its episode and key."""
+    trailers = {k: v for k, v in (exc.trailing_metadata() or ())}
+    code = exc.code().name
+    cls = error_class(code, str(trailers.get(ERROR_TRAILER, "")))
+
+    def text(value: Any) -> str:
+        return value.decode(errors="replace") if isinstance(value, bytes) else str(value or "")
+
+    message = exc.details() or code
+    if code in ("UNAVAILABLE", "UNKNOWN") and not trailers.get(ERROR_TRAILER):
+        cls, message = Unavailable, f"worker {index} of the daemon is not answering ({message})"
+    return cls(message, episode=text(trailers.get(EPISODE_TRAILER)),
+               key=text(trailers.get(KEY_TRAILER)))
+
+
+# -- inside a worker ----------------------------------------------------------------------
+
+
+def main() -> None:
+    """A worker's entry point: settings from stdin, then serve until told to stop."""
+    config, index, front_pid = pickle.loads(sys.stdin.buffer.read())
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the front, which decides
+    from episerve_server.rpc import daemon
+
+    daemon.tune_allocator()
+    logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
+                        format=f"%(asctime)s %(levelname)s worker-{index} %(name)s %(message)s")
+    import uvloop
+
+    try:
+        raise SystemExit(uvloop.run(_serve(config, index, front_pid)))
+    except StartupError as exc:
+        print(f"episerve serve: worker {index}: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+
+
+async def _serve(config: ServerConfig, index: int, front_pid: int) -> int:
+    from episerve_server.rpc.daemon import _rescan_loop, start
+
+    d = await start(config)
+    log.info("worker %d (pid %d) serving on unix://%s (%d episodes)", index, os.getpid(),
+             config.unix, len(d.service.catalog.healthy()))
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    rescans = asyncio.create_task(_rescan_loop(d.service, config.rescan_s))
+    while not stop.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), 1.0)
+        if os.getppid() != front_pid:
+            log.warning("worker %d: the front process is gone; stopping", index)
+            break
+    rescans.cancel()
+    await d.drain()
+    return 0
