@@ -17,6 +17,7 @@ import argparse
 import statistics
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,22 +25,42 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np
-from bench_client import BATCH, run
+from bench_client import BATCH, WORKERS, peak_rss_mb, worker_pids
 from common import MECKA, ensure_dataset, table
+from torch.utils.data import DataLoader
 
 from episerve_client import WindowDataset, collate, to_float
 from episerve_tools.launch import DaemonProcess
 
 
-def widened(batch: Any) -> dict[str, Any]:
-    return to_float(collate(batch))
+def as_is(batch: dict[str, Any]) -> dict[str, Any]:
+    return batch
 
 
-MODES: dict[str, tuple[str, Callable[..., Any]]] = {
-    "float32": ("float32", collate),
-    "uint8": ("uint8", collate),
-    "uint8 + to_float in the main process": ("uint8", widened),
+MODES: dict[str, tuple[str, Callable[[dict[str, Any]], dict[str, Any]]]] = {
+    "float32": ("float32", as_is),
+    "uint8": ("uint8", as_is),
+    "uint8 + to_float in the main process": ("uint8", to_float),
 }
+
+
+def run(ds: WindowDataset, indices: list[int],
+        then: Callable[[dict[str, Any]], dict[str, Any]]) -> tuple[float, float, float]:
+    """(first-pass samples/s, second-pass samples/s, peak worker RSS MB); ``then`` runs on
+    each batch in the main process, as a training step's first line would."""
+    loader = DataLoader(ds, batch_size=BATCH, sampler=indices, num_workers=WORKERS,
+                        collate_fn=collate, persistent_workers=True, prefetch_factor=2)
+    rates = []
+    for _ in range(2):
+        it = iter(loader)
+        then(next(it))
+        start, n = time.perf_counter(), 0
+        for batch in it:
+            n += len(then(batch)["frame_index"])
+        rates.append(n / (time.perf_counter() - start))
+    rss = max((peak_rss_mb(p) for p in worker_pids()), default=float("nan"))
+    del it, loader
+    return rates[0], rates[1], rss
 
 
 def main() -> None:
@@ -60,9 +81,9 @@ def main() -> None:
             root, "--log-level", "WARNING", "--cache-bytes", "8GiB",
             unix=f"{tmp}/frames.sock") as d:
         for r in range(opts.rounds):
-            for mode, (frames, coll) in MODES.items():
+            for mode, (frames, then) in MODES.items():
                 ds = WindowDataset(d.target, MECKA, frames=frames)
-                cold, warm, peak = run(ds, indices, coll)
+                cold, warm, peak = run(ds, indices, then)
                 rates[mode].append(warm)
                 rss[mode].append(peak)
                 rows.append((str(r), mode, f"{cold:.0f}", f"{warm:.0f}", f"{peak:.0f}"))

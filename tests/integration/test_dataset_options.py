@@ -162,3 +162,25 @@ def test_a_manifest_pins_the_index(tmp_path: Path) -> None:
         shutil.rmtree(tmp_path / "ep002c.zarr")
         with pytest.raises(errors.EpisodeNotFound, match="'ep002c'"):
             WindowDataset(d.target, keymap, manifest=path)
+
+
+def test_collate_takes_annotation_lists_that_default_collate_refuses(
+        daemon: DaemonProcess) -> None:
+    ds = WindowDataset(daemon.target, KEYMAPS["mecka_keypoints_k4"])
+    indices = [238, 308, 368]  # ep003d frames 0, 70, 130: 2, 3 and 1 annotation spans
+    batch = collate(ds.__getitems__(indices))
+    assert batch["annotations"] == [["whole", "reach"], ["whole", "reach", "grasp"], ["whole"]]
+    with pytest.raises(RuntimeError, match="equal size"):
+        next(iter(DataLoader(ds, batch_size=3, sampler=indices)))
+    # without annotation keys, PyTorch's default collate gives the same tensors
+    numeric = {k: v for k, v in KEYMAPS["mecka_keypoints_k4"].items()
+               if v["key_type"] != "annotation_keys"}
+    plain = WindowDataset(daemon.target, numeric)
+    default = next(iter(DataLoader(plain, batch_size=3, sampler=indices)))
+    ours = collate(plain.__getitems__(indices))
+    assert set(default) == set(ours)
+    for key, value in ours.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(default[key], value), key
+        else:
+            assert list(default[key]) == value, key
