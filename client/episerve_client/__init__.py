@@ -8,6 +8,7 @@ from episerve_client.aio import AsyncClient
 from episerve_client.channel import TLS
 from episerve_client.client import Client
 from episerve_client.convert import EpisodeInfo, Listing, ReadResult
+from episerve_client.lerobot import keymap_from_delta_timestamps
 
 __all__ = [
     "TLS",
@@ -21,6 +22,7 @@ __all__ = [
     "SampleBatch",
     "WindowDataset",
     "collate",
+    "keymap_from_delta_timestamps",
     "to_float",
 ]
 
