@@ -26,6 +26,7 @@ from tests.support import ramp
 from tests.support.crafted import edit_attrs
 from tests.support.daemons import isolated
 from tests.support.keymaps import KEYMAPS
+from tests.support.served import oracle_of
 
 INDICES = [0, 5, 36, 37, 90, 137, 138, 300, 494]
 
@@ -184,3 +185,58 @@ def test_collate_takes_annotation_lists_that_default_collate_refuses(
             assert torch.equal(default[key], value), key
         else:
             assert list(default[key]) == value, key
+
+
+def masked_batches(target: str, name: str, cutoff: bool) -> list[dict[str, Any]]:
+    ds = WindowDataset(target, KEYMAPS[name], masks="all", annotation_cutoff=cutoff,
+                       frames="uint8")
+    loader = DataLoader(ds, batch_size=4, sampler=INDICES, num_workers=2, collate_fn=collate)
+    return [{k: v.numpy() if isinstance(v, torch.Tensor) else v for k, v in b.items()}
+            for b in loader]
+
+
+@pytest.mark.parametrize(("name", "cutoff"), [("offsets", False), ("two_horizons", True),
+                                              ("mecka_keypoints_k4", True)])
+def test_all_masks_match_the_oracle_through_workers(daemon: DaemonProcess,
+                                                    ramp_roots: dict[str, Path], name: str,
+                                                    cutoff: bool) -> None:
+    batches = isolated(masked_batches, daemon.target, name, cutoff)
+    seen = 0
+    for batch in batches:
+        assert batch["total_frames"].dtype == np.int64
+        for b, (episode, frame) in enumerate(zip(batch["episode_hash"],
+                                                 batch["frame_index"].tolist())):
+            want = oracle_of(ramp_roots["sharded"], episode, frame, KEYMAPS[name], cutoff,
+                             all_masks=True)
+            assert set(batch) == set(want), sorted(set(batch) ^ set(want))
+            pads = [k for k in want if k.endswith("_is_pad")]
+            assert pads
+            for key in pads:
+                assert batch[key].dtype == np.bool_, key
+                assert np.array_equal(batch[key][b], want[key]), (key, episode, frame)
+            assert batch["total_frames"][b] == want["total_frames"]
+            seen += 1
+    assert seen == len(INDICES)
+
+
+def test_all_masks_follow_a_retried_sample(tmp_path: Path) -> None:
+    frames = [ramp.frame_jpeg(5, t) for t in range(30)]
+    frames[3] = b"\xff\xd8 not a jpeg"
+    write_episode(tmp_path, "bad", total_frames=30, fps=30, embodiment="human_bimanual",
+                  numeric={"obs_head_pose": ramp.ramp_values(30, (7,))},
+                  jpeg={"images.front_1": frames}, annotations=[])
+    keymap = {"front": {"zarr_key": "images.front_1", "key_type": "camera_keys"},
+              "act": {"zarr_key": "obs_head_pose", "key_type": "action_keys", "horizon": 8}}
+    with DaemonProcess(tmp_path, unix=tmp_path / "s.sock") as d:
+        ds = WindowDataset(d.target, keymap, masks="all")
+        batch = ds.__getitems__([26, 3, 27])
+        retried = batch[1]
+        f = retried["frame_index"]
+        assert f != 3
+        assert retried["total_frames"] == 30
+        assert retried["act_is_pad"].tolist() == [t >= 30 for t in range(f, f + 8)]
+        assert batch[0]["act_is_pad"].tolist() == [False] * 4 + [True] * 4
+        columns = batch.columns()
+        assert columns["total_frames"].tolist() == [30, 30, 30]
+        assert columns["act_is_pad"].dtype == torch.bool
+        assert "total_frames" not in WindowDataset(d.target, keymap)[0]

@@ -214,7 +214,7 @@ class WindowDataset(Dataset[dict[str, Any]]):
     def _total_frames(self, result: ReadResult) -> np.ndarray | None:
         if self.masks != "all":
             return None
-        total = getattr(result, "total_frames", None)
+        total = result.total_frames
         if total is None or len(total) != len(result):
             raise DataLossError(
                 f"the daemon at {self.target!r} sent no total_frames with masks='all' (a "
