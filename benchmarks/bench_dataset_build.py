@@ -5,13 +5,14 @@
 Writes the root first if it is missing: episodes of 200 frames with the mecka numeric keys,
 a 32x24 front camera and annotations (their listing is what matters here, not their data).
 Reports the median of ``--reps`` constructions of the mecka keymap's dataset over the whole
-root (listing and keymap check in the child interpreter included), and apart the parent's
+root (listing and keymap check in the child process included), and apart the parent's
 own share: unpickling the listing, the broken-episode policy and the manifest.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import pickle
 import statistics
 import sys
@@ -25,7 +26,7 @@ import numpy as np
 import simplejpeg
 from common import MECKA
 
-from episerve_client import Client, WindowDataset
+from episerve_client import Client, WindowDataset, _probe
 from episerve_client.data.episodes import whole_root
 from episerve_client.data.manifest import Manifest
 from episerve_tools.launch import DaemonProcess
@@ -70,6 +71,13 @@ def main() -> None:
             ds = WindowDataset(d.target, MECKA)
             builds.append(time.perf_counter() - start)
         assert len(ds.episodes) == opts.episodes, len(ds.episodes)
+        request = (d.target, MECKA, 60.0, {})
+        paths: dict[str, list[float]] = {"forked": [], "spawned": []}
+        for _ in range(opts.reps):  # alternating, so both see the same neighbours
+            for name, run in (("forked", _probe._forked), ("spawned", _probe._spawned)):
+                start = time.perf_counter()
+                run(request, d.target, 90.0)
+                paths[name].append(time.perf_counter() - start)
         with Client(d.target) as client:
             start = time.perf_counter()
             listing = client.list_episodes()
@@ -85,7 +93,12 @@ def main() -> None:
     print(f"{opts.episodes} episodes, {len(ds):,} frames")
     print(f"WindowDataset(...) over the root: median {statistics.median(builds):.3f} s "
           f"(min {min(builds):.3f}, max {max(builds):.3f}; listing and keymap check in the "
-          "child interpreter included)")
+          "child process included)")
+    for name, times in paths.items():
+        print(f"probe child {name}: median {statistics.median(times):.3f} s "
+              "(listing, keymap registration, pickled reply)")
+    print(f"load average: {' '.join(f'{x:.1f}' for x in os.getloadavg())} on {os.cpu_count()} "
+          "cores")
     print(f"list_episodes() in process (full entries): {list_s * 1e3:.1f} ms, "
           f"{len(blob) / 1e6:.2f} MB pickled")
     print(f"parent's share (unpickle, on_broken policy, manifest): median "
