@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import pickle
 import shutil
 import warnings
 from pathlib import Path
@@ -16,6 +18,7 @@ from episerve_client import (
     BrokenEpisodesWarning,
     Manifest,
     WindowDataset,
+    _probe,
     collate,
     errors,
     to_float,
@@ -240,3 +243,26 @@ def test_all_masks_follow_a_retried_sample(tmp_path: Path) -> None:
         assert columns["total_frames"].tolist() == [30, 30, 30]
         assert columns["act_is_pad"].dtype == torch.bool
         assert "total_frames" not in WindowDataset(d.target, keymap)[0]
+
+
+def build_without_grpc(target: str) -> tuple[int, bool, bool]:
+    from episerve_client import channel
+
+    fresh = not channel._GRPC_PIDS  # this process has not used gRPC: the probe forks
+    ds = WindowDataset(target, KEYMAPS["mecka_keypoints_k4"])
+    return len(ds), fresh, os.getpid() in channel._GRPC_PIDS
+
+
+def test_both_probe_paths_agree_and_the_builder_never_starts_grpc(
+        daemon: DaemonProcess) -> None:
+    n, fresh, used = isolated(build_without_grpc, daemon.target)
+    assert n == 495 and fresh and not used
+    request = (daemon.target, KEYMAPS["mecka_keypoints_k4"], 10.0, {})
+    forked = pickle.loads(_probe._forked(request, daemon.target, 40.0))
+    spawned = pickle.loads(_probe._spawned(request, daemon.target, 40.0))
+    assert forked == spawned and len(forked.episodes) == 4
+    bad = (daemon.target, {"a": {"zarr_key": "obs_head_pose", "key_type": "action_keys",
+                                 "horizon": 0}}, 10.0, {})
+    for run in (_probe._forked, _probe._spawned):
+        reply = pickle.loads(run(bad, daemon.target, 40.0))
+        assert isinstance(reply, errors.KeymapError) and "horizon" in str(reply)
