@@ -1,43 +1,118 @@
-"""The checks ``WindowDataset`` makes when it is built, run in a fresh interpreter.
+"""The checks ``WindowDataset`` makes when it is built, run in a short-lived child process.
 
 gRPC cannot be used safely in a process that later forks (DataLoader workers started with
 ``fork`` can hang on their first call). Building a dataset therefore talks to the daemon
-from a short-lived child interpreter, and the process that builds it never starts gRPC.
+from a child process, and the process that builds it never starts gRPC. On Linux, while
+this process has not used gRPC itself, the child is a fork (no interpreter start-up and no
+imports: what makes building fast); otherwise it is a fresh interpreter:
 
     python -m episerve_client._probe   (a pickled request on stdin, a pickled reply on stdout)
 """
 
 from __future__ import annotations
 
+import os
 import pickle
+import select
+import signal
 import subprocess
 import sys
+import time
+import traceback
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+from episerve_client import channel
 from episerve_client.client import Client
 from episerve_client.convert import Listing
-from episerve_client.errors import DeadlineExceeded, EpiserveError, KeymapError
+from episerve_client.errors import (
+    BrokenEpisodeError,
+    DeadlineExceeded,
+    EpiserveError,
+    KeymapError,
+)
+
+#: Seconds a probe may take beyond the caller's timeout (process start, teardown).
+SLACK_S = 30.0
 
 
 def probe(target: str | Sequence[str], keymap: Mapping[str, Any], *, timeout_s: float,
           client_options: Mapping[str, Any]) -> Listing:
-    """List the episodes and validate the keymap, from a child interpreter."""
-    request = pickle.dumps((target, dict(keymap), timeout_s, dict(client_options)))
-    try:
-        done = subprocess.run([sys.executable, "-m", "episerve_client._probe"], input=request,
-                              capture_output=True, timeout=timeout_s + 30, check=False)
-    except subprocess.TimeoutExpired as exc:
-        raise DeadlineExceeded(f"the daemon at {target!r} did not answer within "
-                               f"{timeout_s:.0f}s", target=str(target)) from exc
-    if done.returncode != 0:
-        raise EpiserveError(f"checking the daemon at {target!r} failed: "
-                            f"{done.stderr.decode(errors='replace')[-2000:]}")
-    reply = pickle.loads(done.stdout)
+    """List the episodes and validate the keymap, from a child process."""
+    request = (target, dict(keymap), timeout_s, dict(client_options))
+    if sys.platform.startswith("linux") and not channel._GRPC_PIDS:
+        reply = pickle.loads(_forked(request, target, timeout_s + SLACK_S))
+    else:
+        reply = pickle.loads(_spawned(request, target, timeout_s + SLACK_S))
     if isinstance(reply, BaseException):
         raise reply
     assert isinstance(reply, Listing)
     return reply
+
+
+def _spawned(request: tuple[Any, ...], target: object, timeout_s: float) -> bytes:
+    try:
+        done = subprocess.run([sys.executable, "-m", "episerve_client._probe"],
+                              input=pickle.dumps(request), capture_output=True,
+                              timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired as exc:
+        raise _late(target, timeout_s) from exc
+    if done.returncode != 0:
+        raise EpiserveError(f"checking the daemon at {target!r} failed: "
+                            f"{done.stderr.decode(errors='replace')[-2000:]}")
+    return done.stdout
+
+
+def _forked(request: tuple[Any, ...], target: object, timeout_s: float) -> bytes:
+    """Run ``_reply`` in a forked child; its pickled reply comes back through a pipe."""
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: exits here, never returns into the caller's code
+        code = 1
+        try:
+            os.close(read_fd)
+            with os.fdopen(write_fd, "wb") as out:
+                out.write(_reply(request))
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    os.close(write_fd)
+    chunks: list[bytes] = []
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([read_fd], [], [], left)[0]:
+                os.kill(pid, signal.SIGKILL)
+                raise _late(target, timeout_s)
+            chunk = os.read(read_fd, 1 << 20)
+            if not chunk:
+                break
+            chunks.append(chunk)
+    finally:
+        os.close(read_fd)
+        _, status = os.waitpid(pid, 0)
+    if status != 0:
+        raise EpiserveError(f"checking the daemon at {target!r} failed: the probe process "
+                            f"ended with status {status} (its traceback is on stderr)")
+    return b"".join(chunks)
+
+
+def _late(target: object, timeout_s: float) -> DeadlineExceeded:
+    return DeadlineExceeded(f"the daemon at {target!r} did not answer within "
+                            f"{timeout_s - SLACK_S:.0f}s", target=str(target))
+
+
+def _reply(request: tuple[Any, ...]) -> bytes:
+    reply: Any
+    try:
+        reply = _check(*request)
+    except EpiserveError as exc:
+        reply = exc
+    return pickle.dumps(reply)
 
 
 def _check(target: Any, keymap: dict[str, Any], timeout_s: float,
@@ -48,24 +123,51 @@ def _check(target: Any, keymap: dict[str, Any], timeout_s: float,
     return listing
 
 
-def check_keys(keymap: Mapping[str, Any], listing: Listing, hashes: Sequence[str]) -> None:
-    """Every zarr_key of the keymap exists in every chosen episode."""
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """Why an episode cannot serve the keymap: it is broken, or it lacks a keymap key."""
+
+    episode: str
+    reason: str
+    key: str = ""  # the zarr key it lacks; empty for a broken episode
+
+    def error(self) -> EpiserveError:
+        if self.key:
+            return KeymapError(f"episode {self.episode!r}: {self.reason}", episode=self.episode,
+                               key=self.key)
+        return BrokenEpisodeError(f"episode {self.episode!r} is broken: {self.reason}",
+                                  episode=self.episode)
+
+
+def check_keys(keymap: Mapping[str, Any], listing: Listing,
+               hashes: Sequence[str] | None = None) -> dict[str, Problem]:
+    """The problem of each episode (all of ``hashes``, or every one listed, broken ones
+    included) that cannot serve the keymap: broken, or without one of its zarr keys.
+
+    One policy for every cause; ``WindowDataset``'s ``on_broken`` decides what to do with
+    them. Episodes the daemon does not list at all are not problems here.
+    """
     arrays = {e.hash: set(e.arrays) for e in listing.episodes}
-    for name, spec in keymap.items():
-        key = spec.get("zarr_key")
-        for h in hashes:
-            if key not in arrays.get(h, set()):
-                raise KeymapError(f"output key {name!r}: episode {h!r} has no array "
-                                  f"{key!r}", episode=h, key=str(key))
+    wanted = list(hashes) if hashes is not None else sorted([*arrays, *listing.broken])
+    out: dict[str, Problem] = {}
+    for h in wanted:
+        if h in listing.broken:
+            out[h] = Problem(h, listing.broken[h])
+            continue
+        have = arrays.get(h)
+        if have is None:
+            continue
+        for name, spec in keymap.items():
+            key = str(spec.get("zarr_key"))
+            if key not in have:
+                out[h] = Problem(h, f"output key {name!r}: the episode has no array {key!r}",
+                                 key)
+                break
+    return out
 
 
 def main() -> None:
-    target, keymap, timeout_s, options = pickle.loads(sys.stdin.buffer.read())
-    try:
-        reply: Any = _check(target, keymap, timeout_s, options)
-    except EpiserveError as exc:
-        reply = exc
-    sys.stdout.buffer.write(pickle.dumps(reply))
+    sys.stdout.buffer.write(_reply(pickle.loads(sys.stdin.buffer.read())))
 
 
 if __name__ == "__main__":
