@@ -50,7 +50,7 @@ def test_train_ddp_preempted_mid_epoch_resumes_and_finishes(demo: DaemonProcess,
     out, logs = tmp_path / "run", tmp_path / "logs"
     logs.mkdir()
     common = ["examples/train_ddp.py", demo.target, "--out", str(out), "--epochs", "2",
-              "--workers", "1", "--batch-size", str(BATCH), "--ckpt-every", "3"]
+              "--workers", "0", "--batch-size", str(BATCH), "--ckpt-every", "3"]
     first = Launch(logs)
     for rank in (0, 1):
         first.start_command([*common, "--stop-after", "4"], f"first.rank{rank}",
