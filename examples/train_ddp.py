@@ -163,7 +163,7 @@ def train(args: argparse.Namespace) -> None:
         sampler.load_state_dict(ckpt["sampler"])
         model.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["optimizer"])
-        start_epoch = ckpt["sampler"]["epoch"] + (ckpt["sampler"]["consumed"] == len(train_m))
+        start_epoch = sampler.epoch  # a finished epoch's state starts the next one
     ddp = DistributedDataParallel(model)
     loader = DataLoader(dataset(args.target, train_m, TRAIN_KEYMAP), batch_sampler=sampler,
                         **loader_kwargs(args.workers))
@@ -197,7 +197,7 @@ def train(args: argparse.Namespace) -> None:
                 checkpoint(steps=step)
                 finish(args, rank, log)
                 return
-        checkpoint()  # the epoch is complete: a resume starts the next one
+        checkpoint()  # the epoch ran to its end: the state is the next epoch's start
         schedule.set_epoch(epoch)
         renderer = PassRenderer(args.out / "videos", epoch, gate.episodes, camera_key=CAMERA,
                                 action_key=ACTION, max_batches=VIDEO_BATCHES)

@@ -77,4 +77,31 @@ def test_train_ddp_preempted_mid_epoch_resumes_and_finishes(demo: DaemonProcess,
     assert r0["videos"] == videos and r1["videos"] == []
     assert sorted(p.name for p in (out / "videos").iterdir()) == videos
     final = torch.load(out / "checkpoint.pt", weights_only=True)
-    assert (final["sampler"]["epoch"], final["sampler"]["consumed"]) == (1, len(train))
+    assert (final["sampler"]["epoch"], final["sampler"]["consumed"]) == (2, 0)
+
+
+def test_train_lightning_resumes_from_its_checkpoint(demo: DaemonProcess, tmp_path: Path) -> None:
+    out, logs = tmp_path / "run", tmp_path / "logs"
+    logs.mkdir()
+    common = ["examples/train_lightning.py", demo.target, "--out", str(out), "--devices", "2",
+              "--workers", "0", "--batch-size", str(BATCH)]
+    for epochs in (1, 2):
+        launch = Launch(logs)
+        launch.start_command([*common, "--epochs", str(epochs)], f"epochs{epochs}")
+        assert launch.wait() == [0], launch.output()
+        r0, r1 = results(out, 2)
+        ckpt = torch.load(out / "checkpoints" / "last.ckpt", weights_only=False)
+        manifest = Manifest.from_dict(ckpt["episerve"]["manifest"])
+        train, val = split(manifest)
+        state = ckpt["episerve"]["sampler"]
+        # Saved at the epoch's end: the state is the next epoch's start.
+        assert (state["epoch"], state["consumed"], state["total"]) == (epochs, 0, len(train))
+        steps = -(-len(train) // (2 * BATCH))
+        trained = {str(epochs - 1): {"steps": steps}}
+        assert r0["epochs"] == r1["epochs"] == trained
+        resumed = None if epochs == 1 else {"epoch": 1, "consumed": 0}
+        assert r0["resumed_from"] == r1["resumed_from"] == resumed
+        video = f"{val.hashes[0]}_epoch{epochs - 1:04d}.mp4"
+        assert r0["videos"] == [video] and r1["videos"] == []
+    assert sorted(p.name for p in (out / "videos").iterdir()) == [
+        f"{val.hashes[0]}_epoch0000.mp4", f"{val.hashes[0]}_epoch0001.mp4"]

@@ -75,7 +75,7 @@ def test_every_index_once_and_the_same_order_on_any_world_size(
         assert len({len(b) for b in step}) == 1
     single, _ = run(sampler, 1)
     assert in_global_order(per_rank) == in_global_order(single) == sampler(1, 0).order().tolist()
-    assert state["consumed"] == len(m)
+    assert (state["epoch"], state["consumed"]) == (1, 0)  # an epoch run to its end: the next
 
 
 @settings(max_examples=60, deadline=None)
@@ -90,14 +90,17 @@ def test_resume_on_another_world_size_repeats_and_skips_nothing(
         return WindowSampler(m, batch, seed=7, num_replicas=w, rank=r, locality=locality)
 
     first, state = run(lambda w, r: _at_epoch(sampler(w, r), 3), world, steps=cut)
-    assert state["epoch"] == 3
-    assert state["consumed"] == min(len(m), cut * batch * world)
+    if cut * batch * world < len(m):
+        assert (state["epoch"], state["consumed"]) == (3, cut * batch * world)
+    else:  # the cut is past the epoch's last step: the state is the next epoch's start
+        assert (state["epoch"], state["consumed"]) == (4, 0)
+        return
     rest, end = run(sampler, resumed, state=state)
     seen = consumed_indices(first) + consumed_indices(rest)
     assert sorted(seen) == list(range(len(m)))
     assert in_global_order(first) + in_global_order(rest) == _at_epoch(
         sampler(1, 0), 3).order().tolist()
-    assert end["consumed"] == len(m) and end["epoch"] == 3
+    assert (end["epoch"], end["consumed"]) == (4, 0)
 
 
 def _at_epoch(s: WindowSampler, epoch: int) -> WindowSampler:
@@ -242,9 +245,11 @@ def test_plain_dataloader_resume_skips_what_was_trained_on() -> None:
                         collate_fn=_collate, multiprocessing_context="fork")
     trained += [g for got in loader for g in got["indices"]]
     assert sorted(trained) == list(range(len(m)))
-    # The next epoch starts at its beginning.
+    # The iteration ran to its end: the next epoch starts at its beginning, set_epoch or not.
+    assert resumed.epoch == 3 and resumed.state_dict()["consumed"] == 0
     resumed.set_epoch(3)
-    assert len(resumed) == -(-len(m) // 16) and resumed.state_dict()["consumed"] == 0
+    assert len(resumed) == -(-len(m) // 16)
+    assert [list(b) for b in resumed] != [list(b) for b in WindowSampler(m, 16, seed=9)]
 
 
 def test_stateful_dataloader_resumes_mid_epoch() -> None:
@@ -298,3 +303,24 @@ def test_anything_with_a_manifest_is_a_source() -> None:
     m = manifest_of([30, 30])
     holder = collections.namedtuple("holder", "manifest")(m)
     assert [list(b) for b in WindowSampler(holder, 7)] == [list(b) for b in WindowSampler(m, 7)]
+
+
+def test_an_epoch_run_to_its_end_moves_to_the_next() -> None:
+    m = manifest_of([64, 30])
+    s = WindowSampler(m, 8, seed=1)
+    first = [list(b) for b in s]
+    assert s.epoch == 1 and s.state_dict()["consumed"] == 0
+    second = [list(b) for b in s]
+    assert [b.epoch for b in s] == [2] * len(s)
+    assert first != second
+    assert sorted(g for b in second for g in b) == list(range(len(m)))
+    # A finished epoch in a state is the start of the next one.
+    done = {**s.state_dict(), "epoch": 5, "consumed": len(m)}
+    fresh = WindowSampler(m, 8, seed=1)
+    fresh.load_state_dict(done)
+    assert (fresh.epoch, len(fresh)) == (6, len(s))
+    # Steps counted by the loop: the last step of the epoch also means "the next epoch".
+    it = WindowSampler(m, 8, seed=1)
+    batches = list(it)
+    assert it.state_dict(steps=len(batches) - 1)["consumed"] == (len(batches) - 1) * 8
+    assert (it.state_dict(steps=len(batches))["epoch"], it.state_dict()["consumed"]) == (1, 0)

@@ -10,6 +10,10 @@ skipped. The last, short global step is split evenly over the ranks; with
 ``drop_last=False`` it is padded from the start of the epoch's order so every rank gets a
 batch of the same size (a batch's ``pad`` trailing entries are those repeats); with
 ``drop_last=True`` it is dropped (a different tail every epoch, since the order is shuffled).
+
+An iteration that runs to its end moves the sampler to the next epoch (frameworks that call
+``set_epoch`` on a sampler but not on a batch sampler, as Lightning does, still get a new
+order every epoch); ``set_epoch`` chooses one explicitly, as with ``DistributedSampler``.
 """
 
 from __future__ import annotations
@@ -113,8 +117,7 @@ class WindowSampler(Sampler[list[int]]):
     ``num_replicas`` and ``rank`` default to the initialized process group's (else 1 and 0).
     ``locality=N`` keeps the shuffle but pools ``N`` neighbourhoods of 100 rows at a time, so
     a batch of ``B <= 100*N`` samples touches at most about ``2N`` of them (its pool's and
-    the next). ``set_epoch`` must be called with the same epoch on every rank, as with
-    ``DistributedSampler``.
+    the next). Every rank must see the same ``set_epoch`` calls.
     """
 
     def __init__(self, source: Manifest | HasManifest, batch_size: int, *, shuffle: bool = True,
@@ -135,25 +138,24 @@ class WindowSampler(Sampler[list[int]]):
         self.num_replicas, self.rank = _world(num_replicas, rank)
         self.epoch = 0
         self._resume_at = 0  # where the next iteration starts in this epoch's order
-        self._iter_start = 0
+        self._iter: tuple[int, int] | None = None  # (epoch, start) of the current iteration
         self._yielded = 0  # batches yielded by the current (or last) iteration
-        self._complete = False  # the last iteration of this epoch ran to its end
         self._order: tuple[int, np.ndarray] | None = None
 
     # -- order ------------------------------------------------------------------------------
 
     def set_epoch(self, epoch: int) -> None:
-        """Choose the epoch; a different one than the current starts at its beginning."""
+        """Choose the next iteration's epoch; another than ``self.epoch`` starts at its
+        beginning (the same one keeps a loaded resume point)."""
         if epoch != self.epoch:
-            self.epoch, self._resume_at, self._iter_start = int(epoch), 0, 0
-            self._complete, self._yielded = False, 0
+            self.epoch, self._resume_at, self._iter, self._yielded = int(epoch), 0, None, 0
 
-    def order(self) -> np.ndarray:
-        """This epoch's global order (cached for the epoch)."""
-        if self._order is None or self._order[0] != self.epoch:
-            self._order = (self.epoch, global_order(self.manifest, self.seed, self.epoch,
-                                                    shuffle=self.shuffle,
-                                                    locality=self.locality))
+    def order(self, epoch: int | None = None) -> np.ndarray:
+        """An epoch's global order (by default ``self.epoch``'s; the last one is cached)."""
+        epoch = self.epoch if epoch is None else epoch
+        if self._order is None or self._order[0] != epoch:
+            self._order = (epoch, global_order(self.manifest, self.seed, epoch,
+                                               shuffle=self.shuffle, locality=self.locality))
         return self._order[1]
 
     def _steps(self, start: int) -> int:
@@ -174,17 +176,17 @@ class WindowSampler(Sampler[list[int]]):
         return lo + self.rank * share, lo + (self.rank + 1) * share, n
 
     def _indices(self, first: int, end: int) -> list[int]:
-        order = self.order()
+        order = self.order(self._iter[0] if self._iter else None)
         return order[np.arange(first, end) % len(order)].tolist()  # type: ignore[no-any-return]
 
     def __iter__(self) -> Iterator[WindowBatch]:
-        start = self._resume_at
-        self._iter_start, self._yielded, self._complete = start, 0, False
+        epoch, start = self.epoch, self._resume_at
+        self._iter, self._yielded = (epoch, start), 0
         steps = self._steps(start)
         for s in range(steps):
             first, end, consumed = self._slice(start, s)
             batch = WindowBatch(self._indices(first, end))
-            batch.epoch, batch.position, batch.consumed = self.epoch, first, consumed
+            batch.epoch, batch.position, batch.consumed = epoch, first, consumed
             batch.pad = max(0, end - max(first, len(self.manifest)))
             ahead = range(1, self.lookahead + 1) if s == 0 or not self.lookahead else [
                 s + self.lookahead]
@@ -192,25 +194,27 @@ class WindowSampler(Sampler[list[int]]):
                               for g in self._indices(*self._slice(start, a)[:2])]
             self._yielded = s + 1
             yield batch
-        self._resume_at, self._complete = 0, True
+        if self._iter == (epoch, start):  # ran to its end: the next iteration is a new epoch
+            self.epoch, self._resume_at = epoch + 1, 0
 
     # -- state ------------------------------------------------------------------------------
 
-    def consumed(self, steps: int | None = None) -> int:
-        """Global samples consumed in this epoch after ``steps`` steps of the current
-        iteration (by default, the batches it has yielded so far)."""
-        if steps is None:
-            if self._complete:
-                return len(self.manifest)
-            steps = self._yielded
-        if steps >= self._steps(self._iter_start):
-            return len(self.manifest)
-        return self._iter_start + steps * self.batch_size * self.num_replicas
+    def position(self, steps: int | None = None) -> tuple[int, int]:
+        """(epoch, global samples consumed in it) after ``steps`` steps of the current
+        iteration (by default, the batches it has yielded); a finished epoch is (next, 0)."""
+        if self._iter is None:
+            return self.epoch, self._resume_at
+        epoch, start = self._iter
+        steps = self._yielded if steps is None else steps
+        if steps >= self._steps(start):
+            return epoch + 1, 0
+        return epoch, start + steps * self.batch_size * self.num_replicas
 
     def state_dict(self, steps: int | None = None) -> dict[str, Any]:
         """The resume point. With a plain DataLoader whose workers prefetch, pass ``steps``:
         the batches trained on since this iteration began (the sampler itself runs ahead)."""
-        return {"format": FORMAT, "epoch": self.epoch, "consumed": self.consumed(steps),
+        epoch, consumed = self.position(steps)
+        return {"format": FORMAT, "epoch": epoch, "consumed": consumed,
                 "total": len(self.manifest), "seed": self.seed,
                 "manifest_digest": self.manifest.digest, "shuffle": self.shuffle,
                 "locality": self.locality}
@@ -232,8 +236,9 @@ class WindowSampler(Sampler[list[int]]):
         if consumed > len(self.manifest):
             raise InvalidArgument(f"WindowSampler state: consumed {consumed!r} is past the "
                                   f"epoch's {len(self.manifest)} samples")
-        self.epoch, self._resume_at, self._yielded = epoch, consumed, 0
-        self._iter_start, self._complete = consumed, consumed == len(self.manifest)
+        if consumed == len(self.manifest):
+            epoch, consumed = epoch + 1, 0
+        self.epoch, self._resume_at, self._iter, self._yielded = epoch, consumed, None, 0
 
 
 def _count(state: Mapping[str, Any], name: str) -> int:
