@@ -8,23 +8,31 @@ from episerve_client.aio import AsyncClient
 from episerve_client.channel import TLS
 from episerve_client.client import Client
 from episerve_client.convert import EpisodeInfo, Listing, ReadResult
+from episerve_client.lerobot import keymap_from_delta_timestamps
 
 __all__ = [
     "TLS",
     "AsyncClient",
+    "BrokenEpisodesWarning",
     "Client",
     "EpisodeInfo",
     "Listing",
+    "Manifest",
     "ReadResult",
     "SampleBatch",
     "WindowDataset",
     "collate",
+    "keymap_from_delta_timestamps",
+    "to_float",
 ]
 
 if TYPE_CHECKING:
     from episerve_client.data.batch import SampleBatch
     from episerve_client.data.collation import collate
     from episerve_client.data.dataset import WindowDataset
+    from episerve_client.data.episodes import BrokenEpisodesWarning
+    from episerve_client.data.frames import to_float
+    from episerve_client.data.manifest import Manifest
 
 
 def __getattr__(name: str) -> Any:
@@ -41,4 +49,11 @@ def __getattr__(name: str) -> Any:
         from episerve_client.data.batch import SampleBatch
 
         return SampleBatch
+    if name in _DATA:
+        import episerve_client.data as data
+
+        return getattr(data, name)
     raise AttributeError(name)
+
+
+_DATA = ("BrokenEpisodesWarning", "Manifest", "to_float")

@@ -201,7 +201,8 @@ class BaseClient:
             token = next_token
 
     def read_flow(self, keymap: KeymapLike, samples: Sequence[tuple[str, int]], *,
-                  annotation_cutoff: bool = False, timeout_s: float | None = None) -> Flow:
+                  annotation_cutoff: bool = False, timeout_s: float | None = None,
+                  all_masks: bool = False) -> Flow:
         km = load_keymap(keymap)
         km_key = json.dumps(km, sort_keys=True, default=str)
         samples = [(str(e), int(f)) for e, f in samples]
@@ -217,7 +218,8 @@ class BaseClient:
                 Call(t, "Read", convert.read_request(
                     [samples[i] for i in idx], keymap_id=self._keymap_ids.get((t, km_key), ""),
                     annotation_cutoff=annotation_cutoff,
-                    max_response_bytes=self.max_response_bytes), _left(deadline))
+                    max_response_bytes=self.max_response_bytes, all_masks=all_masks),
+                    _left(deadline))
                 for t, idx in groups
             ]
             outcomes = yield calls
@@ -302,6 +304,9 @@ def merge_results(parts: list[tuple[list[int], ReadResult]], n: int) -> ReadResu
         out.arrays[name] = np.concatenate([r.arrays[name] for r in results])[order]
     for name in results[0].texts:
         out.texts[name] = cat([r.texts[name] for r in results])
+    totals = [r.total_frames for r in results if r.total_frames is not None]
+    if len(totals) == len(results):
+        out.total_frames = np.concatenate(totals)[order]
     for source in results[0].frames:
         offsets = np.cumsum([0] + [len(r.frames[source]) for r in results])
         out.frames[source] = [f for r in results for f in r.frames[source]]

@@ -13,11 +13,17 @@ import pickle
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from episerve_client.client import Client
 from episerve_client.convert import Listing
-from episerve_client.errors import DeadlineExceeded, EpiserveError, KeymapError
+from episerve_client.errors import (
+    BrokenEpisodeError,
+    DeadlineExceeded,
+    EpiserveError,
+    KeymapError,
+)
 
 
 def probe(target: str | Sequence[str], keymap: Mapping[str, Any], *, timeout_s: float,
@@ -48,15 +54,47 @@ def _check(target: Any, keymap: dict[str, Any], timeout_s: float,
     return listing
 
 
-def check_keys(keymap: Mapping[str, Any], listing: Listing, hashes: Sequence[str]) -> None:
-    """Every zarr_key of the keymap exists in every chosen episode."""
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """Why an episode cannot serve the keymap: it is broken, or it lacks a keymap key."""
+
+    episode: str
+    reason: str
+    key: str = ""  # the zarr key it lacks; empty for a broken episode
+
+    def error(self) -> EpiserveError:
+        if self.key:
+            return KeymapError(f"episode {self.episode!r}: {self.reason}", episode=self.episode,
+                               key=self.key)
+        return BrokenEpisodeError(f"episode {self.episode!r} is broken: {self.reason}",
+                                  episode=self.episode)
+
+
+def check_keys(keymap: Mapping[str, Any], listing: Listing,
+               hashes: Sequence[str] | None = None) -> dict[str, Problem]:
+    """The problem of each episode (all of ``hashes``, or every one listed, broken ones
+    included) that cannot serve the keymap: broken, or without one of its zarr keys.
+
+    One policy for every cause; ``WindowDataset``'s ``on_broken`` decides what to do with
+    them. Episodes the daemon does not list at all are not problems here.
+    """
     arrays = {e.hash: set(e.arrays) for e in listing.episodes}
-    for name, spec in keymap.items():
-        key = spec.get("zarr_key")
-        for h in hashes:
-            if key not in arrays.get(h, set()):
-                raise KeymapError(f"output key {name!r}: episode {h!r} has no array "
-                                  f"{key!r}", episode=h, key=str(key))
+    wanted = list(hashes) if hashes is not None else sorted([*arrays, *listing.broken])
+    out: dict[str, Problem] = {}
+    for h in wanted:
+        if h in listing.broken:
+            out[h] = Problem(h, listing.broken[h])
+            continue
+        have = arrays.get(h)
+        if have is None:
+            continue
+        for name, spec in keymap.items():
+            key = str(spec.get("zarr_key"))
+            if key not in have:
+                out[h] = Problem(h, f"output key {name!r}: the episode has no array {key!r}",
+                                 key)
+                break
+    return out
 
 
 def main() -> None:

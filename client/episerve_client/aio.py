@@ -54,9 +54,11 @@ class AsyncClient(BaseClient):
 
     async def read(self, keymap: KeymapLike, samples: Sequence[tuple[str, int]], *,
                    annotation_cutoff: bool = False,
-                   timeout_s: float | None = None) -> ReadResult:
+                   timeout_s: float | None = None, all_masks: bool = False) -> ReadResult:
+        """One batch; ``all_masks`` adds ``<output>_is_pad`` per window and total_frames."""
         result: ReadResult = await self._run(self.read_flow(
-            keymap, samples, annotation_cutoff=annotation_cutoff, timeout_s=timeout_s))
+            keymap, samples, annotation_cutoff=annotation_cutoff, timeout_s=timeout_s,
+            all_masks=all_masks))
         return result
 
     # -- I/O ------------------------------------------------------------------------------

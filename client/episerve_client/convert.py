@@ -11,8 +11,9 @@ from typing import Any
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from episerve_client.errors import DataLossError
-from episerve_proto.contract import WINDOW_FIELDS
+from episerve_client.errors import DataLossError, KeymapError
+from episerve_proto.contract import KEYMAP_FIELDS, LIST_FIELDS, WINDOW_FIELDS, did_you_mean
+from episerve_proto.errors import shown
 from episerve_proto.v1 import episerve_pb2 as pb
 
 
@@ -45,6 +46,9 @@ class ReadResult:
     images: dict[str, tuple[str, np.ndarray]] = field(default_factory=dict)  # source, index
     frames: dict[str, list[bytes]] = field(default_factory=dict)
     texts: dict[str, list[list[str]]] = field(default_factory=dict)
+    #: With ``all_masks``: each sample's episode length T (the ``<output>_is_pad`` masks,
+    #: bool (B, W), are in ``arrays``); None otherwise.
+    total_frames: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.episodes)
@@ -56,15 +60,52 @@ class ReadResult:
 
 
 def keymap_message(keymap: Mapping[str, Mapping[str, Any]]) -> Any:
+    """The keymap as sent. The daemon validates it (``Keymap.parse``); here only what the
+    message cannot carry is refused: unknown fields, values of the wrong type, an empty
+    ``offsets_s``. Nothing is dropped or coerced on the way."""
     msg = pb.Keymap()
     for name, spec in keymap.items():
-        entry = msg.entries.add(name=str(name), zarr_key=str(spec.get("zarr_key", "")),
-                                key_type=str(spec.get("key_type", "")))
-        for opt in WINDOW_FIELDS:
+        if not isinstance(spec, Mapping):
+            raise KeymapError(
+                f"output key {shown(name)}: the spec must be a mapping, got {shown(spec)}")
+        for key in spec:
+            if key not in KEYMAP_FIELDS:
+                hint = did_you_mean(key, KEYMAP_FIELDS) if isinstance(key, str) else ""
+                raise KeymapError(
+                    f"output key {shown(name)}: unknown field {shown(key)}{hint} "
+                    f"(the fields are {', '.join(KEYMAP_FIELDS)})")
+        entry = msg.entries.add(name=str(name))
+        for opt in ("zarr_key", "key_type", *WINDOW_FIELDS, *LIST_FIELDS):
             value = spec.get(opt)
             if value is not None:
-                setattr(entry, opt, value)
+                _set_field(entry, str(name), opt, value)
     return msg
+
+
+def _set_field(entry: Any, name: str, opt: str, value: Any) -> None:
+    def bad(expected: str) -> KeymapError:
+        return KeymapError(f"output key {shown(name)}: {opt} must be {expected}, got "
+                           f"{shown(value)}", key=str(entry.zarr_key))
+
+    if opt in LIST_FIELDS:
+        if isinstance(value, np.ndarray):
+            value = value.tolist()
+        if not isinstance(value, list | tuple) or not value:
+            raise bad("a non-empty list of offsets in seconds (omit it for a single frame)")
+        if any(isinstance(v, bool) for v in value):
+            raise bad("a list of numbers of seconds")
+        try:
+            getattr(entry, opt).extend(value)
+        except (TypeError, ValueError):
+            raise bad("a list of numbers of seconds") from None
+        return
+    if isinstance(value, bool) or (opt in ("zarr_key", "key_type") and not isinstance(value, str)):
+        raise bad("a string" if opt in ("zarr_key", "key_type") else "a number")
+    try:
+        setattr(entry, opt, value)
+    except (TypeError, ValueError):
+        raise bad("an integer" if opt in ("horizon", "history", "history_stride")
+                  else "a number of seconds") from None
 
 
 def register_request(keymap: Mapping[str, Mapping[str, Any]]) -> bytes:
@@ -73,10 +114,12 @@ def register_request(keymap: Mapping[str, Mapping[str, Any]]) -> bytes:
 
 def read_request(samples: Sequence[tuple[str, int]], *, keymap_id: str = "",
                  keymap: Mapping[str, Mapping[str, Any]] | None = None,
-                 annotation_cutoff: bool = False, max_response_bytes: int = 0) -> bytes:
+                 annotation_cutoff: bool = False, max_response_bytes: int = 0,
+                 all_masks: bool = False) -> bytes:
     msg = pb.ReadRequest(
         episodes=[s[0] for s in samples], frames=[int(s[1]) for s in samples],
         annotation_cutoff=annotation_cutoff, max_response_bytes=max_response_bytes,
+        all_masks=all_masks,
     )
     if keymap is not None:
         msg.keymap.CopyFrom(keymap_message(keymap))
@@ -117,6 +160,8 @@ def read_result(data: bytes) -> ReadResult:
         out.frames[src.key] = list(src.frames)
     for col in msg.texts:
         out.texts[col.name] = [list(s.texts) for s in col.samples]
+    if len(msg.total_frames):
+        out.total_frames = np.array(msg.total_frames, dtype=np.int64)
     return out
 
 

@@ -1,7 +1,8 @@
 """Everything the daemon and the client must agree on, besides the messages themselves.
 
-Plain constants: importing this module imports neither grpc nor protobuf. A unit test checks
-the names below against the generated descriptor of ``episerve/v1/episerve.proto``.
+Plain constants (and a helper that suggests near misses of them): importing this module
+imports neither grpc nor protobuf. A unit test checks the names below against the generated
+descriptor of ``episerve/v1/episerve.proto``.
 """
 
 from __future__ import annotations
@@ -19,9 +20,23 @@ KEY_TRAILER = "episerve-key-bin"
 
 #: The fields of one keymap entry besides its output name (``KeySpec`` in the proto).
 KEYMAP_FIELDS = ("zarr_key", "key_type", "horizon", "history", "history_stride",
-                 "history_stride_s", "lag_s")
-#: The optional window fields among them, in proto order.
-WINDOW_FIELDS = KEYMAP_FIELDS[2:]
+                 "history_stride_s", "lag_s", "offsets_s")
+#: The optional (scalar) window fields among them, in proto order.
+WINDOW_FIELDS = KEYMAP_FIELDS[2:7]
+#: The list-valued window fields (repeated in the proto: an empty list is no list).
+LIST_FIELDS = KEYMAP_FIELDS[7:]
+#: Output names the daemon adds with ``all_masks``: ``<output key>_is_pad`` per windowed
+#: output, and ``total_frames`` per sample.
+IS_PAD_SUFFIX = "_is_pad"
+TOTAL_FRAMES = "total_frames"
+
+
+def did_you_mean(word: str, choices: tuple[str, ...] | list[str]) -> str:
+    """``"; did you mean 'horizon'?"`` for a near miss of one of ``choices``, else ``""``."""
+    import difflib
+
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
 
 #: The largest message either side sends or receives.
 MAX_MESSAGE_BYTES = 256 * 2**20

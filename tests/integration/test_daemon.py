@@ -37,6 +37,68 @@ def test_reads_equal_the_oracle(transport: str, name: str, cutoff: bool,
         assert_same_sample(sample_of(result, b), want, (name, b, episode, frame))
 
 
+@pytest.mark.parametrize("transport", ["tcp", "unix"])
+@pytest.mark.parametrize("cutoff", [False, True])
+@pytest.mark.parametrize("name", ["offsets", "mecka_keypoints_k4", "camera_history"])
+def test_all_masks_reads_equal_the_oracle(transport: str, name: str, cutoff: bool,
+                                          shared_daemons: dict[str, DaemonProcess],
+                                          ramp_roots: dict[str, Path], make_client: Any) -> None:
+    """masks="all" through the real daemon: ``<output>_is_pad`` (bool) for every window,
+    camera windows included, and total_frames, against the oracle's per-entry masks."""
+    client = make_client(shared_daemons[transport].target)
+    result = client.read(KEYMAPS[name], BATCH, annotation_cutoff=cutoff, all_masks=True)
+    assert result.total_frames is not None
+    totals = {h: total for h, _, total, _ in ramp.RAMP_DATASET}
+    assert result.total_frames.tolist() == [totals[h] for h, _ in BATCH]
+    for b, (episode, frame) in enumerate(BATCH):
+        want = oracle_of(ramp_roots["sharded"], episode, frame, KEYMAPS[name], cutoff, True)
+        assert_same_sample(sample_of(result, b), want, (name, b, episode, frame))
+    pads = [k for k in result.arrays if k.endswith("_is_pad")]
+    assert pads and all(result.arrays[k].dtype == np.bool_ for k in pads)
+    assert any(result.arrays[k].any() for k in pads)  # some rows really are padding
+    plain = client.read(KEYMAPS[name], BATCH, annotation_cutoff=cutoff)
+    assert plain.total_frames is None and not set(pads) & set(plain.arrays)
+
+
+def test_delta_timestamps_keymap_reads_equal_the_oracle(
+        shared_daemons: dict[str, DaemonProcess], ramp_roots: dict[str, Path],
+        make_client: Any) -> None:
+    from episerve_client import keymap_from_delta_timestamps
+
+    keymap = keymap_from_delta_timestamps(
+        {"observation.state": [-0.2, -0.1, 0.0], "action": [k / 30 for k in range(16)],
+         "observation.image": [-0.5, 0.0]},
+        {"observation.state": ("obs_head_pose", "proprio_keys"),
+         "action": ("left.obs_wrist_pose", "action_keys"),
+         "observation.image": ("images.front_1", "camera_keys"),
+         "keypoints": ("left.obs_keypoints", "proprio_keys")})
+    client = make_client(shared_daemons["unix"].target)
+    result = client.read(keymap, BATCH, all_masks=True)
+    assert result.arrays["action"].shape == (len(BATCH), 16, 7)
+    assert result.images["observation.image"][1].shape == (len(BATCH), 2)
+    for b, (episode, frame) in enumerate(BATCH):
+        want = oracle_of(ramp_roots["sharded"], episode, frame, keymap, False, True)
+        assert_same_sample(sample_of(result, b), want, (b, episode, frame))
+
+
+@pytest.mark.parametrize(("spec", "needles"), [
+    ({"horizen": 10}, ("'horizen'", "did you mean 'horizon'?")),  # refused by the client
+    ({"horizon": 10, "lag_s": 1.0}, ("'lag_s'", "'horizon'")),  # refused by the daemon
+    ({"offsets_s": [0.0, 1e9]}, ("offsets_s[1]", "1000000000.0")),
+])
+def test_strict_keymap_errors_reach_the_client_typed(spec: dict[str, Any],
+                                                     needles: tuple[str, ...],
+                                                     shared_daemons: dict[str, DaemonProcess],
+                                                     make_client: Any) -> None:
+    client = make_client(shared_daemons["unix"].target)
+    keymap = {"act": {"zarr_key": "left.obs_wrist_pose", "key_type": "action_keys", **spec}}
+    with pytest.raises(errors.KeymapError) as info:
+        client.read(keymap, [("ep000a", 0)])
+    for needle in needles:
+        assert needle in str(info.value), (needle, str(info.value))
+    assert "'act'" in str(info.value)
+
+
 def test_health_serving_and_reflection_lists_the_service(
         shared_daemons: dict[str, DaemonProcess]) -> None:
     with _channel(shared_daemons["tcp"].target) as ch:

@@ -36,6 +36,7 @@ from episerve_proto.contract import SERVICE_PATH
 from episerve_proto.v1 import episerve_pb2 as pb
 from episerve_tools.launch import DaemonProcess
 from tests.support import ramp
+from tests.support.strategies import window_fields
 
 SERVICE = SERVICE_PATH
 METHODS = ("Read", "RegisterKeymap", "ListEpisodes", "GetStats")
@@ -241,8 +242,10 @@ TYPES = st.one_of(st.sampled_from(KEY_TYPES), st.sampled_from(KEY_TYPES), st.tex
 EPISODES = st.one_of(st.sampled_from(REAL_IDS), st.sampled_from(REAL_IDS),
                      st.sampled_from(REAL_IDS), st.sampled_from(PATH_LIKE),
                      st.sampled_from(ABSENT), st.text(max_size=24))
+OFFSETS = st.one_of(st.lists(SECONDS, max_size=6),
+                    st.sampled_from([[0.0] * 4097, [0.5] * 4096, [1e9, -1e9], [-0.0]]))
 OPTIONAL = {"horizon": INT32, "history": INT32, "history_stride": INT32,
-            "history_stride_s": SECONDS, "lag_s": SECONDS}
+            "history_stride_s": SECONDS, "lag_s": SECONDS, "offsets_s": OFFSETS}
 
 
 @st.composite
@@ -279,6 +282,7 @@ def read_requests(draw: st.DrawFn, keymap_id: str) -> bytes:
     m = n if draw(st.integers(0, 9)) else draw(st.integers(0, 10))  # sometimes unpaired
     msg.frames.extend(draw(st.lists(INT64, min_size=m, max_size=m)))
     msg.annotation_cutoff = draw(st.booleans())
+    msg.all_masks = draw(st.booleans())
     if draw(st.booleans()):
         msg.max_response_bytes = draw(INT64)
     return msg.SerializeToString()  # type: ignore[no-any-return]
@@ -292,13 +296,20 @@ def plausible_specs(draw: st.DrawFn, name: str) -> dict[str, Any]:
     """Mostly valid entries, so that reads get through to planning and reading."""
     spec = {"name": name, "zarr_key": draw(st.sampled_from(REAL_KEYS)),
             "key_type": draw(st.sampled_from(KEY_TYPES))}
-    small = {"horizon": st.integers(1, 64), "history": st.integers(1, 8),
-             "history_stride": st.integers(1, 5), "history_stride_s": st.floats(0.01, 2.0),
-             "lag_s": st.floats(0.01, 3.0)}
-    for field_name, values in small.items():
-        if draw(st.integers(0, 2)) == 0:
-            wild = draw(st.integers(0, 15)) == 0
-            spec[field_name] = draw(OPTIONAL[field_name] if wild else values)
+    if draw(st.integers(0, 7)) == 0:  # any combination: mostly refused, as KeymapError
+        small = {"horizon": st.integers(1, 64), "history": st.integers(1, 8),
+                 "history_stride": st.integers(1, 5), "history_stride_s": st.floats(0.01, 2.0),
+                 "lag_s": st.floats(0.01, 3.0), "offsets_s": st.lists(st.floats(-9, 9),
+                                                                      max_size=5)}
+        for field_name, values in small.items():
+            if draw(st.integers(0, 2)) == 0:
+                wild = draw(st.integers(0, 15)) == 0
+                spec[field_name] = draw(OPTIONAL[field_name] if wild else values)
+        return spec
+    spec.update(draw(window_fields(  # one valid window rule, so reads get to the planner
+        spec["key_type"], horizons=st.integers(1, 64), histories=st.integers(1, 8),
+        strides=st.integers(1, 5), seconds=st.floats(0.01, 3.0),
+        offsets=st.lists(st.floats(-9, 9), min_size=1, max_size=5))))
     return spec
 
 
@@ -314,6 +325,7 @@ def plausible_reads(draw: st.DrawFn) -> bytes:
         msg.frames.append(draw(st.integers(-1, 300) if wide
                                else st.integers(0, TOTALS[episode] - 1)))
     msg.annotation_cutoff = draw(st.booleans())
+    msg.all_masks = draw(st.booleans())
     if draw(st.integers(0, 4)) == 0:
         msg.max_response_bytes = draw(st.integers(0, 1 << 16))
     return msg.SerializeToString()  # type: ignore[no-any-return]

@@ -76,7 +76,7 @@ def test_usage_examples_run(tmp_path: Path) -> None:
                     "latency_ms"} <= set(report)
 
 
-@pytest.mark.parametrize("path", ["docs/ARCHITECTURE.md", "deploy/README.md"])
+@pytest.mark.parametrize("path", ["docs/ARCHITECTURE.md", "docs/KEYMAP.md", "deploy/README.md"])
 def test_linked_documents_exist(path: str) -> None:
     assert f"({path})" in README
     assert (REPO / path).is_file()

@@ -51,4 +51,6 @@ def sample_of(result: Any, b: int) -> dict[str, Any]:
         out[name] = texts[b]
     out.update(episode_hash=result.episodes[b], embodiment=result.embodiments[b],
                fps=float(result.fps[b]), frame_index=int(result.frame_index[b]))
+    if result.total_frames is not None:
+        out["total_frames"] = int(result.total_frames[b])
     return out

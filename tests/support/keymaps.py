@@ -51,7 +51,7 @@ KEYMAPS: dict[str, dict[str, dict[str, Any]]] = {
         "act": e("left.obs_wrist_pose", "action_keys", horizon=20),
         "act_kp": e("right.obs_keypoints", "action_keys", horizon=7),
         "prop_chunk": e("right.obs_wrist_pose", "proprio_keys", horizon=20),
-        "task_again": e("annotations", "annotation_keys", horizon=4),
+        "task_again": e("annotations", "annotation_keys"),
     },
     "lag_only": {
         "head_lag": e("obs_head_pose", "proprio_keys", lag_s=0.1),
@@ -66,10 +66,24 @@ KEYMAPS: dict[str, dict[str, dict[str, Any]]] = {
         "hist": e("left.obs_wrist_pose", "proprio_keys", history=6, history_stride=3),
         "cam_mem": e(CAMERA, "camera_keys", history=3, history_stride=40),
     },
+    # SPEC rule 6 (LeRobot's delta_timestamps): past, future, beyond both ends, duplicates,
+    # ties of round() at 15 and 25 fps, and camera offsets next to an action chunk and a history
+    "offsets": {
+        "state": e("obs_head_pose", "proprio_keys", offsets_s=[-0.5, -0.1, -1 / 30, 0.0]),
+        "act": e("left.obs_wrist_pose", "action_keys", offsets_s=[0.0, 0.1, 0.2, 0.5, 9.0]),
+        "act_chunk": e("left.obs_wrist_pose", "action_keys", horizon=12),
+        "kp": e("left.obs_keypoints", "metadata_keys",
+                offsets_s=[-20.0, 0.0, 0.0, 20.0, 0.05, -0.05]),
+        "cam": e(CAMERA, "camera_keys", offsets_s=[-1.0, -0.5, 0.0, 0.5]),
+        "cam_mem": e(CAMERA, "camera_keys", history=2, history_stride=20),
+        "hist": e("right.obs_wrist_pose", "proprio_keys", history=3, lag_s=0.1),
+        "task": e("annotations", "annotation_keys"),
+    },
 }
-WITH_ANNOTATIONS = {"mecka_keypoints_k4", "annotations"}
+WITH_ANNOTATIONS = {"mecka_keypoints_k4", "annotations", "offsets"}
 CASES = [(name, False) for name in KEYMAPS] + [
-    ("mecka_keypoints_k4", True), ("annotations", True), ("two_horizons", True)]
+    ("mecka_keypoints_k4", True), ("annotations", True), ("two_horizons", True),
+    ("offsets", True)]
 
 
 def without_annotations(keymap: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:

@@ -36,6 +36,7 @@ RULE_HORIZON = 2
 RULE_HISTORY = 3
 RULE_LAG = 4
 RULE_SINGLE = 5
+RULE_OFFSETS = 6
 
 
 class OracleReadError(Exception):
@@ -66,6 +67,8 @@ def entry_rule(spec: Mapping[str, Any]) -> int:
         raise ValueError(f"unknown key_type {key_type!r}; expected one of {sorted(KEY_TYPES)}")
     if key_type == "annotation_keys":
         return RULE_ANNOTATION
+    if spec.get("offsets_s") is not None:  # rule 6 is checked before rules 2-5
+        return RULE_OFFSETS
     if spec.get("horizon") is not None:
         return RULE_HORIZON
     history = spec.get("history")
@@ -128,6 +131,28 @@ def history_indices(
     return indices, mask
 
 
+def offset_indices(
+    i: int, offsets_s: Sequence[float], total_frames: int, fps: float
+) -> tuple[list[int], list[float]]:
+    """Rule 6: for each offset o in the order given, the frame ``i + round(o * fps)`` (Python's
+    round: nearest, ties to even), clamped into [0, T-1]. A row is padding (mask 0.0) when its
+    unclamped frame lies outside [0, T)."""
+    indices: list[int] = []
+    mask: list[float] = []
+    for o in offsets_s:
+        wanted = i + round(o * fps)
+        if wanted < 0:
+            indices.append(0)
+            mask.append(0.0)
+        elif wanted > total_frames - 1:
+            indices.append(total_frames - 1)
+            mask.append(0.0)
+        else:
+            indices.append(wanted)
+            mask.append(1.0)
+    return indices, mask
+
+
 def lag_index(i: int, lag: int) -> int:
     """Rule 4: the single frame ``max(0, i - frames(lag_s))``."""
     return max(0, i - lag)
@@ -173,8 +198,14 @@ def oracle_sample(
     keymap: Mapping[str, Mapping[str, Any]],
     *,
     annotation_cutoff: bool = False,
+    all_masks: bool = False,
 ) -> dict[str, Any]:
-    """Read one sample of ``<root>/<episode_hash>.zarr`` at ``frame``, entry by entry (SPEC §2)."""
+    """Read one sample of ``<root>/<episode_hash>.zarr`` at ``frame``, entry by entry (SPEC §2).
+
+    With ``all_masks`` (SPEC "Masks", masks="all"), every windowed output (horizon, history,
+    offsets_s) also gets ``<output_key>_is_pad``, a bool array that is True where the row is
+    padding, and the sample carries ``total_frames``.
+    """
     group = _open_episode(root, episode_hash)
     total_frames, fps, embodiment = _episode_attrs(group, episode_hash)
     i = operator.index(frame)
@@ -186,6 +217,7 @@ def oracle_sample(
     cutoff_spans: list[Span] | None = None
     out: dict[str, Any] = {}
     masks: dict[str, np.ndarray] = {}
+    is_pad: dict[str, list[bool]] = {}
     for output_key, spec in keymap.items():
         key = spec["zarr_key"]
         key_type = spec["key_type"]
@@ -206,6 +238,7 @@ def oracle_sample(
                 end = cutoff_end(cutoff_spans, i)
             indices, mask = action_chunk_indices(i, horizon, total_frames, end)
             out[output_key] = _read_window(arr, indices, episode_hash, key)
+            is_pad[f"{output_key}_is_pad"] = [m == 0.0 for m in mask]
             if key_type == "action_keys" and "action_pad_mask" not in masks:
                 masks["action_pad_mask"] = np.array(mask, dtype=np.float32)
         elif rule == RULE_HISTORY:
@@ -217,10 +250,15 @@ def oracle_sample(
             lag = frames(spec["lag_s"], fps) if spec.get("lag_s") is not None else None
             indices, mask = history_indices(i, history, stride, lag)
             out[output_key] = _read_window(arr, indices, episode_hash, key)
+            is_pad[f"{output_key}_is_pad"] = [m == 0.0 for m in mask]
             if key_type == "camera_keys":
                 masks[f"{output_key}_mask"] = np.array(mask, dtype=np.float32)
             elif "proprio_history_mask" not in masks:
                 masks["proprio_history_mask"] = np.array(mask, dtype=np.float32)
+        elif rule == RULE_OFFSETS:
+            indices, mask = offset_indices(i, spec["offsets_s"], total_frames, fps)
+            out[output_key] = _read_window(arr, indices, episode_hash, key)
+            is_pad[f"{output_key}_is_pad"] = [m == 0.0 for m in mask]
         elif rule == RULE_LAG:
             index = lag_index(i, frames(spec["lag_s"], fps))
             out[output_key] = _single(_read_window(arr, [index], episode_hash, key))
@@ -231,6 +269,14 @@ def oracle_sample(
         if mask_key in out:
             raise ValueError(f"keymap output key {mask_key!r} collides with a mask of that name")
         out[mask_key] = mask_value
+    if all_masks:
+        for pad_key, pads in is_pad.items():
+            if pad_key in out:
+                raise ValueError(f"keymap output key {pad_key!r} collides with a mask of that name")
+            out[pad_key] = np.array(pads, dtype=bool)
+        if "total_frames" in out:
+            raise ValueError("keymap output key 'total_frames' collides with a metadata key")
+        out["total_frames"] = total_frames
     for meta_key in ("episode_hash", "embodiment", "fps", "frame_index"):
         if meta_key in out:
             raise ValueError(f"keymap output key {meta_key!r} collides with a metadata key")
@@ -318,8 +364,10 @@ def _positive_int(spec: Mapping[str, Any], name: str, episode_hash: str, output_
 
 def entry_indices(fields: dict[str, Any], i: int, total: int, fps: int,
                   cutoff: int | None) -> tuple[list[int], list[float] | None]:
-    """Row indices (and mask, for windows) one keymap entry reads at frame i (rules 2-5)."""
+    """Row indices (and mask, for windows) one keymap entry reads at frame i (rules 2-6)."""
     rule = entry_rule(fields)
+    if rule == RULE_OFFSETS:
+        return offset_indices(i, fields["offsets_s"], total, fps)
     if rule == RULE_HORIZON:
         return action_chunk_indices(i, fields["horizon"], total, cutoff)
     if rule == RULE_HISTORY:

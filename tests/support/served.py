@@ -52,9 +52,9 @@ class Served:
     run: LoopRunner
 
     def read(self, keymap: Mapping[str, Any] | Keymap, samples: Sequence[tuple[str, int]],
-             *, cutoff: bool = False) -> BatchResult:
+             *, cutoff: bool = False, all_masks: bool = False) -> BatchResult:
         km = keymap if isinstance(keymap, Keymap) else Keymap.parse(keymap)
-        options = ReadOptions(annotation_cutoff=cutoff)
+        options = ReadOptions(annotation_cutoff=cutoff, all_masks=all_masks)
         return self.run(self.planner.read(km, list(samples), options))
 
 
@@ -66,16 +66,17 @@ def write_mixed_dataset(root: Path) -> None:
                                 layout=layout, chunk_rows=chunk_rows)
 
 
-_ORACLE_MEMO: dict[tuple[str, str, int, str, bool], dict[str, Any]] = {}
+_ORACLE_MEMO: dict[tuple[str, str, int, str, bool, bool], dict[str, Any]] = {}
 
 
 def oracle_of(root: Path, episode: str, frame: int, keymap: Mapping[str, Any],
-              cutoff: bool = False) -> dict[str, Any]:
+              cutoff: bool = False, all_masks: bool = False) -> dict[str, Any]:
     """The per-entry oracle's sample, memoized (it is slow on purpose)."""
-    key = (str(root), episode, int(frame), json.dumps(keymap), cutoff)  # entry order counts
+    # entry order counts
+    key = (str(root), episode, int(frame), json.dumps(keymap), cutoff, all_masks)
     if key not in _ORACLE_MEMO:
         _ORACLE_MEMO[key] = oracle.oracle_sample(root, episode, int(frame), keymap,
-                                                 annotation_cutoff=cutoff)
+                                                 annotation_cutoff=cutoff, all_masks=all_masks)
     return _ORACLE_MEMO[key]
 
 
@@ -96,13 +97,13 @@ def assert_same_sample(got: Mapping[str, Any], want: Mapping[str, Any], where: o
 
 def assert_matches_oracle(served: Served, result: BatchResult, keymap: Mapping[str, Any],
                           samples: Sequence[tuple[str, int]], cutoff: bool = False,
-                          reference: Path | None = None) -> None:
+                          reference: Path | None = None, all_masks: bool = False) -> None:
     """Every sample of ``result`` equals the oracle's read of ``reference`` (default: the
     served root). The ramp datasets hold the same values in every layout, so their oracle
     reads are shared through the sharded root (``test_oracle_agrees_across_layouts``)."""
     assert len(result) == len(samples)
     for b, (episode, frame) in enumerate(samples):
-        want = oracle_of(reference or served.root, episode, frame, keymap, cutoff)
+        want = oracle_of(reference or served.root, episode, frame, keymap, cutoff, all_masks)
         assert_same_sample(result.sample(b), want, (b, episode, frame, cutoff))
 
 

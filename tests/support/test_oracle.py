@@ -645,3 +645,77 @@ def test_layouts_agree(roots: dict[str, Path], layout: str, keymap_name: str, cu
             reference = read(roots["sharded"], episode, i, keymap, annotation_cutoff=cutoff)
             other = read(roots[layout], episode, i, keymap, annotation_cutoff=cutoff)
             assert_same_sample(reference, other)
+
+
+# --- rule 6: offsets_s, and the masks="all" masks -------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("spec", "rule"),
+    [
+        ({"key_type": "proprio_keys", "offsets_s": [0.0]}, 6),
+        ({"key_type": "camera_keys", "offsets_s": [-1.0, 0.0]}, 6),
+        ({"key_type": "annotation_keys", "offsets_s": [0.0]}, 1),
+    ],
+)
+def test_offsets_rule_comes_right_after_annotations(spec: dict[str, Any], rule: int) -> None:
+    assert oracle.entry_rule({"zarr_key": "x", **spec}) == rule
+
+
+def test_offset_indices_by_hand() -> None:
+    # T = 10 at 30 fps, i = 1: -0.1 s is -3 frames (outside), +0.1 s is 4, 1 s is 31 (outside)
+    assert oracle.offset_indices(1, [-0.1, 0.0, 0.1, 1.0], 10, 30) == (
+        [0, 1, 4, 9], [0.0, 1.0, 1.0, 0.0])
+    # ties to even: 0.5 s at 15 fps is 7.5 frames -> 8; 12.5 at 25 fps -> 12; -7.5 -> -8
+    assert oracle.offset_indices(20, [0.5, -0.5], 100, 15) == ([28, 12], [1.0, 1.0])
+    assert oracle.offset_indices(20, [0.5], 100, 25) == ([32], [1.0])
+    # duplicates are kept, in the order given; the last frame is T-1
+    assert oracle.offset_indices(9, [0.0, 0.0, 1 / 30], 10, 30) == ([9, 9, 9], [1.0, 1.0, 0.0])
+
+
+def test_offsets_read_the_rows_and_is_pad_marks_the_clamped_ones(root: Path) -> None:
+    keymap = {
+        "s": {"zarr_key": "obs_head_pose", "key_type": "proprio_keys",
+              "offsets_s": [-0.5, 0.0, 0.2, 0.2, 5.0]},
+        "f": {"zarr_key": "images.front_1", "key_type": "camera_keys", "offsets_s": [-1.0, 0.0]},
+    }
+    out = read(root, SHORT, 10, keymap, all_masks=True)  # T = 37 at 30 fps
+    np.testing.assert_array_equal(out["s"], rows(SHORT, "obs_head_pose", [0, 10, 16, 16, 36]))
+    assert out["s_is_pad"].dtype == np.bool_
+    assert out["s_is_pad"].tolist() == [True, False, False, False, True]
+    assert frame_ids(out["f"]) == [0, 10]
+    assert out["f_is_pad"].tolist() == [True, False]
+    assert out["total_frames"] == 37
+    assert "f_mask" not in out and "proprio_history_mask" not in out
+    plain = read(root, SHORT, 10, keymap)
+    assert set(plain) == set(out) - {"s_is_pad", "f_is_pad", "total_frames"}
+
+
+def test_is_pad_for_horizons_histories_and_camera_windows(root: Path) -> None:
+    keymap = {
+        "a": {"zarr_key": "left.obs_wrist_pose", "key_type": "action_keys", "horizon": 10},
+        "h": {"zarr_key": "obs_head_pose", "key_type": "proprio_keys", "history": 4},
+        "c": {"zarr_key": "images.front_1", "key_type": "camera_keys", "history": 2,
+              "history_stride": 5},
+        "one": {"zarr_key": "obs_head_pose", "key_type": "proprio_keys"},
+        "lag": {"zarr_key": "obs_head_pose", "key_type": "proprio_keys", "lag_s": 1.0},
+    }
+    out = read(root, SHORT, 32, keymap, all_masks=True)  # rows 32..36 real of 10
+    assert out["a_is_pad"].tolist() == [False] * 5 + [True] * 5
+    assert out["h_is_pad"].tolist() == [False] * 4
+    assert out["c_is_pad"].tolist() == [False, False]
+    assert "one_is_pad" not in out and "lag_is_pad" not in out
+    out = read(root, SHORT, 2, keymap, all_masks=True)
+    assert out["h_is_pad"].tolist() == [True, False, False, False]
+    assert out["c_is_pad"].tolist() == [True, False]
+    np.testing.assert_array_equal(out["c_mask"], np.array([0, 1], np.float32))
+
+
+def test_is_pad_counts_the_annotation_cutoff(root: Path) -> None:
+    keymap = {"a": {"zarr_key": "left.obs_wrist_pose", "key_type": "action_keys", "horizon": 20}}
+    on = read(root, LONG, 120, keymap, annotation_cutoff=True, all_masks=True)
+    off = read(root, LONG, 120, keymap, all_masks=True)
+    # "grasp" [64, 128) is the last span containing 120: 8 real rows
+    assert on["a_is_pad"].tolist() == [False] * 8 + [True] * 12
+    assert off["a_is_pad"].tolist() == [False] * 20
+    np.testing.assert_array_equal(on["action_pad_mask"], (~on["a_is_pad"]).astype(np.float32))

@@ -16,10 +16,11 @@ def test_service_name_and_methods_match_the_proto() -> None:
 def test_keymap_fields_match_the_proto() -> None:
     fields = [f.name for f in pb.KeySpec.DESCRIPTOR.fields]
     assert fields[0] == "name"
-    # offsets_s is in the proto ahead of the keymap parser: it joins KEYMAP_FIELDS with it.
-    assert tuple(f for f in fields[1:] if f != "offsets_s") == contract.KEYMAP_FIELDS
+    assert tuple(fields[1:]) == contract.KEYMAP_FIELDS
     optional = tuple(f.name for f in pb.KeySpec.DESCRIPTOR.fields if f.has_presence)
     assert optional == contract.WINDOW_FIELDS
+    repeated = tuple(f.name for f in pb.KeySpec.DESCRIPTOR.fields if f.is_repeated)
+    assert repeated == contract.LIST_FIELDS
 
 
 def test_the_keepalive_interval_leaves_room() -> None:

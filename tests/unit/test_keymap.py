@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -10,6 +11,7 @@ from hypothesis import strategies as st
 
 from episerve_proto.errors import InvalidArgument, KeymapError
 from episerve_server.core.keymap import Keymap, Rule
+from tests.support.strategies import window_fields
 
 
 def entry(**fields: Any) -> dict[str, Any]:
@@ -22,10 +24,12 @@ def parse_one(**fields: Any) -> Any:
 
 @pytest.mark.parametrize(("fields", "rule", "length", "time_axis"), [
     ({"key_type": "annotation_keys", "zarr_key": "annotations"}, Rule.ANNOTATION, 1, False),
-    ({"key_type": "annotation_keys", "zarr_key": "annotations", "horizon": 5},
-     Rule.ANNOTATION, 1, False),
     ({"horizon": 30}, Rule.HORIZON, 30, True),
-    ({"horizon": 30, "history": 4, "lag_s": 1.0}, Rule.HORIZON, 30, True),
+    ({"offsets_s": [-0.1, 0.0, 0.1]}, Rule.OFFSETS, 3, True),
+    ({"offsets_s": [0]}, Rule.OFFSETS, 1, True),
+    ({"key_type": "camera_keys", "offsets_s": [-1.0, 0.0, 0.0]}, Rule.OFFSETS, 3, True),
+    ({"key_type": "action_keys", "offsets_s": [0.0, 0.5]}, Rule.OFFSETS, 2, True),
+    ({"history": 4, "history_stride_s": 0.5, "lag_s": 1.0}, Rule.HISTORY, 4, True),
     ({"history": 4}, Rule.HISTORY, 4, True),
     ({"history": 3, "history_stride": 5}, Rule.HISTORY, 3, True),
     ({"history": 2, "lag_s": 0.5}, Rule.HISTORY, 2, True),
@@ -111,8 +115,42 @@ BAD_ENTRIES: list[tuple[object, tuple[str, ...]]] = [
     (entry(lag_s="1s"), ("lag_s", "'1s'")),
     (entry(history=2, history_stride_s=0.0), ("history_stride_s", "0.0")),
     (entry(history=2, history_stride_s=False), ("history_stride_s", "False")),
-    (entry(horizn=30), ("horizn",)),
+    (entry(horizn=30), ("horizn", "did you mean 'horizon'?")),
+    (entry(horizen=10), ("'horizen'", "did you mean 'horizon'?")),
+    (entry(histroy=4), ("'histroy'", "did you mean 'history'?")),
+    (entry(offset_s=[0.1]), ("'offset_s'", "did you mean 'offsets_s'?")),
+    (entry(delta_timestamps=[0.1]), ("'delta_timestamps'", "did you mean 'offsets_s'?")),
+    (entry(key_type="proprio"), ("'proprio'", "did you mean 'proprio_keys'?")),
+    (entry(offsets_s=[]), ("offsets_s", "1 to 4096", "got 0")),
+    (entry(offsets_s=0.1), ("offsets_s", "a list", "0.1")),
+    (entry(offsets_s="0.1"), ("offsets_s", "a list", "'0.1'")),
+    (entry(offsets_s=[0.0, float("nan")]), ("offsets_s[1]", "nan")),
+    (entry(offsets_s=[float("-inf")]), ("offsets_s[0]", "-inf")),
+    (entry(offsets_s=[3600.5]), ("offsets_s[0]", "3600.5", "[-3600, 3600]")),
+    (entry(offsets_s=[0.1, True]), ("offsets_s[1]", "True")),
+    (entry(offsets_s=[0.1, "1"]), ("offsets_s[1]", "'1'")),
+    (entry(offsets_s=[0.0] * 4097), ("offsets_s", "4097")),
     (entry(horizon=3, shape=[1]), ("shape",)),
+    # fields that do not apply to the entry's rule
+    (entry(history_stride=2), ("'history_stride'", "without 'history'")),
+    (entry(history_stride=1), ("'history_stride'", "without 'history'")),
+    (entry(history_stride_s=0.5), ("'history_stride_s'", "without 'history'")),
+    (entry(lag_s=0.5, history_stride=2), ("'history_stride'", "without 'history'")),
+    (entry(history=3, history_stride=2, history_stride_s=0.5),
+     ("'history_stride'", "'history_stride_s'", "keep one")),
+    (entry(horizon=10, history=4), ("'history'", "'horizon'", "rule 2")),
+    (entry(horizon=10, lag_s=1.0), ("'lag_s'", "'horizon'")),
+    (entry(horizon=10, history_stride=3), ("'history_stride'", "'horizon'")),
+    (entry(horizon=10, key_type="camera_keys"), ("'horizon'", "camera_keys", "offsets_s")),
+    (entry(key_type="annotation_keys", horizon=4), ("'horizon'", "annotation_keys")),
+    (entry(key_type="annotation_keys", history=2), ("'history'", "annotation_keys")),
+    (entry(key_type="annotation_keys", lag_s=1.0), ("'lag_s'", "annotation_keys")),
+    (entry(key_type="annotation_keys", offsets_s=[0.0]), ("'offsets_s'", "annotation_keys")),
+    (entry(offsets_s=[0.0], horizon=3), ("'horizon'", "'offsets_s'", "rule 6")),
+    (entry(offsets_s=[0.0], history=3), ("'history'", "'offsets_s'")),
+    (entry(offsets_s=[0.0], history_stride=3), ("'history_stride'", "'offsets_s'")),
+    (entry(offsets_s=[0.0], history_stride_s=0.1), ("'history_stride_s'", "'offsets_s'")),
+    (entry(offsets_s=[0.0], lag_s=0.1), ("'lag_s'", "'offsets_s'")),
     ({"key_type": "proprio_keys"}, ("zarr_key", "None")),
     (entry(zarr_key=""), ("zarr_key", "''")),
     (entry(zarr_key="a/b"), ("zarr_key", "'a/b'")),
@@ -165,6 +203,11 @@ def test_output_keys_are_non_empty_strings(name: object) -> None:
     ({"frame_index": entry()}, "frame_index"),
     ({"embodiment": entry()}, "embodiment"),
     ({"cam": entry(key_type="camera_keys", history=2), "cam_mask": entry()}, "cam_mask"),
+    ({"total_frames": entry()}, "total_frames"),
+    ({"act": entry(horizon=3), "act_is_pad": entry()}, "act_is_pad"),
+    ({"h": entry(history=2), "h_is_pad": entry()}, "h_is_pad"),
+    ({"o": entry(offsets_s=[0.0]), "o_is_pad": entry()}, "o_is_pad"),
+    ({"c": entry(key_type="camera_keys", history=1), "c_is_pad": entry()}, "c_is_pad"),
 ])
 def test_output_keys_may_not_clash_with_generated_outputs(keymap: dict[str, Any],
                                                           clash: str) -> None:
@@ -178,6 +221,62 @@ def test_a_non_camera_key_may_end_in_mask() -> None:
     assert [e.name for e in km] == ["grip_mask", "cam"]
 
 
+def test_is_pad_names_are_reserved_only_for_windowed_outputs() -> None:
+    km = Keymap.parse({"single": entry(), "single_is_pad": entry(),
+                       "lag": entry(lag_s=1.0), "lag_is_pad": entry()})
+    assert len(km) == 4
+
+
+# -- strict keymaps: what the SPEC allows together -----------------------------------------------
+
+@pytest.mark.parametrize("fields", [
+    {"history": 4, "lag_s": 0.5},
+    {"history": 4, "history_stride": 3, "lag_s": 0.5},
+    {"history": 4, "history_stride_s": 0.25},
+    {"history": 1, "lag_s": 0.2},
+    {"history": 1, "history_stride": 2},  # K = 1: the stride is part of the history spec
+    {"key_type": "camera_keys", "history": 1, "lag_s": 1.0},
+    {"key_type": "camera_keys", "history": 4, "history_stride_s": 0.5},
+    {"key_type": "camera_keys", "offsets_s": [-0.5, 0.0]},
+    {"key_type": "metadata_keys", "horizon": 5},
+    {"key_type": "action_keys", "offsets_s": [0.0, 1 / 30, 2 / 30]},
+    {"horizon": None, "lag_s": 1.0},  # None is the same as leaving the field out
+    {"offsets_s": (-3600, 3600.0)},
+])
+def test_combinations_the_spec_allows_parse(fields: dict[str, Any]) -> None:
+    parse_one(**fields)
+
+
+def test_offsets_are_kept_in_order_with_duplicates_and_normalised() -> None:
+    spec = parse_one(offsets_s=[0.1, -2, 0.1, 0])
+    assert spec.offsets_s == (0.1, -2.0, 0.1, 0.0)
+    assert all(isinstance(o, float) for o in spec.offsets_s)
+    assert spec.as_dict()["offsets_s"] == [0.1, -2.0, 0.1, 0.0]
+
+
+def test_refusals_name_the_zarr_key_as_the_error_key() -> None:
+    with pytest.raises(KeymapError) as info:
+        Keymap.parse({"a": entry(horizon=3, lag_s=1.0)})
+    assert info.value.key == "obs_head_pose"
+    assert "(= 1.0)" in str(info.value)
+
+
+@pytest.mark.parametrize("path", sorted(
+    (Path(__file__).resolve().parents[2] / "client" / "episerve_client" / "keymaps").glob("*.yaml")
+), ids=lambda p: p.name)
+def test_bundled_keymaps_parse(path: Path) -> None:
+    import yaml
+
+    assert len(Keymap.parse(yaml.safe_load(path.read_text()))) > 0
+
+
+def test_shared_test_keymaps_parse() -> None:
+    from tests.support.keymaps import KEYMAPS
+
+    for keymap in KEYMAPS.values():
+        Keymap.parse(keymap)
+
+
 # -- round trip ----------------------------------------------------------------------------------
 
 seconds = st.sampled_from([0.02, 0.1, 0.5, 1.0, 3.0])
@@ -187,17 +286,12 @@ seconds = st.sampled_from([0.02, 0.1, 0.5, 1.0, 3.0])
 def keymaps(draw: st.DrawFn) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for j in range(draw(st.integers(1, 6))):
-        fields: dict[str, Any] = {
+        key_type = draw(st.sampled_from(["camera_keys", "proprio_keys", "action_keys",
+                                         "annotation_keys", "metadata_keys"]))
+        out[f"out{j}"] = {
             "zarr_key": draw(st.sampled_from(["a", "b.c", "images.front_1"])),
-            "key_type": draw(st.sampled_from(["camera_keys", "proprio_keys", "action_keys",
-                                               "annotation_keys", "metadata_keys"])),
+            "key_type": key_type, **draw(window_fields(key_type, seconds=seconds)),
         }
-        for name, strategy in {"horizon": st.integers(1, 100), "history": st.integers(1, 10),
-                               "history_stride": st.integers(1, 10),
-                               "history_stride_s": seconds, "lag_s": seconds}.items():
-            if draw(st.booleans()):
-                fields[name] = draw(strategy)
-        out[f"out{j}"] = fields
     return out
 
 
@@ -211,6 +305,39 @@ def test_as_dict_round_trips(raw: dict[str, dict[str, Any]]) -> None:
         assert e.zarr_key == raw[e.name]["zarr_key"]
         assert e.horizon == raw[e.name].get("horizon")
         assert e.history == raw[e.name].get("history")
+        assert e.offsets_s == (None if "offsets_s" not in raw[e.name]
+                               else tuple(raw[e.name]["offsets_s"]))
+
+
+_ALL_FIELDS = {"horizon": 5, "history": 3, "history_stride": 2, "history_stride_s": 0.5,
+               "lag_s": 0.5, "offsets_s": [0.0]}
+
+
+@settings(max_examples=300, deadline=None)
+@given(key_type=st.sampled_from(["camera_keys", "proprio_keys", "action_keys",
+                                 "annotation_keys", "metadata_keys"]),
+       chosen=st.sets(st.sampled_from(sorted(_ALL_FIELDS))))
+def test_every_combination_of_fields_is_accepted_exactly_as_documented(
+        key_type: str, chosen: set[str]) -> None:
+    """The rule table of docs/KEYMAP.md, spelled out literally, against the parser."""
+    allowed = True
+    if key_type == "annotation_keys":
+        allowed = not chosen
+    if "offsets_s" in chosen and chosen - {"offsets_s"}:
+        allowed = False
+    if "horizon" in chosen and (key_type == "camera_keys" or chosen - {"horizon"}):
+        allowed = False
+    if chosen & {"history_stride", "history_stride_s"} and "history" not in chosen:
+        allowed = False
+    if {"history_stride", "history_stride_s"} <= chosen:
+        allowed = False
+    raw = {"out": {"zarr_key": "k", "key_type": key_type,
+                   **{f: _ALL_FIELDS[f] for f in chosen}}}
+    if allowed:
+        Keymap.parse(raw)
+    else:
+        with pytest.raises(KeymapError, match="'out'"):
+            Keymap.parse(raw)
 
 
 # -- limits: entries, name lengths; the registry and the response buffers -------------------------

@@ -38,3 +38,15 @@ def test_subset_names_a_missing_episode() -> None:
     assert m.subset(["c", "a"]).hashes == ("a", "c")
     with pytest.raises(InvalidArgument, match="'z'"):
         m.subset(["z"])
+
+
+def test_an_oversized_or_missing_file_is_refused(tmp_path, monkeypatch) -> None:
+    from episerve_client.data import manifest as module
+
+    path = Manifest.of([("a", 2)]).save(tmp_path / "m.json")
+    monkeypatch.setattr(module, "MAX_MANIFEST_BYTES", 16)
+    with pytest.raises(InvalidArgument, match=r"is \d+ bytes, more than the 16 a") as info:
+        Manifest.load(path)
+    assert "not JSON" not in str(info.value)
+    with pytest.raises(InvalidArgument, match="cannot read"):
+        Manifest.load(tmp_path / "nope.json")

@@ -57,6 +57,7 @@ from tests.support.keymaps import (
 )
 from tests.support.served import DATASETS
 from tests.support.served import LAYOUTS as NUMERIC_LAYOUTS
+from tests.support.strategies import window_fields
 
 
 def test_keymap_constants_match_the_shared_yaml() -> None:
@@ -85,6 +86,41 @@ def test_planner_matches_oracle(name: str, cutoff: bool, dataset: str, cached: A
     keymap = KEYMAPS[name]
     result = served.read(keymap, BATCH, cutoff=cutoff)
     matches_oracle(served, result, keymap, BATCH, cutoff, reference=ramp_roots["sharded"])
+
+
+@pytest.mark.parametrize("cached", [False, "tiny"], ids=["nocache", "tiny"])
+@pytest.mark.parametrize("dataset", DATASETS)
+@pytest.mark.parametrize("cutoff", [False, True])
+@pytest.mark.parametrize("name", ["offsets", "mecka_keypoints_k4", "camera_history",
+                                  "two_horizons", "history_one"])
+def test_all_masks_match_oracle(name: str, cutoff: bool, dataset: str, cached: Any,
+                                ramp_served: dict[Any, Any], ramp_roots: dict[str, Path],
+                                matches_oracle: Any) -> None:
+    """masks="all": ``<output>_is_pad`` for every window and total_frames, per the oracle."""
+    served = ramp_served[dataset, cached]
+    keymap = KEYMAPS[name]
+    result = served.read(keymap, BATCH, cutoff=cutoff, all_masks=True)
+    matches_oracle(served, result, keymap, BATCH, cutoff, reference=ramp_roots["sharded"],
+                   all_masks=True)
+
+
+def test_offsets_is_pad_follows_the_unclamped_frames(ramp_served: dict[Any, Any]) -> None:
+    """Guards the comparison above: offsets beyond both ends are padding, duplicates stay."""
+    served = ramp_served["sharded", False]
+    keymap = {"kp": e("left.obs_keypoints", "metadata_keys", offsets_s=[-1.0, 0.0, 0.0, 1.0]),
+              "act": e("left.obs_wrist_pose", "action_keys", horizon=4)}
+    result = served.read(keymap, [("ep000a", 0), ("ep000a", 36), ("ep003d", 100)],
+                         all_masks=True, cutoff=True)
+    assert result.arrays["kp_is_pad"].tolist() == [[True, False, False, False],
+                                                   [False, False, False, True],
+                                                   [False, False, False, False]]
+    assert result.arrays["kp"].shape == (3, 4, 63)
+    assert np.array_equal(result.arrays["kp"][:, 1], result.arrays["kp"][:, 2])
+    assert result.arrays["act_is_pad"].tolist()[1] == [False, True, True, True]
+    assert result.total_frames is not None and result.total_frames.tolist() == [37, 37, 257]
+    assert set(result.arrays) == {"kp", "kp_is_pad", "act", "act_is_pad", "action_pad_mask"}
+    plain = served.read(keymap, [("ep000a", 0)])
+    assert set(plain.arrays) == {"kp", "act", "action_pad_mask"} and plain.total_frames is None
 
 
 def test_oracle_agrees_across_layouts(ramp_roots: dict[str, Path], oracle_memo: Any,
@@ -138,11 +174,9 @@ def random_keymaps(draw: st.DrawFn, annotations: bool = True) -> dict[str, dict[
             fields = e(draw(st.sampled_from([CAMERA, *MECKA])), key_type)
         else:
             fields = e(draw(st.sampled_from([*MECKA, CAMERA])), key_type)
-        for field, strategy in {"horizon": st.integers(1, 130), "history": st.integers(1, 9),
-                                "history_stride": st.integers(1, 40),
-                                "history_stride_s": SECONDS, "lag_s": SECONDS}.items():
-            if draw(st.integers(0, 2)) == 0:
-                fields[field] = draw(strategy)
+        fields.update(draw(window_fields(
+            key_type, horizons=st.integers(1, 130), histories=st.integers(1, 9),
+            strides=st.integers(1, 40), seconds=SECONDS)))
         keymap[f"k{j}"] = fields
     return keymap
 
@@ -161,14 +195,16 @@ def random_batches(draw: st.DrawFn) -> list[tuple[str, int]]:
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(keymap=random_keymaps(), samples=random_batches(), cutoff=st.booleans(),
-       dataset=st.sampled_from(DATASETS), cached=st.sampled_from([False, True, "tiny"]))
+       dataset=st.sampled_from(DATASETS), cached=st.sampled_from([False, True, "tiny"]),
+       all_masks=st.booleans())
 def test_random_keymaps_match_oracle(keymap: dict[str, dict[str, Any]],
                                      samples: list[tuple[str, int]], cutoff: bool,
-                                     dataset: str, cached: Any, ramp_served: dict[Any, Any],
+                                     dataset: str, cached: Any, all_masks: bool,
+                                     ramp_served: dict[Any, Any],
                                      matches_oracle: Any) -> None:
     served = ramp_served[dataset, cached]
-    result = served.read(keymap, samples, cutoff=cutoff)
-    matches_oracle(served, result, keymap, samples, cutoff)
+    result = served.read(keymap, samples, cutoff=cutoff, all_masks=all_masks)
+    matches_oracle(served, result, keymap, samples, cutoff, all_masks=all_masks)
 
 
 # -- chunk accounting ----------------------------------------------------------------------------
@@ -214,7 +250,7 @@ def delta(after: dict[str, int], before: dict[str, int]) -> Counter[str]:
 
 @pytest.mark.parametrize("dataset", DATASETS)
 @pytest.mark.parametrize("name", ["mecka_keypoints_k4", "camera_history", "two_horizons",
-                                  "lag_only", "history_one"])
+                                  "lag_only", "history_one", "offsets"])
 def test_cache_off_fetches_exactly_the_touched_chunks(name: str, dataset: str,
                                                       ramp_roots: dict[str, Path],
                                                       serve: Callable[..., Any]) -> None:
@@ -246,7 +282,7 @@ def literal_groups(root: Path, keymap: dict[str, dict[str, Any]],
 
 @pytest.mark.parametrize("layout", NUMERIC_LAYOUTS)
 @pytest.mark.parametrize("name", ["mecka_keypoints_k4", "camera_history", "two_horizons",
-                                  "lag_only"])
+                                  "lag_only", "offsets"])
 def test_cache_off_store_calls_are_the_literal_merged_groups(name: str, layout: str,
                                                              ramp_roots: dict[str, Path],
                                                              serve: Callable[..., Any]) -> None:
@@ -405,16 +441,17 @@ def numeric_outputs(sample: dict[str, Any]) -> Iterator[tuple[str, np.ndarray]]:
 def test_no_two_outputs_share_memory(dataset: str, ramp_served: dict[Any, Any]) -> None:
     served = ramp_served[dataset, True]
     keymap = {**KEYMAPS["mecka_keypoints_k4"], **KEYMAPS["camera_history"],
+              **{f"o.{k}": v for k, v in KEYMAPS["offsets"].items()},
               "same_as_head": e("obs_head_pose", "proprio_keys")}
     samples = [("ep003d", 5), ("ep003d", 5), ("ep000a", 36), ("ep003d", 6)]
-    for _ in range(2):  # the second read comes from the cache
-        result = served.read(keymap, samples, cutoff=True)
+    for k in range(4):  # the second read comes from the cache; then with all the masks
+        result = served.read(keymap, samples, cutoff=True, all_masks=k >= 2)
         arrays = list(result.arrays.items())
         for (n1, a1), (n2, a2) in itertools.combinations(arrays, 2):
             assert not np.shares_memory(a1, a2), (n1, n2)
         for name, arr in arrays:
             assert arr.flags.writeable, name
-            assert arr.dtype == np.float32, name
+            assert arr.dtype == (np.bool_ if name.endswith("_is_pad") else np.float32), name
         outs = [(b, k, v) for b in range(len(samples)) for k, v in
                 numeric_outputs(result.sample(b))]
         outs += [(-1, k, v) for k, v in arrays]

@@ -16,6 +16,7 @@ from episerve_server.plan.assemble import PACK
 from episerve_server.plan.planner import _runs
 from tests.support import oracle
 from tests.support.oracle import merge_intervals, row_runs
+from tests.support.strategies import window_fields
 
 
 def spec(**fields: Any) -> KeySpec:
@@ -192,10 +193,50 @@ def test_history_stride_seconds_depends_on_fps() -> None:
     assert rows.tolist() == [[25, 40], [32, 40], [28, 40]]
 
 
-def test_history_stride_seconds_wins_over_history_stride() -> None:
-    s = spec(history=2, history_stride=7, history_stride_s=0.1)
-    rows, _ = rows_of(s, [40], 100, fps=30)
-    assert rows.tolist() == [[37, 40]]
+def test_offsets_read_past_and_future_frames_in_the_order_given() -> None:
+    s = spec(offsets_s=[-0.1, 0.0, 0.1, 1 / 30, -1 / 30])  # -3, 0, +3, +1, -1 frames at 30
+    rows, mask = rows_of(s, [10, 50], 100)
+    assert rows.tolist() == [[7, 10, 13, 11, 9], [47, 50, 53, 51, 49]]
+    assert mask is not None
+    assert mask.all()
+
+
+def test_offsets_clamp_beyond_both_ends_and_mask_the_unclamped_outside() -> None:
+    s = spec(offsets_s=[-1.0, -0.1, 0.0, 0.1, 1.0])  # -30, -3, 0, +3, +30 frames
+    rows, mask = rows_of(s, [0, 2, 3, 97, 99], 100)
+    assert rows.tolist() == [[0, 0, 0, 3, 30], [0, 0, 2, 5, 32], [0, 0, 3, 6, 33],
+                             [67, 94, 97, 99, 99], [69, 96, 99, 99, 99]]
+    assert mask is not None
+    assert mask.tolist() == [[0, 0, 1, 1, 1], [0, 0, 1, 1, 1], [0, 1, 1, 1, 1],
+                             [1, 1, 1, 0, 0], [1, 1, 1, 0, 0]]
+
+
+def test_offsets_keep_duplicates_and_one_frame_episodes() -> None:
+    s = spec(offsets_s=[0.0, 0.0, -5.0, 5.0, 0.0])
+    rows, mask = rows_of(s, [0], 1)
+    assert rows.tolist() == [[0, 0, 0, 0, 0]]
+    assert mask is not None
+    assert mask.tolist() == [[1, 1, 0, 0, 1]]
+
+
+def test_offsets_round_half_to_even_per_fps() -> None:
+    # 0.5 s: 7.5 frames at 15 fps rounds to 8, 12.5 at 25 fps to 12; -0.5 s at 15 fps to -8;
+    # 1/60 s at 30 fps is 0.5 frames: 0 (no max(1, ...) as for lag_s); 0.05 s at 30: 1.5 -> 2
+    s = spec(offsets_s=[0.5, -0.5, 1 / 60, 0.05])
+    rows, _ = rows_of(s, [50, 50, 50], 200, fps=[15, 25, 30])
+    assert rows.tolist() == [[58, 42, 50, 51], [62, 38, 50, 51], [65, 35, 50, 52]]
+    for o in (0.5, -0.5, 1 / 60, 0.05):
+        for fps in (15, 25, 30):
+            assert rows_of(spec(offsets_s=[o]), [50], 200, fps=fps)[0][0, 0] == 50 + round(o * fps)
+
+
+def test_camera_offsets_have_a_time_axis() -> None:
+    s = spec(offsets_s=[-2.0, 0.0], key_type="camera_keys")
+    assert s.time_axis and s.length == 2
+    rows, mask = rows_of(s, [10, 70], 80)
+    assert rows.tolist() == [[0, 10], [10, 70]]
+    assert mask is not None
+    assert mask.tolist() == [[0, 1], [1, 1]]
 
 
 def test_camera_history_one_keeps_a_time_axis() -> None:
@@ -230,19 +271,11 @@ seconds = st.sampled_from([0.02, 1 / 30, 0.1, 0.25, 0.5, 1.0, 2.5])
 
 @st.composite
 def entry_fields(draw: st.DrawFn) -> dict[str, Any]:
-    fields: dict[str, Any] = {
-        "zarr_key": "k",
-        "key_type": draw(st.sampled_from(["camera_keys", "proprio_keys", "action_keys",
-                                           "metadata_keys"])),
-    }
-    optional = {
-        "horizon": st.integers(1, 40), "history": st.integers(1, 8),
-        "history_stride": st.integers(1, 9), "history_stride_s": seconds, "lag_s": seconds,
-    }
-    for name, strategy in optional.items():
-        if draw(st.booleans()):
-            fields[name] = draw(strategy)
-    return fields
+    key_type = draw(st.sampled_from(["camera_keys", "proprio_keys", "action_keys",
+                                     "metadata_keys"]))
+    return {"zarr_key": "k", "key_type": key_type, **draw(window_fields(
+        key_type, horizons=st.integers(1, 40), histories=st.integers(1, 8),
+        strides=st.integers(1, 9), seconds=seconds))}
 
 
 @settings(max_examples=300, deadline=None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -28,6 +29,8 @@ def reference(result: BatchResult) -> Any:
         column = msg.texts.add(name=name)
         for texts in per_sample:
             column.samples.add(texts=texts)
+    if result.total_frames is not None:
+        msg.total_frames.extend(result.total_frames.tolist())
     return msg
 
 
@@ -36,6 +39,33 @@ def test_planner_results_encode_like_the_generated_class(ramp_served: dict[Any, 
     for name in ("mecka_keypoints_k4", "camera_history", "annotations"):
         result = served.read(KEYMAPS[name], BATCH)
         assert pb.ReadResponse.FromString(wire.encode_result(result)) == reference(result)
+
+
+def test_all_masks_results_encode_like_the_generated_class(ramp_served: dict[Any, Any]) -> None:
+    served = ramp_served["sharded", True]
+    for name in ("mecka_keypoints_k4", "camera_history", "offsets"):
+        result = served.read(KEYMAPS[name], BATCH, all_masks=True)
+        assert result.total_frames is not None
+        assert any(a.dtype == np.bool_ for a in result.arrays.values())
+        parsed = pb.ReadResponse.FromString(wire.encode_result(result))
+        assert parsed == reference(result)
+        assert list(parsed.total_frames) == result.total_frames.tolist()
+
+
+def test_default_responses_are_byte_for_byte_without_the_masks(
+        ramp_served: dict[Any, Any]) -> None:
+    """all_masks only adds: dropping its extras gives the default response's very bytes."""
+    served = ramp_served["sharded", True]
+    for name in ("mecka_keypoints_k4", "offsets"):
+        plain = served.read(KEYMAPS[name], BATCH)
+        assert plain.total_frames is None
+        assert not any(k.endswith("_is_pad") for k in plain.arrays)
+        full = served.read(KEYMAPS[name], BATCH, all_masks=True)
+        stripped = dataclasses.replace(
+            full, total_frames=None,
+            arrays={k: v for k, v in full.arrays.items() if not k.endswith("_is_pad")})
+        assert wire.encode_result(stripped) == wire.encode_result(plain)
+        assert b"_is_pad" not in wire.encode_result(plain)
 
 
 texts = st.lists(st.lists(st.text(max_size=20), max_size=3))
@@ -58,7 +88,10 @@ def test_random_results_encode_like_the_generated_class(b: int, w: int, names: l
         images={"cam": ImageColumn("src", rng.integers(0, len(frames), (b, w)).astype(np.int32))},
         frames={"src": frames},
         texts={"t": [data.draw(st.lists(st.text(max_size=20), max_size=3)) for _ in range(b)]},
+        total_frames=rng.integers(1, 10**8, size=b) if data.draw(st.booleans()) else None,
     )
+    if data.draw(st.booleans()):
+        result.arrays["x_is_pad"] = rng.random((b, w)) < 0.5
     assert pb.ReadResponse.FromString(wire.encode_result(result)) == reference(result)
 
 

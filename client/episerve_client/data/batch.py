@@ -12,10 +12,11 @@ import torch
 
 @dataclass(slots=True)
 class SampleBatch(Sequence[dict[str, Any]]):
-    """Numeric outputs and decoded frames as [B, ...] float32 arrays owned by this batch.
+    """Numeric outputs and decoded frames as [B, ...] arrays owned by this batch (float32;
+    frames uint8 with ``frames="uint8"``, ``_is_pad`` masks bool).
 
     Indexing gives one sample's dict (copies, so samples never share memory); ``columns()``
-    gives the batched dict with no restacking.
+    gives the batched dict with no restacking. ``total_frames`` is set with ``masks="all"``.
     """
 
     arrays: dict[str, np.ndarray]
@@ -24,6 +25,7 @@ class SampleBatch(Sequence[dict[str, Any]]):
     frame_index: np.ndarray
     fps: np.ndarray
     embodiment: list[str] | np.ndarray
+    total_frames: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.episode_hash)
@@ -45,6 +47,8 @@ class SampleBatch(Sequence[dict[str, Any]]):
         out["embodiment"] = int(emb) if isinstance(self.embodiment, np.ndarray) else emb
         out["fps"] = torch.tensor(self.fps[b], dtype=torch.float32)
         out["frame_index"] = int(self.frame_index[b])
+        if self.total_frames is not None:
+            out["total_frames"] = int(self.total_frames[b])
         return out
 
     def columns(self) -> dict[str, Any]:
@@ -57,6 +61,8 @@ class SampleBatch(Sequence[dict[str, Any]]):
             out["embodiment"] = list(self.embodiment)
         out["fps"] = torch.from_numpy(self.fps)
         out["frame_index"] = torch.from_numpy(self.frame_index)
+        if self.total_frames is not None:
+            out["total_frames"] = torch.from_numpy(self.total_frames)
         return out
 
     def replace(self, b: int, other: SampleBatch) -> None:
@@ -72,3 +78,5 @@ class SampleBatch(Sequence[dict[str, Any]]):
         self.frame_index[b] = other.frame_index[0]
         self.fps[b] = other.fps[0]
         self.embodiment[b] = other.embodiment[0]
+        if self.total_frames is not None and other.total_frames is not None:
+            self.total_frames[b] = other.total_frames[0]

@@ -4,25 +4,26 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 from torch.utils.data import Dataset
 
 from episerve_client._base import KeymapLike, load_keymap
-from episerve_client._probe import check_keys, probe
+from episerve_client._probe import probe
 from episerve_client.client import Client
-from episerve_client.convert import EpisodeInfo, ReadResult
+from episerve_client.convert import EpisodeInfo, Listing, ReadResult
+from episerve_client.data import ranks
 from episerve_client.data.batch import SampleBatch
+from episerve_client.data.episodes import ON_BROKEN, as_manifest, explicit, whole_root
+from episerve_client.data.frames import FRAME_MODES
 from episerve_client.data.jpeg import FrameCheck, FrameSizeMismatch, declared_size, decode_column
-from episerve_client.errors import (
-    BrokenEpisodeError,
-    DataLossError,
-    EpisodeNotFound,
-    InvalidArgument,
-)
+from episerve_client.data.manifest import Manifest
+from episerve_client.errors import DataLossError, InvalidArgument
 
 DEFAULT_CONNECT_TIMEOUT_S = 15.0
+MASK_MODES = ("spec", "all")
 Transform = Callable[[dict[str, Any]], dict[str, Any]]
 
 
@@ -35,6 +36,21 @@ class WindowDataset(Dataset[dict[str, Any]]):
     opens its own channel on first use. Reading through the dataset in the main process
     before the DataLoader forks its workers starts gRPC there: use
     ``multiprocessing_context="spawn"`` (or ``"forkserver"``) then.
+
+    - ``frames``: camera outputs as CHW ``"float32"`` in [0, 1] (the default) or ``"uint8"``
+      (a quarter of the bytes between processes; ``to_float`` widens them on the device).
+    - ``masks``: SPEC's masks (``"spec"``), or also ``<output>_is_pad`` (bool, True where
+      padded) for every windowed output and ``total_frames`` per sample (``"all"``).
+    - ``manifest``: build on a pinned episode set (a ``Manifest`` or its JSON file); the
+      index mapping never changes, and an episode of it the daemon no longer serves as
+      listed is an error naming it. ``self.manifest`` is the set the dataset was built on.
+    - ``on_broken``: over the whole root, episodes that cannot serve the keymap (broken, a
+      short array, a missing key) are skipped with one warning naming each (``"skip"``) or
+      raise (``"error"``). Episodes named by ``episodes=`` or a manifest must all be served.
+    - ``sync_ranks``: with a default process group initialized and neither ``episodes`` nor
+      ``manifest`` given, rank 0 lists the daemon and every rank builds on rank 0's manifest
+      (``torch.distributed.broadcast_object_list``: a collective, so every rank must build
+      the dataset; with NCCL set the rank's CUDA device first). ``False`` lists per rank.
     """
 
     def __init__(self, target: str | Sequence[str], keymap: KeymapLike, *,
@@ -42,7 +58,16 @@ class WindowDataset(Dataset[dict[str, Any]]):
                  decode_images: bool = True, transforms: Sequence[Transform] = (),
                  embodiment_ids: Mapping[str, int] | None = None,
                  connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
-                 client_options: Mapping[str, Any] | None = None) -> None:
+                 client_options: Mapping[str, Any] | None = None,
+                 frames: str = "float32", masks: str = "spec",
+                 manifest: Manifest | str | Path | None = None, on_broken: str = "skip",
+                 sync_ranks: bool = True) -> None:
+        _choice("frames", frames, FRAME_MODES)
+        _choice("masks", masks, MASK_MODES)
+        _choice("on_broken", on_broken, ON_BROKEN)
+        if episodes is not None and manifest is not None:
+            raise InvalidArgument("pass episodes= or manifest=, not both (a manifest already "
+                                  "names its episodes; Manifest.subset picks some of them)")
         self.target = target
         self.keymap = load_keymap(keymap)
         self.annotation_cutoff = annotation_cutoff
@@ -50,23 +75,45 @@ class WindowDataset(Dataset[dict[str, Any]]):
         self.transforms = tuple(transforms)
         self.embodiment_ids = dict(embodiment_ids) if embodiment_ids is not None else None
         self.client_options = dict(client_options or {})
+        self.frames, self.masks, self.on_broken = frames, masks, on_broken
         self._client: Client | None = None
-        listing = probe(target, self.keymap, timeout_s=connect_timeout_s,
-                        client_options=self.client_options)
-        self.episodes = _select(listing.episodes, listing.broken, episodes)
+        self._timeout_s = connect_timeout_s
+        self.episodes = self._choose(episodes, as_manifest(manifest), sync_ranks)
+        self.manifest = Manifest(tuple((e.hash, e.total_frames) for e in self.episodes))
         self._features = {e.hash: e.features for e in self.episodes}
-        check_keys(self.keymap, listing, [e.hash for e in self.episodes])
+        self._lengths = dict(self.manifest.episodes)
         self.camera_keys = {
             name for name, spec in self.keymap.items() if spec.get("key_type") == "camera_keys"
         }
-        lengths = np.array([e.total_frames for e in self.episodes], np.int64)
-        self._starts = np.concatenate([[0], np.cumsum(lengths)])
         self._rng = random.Random()
+
+    def _choose(self, episodes: Sequence[str] | None, manifest: Manifest | None,
+                sync_ranks: bool) -> list[EpisodeInfo]:
+        if manifest is not None:
+            return explicit(self._listing(), self.keymap, manifest.hashes, dict(manifest.episodes))
+        if episodes is not None:
+            return explicit(self._listing(), self.keymap, list(dict.fromkeys(episodes)))
+        if not (sync_ranks and ranks.distributed()):
+            return whole_root(self._listing(), self.keymap, self.on_broken, self.target)
+        mine: list[EpisodeInfo] = []
+
+        def choose() -> Manifest:
+            mine.extend(whole_root(self._listing(), self.keymap, self.on_broken, self.target))
+            return Manifest(tuple((e.hash, e.total_frames) for e in mine))
+
+        agreed = ranks.from_rank0(choose)
+        if agreed is None:  # rank 0
+            return mine
+        return explicit(self._listing(), self.keymap, agreed.hashes, dict(agreed.episodes))
+
+    def _listing(self) -> Listing:
+        return probe(self.target, self.keymap, timeout_s=self._timeout_s,
+                     client_options=self.client_options)
 
     # -- Dataset protocol ---------------------------------------------------------------
 
     def __len__(self) -> int:
-        return int(self._starts[-1])
+        return len(self.manifest)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         return self.__getitems__([index])[0]
@@ -97,10 +144,7 @@ class WindowDataset(Dataset[dict[str, Any]]):
         return self._client
 
     def locate(self, g: int) -> tuple[str, int]:
-        if not 0 <= g < len(self):
-            raise IndexError(f"index {g} is outside [0, {len(self)})")
-        e = int(np.searchsorted(self._starts, g, side="right")) - 1
-        return self.episodes[e].hash, g - int(self._starts[e])
+        return self.manifest.locate(g)
 
     def read_batch(self, samples: Sequence[tuple[str, int]]) -> SampleBatch:
         """One RPC for the batch; samples with an undecodable frame are retried (SPEC).
@@ -109,20 +153,18 @@ class WindowDataset(Dataset[dict[str, Any]]):
         raises ``DeclaredSizeMismatch`` (a ``DataLossError``) at once, without decoding it
         and without a retry: every frame of such a dataset is the wrong size.
         """
-        batch, failed = self._materialize(self.client.read(
-            self.keymap, samples, annotation_cutoff=self.annotation_cutoff))
+        batch, failed = self._materialize(self._read(samples))
         for b in sorted(failed):
             batch.replace(b, self._retry(samples[b]))
         return batch
 
     def _retry(self, sample: tuple[str, int]) -> SampleBatch:
         episode, frame = sample
-        total = next(e.total_frames for e in self.episodes if e.hash == episode)
+        total = self._lengths[episode]
         untried = [f for f in range(total) if f != frame]
         self._rng.shuffle(untried)
         for f in untried:
-            one, failed = self._materialize(self.client.read(
-                self.keymap, [(episode, f)], annotation_cutoff=self.annotation_cutoff))
+            one, failed = self._materialize(self._read([(episode, f)]))
             if not failed:
                 return one
         raise DataLossError(
@@ -130,6 +172,11 @@ class WindowDataset(Dataset[dict[str, Any]]):
             f"decodes; tried all {total} frames starting at frame {frame}",
             episode=episode, key=",".join(sorted(self.camera_keys)),
         )
+
+    def _read(self, samples: Sequence[tuple[str, int]]) -> ReadResult:
+        options = {"all_masks": True} if self.masks == "all" else {}
+        return self.client.read(self.keymap, samples, annotation_cutoff=self.annotation_cutoff,
+                                **options)
 
     def _materialize(self, result: ReadResult) -> tuple[SampleBatch, set[int]]:
         arrays = dict(result.arrays)
@@ -144,7 +191,7 @@ class WindowDataset(Dataset[dict[str, Any]]):
             check = FrameCheck(source, result.episodes, result.frame_index.tolist(), {
                 e: declared_size(self._features.get(e, {}), source) for e in set(result.episodes)})
             try:
-                decoded, bad = decode_column(frames, index, check)
+                decoded, bad = decode_column(frames, index, check, self._frame_dtype)
             except FrameSizeMismatch as exc:
                 episode = result.episodes[exc.position]
                 raise InvalidArgument(
@@ -155,10 +202,24 @@ class WindowDataset(Dataset[dict[str, Any]]):
                 ) from exc
             failed |= bad
             if decoded is None:
-                decoded = np.zeros((*index.shape, 3, 1, 1), np.float32)
+                decoded = np.zeros((*index.shape, 3, 1, 1), self._frame_dtype)
             arrays[name] = decoded
         return SampleBatch(arrays, objects, result.episodes, result.frame_index, result.fps,
-                           self._embodiments(result)), failed
+                           self._embodiments(result), self._total_frames(result)), failed
+
+    @property
+    def _frame_dtype(self) -> type[np.generic]:
+        return np.uint8 if self.frames == "uint8" else np.float32
+
+    def _total_frames(self, result: ReadResult) -> np.ndarray | None:
+        if self.masks != "all":
+            return None
+        total = result.total_frames
+        if total is None or len(total) != len(result):
+            raise DataLossError(
+                f"the daemon at {self.target!r} sent no total_frames with masks='all' (a "
+                "daemon older than masks='all'?); use masks='spec' or upgrade it")
+        return np.asarray(total, np.int64).copy()
 
     def _embodiments(self, result: ReadResult) -> list[str] | np.ndarray:
         if self.embodiment_ids is None:
@@ -174,20 +235,6 @@ class WindowDataset(Dataset[dict[str, Any]]):
             ) from exc
 
 
-def _select(available: list[EpisodeInfo], broken: dict[str, str],
-            wanted: Sequence[str] | None) -> list[EpisodeInfo]:
-    by_hash = {e.hash: e for e in available}
-    if wanted is None:
-        chosen = list(by_hash.values())
-    else:
-        chosen = []
-        for h in wanted:
-            if h in broken:
-                raise BrokenEpisodeError(f"episode {h!r} is broken: {broken[h]}", episode=h)
-            if h not in by_hash:
-                raise EpisodeNotFound(f"episode {h!r} is not served by the daemon "
-                                      f"({len(by_hash)} episodes are)", episode=h)
-            chosen.append(by_hash[h])
-    if not chosen:
-        raise EpisodeNotFound("the daemon serves no episodes to read")
-    return sorted(chosen, key=lambda e: e.hash)
+def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise InvalidArgument(f"{name} must be one of {list(allowed)!r}, got {value!r}")

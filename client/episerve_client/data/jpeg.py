@@ -1,4 +1,4 @@
-"""JPEG frames to CHW float32 in [0, 1], decoding each distinct frame once.
+"""JPEG frames to CHW float32 in [0, 1] (or CHW uint8), decoding each distinct frame once.
 
 Every frame's header is read before the frame is decoded: its size must be the one the
 episode's ``features`` declare for the camera key (``[H, W, 3]``), so a dataset whose frames
@@ -117,7 +117,11 @@ def decode_rgb(data: bytes) -> np.ndarray:
 
 
 def to_chw(img: np.ndarray, out: np.ndarray) -> None:
-    np.divide(img.transpose(2, 0, 1), _DIVISOR, out=out, dtype=np.float32)
+    """HxWx3 uint8 into ``out`` (3xHxW): float32 ``uint8 / float32(255)``, or uint8 as is."""
+    if out.dtype == np.uint8:
+        np.copyto(out, img.transpose(2, 0, 1))
+    else:
+        np.divide(img.transpose(2, 0, 1), _DIVISOR, out=out, dtype=np.float32)
 
 
 def _checked_decode(data: bytes, position: int, check: FrameCheck | None) -> np.ndarray | None:
@@ -136,9 +140,10 @@ def _checked_decode(data: bytes, position: int, check: FrameCheck | None) -> np.
     return img if img.shape[:2] == size else None
 
 
-def decode_column(frames: list[bytes], index: np.ndarray,
-                  check: FrameCheck | None = None) -> tuple[np.ndarray | None, set[int]]:
-    """Frames ``index`` (shape [B] or [B, K]) as [B, (K,) 3, H, W] float32.
+def decode_column(frames: list[bytes], index: np.ndarray, check: FrameCheck | None = None,
+                  dtype: type[np.generic] = np.float32) -> tuple[np.ndarray | None, set[int]]:
+    """Frames ``index`` (shape [B] or [B, K]) as [B, (K,) 3, H, W] ``dtype``: float32 in
+    [0, 1], or uint8 copied straight from the decoder (no float pass).
 
     Returns the array (None if nothing decoded) and the sample positions whose frames
     failed to decode. Each frame's header is checked against ``check`` before the frame is
@@ -156,7 +161,7 @@ def decode_column(frames: list[bytes], index: np.ndarray,
     if not shapes:
         return None, set(range(len(index)))
     h, w, _ = max(set(shapes), key=shapes.count)
-    out = np.empty((*index.shape, 3, h, w), np.float32)
+    out = np.empty((*index.shape, 3, h, w), dtype)
     view = out.reshape(len(index), -1, 3, h, w)
     failed: set[int] = set()
     for b, row in enumerate(flat.tolist()):

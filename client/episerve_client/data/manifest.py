@@ -21,6 +21,8 @@ import numpy as np
 from episerve_client.errors import InvalidArgument
 
 FORMAT = "episerve.manifest/1"
+#: The largest manifest file read (a flagship set of 1,600 episodes is about 50 KB).
+MAX_MANIFEST_BYTES = 64 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,9 +135,15 @@ class Manifest:
     def load(cls, path: str | Path) -> Manifest:
         path = Path(path)
         try:
-            raw = json.loads(path.read_text())
+            size = path.stat().st_size
+            text = path.read_text() if size <= MAX_MANIFEST_BYTES else ""
         except OSError as exc:
             raise InvalidArgument(f"cannot read manifest {str(path)!r}: {exc}") from exc
+        if size > MAX_MANIFEST_BYTES:
+            raise InvalidArgument(f"manifest {str(path)!r} is {size} bytes, more than the "
+                                  f"{MAX_MANIFEST_BYTES} a manifest may have")
+        try:
+            raw = json.loads(text)
         except ValueError as exc:
             raise InvalidArgument(f"manifest {str(path)!r} is not JSON: {exc}") from exc
         return cls.from_dict(raw)

@@ -25,10 +25,12 @@ class BatchResult:
     frame_index: np.ndarray  # (B,) int64
     fps: np.ndarray  # (B,) float32
     embodiments: list[str]
-    arrays: dict[str, np.ndarray]  # numeric outputs and masks, float32, batch first
+    arrays: dict[str, np.ndarray]  # numeric outputs and masks, float32 (``_is_pad``: bool)
     images: dict[str, ImageColumn]
     frames: dict[str, list[bytes]]  # zarr key -> the distinct JPEG frames of the batch
     texts: dict[str, list[list[str]]]
+    # With all_masks: each sample's episode length T (the ``_is_pad`` masks are in ``arrays``)
+    total_frames: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.episodes)
@@ -38,6 +40,7 @@ class BatchResult:
         n = sum(a.nbytes for a in self.arrays.values())
         n += sum(c.index.nbytes for c in self.images.values())
         n += sum(len(b) for fs in self.frames.values() for b in fs)
+        n += 0 if self.total_frames is None else self.total_frames.nbytes
         return n + sum(len(t) for ts in self.texts.values() for s in ts for t in s)
 
     def sample(self, b: int) -> dict[str, Any]:
@@ -53,4 +56,6 @@ class BatchResult:
         out["embodiment"] = self.embodiments[b]
         out["fps"] = float(self.fps[b])
         out["frame_index"] = int(self.frame_index[b])
+        if self.total_frames is not None:
+            out["total_frames"] = int(self.total_frames[b])
         return out

@@ -30,6 +30,8 @@ def window(spec: KeySpec, frame: IntArray, total: IntArray, fps: IntArray,
            cutoff_end: IntArray | None = None) -> Window:
     """Rows of ``spec`` for samples at ``frame`` in episodes of ``total`` frames."""
     rule = spec.rule
+    if rule is Rule.OFFSETS:
+        return _offsets(spec.offsets_s or (), frame, total, fps)
     if rule is Rule.HORIZON:
         return _horizon(spec.horizon or 1, frame, total, cutoff_end)
     if rule is Rule.HISTORY:
@@ -38,6 +40,16 @@ def window(spec: KeySpec, frame: IntArray, total: IntArray, fps: IntArray,
         lag = frames(spec.lag_s or 0.0, fps)
         return Window(np.maximum(0, frame - lag)[:, None], None)
     return Window(frame[:, None].astype(np.int64), None)
+
+
+def _offsets(offsets: tuple[float, ...], frame: IntArray, total: IntArray,
+             fps: IntArray) -> Window:
+    """Rule 6: frames ``i + round(o * fps)`` (half to even, as Python's ``round``), clamped
+    into [0, T-1]; a row is real where the unclamped frame lies in [0, T)."""
+    steps = np.round(np.asarray(offsets, np.float64)[None, :] * fps[:, None]).astype(np.int64)
+    idx = frame[:, None] + steps
+    mask = (idx >= 0) & (idx < total[:, None])
+    return Window(np.clip(idx, 0, (total - 1)[:, None]), mask)
 
 
 def _horizon(h: int, frame: IntArray, total: IntArray, cutoff_end: IntArray | None) -> Window:

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from episerve_proto.contract import IS_PAD_SUFFIX
 from episerve_server.core.cache import Chunk
 from episerve_server.core.keymap import Keymap, KeySpec, Rule
 from episerve_server.core.result import BatchResult, ImageColumn
@@ -89,7 +90,7 @@ def gather_cached(keymap: Keymap, batch: Batch, windows: dict[str, Window],
 
 def assemble(keymap: Keymap, batch: Batch, windows: dict[str, Window],
              tables: dict[str, Table], spans: dict[str, list[list[Any]]],
-             partial: dict[str, Partial]) -> BatchResult:
+             partial: dict[str, Partial], all_masks: bool = False) -> BatchResult:
     arrays: dict[str, np.ndarray] = {}
     images: dict[str, ImageColumn] = {}
     frames: dict[str, list[bytes]] = {}
@@ -104,12 +105,15 @@ def assemble(keymap: Keymap, batch: Batch, windows: dict[str, Window],
         else:
             arrays[e.name] = _fill(partial[e.name], table, batch)
     _masks(keymap, windows, arrays)
+    if all_masks:
+        _is_pad(keymap, windows, arrays)
     return BatchResult(
         episodes=[batch.episodes[p].hash for p in batch.ep.tolist()],
         frame_index=batch.frame.copy(),
         fps=batch.fps.astype(np.float32),
         embodiments=[batch.episodes[p].embodiment for p in batch.ep.tolist()],
         arrays=arrays, images=images, frames=frames, texts=texts,
+        total_frames=batch.total.copy() if all_masks else None,
     )
 
 
@@ -166,3 +170,12 @@ def _masks(keymap: Keymap, windows: dict[str, Window], arrays: dict[str, np.ndar
         if e.key_type == "camera_keys" and e.rule is Rule.HISTORY:
             arrays[f"{e.name}_mask"] = windows[e.name].mask.astype(np.float32)  # type: ignore[union-attr]
 
+
+
+def _is_pad(keymap: Keymap, windows: dict[str, Window], arrays: dict[str, np.ndarray]) -> None:
+    """``masks="all"``: ``<output>_is_pad`` (B, W) bool, True where a row is padding, for
+    every windowed output (horizon, history, offsets_s; camera windows too)."""
+    for e in keymap:
+        mask = windows[e.name].mask if e.time_axis else None
+        if mask is not None:
+            arrays[f"{e.name}{IS_PAD_SUFFIX}"] = ~mask

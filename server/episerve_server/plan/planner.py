@@ -51,6 +51,7 @@ class ReadOptions:
     # Told the numeric response size as soon as it is known, before any window is built:
     # the service refuses there a read whose response it could not hold for its client.
     admit: Callable[[int], None] | None = None
+    all_masks: bool = False  # masks="all": ``<output>_is_pad`` per window, and total_frames
 
 
 class Planner:
@@ -69,7 +70,8 @@ class Planner:
         if not samples:
             raise InvalidArgument("a read needs at least one sample")
         batch = self._resolve(keymap, samples)
-        out_bytes = _output_bytes(keymap, batch)  # refuse before building anything large
+        # refuse before building anything large
+        out_bytes = _output_bytes(keymap, batch, options.all_masks)
         if options.max_response_bytes and out_bytes > options.max_response_bytes:
             raise _too_big(out_bytes, options.max_response_bytes, len(samples))
         if options.admit is not None:
@@ -92,7 +94,8 @@ class Planner:
         # Only rows of fetched chunks are still to gather: a warm batch is assembled here.
         pending = any(p.pending is not None for p in partial.values())
         result: BatchResult = await self._offload(
-            out_bytes if pending else 0, assemble, keymap, batch, windows, tables, spans, partial
+            out_bytes if pending else 0, assemble, keymap, batch, windows, tables, spans, partial,
+            options.all_masks,
         )
         if options.max_response_bytes and result.nbytes > options.max_response_bytes:
             raise _too_big(result.nbytes, options.max_response_bytes, len(samples))
@@ -341,14 +344,16 @@ async def _all_or_none(coros: list[Any]) -> list[Any]:
         raise
 
 
-def _output_bytes(keymap: Keymap, batch: Batch) -> int:
-    """Bytes of the numeric outputs and frame indexes, known before any window is built."""
-    total = 0
+def _output_bytes(keymap: Keymap, batch: Batch, all_masks: bool = False) -> int:
+    """Bytes of the numeric outputs and frame indexes (and with ``all_masks``, of the
+    ``_is_pad`` masks and total_frames), known before any window is built."""
+    total = 8 * len(batch.ep) if all_masks else 0
     for e in keymap:
         if e.rule is Rule.ANNOTATION:
             continue
         info = batch.episodes[0].readers[e.zarr_key].info
         per_row = 4 if info.is_bytes else 4 * int(np.prod(info.feature))
+        per_row += 1 if all_masks and e.time_axis else 0
         total += len(batch.ep) * e.length * per_row
     return total
 

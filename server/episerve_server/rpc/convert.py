@@ -16,6 +16,7 @@ from typing import Any
 from google.protobuf.message import DecodeError, Message
 
 from episerve_proto.contract import (
+    LIST_FIELDS,
     MAX_LISTED_ATTRS_BYTES,
     MAX_NAME_CHARS,
     TOO_LARGE_ATTR,
@@ -59,6 +60,7 @@ class ReadCall:
     samples: list[tuple[str, int]]
     annotation_cutoff: bool
     max_response_bytes: int
+    all_masks: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +128,7 @@ def parse_read(data: bytes, limits: Limits) -> ReadCall:
         samples=list(zip(req.episodes, req.frames)),
         annotation_cutoff=req.annotation_cutoff,
         max_response_bytes=max(0, req.max_response_bytes),
+        all_masks=req.all_masks,
     )
 
 
@@ -154,6 +157,9 @@ def keymap_from_pb(msg: Any, limits: Limits, field: str = "keymap") -> Keymap:
         for name in WINDOW_FIELDS:
             if entry.HasField(name):
                 spec[name] = getattr(entry, name)
+        for name in LIST_FIELDS:  # repeated: an empty list is no list
+            if len(getattr(entry, name)):
+                spec[name] = list(getattr(entry, name))
         raw[entry.name] = spec
     return Keymap.parse(raw, max_entries=limits.max_keymap_entries)
 

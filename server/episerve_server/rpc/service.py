@@ -238,7 +238,7 @@ class EpiserveService:
         limit = self.config.max_response_bytes
         if call.max_response_bytes:
             limit = min(limit, call.max_response_bytes)
-        options = ReadOptions(call.annotation_cutoff, limit, admit)
+        options = ReadOptions(call.annotation_cutoff, limit, admit, all_masks=call.all_masks)
         try:
             result = await self.planner.read(keymap, call.samples, options)
         except EpisodeNotFound as exc:

@@ -81,4 +81,6 @@ def encode_result(result: BatchResult) -> bytes:
         for texts in per_sample:
             body += _message(2, [p for t in texts for p in _string(1, t)])
         parts += _message(8, body)
+    if result.total_frames is not None:  # all_masks only: default responses are unchanged
+        parts += _packed_ints(9, result.total_frames.tolist())
     return b"".join(parts)

@@ -1,0 +1,96 @@
+"""How long building a ``WindowDataset`` takes over a flagship-size root (1,600 episodes).
+
+    python benchmarks/bench_dataset_build.py [--root /tmp/episerve_1600] [--episodes 1600]
+
+Writes the root first if it is missing: episodes of 200 frames with the mecka numeric keys,
+a 32x24 front camera and annotations (their listing is what matters here, not their data).
+Reports the median of ``--reps`` constructions of the mecka keymap's dataset over the whole
+root (listing and keymap check in the child interpreter included), and apart the parent's
+own share: unpickling the listing, the broken-episode policy and the manifest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pickle
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import numpy as np
+import simplejpeg
+from common import MECKA
+
+from episerve_client import Client, WindowDataset
+from episerve_client.data.episodes import whole_root
+from episerve_client.data.manifest import Manifest
+from episerve_tools.launch import DaemonProcess
+
+FRAMES = 200
+NUMERIC = {"left.obs_keypoints": 63, "right.obs_keypoints": 63, "left.obs_wrist_pose": 7,
+           "right.obs_wrist_pose": 7, "obs_head_pose": 7}
+
+
+def ensure_root(root: Path, episodes: int) -> None:
+    from episerve_tools.synth.writer import write_episode
+
+    have = len(list(root.glob("*.zarr"))) if root.exists() else 0
+    if have >= episodes:
+        return
+    root.mkdir(parents=True, exist_ok=True)
+    frame = simplejpeg.encode_jpeg(np.zeros((24, 32, 3), np.uint8), quality=85)
+    rng = np.random.default_rng(0)
+    for n in range(have, episodes):
+        write_episode(
+            root, f"{n:016x}", total_frames=FRAMES, fps=30, embodiment="human_bimanual",
+            numeric={k: rng.standard_normal((FRAMES, d)).astype(np.float32)
+                     for k, d in NUMERIC.items()},
+            jpeg={"images.front_1": [frame] * FRAMES},
+            annotations=[{"text": "pick", "start_idx": 0, "end_idx": FRAMES}],
+            extra_attrs={"task_name": "bench", "task_description": "pick the cup up"})
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--root", default="/tmp/episerve_1600")
+    p.add_argument("--episodes", type=int, default=1600)
+    p.add_argument("--reps", type=int, default=5)
+    opts = p.parse_args()
+    root = Path(opts.root)
+    ensure_root(root, opts.episodes)
+    with tempfile.TemporaryDirectory() as tmp, DaemonProcess(
+            root, "--log-level", "WARNING", unix=f"{tmp}/d.sock") as d:
+        builds = []
+        for _ in range(opts.reps):
+            start = time.perf_counter()
+            ds = WindowDataset(d.target, MECKA)
+            builds.append(time.perf_counter() - start)
+        assert len(ds.episodes) == opts.episodes, len(ds.episodes)
+        with Client(d.target) as client:
+            start = time.perf_counter()
+            listing = client.list_episodes()
+            list_s = time.perf_counter() - start
+        blob = pickle.dumps(listing)
+        parents = []
+        for _ in range(opts.reps):
+            start = time.perf_counter()
+            got = pickle.loads(blob)
+            chosen = whole_root(got, MECKA, "skip", d.target)
+            Manifest(tuple((e.hash, e.total_frames) for e in chosen))
+            parents.append(time.perf_counter() - start)
+    print(f"{opts.episodes} episodes, {len(ds):,} frames")
+    print(f"WindowDataset(...) over the root: median {statistics.median(builds):.3f} s "
+          f"(min {min(builds):.3f}, max {max(builds):.3f}; listing and keymap check in the "
+          "child interpreter included)")
+    print(f"list_episodes() in process (full entries): {list_s * 1e3:.1f} ms, "
+          f"{len(blob) / 1e6:.2f} MB pickled")
+    print(f"parent's share (unpickle, on_broken policy, manifest): median "
+          f"{statistics.median(parents) * 1e3:.1f} ms")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""LeRobot-style window descriptions as keymaps (SPEC rule 6, ``offsets_s``).
+
+LeRobot describes the frames of a sample with ``delta_timestamps``: per feature, a list of
+offsets in seconds from the sample's frame. The same list is an ``offsets_s`` keymap entry;
+with ``masks="all"`` each such output also gets ``<name>_is_pad``, LeRobot's name and polarity.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from episerve_client.errors import KeymapError
+from episerve_proto.contract import did_you_mean
+from episerve_proto.errors import shown
+
+__all__ = ["keymap_from_delta_timestamps"]
+
+
+def keymap_from_delta_timestamps(
+    delta_timestamps: Mapping[str, Sequence[float]],
+    keys: Mapping[str, tuple[str, str]],
+) -> dict[str, dict[str, Any]]:
+    """A keymap from a LeRobot ``delta_timestamps`` dict.
+
+    ``keys`` maps every output name to its ``(zarr_key, key_type)``. A name with a list in
+    ``delta_timestamps`` becomes an ``offsets_s`` window, shape (len(offsets), *feature); a
+    name without one is the sample's own frame, as in LeRobot. Offsets are rounded to the
+    nearest frame of each episode (``round(o * fps)``, ties to even) and clamped into the
+    episode; the daemon checks the values (finite, at most 3600 s, at most 4096 per key).
+
+    >>> keymap_from_delta_timestamps(
+    ...     {"action": [0.0, 0.1]},
+    ...     {"action": ("left.obs_wrist_pose", "action_keys"),
+    ...      "observation.state": ("obs_head_pose", "proprio_keys")})["action"]
+    {'zarr_key': 'left.obs_wrist_pose', 'key_type': 'action_keys', 'offsets_s': [0.0, 0.1]}
+    """
+    for name in delta_timestamps:
+        if name not in keys:
+            raise KeymapError(
+                f"delta_timestamps names {shown(name)}, which is not in keys"
+                f"{did_you_mean(str(name), list(keys))}; keys must give its (zarr_key, "
+                f"key_type)")
+    out: dict[str, dict[str, Any]] = {}
+    for name, pair in keys.items():
+        if isinstance(pair, str) or not isinstance(pair, Sequence) or len(pair) != 2 \
+                or not all(isinstance(p, str) for p in pair):
+            raise KeymapError(
+                f"keys[{shown(name)}] must be a (zarr_key, key_type) pair of strings, "
+                f"got {shown(pair)}")
+        zarr_key, key_type = pair
+        entry: dict[str, Any] = {"zarr_key": zarr_key, "key_type": key_type}
+        if name in delta_timestamps:
+            entry["offsets_s"] = _offsets(name, delta_timestamps[name], zarr_key)
+        out[str(name)] = entry
+    return out
+
+
+def _offsets(name: str, value: Any, zarr_key: str) -> list[float]:
+    if hasattr(value, "tolist"):  # a numpy array or a tensor
+        value = value.tolist()
+    if isinstance(value, str | bytes) or not isinstance(value, Sequence) or not value:
+        raise KeymapError(
+            f"delta_timestamps[{shown(name)}] must be a non-empty list of offsets in seconds, "
+            f"got {shown(value)}", key=zarr_key)
+    for k, o in enumerate(value):
+        if isinstance(o, bool) or not isinstance(o, int | float):
+            raise KeymapError(
+                f"delta_timestamps[{shown(name)}][{k}] must be a number of seconds, "
+                f"got {shown(o)}", key=zarr_key)
+    return [float(o) for o in value]
