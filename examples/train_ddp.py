@@ -81,28 +81,10 @@ class Policy(torch.nn.Module):
         return self.net(obs).view(-1, 30, 63)  # type: ignore[no-any-return]
 
 
-def agreed_manifest(target: str) -> Manifest:
-    """Rank 0 lists the daemon's episodes; every rank uses rank 0's list."""
-    box: list[Any] = [None]
-    if dist.get_rank() == 0:
-        episodes = WindowDataset(target, TRAIN_KEYMAP).episodes
-        box[0] = Manifest.of((e.hash, e.total_frames) for e in episodes).to_dict()
-    dist.broadcast_object_list(box, src=0)
-    return Manifest.from_dict(box[0])
-
-
 def split(manifest: Manifest, every: int) -> tuple[Manifest, Manifest]:
     """(train, val) by episode: every ``every``-th episode validates."""
     val = manifest.hashes[::every]
     return manifest.subset([h for h in manifest.hashes if h not in val]), manifest.subset(val)
-
-
-def dataset(target: str, manifest: Manifest, keymap: Any) -> WindowDataset:
-    ds = WindowDataset(target, keymap, episodes=list(manifest.hashes))
-    if len(ds) != len(manifest):
-        raise RuntimeError(f"the daemon's episodes changed length: {len(ds)} samples, the "
-                           f"manifest {manifest.digest} says {len(manifest)}")
-    return ds
 
 
 def loader_kwargs(workers: int) -> dict[str, Any]:
@@ -140,7 +122,7 @@ def validate(model: Policy, loader: DataLoader[Any]) -> float:
 def video_gate(args: argparse.Namespace, val: Manifest,
                schedule: EpochSchedule) -> VizGatedLoader[Any]:
     # Rank 0 builds the video dataset and sends it over: other ranks never ask the daemon.
-    box = [dataset(args.target, val.subset(val.hashes[:1]), VIDEO_KEYMAP)
+    box = [WindowDataset(args.target, VIDEO_KEYMAP, manifest=val.subset(val.hashes[:1]))
            if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     kwargs = loader_kwargs(min(args.workers, 1))
@@ -154,7 +136,10 @@ def train(args: argparse.Namespace) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     ckpt_path = args.out / "checkpoint.pt"
     ckpt = torch.load(ckpt_path, weights_only=True) if ckpt_path.exists() else None
-    manifest = Manifest.from_dict(ckpt["manifest"]) if ckpt else agreed_manifest(args.target)
+    # Without a checkpoint every rank builds on rank 0's listing of the daemon; with one, on
+    # the manifest the run started with, whatever the daemon serves now.
+    manifest = (Manifest.from_dict(ckpt["manifest"]) if ckpt
+                else WindowDataset(args.target, TRAIN_KEYMAP).manifest)
     train_m, val_m = split(manifest, args.val_every)
     sampler = WindowSampler(train_m, args.batch_size, seed=args.seed)
     model, start_epoch = Policy(), 0
@@ -165,9 +150,10 @@ def train(args: argparse.Namespace) -> None:
         opt.load_state_dict(ckpt["optimizer"])
         start_epoch = sampler.epoch  # a finished epoch's state starts the next one
     ddp = DistributedDataParallel(model)
-    loader = DataLoader(dataset(args.target, train_m, TRAIN_KEYMAP), batch_sampler=sampler,
+    loader = DataLoader(WindowDataset(args.target, TRAIN_KEYMAP, manifest=train_m),
+                        batch_sampler=sampler,
                         **loader_kwargs(args.workers))
-    metric = DataLoader(dataset(args.target, val_m, TRAIN_KEYMAP),
+    metric = DataLoader(WindowDataset(args.target, TRAIN_KEYMAP, manifest=val_m),
                         batch_sampler=WindowSampler(val_m, args.batch_size, shuffle=False),
                         **loader_kwargs(min(args.workers, 1)))
     schedule = EpochSchedule(every_n_epochs=args.video_every, max_epochs=args.epochs)

@@ -61,14 +61,6 @@ def loader_kwargs(workers: int) -> dict[str, Any]:
             "multiprocessing_context": "spawn"}
 
 
-def dataset(target: str, manifest: Manifest, keymap: Any) -> WindowDataset:
-    ds = WindowDataset(target, keymap, episodes=list(manifest.hashes))
-    if len(ds) != len(manifest):
-        raise RuntimeError(f"the daemon's episodes changed length: {len(ds)} samples, the "
-                           f"manifest {manifest.digest} says {len(manifest)}")
-    return ds
-
-
 class ChunkPolicy(pl.LightningModule):
     """Four frames of 21 keypoints in, the next 30 frames of them out."""
 
@@ -90,12 +82,8 @@ class ChunkPolicy(pl.LightningModule):
     # -- data -------------------------------------------------------------------------------
 
     def split(self) -> tuple[Manifest, Manifest]:
-        if self.manifest is None:  # rank 0 lists the daemon's episodes, every rank uses them
-            listed = None
-            if self.global_rank == 0:
-                episodes = WindowDataset(self.args.target, TRAIN_KEYMAP).episodes
-                listed = Manifest.of((e.hash, e.total_frames) for e in episodes).to_dict()
-            self.manifest = Manifest.from_dict(self.trainer.strategy.broadcast(listed, src=0))
+        if self.manifest is None:  # every rank builds on rank 0's listing of the daemon
+            self.manifest = WindowDataset(self.args.target, TRAIN_KEYMAP).manifest
         val = self.manifest.hashes[::self.args.val_every]
         train = [h for h in self.manifest.hashes if h not in val]
         return self.manifest.subset(train), self.manifest.subset(val)
@@ -110,19 +98,19 @@ class ChunkPolicy(pl.LightningModule):
         self.sampler = self.shard(train)
         if self.sampler_state is not None:
             self.sampler.load_state_dict(self.sampler_state)
-        return DataLoader(dataset(self.args.target, train, TRAIN_KEYMAP),
+        return DataLoader(WindowDataset(self.args.target, TRAIN_KEYMAP, manifest=train),
                           batch_sampler=self.sampler, **loader_kwargs(self.args.workers))
 
     def val_dataloader(self) -> CombinedLoader:
         _, val = self.split()
-        metric = DataLoader(dataset(self.args.target, val, TRAIN_KEYMAP),
+        metric = DataLoader(WindowDataset(self.args.target, TRAIN_KEYMAP, manifest=val),
                             batch_sampler=self.shard(val, shuffle=False),
                             **loader_kwargs(min(self.args.workers, 1)))
         # Rank 0 builds the video dataset (reading nothing); the others receive it and never
         # ask the daemon for that episode.
         pinned = val.subset(val.hashes[:1])
-        video_ds = dataset(self.args.target, pinned, VIDEO_KEYMAP) if self.global_rank == 0 \
-            else None
+        video_ds = WindowDataset(self.args.target, VIDEO_KEYMAP, manifest=pinned) \
+            if self.global_rank == 0 else None
         video_ds = self.trainer.strategy.broadcast(video_ds, src=0)
         self.video_episodes = video_ds.episodes
         video = video_loader(video_ds, batch_size=16, max_batches=VIDEO_BATCHES,

@@ -17,7 +17,6 @@ import sys
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -40,24 +39,15 @@ KEYMAP = {name: spec for name, spec in load_keymap(c.KEYMAP).items()
           if spec["key_type"] in ("proprio_keys", "action_keys")}
 
 
-def build_manifest(target: str) -> Manifest:
-    """Rank 0 lists the daemon's episodes; every rank uses rank 0's list."""
-    box: list[Any] = [None]
-    if dist.get_rank() == 0:
-        listed = WindowDataset(target, KEYMAP).episodes
-        box[0] = Manifest.of((e.hash, e.total_frames) for e in listed).to_dict()
-    dist.broadcast_object_list(box, src=0)
-    return Manifest.from_dict(box[0])
-
-
 def main(target: str, out: Path, resume: Path | None) -> None:
     c.dump_stacks_on_sigusr1()
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank = dist.get_rank()
     ckpt = json.loads(resume.read_text()) if resume else None
-    manifest = Manifest.from_dict(ckpt["manifest"]) if ckpt else build_manifest(target)
-    dataset = WindowDataset(target, KEYMAP, episodes=list(manifest.hashes))
-    assert len(dataset) == len(manifest)
+    # Fresh: every rank builds on rank 0's listing. Resumed: on the checkpoint's manifest.
+    dataset = WindowDataset(target, KEYMAP, manifest=Manifest.from_dict(ckpt["manifest"])
+                            if ckpt else None)
+    manifest = dataset.manifest
     # The twin yields, in the main process, the batches the loader's workers read: it
     # checks the data against the sampler and says which entries of the last batch are pads.
     sampler, twin = (WindowSampler(manifest, BATCH, seed=SEED) for _ in range(2))
