@@ -78,7 +78,7 @@ def test_resume_after_a_kill_on_one_and_two_ranks_sees_each_index_once(
         second = Launch(logs)
         try:
             start(second, daemon.target, resumed, world, "--resume", str(saved))
-            assert second.wait() == [0] * world, second.output()
+            assert second.wait(400.0) == [0] * world, second.output()
         finally:
             second.kill()
         after = [g for s in steps(resumed) for g in s["indices"]]
