@@ -39,7 +39,7 @@ def steps(out: Path) -> list[dict[str, Any]]:
 def kill_mid_epoch(launch: Launch, out: Path) -> dict[str, Any]:
     """Wait for a checkpoint at or past KILL_AFTER_STEP, then SIGKILL every process group."""
     ckpt = out / "ckpt.json"
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if ckpt.exists() and json.loads(ckpt.read_text())["step"] >= KILL_AFTER_STEP:
             break
