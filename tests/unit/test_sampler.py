@@ -295,6 +295,10 @@ def test_bad_arguments_name_the_value() -> None:
         WindowSampler(m, 4, num_replicas=2, rank=2)
     with pytest.raises(InvalidArgument, match=r"locality=2 keeps a shuffle"):
         WindowSampler(m, 4, shuffle=False, locality=2)
+    running = WindowSampler(m, 4)
+    next(iter(running))
+    with pytest.raises(InvalidArgument, match=r"steps must be an int >= 0 .* got -1"):
+        running.state_dict(steps=-1)
     with pytest.raises(InvalidArgument, match=r"needs a Manifest .* got 'list'"):
         WindowSampler([1, 2], 4)  # type: ignore[arg-type]
 

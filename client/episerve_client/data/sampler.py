@@ -206,6 +206,9 @@ class WindowSampler(Sampler[list[int]]):
             return self.epoch, self._resume_at
         epoch, start = self._iter
         steps = self._yielded if steps is None else steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise InvalidArgument(f"WindowSampler: steps must be an int >= 0 (batches trained "
+                                  f"on since this iteration began), got {steps!r}")
         if steps >= self._steps(start):
             return epoch + 1, 0
         return epoch, start + steps * self.batch_size * self.num_replicas
