@@ -44,7 +44,7 @@ bench-client: $(STAMP)
 	$(PY) benchmarks/bench_client.py
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check protos server client tools tests benchmarks
+	$(VENV)/bin/ruff check protos server client tools tests benchmarks examples
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy protos/episerve_proto server/episerve_server client/episerve_client tools/episerve_tools

@@ -47,9 +47,14 @@ class Launch:
 
     def start(self, module: str, args: Sequence[str], name: str,
               env: Mapping[str, str] | None = None) -> None:
+        self.start_command(["-m", module, *args], name, env)
+
+    def start_command(self, argv: Sequence[str], name: str,
+                      env: Mapping[str, str] | None = None) -> None:
+        """``python *argv`` (a script and its arguments, or ``-m module ...``)."""
         with open(self.logs / f"{name}.log", "wb") as log:
             self.procs.append(subprocess.Popen(
-                [sys.executable, "-m", module, *args], cwd=REPO, stdout=log,
+                [sys.executable, *argv], cwd=REPO, stdout=log,
                 stderr=subprocess.STDOUT, env={**self.env, **(env or {})},
                 start_new_session=True))
 

@@ -1,0 +1,251 @@
+"""``WindowSampler``: one global order per epoch, whatever the world size, resumable.
+
+The order of epoch ``e`` is a permutation of the manifest's global indices, a function of
+(manifest digest, seed, e) only. Ranks consume it in lockstep: global step ``s`` of an
+iteration that starts at global position ``c`` covers positions ``[c + s*B*R, c + (s+1)*B*R)``
+and rank ``r`` takes the ``r``-th slice of ``B`` of them. The state of a run is therefore one
+number, the global samples consumed in the epoch, and a run resumed on any number of ranks
+(or with another batch size) continues the same order from there: no index is repeated or
+skipped. The last, short global step is split evenly over the ranks; with
+``drop_last=False`` it is padded from the start of the epoch's order so every rank gets a
+batch of the same size (a batch's ``pad`` trailing entries are those repeats); with
+``drop_last=True`` it is dropped (a different tail every epoch, since the order is shuffled).
+
+An iteration that runs to its end moves the sampler to the next epoch (frameworks that call
+``set_epoch`` on a sampler but not on a batch sampler, as Lightning does, still get a new
+order every epoch); ``set_epoch`` chooses one explicitly, as with ``DistributedSampler``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any, Protocol
+
+import numpy as np
+import torch.distributed as dist
+from torch.utils.data import Sampler
+
+from episerve_client.data.manifest import Manifest
+from episerve_client.errors import InvalidArgument
+
+FORMAT = "episerve.sampler/1"
+#: Rows per chunk neighbourhood for ``locality`` (the chunk length of SPEC section 1).
+NEIGHBOURHOOD_ROWS = 100
+DEFAULT_LOOKAHEAD = 4
+
+
+class HasManifest(Protocol):
+    @property
+    def manifest(self) -> Manifest: ...
+
+
+class WindowBatch(list[int]):
+    """A batch of global indices, with where it sits in the epoch's order.
+
+    ``epoch``; ``position``, the global position of its first sample; ``consumed``, the
+    global samples consumed by every rank once its global step is done; ``pad``, how many of
+    its trailing entries repeat the start of the order (the last step, ``drop_last=False``);
+    ``prefetch``, the indices of the batch ``lookahead`` batches ahead on this rank (the first
+    batch of an iteration carries the next ``lookahead`` batches'). It pickles with these, so
+    a DataLoader worker's ``__getitems__`` receives them.
+    """
+
+    epoch: int
+    position: int
+    consumed: int
+    pad: int
+    prefetch: list[int]
+
+
+def global_order(manifest: Manifest, seed: int, epoch: int, *, shuffle: bool = True,
+                 locality: int | None = None) -> np.ndarray:
+    """The epoch's permutation of ``range(len(manifest))`` (int64)."""
+    n = len(manifest)
+    if not shuffle:
+        return np.arange(n, dtype=np.int64)
+    rng = np.random.default_rng([seed, epoch, int(manifest.digest, 16)])
+    if locality is None:
+        return rng.permutation(n).astype(np.int64)
+    return _local_order(manifest, rng, locality)
+
+
+def _local_order(manifest: Manifest, rng: np.random.Generator, locality: int) -> np.ndarray:
+    """Neighbourhoods (100 rows of one episode) in random order, pooled ``locality`` at a
+    time; the samples of each pool shuffled among themselves."""
+    starts, lengths = manifest.starts[:-1], manifest.lengths
+    per_episode = -(-lengths // NEIGHBOURHOOD_ROWS)
+    first = np.repeat(starts, per_episode)
+    k = np.arange(len(first)) - np.repeat(np.cumsum(per_episode) - per_episode, per_episode)
+    lo = first + k * NEIGHBOURHOOD_ROWS
+    hi = np.minimum(lo + NEIGHBOURHOOD_ROWS, np.repeat(starts + lengths, per_episode))
+    picked = rng.permutation(len(lo))
+    lo, hi = lo[picked], hi[picked]
+    sizes = hi - lo
+    offsets = np.arange(int(sizes.sum())) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+    indices = np.repeat(lo, sizes) + offsets
+    pool = np.repeat(np.arange(len(lo)) // locality, sizes)
+    ranked: np.ndarray = np.lexsort((rng.random(len(indices)), pool))
+    out: np.ndarray = indices[ranked].astype(np.int64)
+    return out
+
+
+def _world(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
+    live = dist.is_available() and dist.is_initialized()
+    if num_replicas is None:
+        num_replicas = dist.get_world_size() if live else 1
+    if rank is None:
+        rank = dist.get_rank() if live else 0
+    if num_replicas < 1 or not 0 <= rank < num_replicas:
+        raise InvalidArgument(f"WindowSampler: rank {rank!r} of num_replicas "
+                              f"{num_replicas!r}: expected 0 <= rank < num_replicas")
+    return num_replicas, rank
+
+
+def _manifest_of(source: Manifest | HasManifest) -> Manifest:
+    manifest = source if isinstance(source, Manifest) else getattr(source, "manifest", None)
+    if not isinstance(manifest, Manifest):
+        raise InvalidArgument(f"WindowSampler needs a Manifest or an object with a .manifest "
+                              f"(a WindowDataset), got {type(source).__name__!r}")
+    if len(manifest) == 0:
+        raise InvalidArgument("WindowSampler: the manifest holds no samples")
+    return manifest
+
+
+class WindowSampler(Sampler[list[int]]):
+    """A batch sampler (``DataLoader(dataset, batch_sampler=WindowSampler(...))``).
+
+    ``num_replicas`` and ``rank`` default to the initialized process group's (else 1 and 0).
+    ``locality=N`` keeps the shuffle but pools ``N`` neighbourhoods of 100 rows at a time, so
+    a batch of ``B <= 100*N`` samples touches at most about ``2N`` of them (its pool's and
+    the next). Every rank must see the same ``set_epoch`` calls.
+    """
+
+    def __init__(self, source: Manifest | HasManifest, batch_size: int, *, shuffle: bool = True,
+                 seed: int = 0, drop_last: bool = False, num_replicas: int | None = None,
+                 rank: int | None = None, locality: int | None = None,
+                 lookahead: int = DEFAULT_LOOKAHEAD) -> None:
+        self.manifest = _manifest_of(source)
+        for name, value, low in (("batch_size", batch_size, 1), ("lookahead", lookahead, 0),
+                                 ("locality", 1 if locality is None else locality, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise InvalidArgument(f"WindowSampler: {name} must be an int >= {low}, "
+                                      f"got {value!r}")
+        if locality is not None and not shuffle:
+            raise InvalidArgument(f"WindowSampler: locality={locality!r} keeps a shuffle, "
+                                  "but shuffle=False (the order is sequential already)")
+        self.batch_size, self.shuffle, self.seed = batch_size, shuffle, int(seed)
+        self.drop_last, self.locality, self.lookahead = drop_last, locality, lookahead
+        self.num_replicas, self.rank = _world(num_replicas, rank)
+        self.epoch = 0
+        self._resume_at = 0  # where the next iteration starts in this epoch's order
+        self._iter: tuple[int, int] | None = None  # (epoch, start) of the current iteration
+        self._yielded = 0  # batches yielded by the current (or last) iteration
+        self._order: tuple[int, np.ndarray] | None = None
+
+    # -- order ------------------------------------------------------------------------------
+
+    def set_epoch(self, epoch: int) -> None:
+        """Choose the next iteration's epoch; another than ``self.epoch`` starts at its
+        beginning (the same one keeps a loaded resume point)."""
+        if epoch != self.epoch:
+            self.epoch, self._resume_at, self._iter, self._yielded = int(epoch), 0, None, 0
+
+    def order(self, epoch: int | None = None) -> np.ndarray:
+        """An epoch's global order (by default ``self.epoch``'s; the last one is cached)."""
+        epoch = self.epoch if epoch is None else epoch
+        if self._order is None or self._order[0] != epoch:
+            self._order = (epoch, global_order(self.manifest, self.seed, epoch,
+                                               shuffle=self.shuffle, locality=self.locality))
+        return self._order[1]
+
+    def _steps(self, start: int) -> int:
+        left, per_step = len(self.manifest) - start, self.batch_size * self.num_replicas
+        return left // per_step if self.drop_last else -(-left // per_step)
+
+    def __len__(self) -> int:
+        """Batches this rank yields from the next iteration's start."""
+        return self._steps(self._resume_at)
+
+    def _slice(self, start: int, step: int) -> tuple[int, int, int]:
+        """(first position, end position, consumed after the step) of this rank's batch."""
+        n, b, r = len(self.manifest), self.batch_size, self.num_replicas
+        lo = start + step * b * r
+        if lo + b * r <= n:
+            return lo + self.rank * b, lo + (self.rank + 1) * b, lo + b * r
+        share = -(-(n - lo) // r)  # the short last step, split evenly (drop_last=False)
+        return lo + self.rank * share, lo + (self.rank + 1) * share, n
+
+    def _indices(self, first: int, end: int) -> list[int]:
+        order = self.order(self._iter[0] if self._iter else None)
+        return order[np.arange(first, end) % len(order)].tolist()  # type: ignore[no-any-return]
+
+    def __iter__(self) -> Iterator[WindowBatch]:
+        epoch, start = self.epoch, self._resume_at
+        self._iter, self._yielded = (epoch, start), 0
+        steps = self._steps(start)
+        for s in range(steps):
+            first, end, consumed = self._slice(start, s)
+            batch = WindowBatch(self._indices(first, end))
+            batch.epoch, batch.position, batch.consumed = epoch, first, consumed
+            batch.pad = max(0, end - max(first, len(self.manifest)))
+            ahead = range(1, self.lookahead + 1) if s == 0 or not self.lookahead else [
+                s + self.lookahead]
+            batch.prefetch = [g for a in ahead if a < steps
+                              for g in self._indices(*self._slice(start, a)[:2])]
+            self._yielded = s + 1
+            yield batch
+        if self._iter == (epoch, start):  # ran to its end: the next iteration is a new epoch
+            self.epoch, self._resume_at = epoch + 1, 0
+
+    # -- state ------------------------------------------------------------------------------
+
+    def position(self, steps: int | None = None) -> tuple[int, int]:
+        """(epoch, global samples consumed in it) after ``steps`` steps of the current
+        iteration (by default, the batches it has yielded); a finished epoch is (next, 0)."""
+        if self._iter is None:
+            return self.epoch, self._resume_at
+        epoch, start = self._iter
+        steps = self._yielded if steps is None else steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise InvalidArgument(f"WindowSampler: steps must be an int >= 0 (batches trained "
+                                  f"on since this iteration began), got {steps!r}")
+        if steps >= self._steps(start):
+            return epoch + 1, 0
+        return epoch, start + steps * self.batch_size * self.num_replicas
+
+    def state_dict(self, steps: int | None = None) -> dict[str, Any]:
+        """The resume point. With a plain DataLoader whose workers prefetch, pass ``steps``:
+        the batches trained on since this iteration began (the sampler itself runs ahead)."""
+        epoch, consumed = self.position(steps)
+        return {"format": FORMAT, "epoch": epoch, "consumed": consumed,
+                "total": len(self.manifest), "seed": self.seed,
+                "manifest_digest": self.manifest.digest, "shuffle": self.shuffle,
+                "locality": self.locality}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue a run: the next iteration starts where ``state`` says, on any world size."""
+        if not isinstance(state, Mapping) or state.get("format") != FORMAT:
+            got = state.get("format") if isinstance(state, Mapping) else state
+            raise InvalidArgument(f"not a WindowSampler state: format is {got!r}, "
+                                  f"expected {FORMAT!r}")
+        mine = self.state_dict()
+        for key in ("manifest_digest", "seed", "shuffle", "locality", "total"):
+            if state.get(key) != mine[key]:
+                raise InvalidArgument(
+                    f"WindowSampler state has {key} {state.get(key)!r}, this sampler "
+                    f"{mine[key]!r}: resume with the manifest and order the run used "
+                    "(Manifest.load of the checkpoint's manifest, the same seed)")
+        consumed, epoch = _count(state, "consumed"), _count(state, "epoch")
+        if consumed > len(self.manifest):
+            raise InvalidArgument(f"WindowSampler state: consumed {consumed!r} is past the "
+                                  f"epoch's {len(self.manifest)} samples")
+        if consumed == len(self.manifest):
+            epoch, consumed = epoch + 1, 0
+        self.epoch, self._resume_at, self._iter, self._yielded = epoch, consumed, None, 0
+
+
+def _count(state: Mapping[str, Any], name: str) -> int:
+    value = state.get(name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidArgument(f"WindowSampler state: {name} must be an int >= 0, got {value!r}")
+    return value
