@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 from episerve_client.aio import AsyncClient
 from episerve_client.channel import TLS
 from episerve_client.client import Client
-from episerve_client.convert import EpisodeInfo, Listing, ReadResult
+from episerve_client.convert import EpisodeInfo, KeyStats, Listing, ReadResult
 from episerve_client.lerobot import keymap_from_delta_timestamps
 
 __all__ = [
@@ -16,11 +16,16 @@ __all__ = [
     "BrokenEpisodesWarning",
     "Client",
     "EpisodeInfo",
+    "KeyStats",
     "Listing",
     "Manifest",
+    "MixtureDataset",
     "ReadResult",
     "SampleBatch",
+    "WeightedMixtureSampler",
+    "WindowBatch",
     "WindowDataset",
+    "WindowSampler",
     "collate",
     "keymap_from_delta_timestamps",
     "to_float",
@@ -33,6 +38,8 @@ if TYPE_CHECKING:
     from episerve_client.data.episodes import BrokenEpisodesWarning
     from episerve_client.data.frames import to_float
     from episerve_client.data.manifest import Manifest
+    from episerve_client.data.mixture import MixtureDataset, WeightedMixtureSampler
+    from episerve_client.data.sampler import WindowBatch, WindowSampler
 
 
 def __getattr__(name: str) -> Any:
@@ -56,4 +63,5 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(name)
 
 
-_DATA = ("BrokenEpisodesWarning", "Manifest", "to_float")
+_DATA = ("BrokenEpisodesWarning", "Manifest", "MixtureDataset", "WeightedMixtureSampler",
+         "WindowBatch", "WindowSampler", "to_float")

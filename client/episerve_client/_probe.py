@@ -25,7 +25,7 @@ from typing import Any
 
 from episerve_client import channel
 from episerve_client.client import Client
-from episerve_client.convert import Listing
+from episerve_client.convert import KeyStats, Listing
 from episerve_client.errors import (
     BrokenEpisodeError,
     DeadlineExceeded,
@@ -40,14 +40,29 @@ SLACK_S = 30.0
 def probe(target: str | Sequence[str], keymap: Mapping[str, Any], *, timeout_s: float,
           client_options: Mapping[str, Any]) -> Listing:
     """List the episodes and validate the keymap, from a child process."""
-    request = (target, dict(keymap), timeout_s, dict(client_options))
+    reply = _in_child("probe", (target, dict(keymap), timeout_s, dict(client_options)),
+                      target, timeout_s)
+    assert isinstance(reply, Listing)
+    return reply
+
+
+def key_stats(target: str | Sequence[str], keys: Sequence[str], episodes: Sequence[str], *,
+              timeout_s: float, client_options: Mapping[str, Any]) -> dict[str, KeyStats]:
+    """``Client.key_stats`` from a child process, so the caller still never starts gRPC."""
+    reply = _in_child("key_stats", (target, list(keys), list(episodes), timeout_s,
+                                    dict(client_options)), target, timeout_s)
+    assert isinstance(reply, dict)
+    return reply
+
+
+def _in_child(kind: str, args: tuple[Any, ...], target: object, timeout_s: float) -> Any:
+    request = (kind, args)
     if sys.platform.startswith("linux") and not channel._GRPC_PIDS:
         reply = pickle.loads(_forked(request, target, timeout_s + SLACK_S))
     else:
         reply = pickle.loads(_spawned(request, target, timeout_s + SLACK_S))
     if isinstance(reply, BaseException):
         raise reply
-    assert isinstance(reply, Listing)
     return reply
 
 
@@ -108,8 +123,9 @@ def _late(target: object, timeout_s: float) -> DeadlineExceeded:
 
 def _reply(request: tuple[Any, ...]) -> bytes:
     reply: Any
+    kind, args = request
     try:
-        reply = _check(*request)
+        reply = _check(*args) if kind == "probe" else _key_stats(*args)
     except EpiserveError as exc:
         reply = exc
     return pickle.dumps(reply)
@@ -121,6 +137,12 @@ def _check(target: Any, keymap: dict[str, Any], timeout_s: float,
         listing = client.list_episodes(timeout_s=timeout_s)
         client.register_keymap(keymap, timeout_s=timeout_s)
     return listing
+
+
+def _key_stats(target: Any, keys: list[str], episodes: list[str], timeout_s: float,
+               options: dict[str, Any]) -> dict[str, KeyStats]:
+    with Client(target, **options) as client:
+        return client.key_stats(keys, episodes=episodes, timeout_s=timeout_s)
 
 
 @dataclass(frozen=True, slots=True)

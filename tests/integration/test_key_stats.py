@@ -253,3 +253,27 @@ def test_long_episodes_in_blocks_and_a_tiny_budget(root: Path, budget: int,
     counters = core.key_stats.counters()
     assert counters["key_stats_cache_bytes"] <= budget
     assert counters["key_stats_parts_computed"] == (8 if budget == 1 else 6)
+
+
+def test_dataset_stats_cover_its_manifest_by_output_key(
+        root: Path, start_daemon: Callable[..., DaemonProcess]) -> None:
+    from episerve_client import WindowDataset
+    from episerve_client.data import Manifest
+
+    keymap = {"noise_out": {"zarr_key": "noise", "key_type": "proprio_keys", "history": 2},
+              "grid_out": {"zarr_key": "grid", "key_type": "action_keys", "horizon": 3}}
+    target = start_daemon(root).target
+    full = WindowDataset(target, keymap, episodes=["noisy0", "noisy1", "noisy2"])
+    part = WindowDataset(target, keymap,
+                         manifest=Manifest.of([("noisy0", 150), ("noisy2", 401)]))
+    got = part.stats()
+    assert sorted(got) == ["grid_out", "noise_out"]
+    assert_matches(got["noise_out"], oracle(root, ["noisy0", "noisy2"], "noise"), 2)
+    assert_matches(got["grid_out"], oracle(root, ["noisy0", "noisy2"], "grid"), 2)
+    assert_matches(full.stats(["grid_out"])["grid_out"],
+                   oracle(root, ["noisy0", "noisy1", "noisy2"], "grid"), 3)
+    with pytest.raises(errors.InvalidArgument, match="'nope'"):
+        part.stats(["nope"])
+    # asked from a child process: the building process still has not started gRPC
+    from episerve_client import channel
+    assert not channel._GRPC_PIDS

@@ -39,7 +39,7 @@ def table(stats: dict[str, Any], out: TextIO) -> None:
         out.write(f"{'':<{width}}({s.count} rows over {s.episodes} episodes)\n")
 
 
-def main(argv: Sequence[str]) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="episerve stats",
         description="Per-feature mean, std, min, max and 1st/99th percentiles of numeric keys, "
@@ -52,6 +52,11 @@ def main(argv: Sequence[str]) -> int:
     p.add_argument("--json", dest="json_out", help="also write the statistics to this JSON file")
     p.add_argument("--timeout-s", type=float, default=600.0,
                    help="time limit per key (default 600)")
+    return p
+
+
+def main(argv: Sequence[str]) -> int:
+    p = _parser()
     args = p.parse_args(argv)
     from episerve_client import Client
     from episerve_client._base import load_keymap

@@ -11,9 +11,9 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from episerve_client._base import KeymapLike, load_keymap
-from episerve_client._probe import probe
+from episerve_client._probe import key_stats, probe
 from episerve_client.client import Client
-from episerve_client.convert import EpisodeInfo, Listing, ReadResult
+from episerve_client.convert import EpisodeInfo, KeyStats, Listing, ReadResult
 from episerve_client.data import ranks
 from episerve_client.data.batch import SampleBatch
 from episerve_client.data.episodes import ON_BROKEN, as_manifest, explicit, whole_root
@@ -146,6 +146,31 @@ class WindowDataset(Dataset[dict[str, Any]]):
         if self._client is None:
             self._client = Client(self.target, **self.client_options)
         return self._client
+
+    def stats(self, keys: Sequence[str] | None = None, *,
+              timeout_s: float = 600.0) -> dict[str, KeyStats]:
+        """Per-feature statistics of output ``keys`` (default: every proprio and action
+        entry) over the real rows of this dataset's episodes, computed by the daemon.
+
+        Keyed by output key; each ``KeyStats`` has float64 ``mean``, ``std`` (population),
+        ``min``, ``max``, ``q01`` and ``q99`` of the zarr key's feature shape. Asked from a
+        child process, like building the dataset, so DataLoader workers can still fork.
+        The first pass over a flagship-size set takes seconds; the daemon caches each
+        (episode, key) part, so asking again, or after episodes were added, is quick.
+        """
+        if keys is None:
+            keys = [name for name, spec in self.keymap.items()
+                    if spec.get("key_type") in ("proprio_keys", "action_keys")]
+        if isinstance(keys, str) or not keys:
+            raise InvalidArgument(f"keys must be a non-empty list of output keys, got {keys!r}")
+        unknown = [k for k in keys if k not in self.keymap]
+        if unknown:
+            raise InvalidArgument(f"output key {unknown[0]!r} is not in the keymap "
+                                  f"{sorted(self.keymap)!r}", key=str(unknown[0]))
+        zarr_keys = {k: str(self.keymap[k]["zarr_key"]) for k in keys}
+        by_zarr = key_stats(self.target, sorted(set(zarr_keys.values())), self.manifest.hashes,
+                            timeout_s=timeout_s, client_options=self.client_options)
+        return {k: by_zarr[z] for k, z in zarr_keys.items()}
 
     def locate(self, g: int) -> tuple[str, int]:
         return self.manifest.locate(g)

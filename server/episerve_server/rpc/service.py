@@ -158,7 +158,7 @@ class EpiserveService:
             "GetKeyStats": self.get_key_stats,
             "GetTopology": self.get_topology,
         }
-        assert set(methods) <= set(METHODS)
+        assert tuple(methods) == METHODS  # every method of the contract is served
         return grpc.method_handlers_generic_handler(
             SERVICE_NAME,
             {name: grpc.unary_unary_rpc_method_handler(fn) for name, fn in methods.items()},
