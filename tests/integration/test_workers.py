@@ -246,12 +246,14 @@ def test_reads_during_a_worker_restart_are_retried_not_failed(
 
 def test_sigterm_drains_then_stops_the_workers(ramp_roots: dict[str, Path],
                                                start_daemon: Any) -> None:
-    slow = ("--inject-latency-s", "0.1", "--max-store-concurrency", "1", "--cache-bytes", "0",
+    # A cold batch costs about two store round trips (shard index, then one batched fetch):
+    # 1.5 s each keeps the read in flight well past the SIGTERM.
+    slow = ("--inject-latency-s", "1.5", "--max-store-concurrency", "1", "--cache-bytes", "0",
             "--grace-s", "10")
     d = start_daemon(ramp_roots["sharded"], *slow, workers=2)
     pids = d.worker_pids()
     camera = {"front": {"zarr_key": "images.front_1", "key_type": "camera_keys"}}
-    samples = [("ep003d", f) for f in range(0, 40, 2)]  # owned by worker 0: 20 x 0.1 s
+    samples = [("ep003d", f) for f in range(0, 40, 2)]  # owned by worker 0
     outcome: dict[str, Any] = {}
 
     def read() -> None:
@@ -260,7 +262,8 @@ def test_sigterm_drains_then_stops_the_workers(ramp_roots: dict[str, Path],
 
     reader = threading.Thread(target=read)
     reader.start()
-    time.sleep(0.8)
+    time.sleep(1.0)
+    assert reader.is_alive()  # the read is still in flight when the drain starts
     d.proc.send_signal(signal.SIGTERM)
     time.sleep(0.2)
     assert _health(d.target) == NOT_SERVING
