@@ -257,12 +257,12 @@ def test_both_probe_paths_agree_and_the_builder_never_starts_grpc(
         daemon: DaemonProcess) -> None:
     n, fresh, used = isolated(build_without_grpc, daemon.target)
     assert n == 495 and fresh and not used
-    request = (daemon.target, KEYMAPS["mecka_keypoints_k4"], 10.0, {})
+    request = ("probe", (daemon.target, KEYMAPS["mecka_keypoints_k4"], 10.0, {}))
     forked = pickle.loads(_probe._forked(request, daemon.target, 40.0))
     spawned = pickle.loads(_probe._spawned(request, daemon.target, 40.0))
     assert forked == spawned and len(forked.episodes) == 4
-    bad = (daemon.target, {"a": {"zarr_key": "obs_head_pose", "key_type": "action_keys",
-                                 "horizon": 0}}, 10.0, {})
+    bad = ("probe", (daemon.target, {"a": {"zarr_key": "obs_head_pose",
+                                           "key_type": "action_keys", "horizon": 0}}, 10.0, {}))
     for run in (_probe._forked, _probe._spawned):
         reply = pickle.loads(run(bad, daemon.target, 40.0))
         assert isinstance(reply, errors.KeymapError) and "horizon" in str(reply)
