@@ -303,7 +303,6 @@ class BaseClient:
                   all_masks: bool = False,
                   prefetch: Sequence[tuple[str, int]] = ()) -> Flow:
         km = load_keymap(keymap)
-        hints = self._hints(prefetch)
         km_key = json.dumps(km, sort_keys=True, default=str)
         samples = [(str(e), int(f)) for e, f in samples]
         if not samples:
@@ -312,6 +311,7 @@ class BaseClient:
         pending, parts = list(range(len(samples))), []
         max_per_call, attempt = len(samples), 0
         yield from self.workers.learn(self.targets, deadline)
+        hints = self._hints(prefetch)  # after learning the workers: hints go to owners too
         while pending:
             groups = self.workers.split(self.router.route(samples, pending, max_per_call),
                                         samples)
@@ -351,9 +351,9 @@ class BaseClient:
         """Hinted samples by the target that owns their episode; each is sent once, with
         the first call to that target (a hint is never retried)."""
         hinted = [(str(e), int(f)) for e, f in prefetch]
-        return {t: [hinted[i] for i in idx]
-                for t, idx in self.router.route(hinted, list(range(len(hinted))),
-                                                max(1, len(hinted)))}
+        groups = self.router.route(hinted, list(range(len(hinted))), max(1, len(hinted)))
+        return {t: [hinted[i] for i in idx] for t, idx in self.workers.split(groups, hinted)}
+
     def key_stats_payload(self, keys: Sequence[str],
                           episodes: Sequence[str] | None = None) -> bytes:
         """A ``GetKeyStats`` request; ``keys`` is a list of zarr keys, not one string."""

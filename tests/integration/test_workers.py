@@ -199,6 +199,20 @@ def test_a_client_that_cannot_reach_the_workers_reads_through_the_front(
     assert client.stats()["read_rpcs"] == 2  # one forwarded Read per worker
 
 
+def test_prefetch_hints_reach_the_worker_that_owns_each_episode(
+        ramp_roots: dict[str, Path], start_daemon: Any) -> None:
+    d = start_daemon(ramp_roots["sharded"], workers=2)
+    owners = {h: routing.owner(h, 2) for h in ("ep000a", "ep001b")}
+    assert owners["ep000a"] != owners["ep001b"]  # one hint for each worker
+    with Client(d.target) as c:
+        c.read(KEYPOINTS, [("ep000a", 0), ("ep001b", 0)],
+               prefetch=[("ep000a", 5), ("ep001b", 5)])
+        deadline = time.monotonic() + 10
+        while (c.stats()["prefetch_hinted_samples"] < 2 and time.monotonic() < deadline):
+            time.sleep(0.05)
+        assert c.stats()["prefetch_hinted_samples"] == 2
+
+
 def test_token_applies_to_the_workers(ramp_roots: dict[str, Path], start_daemon: Any) -> None:
     d = start_daemon(ramp_roots["sharded"], "--token", "s3cret", workers=2)
     with Client(d.target, token="s3cret", plaintext_token_ok=True) as c:
