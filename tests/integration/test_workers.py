@@ -213,6 +213,26 @@ def test_prefetch_hints_reach_the_worker_that_owns_each_episode(
         assert c.stats()["prefetch_hinted_samples"] == 2
 
 
+def _preloaded(target: str) -> tuple[int, int]:
+    deadline = time.monotonic() + 30
+    with Client(target) as c:
+        while True:
+            stats = c.stats()
+            done = stats["preload_total"] > 0 and stats["preload_chunks"] == stats["preload_total"]
+            if done or time.monotonic() > deadline:
+                return stats["preload_chunks"], stats["preload_total"]
+            time.sleep(0.1)
+
+
+def test_preload_fills_each_worker_with_the_episodes_it_owns(
+        ramp_roots: dict[str, Path], start_daemon: Any) -> None:
+    one = start_daemon(ramp_roots["sharded"], "--preload", "numeric", workers=1)
+    two = start_daemon(ramp_roots["sharded"], "--preload", "numeric", workers=2)
+    single = _preloaded(one.target)
+    assert single[0] == single[1] > 0
+    assert _preloaded(two.target) == single  # summed over the workers: each chunk once
+
+
 def test_token_applies_to_the_workers(ramp_roots: dict[str, Path], start_daemon: Any) -> None:
     d = start_daemon(ramp_roots["sharded"], "--token", "s3cret", workers=2)
     with Client(d.target, token="s3cret", plaintext_token_ok=True) as c:

@@ -27,7 +27,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -66,6 +66,7 @@ class Background:
         self._wake: asyncio.Event | None = None
         self._worker: asyncio.Task[None] | None = None
         self.preload_task: asyncio.Task[None] | None = None
+        self.preload_owns: Callable[[str], bool] | None = None
 
     @property
     def hints_enabled(self) -> bool:
@@ -153,7 +154,9 @@ class Background:
 
     # -- preload ----------------------------------------------------------------------------
 
-    def start_preload(self) -> asyncio.Task[None]:
+    def start_preload(self, owns: Callable[[str], bool] | None = None) -> asyncio.Task[None]:
+        """Preload every healthy episode, or those ``owns`` accepts."""
+        self.preload_owns = owns
         self.preload_task = asyncio.ensure_future(self._preload())
         return self.preload_task
 
@@ -164,7 +167,8 @@ class Background:
             log.exception("preload stopped by an unexpected error")
 
     async def _preload_all(self) -> None:
-        episodes = self.planner.catalog.healthy()
+        owns = self.preload_owns
+        episodes = [e for e in self.planner.catalog.healthy() if owns is None or owns(e.hash)]
         if not self.cache.enabled:
             log.warning("--preload numeric: the cache is off (--cache-bytes 0), nothing to do")
             return

@@ -99,8 +99,10 @@ class Daemon:
             self.metrics.close()
 
 
-async def start(config: ServerConfig, *, stats: Stats | None = None) -> Daemon:
-    """Check the settings (``StartupError``), open the root, bind, serve."""
+async def start(config: ServerConfig, *, stats: Stats | None = None,
+                owns: Callable[[str], bool] | None = None) -> Daemon:
+    """Check the settings (``StartupError``), open the root, bind, serve. ``owns`` narrows
+    ``--preload`` to the episodes this process serves (a worker of ``--workers N``)."""
     preflight.check(config)
     core = build_read_core(config, stats=stats)
     await core.catalog.scan()
@@ -111,7 +113,7 @@ async def start(config: ServerConfig, *, stats: Stats | None = None) -> Daemon:
     service = EpiserveService(config, core.catalog, core.planner, core.stats,
                               key_stats=core.key_stats)
     if config.preload == "numeric":  # in the background: health and reads never wait for it
-        core.background.start_preload()
+        core.background.start_preload(owns)
     metrics = _metrics(config, service)
     interceptors: list[grpc.aio.ServerInterceptor] = [LoggingInterceptor(metrics)]
     if config.token:

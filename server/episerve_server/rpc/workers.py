@@ -33,6 +33,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2
 
+from episerve_proto import routing
 from episerve_proto.contract import EPISODE_TRAILER, ERROR_TRAILER, KEY_TRAILER, SERVICE_PATH
 from episerve_proto.errors import EpiserveError, Unavailable, error_class
 from episerve_server.config import ServerConfig
@@ -94,6 +95,7 @@ class Worker:
     process: subprocess.Popen[bytes] | None = None
     channel: grpc.aio.Channel | None = None
     ready: bool = False
+    count: int = 1  # workers in the pool: with ``index``, which episodes this one owns
 
     @property
     def address(self) -> str:
@@ -103,7 +105,8 @@ class Worker:
         code = "from episerve_server.rpc.workers import main; main()"
         self.process = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE)
         assert self.process.stdin is not None
-        self.process.stdin.write(pickle.dumps((self.config, self.index, os.getpid())))
+        self.process.stdin.write(pickle.dumps((self.config, self.index, self.count,
+                                               os.getpid())))
         self.process.stdin.close()
         self.ready = False
 
@@ -128,7 +131,8 @@ class WorkerPool:
         n = config.worker_count
         folder = runtime_dir(config)
         workers = [Worker(i, folder / f"{i}.sock", worker_config(config, folder / f"{i}.sock",
-                                                                   n)) for i in range(n)]
+                                                                   n), count=n)
+                   for i in range(n)]
         return cls(config, folder, workers, config.token)
 
     @property
@@ -249,7 +253,7 @@ def worker_error(exc: grpc.aio.AioRpcError, index: int) -> EpiserveError:
 
 def main() -> None:
     """A worker's entry point: settings from stdin, then serve until told to stop."""
-    config, index, front_pid = pickle.loads(sys.stdin.buffer.read())
+    config, index, count, front_pid = pickle.loads(sys.stdin.buffer.read())
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the front, which decides
     from episerve_server.rpc import daemon
 
@@ -259,16 +263,17 @@ def main() -> None:
     import uvloop
 
     try:
-        raise SystemExit(uvloop.run(_serve(config, index, front_pid)))
+        raise SystemExit(uvloop.run(_serve(config, index, count, front_pid)))
     except StartupError as exc:
         print(f"episerve serve: worker {index}: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
 
 
-async def _serve(config: ServerConfig, index: int, front_pid: int) -> int:
+async def _serve(config: ServerConfig, index: int, count: int, front_pid: int) -> int:
     from episerve_server.rpc.daemon import _rescan_loop, start
 
-    d = await start(config)
+    # Every worker opens every episode; --preload fills this worker's cache with its own.
+    d = await start(config, owns=lambda episode: routing.owner(episode, count) == index)
     log.info("worker %d (pid %d) serving on unix://%s (%d episodes)", index, os.getpid(),
              config.unix, len(d.service.catalog.healthy()))
     stop = asyncio.Event()
