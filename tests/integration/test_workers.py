@@ -78,18 +78,20 @@ def _topology(target: str) -> tuple[tuple[str, ...], str]:
 
 
 def _forwarded_read(target: str, keymap: dict[str, Any], samples: list[tuple[str, int]],
-                    cutoff: bool = False) -> convert.ReadResult:
+                    cutoff: bool = False, all_masks: bool = False) -> convert.ReadResult:
     """What grpcurl or an older client does: one Read to the daemon's address."""
-    request = convert.read_request(samples, keymap=keymap, annotation_cutoff=cutoff)
+    request = convert.read_request(samples, keymap=keymap, annotation_cutoff=cutoff,
+                                   all_masks=all_masks)
     with grpc.insecure_channel(target) as ch:
         return convert.read_result(ch.unary_unary(SERVICE_PATH + "Read")(request, timeout=30))
 
 
 def _assert_oracle(result: convert.ReadResult, root: Path, keymap: dict[str, Any],
-                   samples: list[tuple[str, int]], cutoff: bool = False) -> None:
+                   samples: list[tuple[str, int]], cutoff: bool = False,
+                   all_masks: bool = False) -> None:
     assert len(result) == len(samples)
     for b, (episode, frame) in enumerate(samples):
-        want = oracle_of(root, episode, frame, keymap, cutoff)
+        want = oracle_of(root, episode, frame, keymap, cutoff, all_masks)
         assert_same_sample(sample_of(result, b), want, (b, episode, frame))
 
 
@@ -120,6 +122,22 @@ def test_forwarded_reads_equal_the_oracle(name: str, cutoff: bool,
                                           ramp_roots: dict[str, Path]) -> None:
     result = _forwarded_read(workers2["unix"].target, KEYMAPS[name], BATCH, cutoff)
     _assert_oracle(result, ramp_roots["sharded"], KEYMAPS[name], BATCH, cutoff)
+
+
+@pytest.mark.parametrize(("name", "cutoff"), [("offsets", True), ("mecka_keypoints_k4", False)])
+def test_all_masks_routed_and_forwarded_equal_the_oracle(
+        name: str, cutoff: bool, workers2: dict[str, DaemonProcess],
+        ramp_roots: dict[str, Path], make_client: Any) -> None:
+    d = workers2["unix"]
+    assert len({routing.owner(e, 2) for e, _ in BATCH}) == 2  # the batch spans both workers
+    routed = make_client(d.target).read(KEYMAPS[name], BATCH, annotation_cutoff=cutoff,
+                                        all_masks=True)
+    forwarded = _forwarded_read(d.target, KEYMAPS[name], BATCH, cutoff, all_masks=True)
+    for result in (routed, forwarded):
+        assert result.total_frames is not None
+        assert any(k.endswith("_is_pad") for k in result.arrays)
+        _assert_oracle(result, ramp_roots["sharded"], KEYMAPS[name], BATCH, cutoff,
+                       all_masks=True)
 
 
 def test_each_worker_serves_the_episodes_it_owns(workers2: dict[str, DaemonProcess],
