@@ -155,18 +155,20 @@ def worker_pids() -> list[int]:
     return pids
 
 
-def run(ds: Dataset[Any], indices: list[int], coll: Callable[..., Any]) -> tuple[float, float,
-                                                                                   float]:
-    """(first-pass samples/s, second-pass samples/s, peak worker RSS MB)."""
+def run(ds: Dataset[Any], indices: list[int], coll: Callable[..., Any],
+        then: Callable[[Any], Any] | None = None) -> tuple[float, float, float]:
+    """(first-pass samples/s, second-pass samples/s, peak worker RSS MB); ``then`` runs on
+    each batch in the main process, as a training step's first line would."""
     loader = DataLoader(ds, batch_size=BATCH, sampler=indices, num_workers=WORKERS,
                         collate_fn=coll, persistent_workers=True, prefetch_factor=2)
+    step = then or (lambda batch: batch)
     rates = []
     for _ in range(2):
         it = iter(loader)
-        next(it)
+        step(next(it))
         start, n = time.perf_counter(), 0
         for batch in it:
-            n += len(next(iter(batch.values())))
+            n += len(next(iter(step(batch).values())))
         rates.append(n / (time.perf_counter() - start))
     rss = max((peak_rss_mb(p) for p in worker_pids()), default=float("nan"))
     del it, loader

@@ -17,7 +17,6 @@ import argparse
 import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,9 +24,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np
-from bench_client import BATCH, WORKERS, peak_rss_mb, worker_pids
+from bench_client import BATCH, run
 from common import MECKA, ensure_dataset, table
-from torch.utils.data import DataLoader
 
 from episerve_client import WindowDataset, collate, to_float
 from episerve_tools.launch import DaemonProcess
@@ -42,25 +40,6 @@ MODES: dict[str, tuple[str, Callable[[dict[str, Any]], dict[str, Any]]]] = {
     "uint8": ("uint8", as_is),
     "uint8 + to_float in the main process": ("uint8", to_float),
 }
-
-
-def run(ds: WindowDataset, indices: list[int],
-        then: Callable[[dict[str, Any]], dict[str, Any]]) -> tuple[float, float, float]:
-    """(first-pass samples/s, second-pass samples/s, peak worker RSS MB); ``then`` runs on
-    each batch in the main process, as a training step's first line would."""
-    loader = DataLoader(ds, batch_size=BATCH, sampler=indices, num_workers=WORKERS,
-                        collate_fn=collate, persistent_workers=True, prefetch_factor=2)
-    rates = []
-    for _ in range(2):
-        it = iter(loader)
-        then(next(it))
-        start, n = time.perf_counter(), 0
-        for batch in it:
-            n += len(then(batch)["frame_index"])
-        rates.append(n / (time.perf_counter() - start))
-    rss = max((peak_rss_mb(p) for p in worker_pids()), default=float("nan"))
-    del it, loader
-    return rates[0], rates[1], rss
 
 
 def main() -> None:
@@ -83,7 +62,7 @@ def main() -> None:
         for r in range(opts.rounds):
             for mode, (frames, then) in MODES.items():
                 ds = WindowDataset(d.target, MECKA, frames=frames)
-                cold, warm, peak = run(ds, indices, then)
+                cold, warm, peak = run(ds, indices, collate, then)
                 rates[mode].append(warm)
                 rss[mode].append(peak)
                 rows.append((str(r), mode, f"{cold:.0f}", f"{warm:.0f}", f"{peak:.0f}"))
