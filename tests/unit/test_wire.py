@@ -100,3 +100,14 @@ def test_varint_matches_protobuf() -> None:
         msg = pb.ReadResponse(frame_index=[n])
         assert msg.SerializeToString() == b"\x12" + wire.varint(len(wire.varint(n))) + \
             wire.varint(n)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.one_of(st.integers(0, 300), st.integers(-2**63, 2**63 - 1)), max_size=40))
+def test_packed_varints_match_protobuf(values: list[int]) -> None:
+    """The numpy varint encoder, one byte to ten (negatives), against protobuf's packing."""
+    body = wire.varints(np.array(values, np.int64))
+    assert body == b"".join(wire.varint(v) for v in values)
+    msg = pb.ReadResponse(frame_index=values)
+    expect = msg.SerializeToString()
+    assert expect == (b"\x12" + wire.varint(len(body)) + body if values else b"")

@@ -39,11 +39,13 @@ class Table:
     chunk_rows: np.ndarray  # per episode position
     packed: np.ndarray  # sorted distinct packed keys
     chunks: list[Chunk | None]
-    rows: np.ndarray  # sorted distinct packed (episode, row) keys this key needs
+    rows: np.ndarray | None  # bytes keys: sorted distinct packed (episode, row) keys needed
     staging: Any = None  # numeric: the fetched chunks concatenated; bytes: the distinct frames
     starts: Any = None  # numeric: first staging row of each chunk (fetched ones)
     slab: Any = None  # numeric, per chunk: the cache slab holding it, -1 if fetched
     slot: Any = None  # numeric, per chunk: its slot in that slab
+    uniform_rows: bool = True  # every episode of the batch has one chunk size for the key
+    single: int | None = None  # the one slab holding every chunk; -1: none; None: not known
 
 
 @dataclass(slots=True)
@@ -58,7 +60,10 @@ class Partial:
 def gather_cached(keymap: Keymap, batch: Batch, windows: dict[str, Window],
                   tables: dict[str, Table], slabs: Any) -> dict[str, Partial]:
     """Every numeric output's rows whose chunks are in the cache, gathered now: the cache
-    may change once the planner awaits its fetches, so nothing reads it after that."""
+    may change once the planner awaits its fetches, so nothing reads it after that.
+
+    The warm case (every chunk of the key in one slab, one chunk size) is one
+    ``searchsorted`` and one ``take`` over the slab's rows per output."""
     out: dict[str, Partial] = {}
     for e in keymap:
         if e.rule is Rule.ANNOTATION:
@@ -68,24 +73,39 @@ def gather_cached(keymap: Keymap, batch: Batch, windows: dict[str, Window],
             continue
         w = windows[e.name]
         rows = w.rows if e.time_axis else w.rows[:, 0]
-        eps = _batch_shaped(batch, rows)
-        c = table.chunk_rows[eps]
-        pos = np.searchsorted(table.packed, eps * PACK + rows // c)
-        slab, slot = table.slab[pos], table.slot[pos]
-        within = rows % c
+        eps = batch.ep if rows.ndim == 1 else batch.ep[:, None]
         feature = table.reader_of[0].info.feature
-        hit = slab >= 0
-        if hit.all() and slab.size and slab.min() == slab.max():
-            data = slabs(int(slab.flat[0]))
-            out[e.name] = Partial(data[slot, within], rows, None)
+        single = _single_slab(table)
+        if single >= 0 and table.uniform_rows:
+            c = int(table.chunk_rows[0])
+            pos = np.searchsorted(table.packed, eps * PACK + rows // c)
+            idx = table.slot[pos] * c + rows % c
+            flat = slabs(single).reshape(-1, *feature)
+            out[e.name] = Partial(flat.take(idx.ravel(), axis=0).reshape(*rows.shape, *feature),
+                                  rows, None)
             continue
+        eps = _batch_shaped(batch, rows)
+        c_of = table.chunk_rows[eps]
+        pos = np.searchsorted(table.packed, eps * PACK + rows // c_of)
+        slab, slot = table.slab[pos], table.slot[pos]
+        within = rows % c_of
+        hit = slab >= 0
         arr = np.empty((*rows.shape, *feature), np.float32)
         for sid in np.flatnonzero(np.bincount(slab[hit], minlength=1)).tolist() \
                 if hit.any() else ():
             m = slab == sid
             arr[m] = slabs(sid)[slot[m], within[m]]
-        out[e.name] = Partial(arr, rows, ~hit)
+        out[e.name] = Partial(arr, rows, None if hit.all() else ~hit)
     return out
+
+
+def _single_slab(table: Table) -> int:
+    """The slab holding every chunk of the table, or -1 (a miss, or several slabs)."""
+    if table.single is None:
+        slab = table.slab
+        lo = int(slab.min()) if slab.size else -1
+        table.single = lo if lo >= 0 and lo == int(slab.max()) else -1
+    return table.single
 
 
 def assemble(keymap: Keymap, batch: Batch, windows: dict[str, Window],
@@ -118,7 +138,8 @@ def assemble(keymap: Keymap, batch: Batch, windows: dict[str, Window],
 
 
 def _batch_shaped(batch: Batch, rows: np.ndarray) -> np.ndarray:
-    return np.broadcast_to(batch.ep.reshape(-1, *([1] * (rows.ndim - 1))), rows.shape)
+    """Each row's episode position, shaped like ``rows`` ((B,) or (B, W))."""
+    return np.repeat(batch.ep, rows.size // max(1, len(batch.ep))).reshape(rows.shape)
 
 
 def _fill(part: Partial, table: Table, batch: Batch) -> np.ndarray:
@@ -147,10 +168,12 @@ def _image_column(e: KeySpec, w: Window, table: Table, batch: Batch,
         table.staging = frames[e.zarr_key] = _distinct_frames(table)
     rows = w.rows if e.time_axis else w.rows[:, 0]
     key = _batch_shaped(batch, rows) * PACK + rows
+    assert table.rows is not None  # bytes tables keep their distinct rows
     return ImageColumn(e.zarr_key, np.searchsorted(table.rows, key).astype(np.int32))
 
 
 def _distinct_frames(table: Table) -> list[bytes]:
+    assert table.rows is not None
     eps, rows = np.divmod(table.rows, PACK)
     c = table.chunk_rows[eps]
     pos = np.searchsorted(table.packed, eps * PACK + rows // c)

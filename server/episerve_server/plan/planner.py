@@ -9,6 +9,7 @@ assembled with one vectorized gather per output key over clamped row indices.
 from __future__ import annotations
 
 import asyncio
+import math
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -196,16 +197,17 @@ class Planner:
     def _table(self, key: str, keymap: Keymap, batch: Batch,
                windows: dict[str, Window]) -> Table:
         readers = [e.readers[key] for e in batch.episodes]
-        shapes = {(r.info.feature, r.info.is_bytes) for r in readers}
-        if len(shapes) > 1:
-            seen = {(r.info.feature, r.info.is_bytes): r.info.episode for r in readers}
+        infos = [r.info for r in readers]
+        first = infos[0]
+        if any(i.feature != first.feature or i.is_bytes != first.is_bytes for i in infos):
+            seen = {(i.feature, i.is_bytes): i.episode for i in infos}
             raise InvalidArgument(
                 f"key {key!r} has different feature shapes in one batch: "
                 + ", ".join(f"episode {ep!r}: {s!r}" for (s, _), ep in sorted(seen.items())),
-                episode=readers[0].info.episode, key=key,
+                episode=first.episode, key=key,
             )
-        rows_cap = np.array([r.info.rows for r in readers], np.int64)
-        chunk_rows = np.array([r.info.chunk_rows for r in readers], np.int64)
+        rows_cap = np.fromiter([i.rows for i in infos], np.int64, len(infos))
+        chunk_rows = np.fromiter([i.chunk_rows for i in infos], np.int64, len(infos))
         eps, rows = _key_rows(key, keymap, batch, windows)
         short = rows >= rows_cap[eps]
         if short.any():
@@ -216,9 +218,13 @@ class Planner:
                 f"but a window needs row {int(rows[k])} (total_frames={e.total_frames})",
                 episode=e.hash, key=key,
             )
-        packed = distinct(eps * PACK + rows // chunk_rows[eps])
-        needed = distinct(eps * PACK + rows)
-        return Table(readers, chunk_rows, packed, [None] * len(packed), needed)
+        uniform = bool(chunk_rows.min() == chunk_rows.max())
+        per_row = int(chunk_rows[0]) if uniform else chunk_rows[eps]
+        packed = distinct(eps * PACK + rows // per_row)
+        # the distinct rows: camera keys send each distinct frame once
+        needed = distinct(eps * PACK + rows) if first.is_bytes else None
+        return Table(readers, chunk_rows, packed, [None] * len(packed), needed,
+                     uniform_rows=uniform)
 
     # -- fetching ---------------------------------------------------------------------------
 
@@ -347,7 +353,7 @@ def _output_bytes(keymap: Keymap, batch: Batch, all_masks: bool = False) -> int:
         if e.rule is Rule.ANNOTATION:
             continue
         info = batch.episodes[0].readers[e.zarr_key].info
-        per_row = 4 if info.is_bytes else 4 * int(np.prod(info.feature))
+        per_row = 4 if info.is_bytes else 4 * math.prod(info.feature)
         per_row += 1 if all_masks and e.time_axis else 0
         total += len(batch.ep) * e.length * per_row
     return total
@@ -381,9 +387,11 @@ def _key_rows(key: str, keymap: Keymap, batch: Batch,
     eps, rows = [], []
     for e in keymap:
         if e.zarr_key == key and e.name in windows:
-            w = windows[e.name].rows
-            eps.append(np.broadcast_to(batch.ep[:, None], w.shape).ravel())
+            w = windows[e.name].rows  # (B, W)
+            eps.append(np.repeat(batch.ep, w.shape[1]))
             rows.append(w.ravel())
+    if len(rows) == 1:
+        return eps[0], rows[0]
     return np.concatenate(eps), np.concatenate(rows)
 
 

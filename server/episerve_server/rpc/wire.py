@@ -4,11 +4,15 @@ Building the message copies every array into the protobuf arena and serializing 
 again; here each array's memory goes straight into one ``bytes.join``. The field numbers
 mirror ``protos/episerve/v1/episerve.proto``; a unit test parses the output with the
 generated class and compares it with a message built the ordinary way.
+
+A batch repeats its few episode hashes and embodiments once per sample, so each distinct
+string is encoded once per response; packed integers are encoded with numpy, not one
+Python call per value.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -16,9 +20,12 @@ from episerve_server.core.result import BatchResult
 
 Buf = bytes | memoryview
 _LEN = 2  # wire type: length-delimited
+_SMALL = [bytes((n,)) for n in range(0x80)]  # the one-byte varints
 
 
 def varint(n: int) -> bytes:
+    if 0 <= n < 0x80:
+        return _SMALL[n]
     if n < 0:
         n += 1 << 64
     out = bytearray()
@@ -29,12 +36,37 @@ def varint(n: int) -> bytes:
     return bytes(out)
 
 
+def varints(values: np.ndarray) -> bytes:
+    """The varints of an integer array, concatenated (a packed repeated int field's body).
+    Negative values take ten bytes, as protobuf writes an ``int64``."""
+    v = np.ascontiguousarray(values).astype(np.int64, copy=False).view(np.uint64).ravel()
+    if v.size == 0:
+        return b""
+    if int(v.max()) < 0x80:
+        return v.astype(np.uint8).tobytes()
+    width = np.ones(v.size, np.int64)
+    rest = v >> np.uint64(7)
+    while rest.any():
+        width += rest > 0
+        rest >>= np.uint64(7)
+    out = np.empty(int(width.sum()), np.uint8)
+    at = np.cumsum(width) - width
+    for k in range(int(width.max())):
+        live = np.flatnonzero(width > k)
+        byte = ((v[live] >> np.uint64(7 * k)) & np.uint64(0x7F)).astype(np.uint8)
+        byte[width[live] > k + 1] |= 0x80
+        out[at[live] + k] = byte
+    return out.tobytes()
+
+
 def _tag(field: int) -> bytes:
     return varint(field << 3 | _LEN)
 
 
 def _field(field: int, payload: Sequence[Buf]) -> list[Buf]:
-    size = sum(len(p) for p in payload)
+    size = 0
+    for p in payload:
+        size += len(p)
     return [_tag(field), varint(size), *payload]
 
 
@@ -42,9 +74,40 @@ def _string(field: int, text: str) -> list[Buf]:
     return _field(field, [text.encode()])
 
 
-def _packed_ints(field: int, values: Iterable[int]) -> list[Buf]:
-    body = b"".join(varint(int(v)) for v in values)
+def _strings(field: int, texts: Sequence[str]) -> bytes:
+    """A repeated string field, each distinct string encoded once."""
+    done: dict[str, bytes] = {}
+    parts = []
+    for t in texts:
+        enc = done.get(t)
+        if enc is None:
+            enc = done[t] = b"".join(_string(field, t))
+        parts.append(enc)
+    return b"".join(parts)
+
+
+def _packed_ints(field: int, values: np.ndarray) -> list[Buf]:
+    body = varints(values)
     return _field(field, [body]) if body else []
+
+
+def _header(field: int, name: str, kind: str, shape: tuple[int, ...]) -> bytes:
+    """Fields 1-3 of an array or image column (name, dtype or source, shape): the same for
+    every batch of a keymap, so they are encoded once and kept (a bounded memo)."""
+    key = (field, name, kind, shape)
+    got = _HEADERS.get(key)
+    if got is None:
+        dims = b"".join(varint(n) for n in shape)
+        got = b"".join([*_string(1, name), *_string(2, kind),
+                        *(_field(3, [dims]) if dims else [])])
+        if len(_HEADERS) >= MAX_HEADERS:
+            _HEADERS.clear()
+        _HEADERS[key] = got
+    return got
+
+
+MAX_HEADERS = 4096
+_HEADERS: dict[tuple[int, str, str, tuple[int, ...]], bytes] = {}
 
 
 def _raw(arr: np.ndarray) -> memoryview:
@@ -56,21 +119,18 @@ def _message(field: int, parts: list[Buf]) -> list[Buf]:
 
 
 def encode_result(result: BatchResult) -> bytes:
-    parts: list[Buf] = []
-    for episode in result.episodes:
-        parts += _string(1, episode)
-    parts += _packed_ints(2, result.frame_index.tolist())
+    parts: list[Buf] = [_strings(1, result.episodes)]
+    parts += _packed_ints(2, result.frame_index)
     parts += _field(3, [_raw(result.fps.astype("<f4"))]) if len(result.fps) else []
-    for embodiment in result.embodiments:
-        parts += _string(4, embodiment)
+    parts.append(_strings(4, result.embodiments))
     for name, arr in result.arrays.items():
         le = arr.astype(arr.dtype.newbyteorder("<"), copy=False)
-        parts += _message(5, [*_string(1, name), *_string(2, le.dtype.str),
-                              *_packed_ints(3, arr.shape), *_field(4, [_raw(le)])])
+        parts += _message(5, [_header(5, name, le.dtype.str, arr.shape),
+                              *_field(4, [_raw(le)])])
     for name, col in result.images.items():
         index = col.index.astype("<i4", copy=False)
-        parts += _message(6, [*_string(1, name), *_string(2, col.source),
-                              *_packed_ints(3, index.shape), *_field(4, [_raw(index)])])
+        parts += _message(6, [_header(6, name, col.source, index.shape),
+                              *_field(4, [_raw(index)])])
     for key, frames in result.frames.items():
         body: list[Buf] = [*_string(1, key)]
         for frame in frames:
@@ -82,5 +142,5 @@ def encode_result(result: BatchResult) -> bytes:
             body += _message(2, [p for t in texts for p in _string(1, t)])
         parts += _message(8, body)
     if result.total_frames is not None:  # all_masks only: default responses are unchanged
-        parts += _packed_ints(9, result.total_frames.tolist())
+        parts += _packed_ints(9, result.total_frames)
     return b"".join(parts)
