@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
@@ -58,9 +58,20 @@ class KeySpec:
     history_stride_s: float | None = None
     lag_s: float | None = None
     offsets_s: tuple[float, ...] | None = None
+    # Derived once, when the entry is made (the planner asks for them on every batch).
+    rule: Rule = field(init=False, compare=False, repr=False)
+    length: int = field(init=False, compare=False, repr=False)  # rows in the window
+    # A windowed output: (W, *feature) per sample, with an ``_is_pad`` mask on request.
+    time_axis: bool = field(init=False, compare=False, repr=False)
 
-    @property
-    def rule(self) -> Rule:
+    def __post_init__(self) -> None:
+        rule = self._rule()
+        object.__setattr__(self, "rule", rule)
+        object.__setattr__(self, "length", self._length(rule))
+        object.__setattr__(self, "time_axis",
+                           rule in (Rule.HORIZON, Rule.HISTORY, Rule.OFFSETS))
+
+    def _rule(self) -> Rule:
         if self.key_type == "annotation_keys":
             return Rule.ANNOTATION
         if self.offsets_s is not None:
@@ -73,27 +84,20 @@ class KeySpec:
             return Rule.LAG
         return Rule.FRAME
 
-    @property
-    def length(self) -> int:
-        """Rows in the window (1 for a single frame)."""
-        if self.rule is Rule.HORIZON:
+    def _length(self, rule: Rule) -> int:
+        if rule is Rule.HORIZON:
             return self.horizon or 1
-        if self.rule is Rule.HISTORY:
+        if rule is Rule.HISTORY:
             return self.history or 1
-        if self.rule is Rule.OFFSETS:
+        if rule is Rule.OFFSETS:
             return len(self.offsets_s or ())
         return 1
 
-    @property
-    def time_axis(self) -> bool:
-        """A windowed output: (W, *feature) per sample, with an ``_is_pad`` mask on request."""
-        return self.rule in (Rule.HORIZON, Rule.HISTORY, Rule.OFFSETS)
-
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"zarr_key": self.zarr_key, "key_type": self.key_type}
-        for field in ("horizon", "history", "history_stride_s", "lag_s"):
-            if getattr(self, field) is not None:
-                out[field] = getattr(self, field)
+        for name in ("horizon", "history", "history_stride_s", "lag_s"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
         if self.history_stride != 1:
             out["history_stride"] = self.history_stride
         if self.offsets_s is not None:
@@ -107,34 +111,30 @@ class Keymap:
     provides ``action_pad_mask`` and ``proprio_history_mask`` (SPEC: "the first ...")."""
 
     entries: tuple[KeySpec, ...]
+    zarr_keys: frozenset[str] = field(init=False, compare=False, repr=False)  # windowed reads
+    annotation_keys: frozenset[str] = field(init=False, compare=False, repr=False)
+    action_mask_entry: KeySpec | None = field(init=False, compare=False, repr=False)
+    proprio_mask_entry: KeySpec | None = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        entries = self.entries
+        object.__setattr__(self, "zarr_keys", frozenset(
+            e.zarr_key for e in entries if e.rule is not Rule.ANNOTATION))
+        object.__setattr__(self, "annotation_keys", frozenset(
+            e.zarr_key for e in entries if e.rule is Rule.ANNOTATION))
+        object.__setattr__(self, "action_mask_entry", next(
+            (e for e in entries if e.key_type == "action_keys" and e.rule is Rule.HORIZON),
+            None))
+        object.__setattr__(self, "proprio_mask_entry", next(
+            (e for e in entries
+             if e.key_type != "camera_keys" and e.rule is Rule.HISTORY and (e.history or 0) > 1),
+            None))
 
     def __iter__(self) -> Iterator[KeySpec]:
         return iter(self.entries)
 
     def __len__(self) -> int:
         return len(self.entries)
-
-    @property
-    def zarr_keys(self) -> frozenset[str]:
-        return frozenset(e.zarr_key for e in self.entries if e.rule is not Rule.ANNOTATION)
-
-    @property
-    def action_mask_entry(self) -> KeySpec | None:
-        return next(
-            (e for e in self.entries if e.key_type == "action_keys" and e.rule is Rule.HORIZON),
-            None,
-        )
-
-    @property
-    def proprio_mask_entry(self) -> KeySpec | None:
-        return next(
-            (
-                e
-                for e in self.entries
-                if e.key_type != "camera_keys" and e.rule is Rule.HISTORY and (e.history or 0) > 1
-            ),
-            None,
-        )
 
     def as_dict(self) -> dict[str, dict[str, Any]]:
         return {e.name: e.as_dict() for e in self.entries}

@@ -169,11 +169,9 @@ class Planner:
     async def _spans(self, keymap: Keymap, batch: Batch,
                      options: ReadOptions) -> dict[str, list[list[Any]]]:
         """Annotation spans per annotation key (and the cutoff's), per episode position."""
-        keys = {e.zarr_key for e in keymap if e.rule is Rule.ANNOTATION}
-        if options.annotation_cutoff and any(
-            e.key_type == "action_keys" and e.rule is Rule.HORIZON for e in keymap
-        ):
-            keys.add("annotations")
+        keys = set(keymap.annotation_keys)
+        if options.annotation_cutoff and keymap.action_mask_entry is not None:
+            keys.add("annotations")  # the cutoff shortens horizon windows of action keys
         out: dict[str, list[list[Any]]] = {}
         for key in sorted(keys):
             out[key] = list(await asyncio.gather(
