@@ -9,7 +9,10 @@ mecka keymap with the front camera's JPEG bytes) it reports:
 
 - warm: the cache holds everything (after 15 s of warm-up over the same episodes);
 - miss: the cache is off, so every chunk of every batch is fetched and decoded;
-- the time to memcpy the same response bytes, as the physical floor.
+- the time to memcpy the same response bytes, as the physical floor;
+- gRPC's own floor: the server CPU of an echo server answering the same clients with
+  responses of the same size (``grpc_floor.py``), the part of the cost that is not the
+  daemon's.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy as np
 import yaml
 from common import MECKA, NUMERIC_MECKA, args, ensure_dataset, table
+from grpc_floor import floor_ms_per_k
 
 from episerve_tools.launch import DaemonProcess
 
@@ -90,14 +94,16 @@ def main() -> None:
             warm, warm_rate, mb, hits = measure(opts.root, path, "8GiB", seconds)
             miss, miss_rate, _, _ = measure(opts.root, path, "0", seconds)
             floor = memcpy_ms_per_k(mb)
+            echo = floor_ms_per_k(int(mb * 1e6 * BATCH / 1000), clients=CLIENTS, batch=BATCH)
             rows.append((name, f"{warm:.1f}", f"{hits:.1%}", f"{warm_rate:,.0f}", f"{miss:.1f}",
                          f"{miss_rate:,.0f}", f"{miss / warm:.2f}x", f"{mb:.1f}",
-                         f"{floor:.2f}"))
+                         f"{floor:.2f}", f"{echo:.1f}"))
     print(f"the first {EPISODES} of {opts.episodes} episodes, {CLIENTS} clients x batch {BATCH}, "
           f"{seconds:g} s per run; daemon CPU from /proc")
     print(table(rows, ("keymap", "warm CPU ms/1k", "warm hit rate", "warm samples/s",
                        "miss CPU ms/1k",
-                       "miss samples/s", "miss/warm", "MB/1k", "memcpy ms/1k")))
+                       "miss samples/s", "miss/warm", "MB/1k", "memcpy ms/1k",
+                       "gRPC echo ms/1k")))
 
 
 if __name__ == "__main__":
