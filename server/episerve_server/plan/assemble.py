@@ -79,8 +79,9 @@ def gather_cached(keymap: Keymap, batch: Batch, windows: dict[str, Window],
         if single >= 0 and table.uniform_rows:
             c = int(table.chunk_rows[0])
             pos = np.searchsorted(table.packed, eps * PACK + rows // c)
-            idx = table.slot[pos] * c + rows % c
-            flat = slabs(single).reshape(-1, *feature)
+            data = slabs(single)  # (slots, rows per slot, *feature): data[slot, within] flat
+            idx = table.slot[pos] * data.shape[1] + rows % c
+            flat = data.reshape(-1, *feature)
             out[e.name] = Partial(flat.take(idx.ravel(), axis=0).reshape(*rows.shape, *feature),
                                   rows, None)
             continue
