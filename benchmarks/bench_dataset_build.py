@@ -71,7 +71,7 @@ def main() -> None:
             ds = WindowDataset(d.target, MECKA)
             builds.append(time.perf_counter() - start)
         assert len(ds.episodes) == opts.episodes, len(ds.episodes)
-        request = (d.target, MECKA, 60.0, {})
+        request = ("probe", (d.target, MECKA, 60.0, {}))
         paths: dict[str, list[float]] = {"forked": [], "spawned": []}
         for _ in range(opts.reps):  # alternating, so both see the same neighbours
             for name, run in (("forked", _probe._forked), ("spawned", _probe._spawned)):
