@@ -5,8 +5,10 @@
 Writes the root first if it is missing: episodes of 200 frames with the mecka numeric keys,
 a 32x24 front camera and annotations (their listing is what matters here, not their data).
 Reports the median of ``--reps`` constructions of the mecka keymap's dataset over the whole
-root (listing and keymap check in the child process included), and apart the parent's
-own share: unpickling the listing, the broken-episode policy and the manifest.
+root (brief listing and the daemon's keymap check in the child process included), the probe
+child alone (forked and as a fresh interpreter), the calls it makes timed in process, and
+apart the parent's own share: unpickling the probe's reply, the broken-episode policy and
+the manifest. For comparison, the full listing that construction used to fetch.
 """
 
 from __future__ import annotations
@@ -70,24 +72,30 @@ def main() -> None:
             start = time.perf_counter()
             ds = WindowDataset(d.target, MECKA)
             builds.append(time.perf_counter() - start)
-        assert len(ds.episodes) == opts.episodes, len(ds.episodes)
-        request = (d.target, MECKA, 60.0, {})
+        assert len(ds.manifest.hashes) == opts.episodes, len(ds.manifest.hashes)
+        request = ("probe", (d.target, MECKA, 60.0, {}))
         paths: dict[str, list[float]] = {"forked": [], "spawned": []}
         for _ in range(opts.reps):  # alternating, so both see the same neighbours
             for name, run in (("forked", _probe._forked), ("spawned", _probe._spawned)):
                 start = time.perf_counter()
                 run(request, d.target, 90.0)
                 paths[name].append(time.perf_counter() - start)
+        blob = _probe._forked(request, d.target, 90.0)  # before this process uses gRPC
+        calls: dict[str, list[float]] = {"brief": [], "check": [], "full": []}
         with Client(d.target) as client:
-            start = time.perf_counter()
-            listing = client.list_episodes()
-            list_s = time.perf_counter() - start
-        blob = pickle.dumps(listing)
+            for _ in range(opts.reps):
+                for name, call in (("brief", lambda: client.list_episodes(brief=True)),
+                                   ("check", lambda: client.check_keymap(MECKA)),
+                                   ("full", lambda: client.list_episodes())):
+                    start = time.perf_counter()
+                    call()
+                    calls[name].append(time.perf_counter() - start)
+            full_blob = pickle.dumps(client.list_episodes())
         parents = []
         for _ in range(opts.reps):
             start = time.perf_counter()
             got = pickle.loads(blob)
-            chosen = whole_root(got, MECKA, "skip", d.target)
+            chosen = whole_root(got, "skip", d.target)
             Manifest(tuple((e.hash, e.total_frames) for e in chosen))
             parents.append(time.perf_counter() - start)
     print(f"{opts.episodes} episodes, {len(ds):,} frames")
@@ -99,8 +107,12 @@ def main() -> None:
               "(listing, keymap registration, pickled reply)")
     print(f"load average: {' '.join(f'{x:.1f}' for x in os.getloadavg())} on {os.cpu_count()} "
           "cores")
-    print(f"list_episodes() in process (full entries): {list_s * 1e3:.1f} ms, "
-          f"{len(blob) / 1e6:.2f} MB pickled")
+    ms = {name: statistics.median(times) * 1e3 for name, times in calls.items()}
+    print(f"in process, medians: list_episodes(brief=True) {ms['brief']:.1f} ms, "
+          f"check_keymap() {ms['check']:.1f} ms (what the probe asks for); "
+          f"list_episodes() with full entries {ms['full']:.1f} ms (no longer asked for)")
+    print(f"probe reply {len(blob) / 1e6:.3f} MB pickled (the full listing: "
+          f"{len(full_blob) / 1e6:.2f} MB)")
     print(f"parent's share (unpickle, on_broken policy, manifest): median "
           f"{statistics.median(parents) * 1e3:.1f} ms")
 

@@ -274,25 +274,32 @@ class BaseClient:
             attempt += 1
 
     def list_flow(self, timeout_s: float | None = None, page_size: int = 0,
-                  brief: bool = False) -> Flow:
+                  brief: bool = False, hashes: Sequence[str] | None = None) -> Flow:
         """Every page of ``ListEpisodes``, from one target, as one ``Listing``.
 
         ``brief``: only each episode's hash, ``total_frames`` and ``content_hash`` (and the
-        broken ones with their reasons), what a dataset needs: a fraction of the bytes.
+        broken ones with their reasons): a fraction of the bytes. ``hashes``: only those
+        episodes (a daemon that lists everything is filtered here).
 
         Pages continue after the last hash served, so episodes added meanwhile never make
         one listed twice or skipped; the deadline covers all pages.
         """
+        if isinstance(hashes, str | bytes):
+            raise InvalidArgument(f"hashes must be a list of episode hashes, got {hashes!r}")
+        wanted = None if hashes is None else [str(h) for h in hashes]
+        if wanted == []:
+            return convert.Listing([], {})
         deadline = time.monotonic() + (timeout_s or self.timeout_s)
         pages, token = [], ""
         while True:
-            payload = convert.list_request(token, page_size, brief)
+            payload = convert.list_request(token, page_size, brief, wanted or ())
             data = yield from self.unary_flow("ListEpisodes", payload, None,
                                               max(_left(deadline), 0.001))
             page, next_token = convert.listing_page(data)
             pages.append(page)
             if not next_token:
-                return convert.merge_listings(pages)
+                merged = convert.merge_listings(pages)
+                return merged if wanted is None else convert.only(merged, set(wanted))
             if next_token <= token:
                 raise DataLossError(f"the daemon's listing did not advance: page token "
                                     f"{next_token!r} after {token!r}")

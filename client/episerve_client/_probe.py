@@ -19,28 +19,42 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from episerve_client import channel
 from episerve_client.client import Client
-from episerve_client.convert import KeyStats, Listing
+from episerve_client.convert import EpisodeInfo, KeyStats, Listing, only
 from episerve_client.errors import (
     BrokenEpisodeError,
     DeadlineExceeded,
     EpiserveError,
     KeymapError,
 )
+from episerve_proto.contract import declared_frame_size, missing_array_reason
 
 #: Seconds a probe may take beyond the caller's timeout (process start, teardown).
 SLACK_S = 30.0
+#: ``describe`` names at most this many episodes in its request; more are filtered from the
+#: whole listing here (each page's request would carry them all again).
+MAX_NAMED_EPISODES = 4096
 
 
 def probe(target: str | Sequence[str], keymap: Mapping[str, Any], *, timeout_s: float,
-          client_options: Mapping[str, Any]) -> Listing:
-    """List the episodes and validate the keymap, from a child process."""
+          client_options: Mapping[str, Any]) -> Survey:
+    """List the episodes (brief) and check the keymap on the daemon, from a child process."""
     reply = _in_child("probe", (target, dict(keymap), timeout_s, dict(client_options)),
+                      target, timeout_s)
+    assert isinstance(reply, Survey)
+    return reply
+
+
+def describe(target: str | Sequence[str], hashes: Sequence[str], *, timeout_s: float,
+             client_options: Mapping[str, Any]) -> Listing:
+    """The full listing entries of ``hashes`` (fps, embodiment, features, attributes,
+    arrays), from a child process."""
+    reply = _in_child("describe", (target, list(hashes), timeout_s, dict(client_options)),
                       target, timeout_s)
     assert isinstance(reply, Listing)
     return reply
@@ -125,24 +139,45 @@ def _reply(request: tuple[Any, ...]) -> bytes:
     reply: Any
     kind, args = request
     try:
-        reply = _check(*args) if kind == "probe" else _key_stats(*args)
+        reply = _KINDS[kind](*args)
     except EpiserveError as exc:
         reply = exc
     return pickle.dumps(reply)
 
 
 def _check(target: Any, keymap: dict[str, Any], timeout_s: float,
-           options: dict[str, Any]) -> Listing:
+           options: dict[str, Any]) -> Survey:
+    """The brief listing, then the daemon's check of the keymap against its episodes.
+
+    In that order: the listing's first page rescans the root, so every episode it lists is
+    one the check (on the same catalog) has seen. A daemon that does not know the check
+    (``checked`` False) is checked here against its full listing, as before it existed.
+    """
     with Client(target, **options) as client:
-        listing = client.list_episodes(timeout_s=timeout_s)
-        client.register_keymap(keymap, timeout_s=timeout_s)
-    return listing
+        listing = client.list_episodes(timeout_s=timeout_s, brief=True)
+        check = client.check_keymap(keymap, timeout_s=timeout_s)
+        if not check.checked:
+            return survey_of(keymap, client.list_episodes(timeout_s=timeout_s))
+    missing = {h: Problem(h, reason, key) for h, reason, key in check.problems}
+    return Survey(listing.episodes, listing.broken, missing, check.frame_sizes)
+
+
+def _describe(target: Any, hashes: list[str], timeout_s: float,
+              options: dict[str, Any]) -> Listing:
+    named = hashes if len(hashes) <= MAX_NAMED_EPISODES else None
+    with Client(target, **options) as client:
+        listing = client.list_episodes(timeout_s=timeout_s, hashes=named)
+    return listing if named is not None else only(listing, set(hashes))
 
 
 def _key_stats(target: Any, keys: list[str], episodes: list[str], timeout_s: float,
                options: dict[str, Any]) -> dict[str, KeyStats]:
     with Client(target, **options) as client:
         return client.key_stats(keys, episodes=episodes, timeout_s=timeout_s)
+
+
+_KINDS: dict[str, Callable[..., Any]] = {"probe": _check, "describe": _describe,
+                                         "key_stats": _key_stats}
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,35 +196,64 @@ class Problem:
                                   episode=self.episode)
 
 
-def check_keys(keymap: Mapping[str, Any], listing: Listing,
-               hashes: Sequence[str] | None = None) -> dict[str, Problem]:
-    """The problem of each episode (all of ``hashes``, or every one listed, broken ones
-    included) that cannot serve the keymap: broken, or without one of its zarr keys.
+@dataclass(frozen=True, slots=True)
+class Survey:
+    """What building a dataset learns from the daemon: the episodes it serves (brief
+    entries: hash, ``total_frames``, ``content_hash``; full ones from a daemon without the
+    keymap check), the broken ones with their reason, the served episodes that lack one of
+    the keymap's zarr keys, and per camera zarr key the frame size each episode declares."""
 
-    One policy for every cause; ``WindowDataset``'s ``on_broken`` decides what to do with
-    them. Episodes the daemon does not list at all are not problems here.
-    """
-    arrays = {e.hash: set(e.arrays) for e in listing.episodes}
-    wanted = list(hashes) if hashes is not None else sorted([*arrays, *listing.broken])
-    out: dict[str, Problem] = {}
-    for h in wanted:
-        if h in listing.broken:
-            out[h] = Problem(h, listing.broken[h])
+    episodes: list[EpisodeInfo]
+    broken: dict[str, str]
+    missing: dict[str, Problem]  # the first zarr key of the keymap each episode lacks
+    frame_sizes: dict[str, dict[str, tuple[int, int]]]  # zarr key -> episode -> (H, W)
+    full: bool = False  # ``episodes`` are full listing entries
+
+    def problems(self, hashes: Sequence[str] | None = None) -> dict[str, Problem]:
+        """The problem of each episode (all of ``hashes``, or every one listed, broken ones
+        included) that cannot serve the keymap: broken, or without one of its zarr keys.
+
+        One policy for every cause; ``WindowDataset``'s ``on_broken`` decides what to do with
+        them. Episodes the daemon does not list at all are not problems here.
+        """
+        listed = {e.hash for e in self.episodes}
+        wanted = list(hashes) if hashes is not None else sorted([*listed, *self.broken])
+        out: dict[str, Problem] = {}
+        for h in wanted:
+            if h in self.broken:
+                out[h] = Problem(h, self.broken[h])
+            elif h in listed and h in self.missing:
+                out[h] = self.missing[h]
+        return out
+
+
+def survey_of(keymap: Mapping[str, Any], listing: Listing) -> Survey:
+    """The daemon's keymap check, done here from a full listing (its arrays and features):
+    for a daemon that answers ``RegisterKeymap`` without it."""
+    keys = [(str(name), str(spec.get("zarr_key"))) for name, spec in keymap.items()]
+    framed = list(dict.fromkeys(str(spec.get("zarr_key")) for spec in keymap.values()
+                                if spec.get("key_type") != "annotation_keys"))
+    missing: dict[str, Problem] = {}
+    sizes: dict[str, dict[str, tuple[int, int]]] = {}
+    for e in listing.episodes:
+        have = set(e.arrays)
+        lacking = next(((n, z) for n, z in keys if z not in have), None)
+        if lacking is not None:
+            missing[e.hash] = Problem(e.hash, missing_array_reason(*lacking), lacking[1])
             continue
-        have = arrays.get(h)
-        if have is None:
-            continue
-        for name, spec in keymap.items():
-            key = str(spec.get("zarr_key"))
-            if key not in have:
-                out[h] = Problem(h, f"output key {name!r}: the episode has no array {key!r}",
-                                 key)
-                break
-    return out
+        for key in framed:
+            size = declared_frame_size(e.features, key)
+            if size is not None:
+                sizes.setdefault(key, {})[e.hash] = size
+    return Survey(listing.episodes, listing.broken, missing, sizes, full=True)
 
 
 def main() -> None:
-    sys.stdout.buffer.write(_reply(pickle.loads(sys.stdin.buffer.read())))
+    # Run as ``python -m``, this module is ``__main__``: reply through the module imported by
+    # its name, so that its classes (``Survey``) pickle as ``episerve_client._probe.*``.
+    from episerve_client import _probe
+
+    sys.stdout.buffer.write(_probe._reply(pickle.loads(sys.stdin.buffer.read())))
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from episerve_client._base import (
     load_keymap,
 )
 from episerve_client.channel import CHANNEL_OPTIONS
-from episerve_client.convert import KeyStats, Listing, ReadResult
+from episerve_client.convert import KeymapCheck, KeyStats, Listing, ReadResult
 from episerve_client.errors import from_rpc_error
 from episerve_proto.contract import SERVICE_PATH
 
@@ -37,11 +37,12 @@ class AsyncClient(BaseClient):
     async def aclose(self) -> None:
         await asyncio.gather(*(c.close() for c in self._take_channels()))
 
-    async def list_episodes(self, *, timeout_s: float | None = None,
-                      brief: bool = False) -> Listing:
+    async def list_episodes(self, *, timeout_s: float | None = None, brief: bool = False,
+                      hashes: Sequence[str] | None = None) -> Listing:
         """Every episode the daemon serves, and the broken ones with their reasons.
-        ``brief=True``: only hash, total_frames and content_hash per episode."""
-        listing: Listing = await self._run(self.list_flow(timeout_s, brief=brief))
+        ``brief=True``: only hash, total_frames and content_hash per episode; ``hashes``:
+        only those episodes."""
+        listing: Listing = await self._run(self.list_flow(timeout_s, brief=brief, hashes=hashes))
         return listing
 
     async def stats(self, *, target: str | None = None,
@@ -54,6 +55,14 @@ class AsyncClient(BaseClient):
         payload = convert.register_request(load_keymap(keymap))
         return convert.keymap_id(await self._run(self.unary_flow("RegisterKeymap", payload,
                                                                  None, timeout_s)))
+
+    async def check_keymap(self, keymap: KeymapLike, *,
+                           timeout_s: float | None = None) -> KeymapCheck:
+        """Register a keymap and have the daemon check it against every episode it serves:
+        which lack one of its zarr keys, and the frame size each declares per camera key."""
+        payload = convert.register_request(load_keymap(keymap), check_episodes=True)
+        return convert.keymap_check(await self._run(self.unary_flow("RegisterKeymap", payload,
+                                                                    None, timeout_s)))
 
     async def read(self, keymap: KeymapLike, samples: Sequence[tuple[str, int]], *,
                    annotation_cutoff: bool = False,

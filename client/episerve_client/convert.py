@@ -35,6 +35,24 @@ class Listing:
     broken: dict[str, str]
 
 
+@dataclass(frozen=True, slots=True)
+class KeymapCheck:
+    """``RegisterKeymap`` with ``check_episodes``: the keymap against every served episode.
+
+    ``checked`` is False from a daemon that does not know the check (then ``problems`` and
+    ``frame_sizes`` are empty and say nothing). ``problems``: ``(episode, reason, zarr key)``
+    of each served episode that lacks one of the keymap's zarr keys; ``frame_sizes``: zarr
+    key -> episode -> the ``(H, W)`` its ``features`` declare (episodes that declare none
+    are absent).
+    """
+
+    keymap_id: str
+    checked: bool
+    episodes_checked: int = 0
+    problems: tuple[tuple[str, str, str], ...] = ()
+    frame_sizes: dict[str, dict[str, tuple[int, int]]] = field(default_factory=dict)
+
+
 @dataclass(slots=True)
 class ReadResult:
     """One batch, columnar. Arrays are writable and own their memory."""
@@ -111,8 +129,10 @@ def _set_field(entry: Any, name: str, opt: str, value: Any) -> None:
                   else "a number of seconds") from None
 
 
-def register_request(keymap: Mapping[str, Mapping[str, Any]]) -> bytes:
-    return pb.RegisterKeymapRequest(keymap=keymap_message(keymap)).SerializeToString()  # type: ignore[no-any-return]
+def register_request(keymap: Mapping[str, Mapping[str, Any]],
+                     check_episodes: bool = False) -> bytes:
+    msg = pb.RegisterKeymapRequest(keymap=keymap_message(keymap), check_episodes=check_episodes)
+    return msg.SerializeToString()  # type: ignore[no-any-return]
 
 
 def read_request(samples: Sequence[tuple[str, int]], *, keymap_id: str = "",
@@ -148,6 +168,16 @@ def keymap_id(data: bytes) -> str:
     return str(_parse(pb.RegisterKeymapResponse, data).keymap_id)
 
 
+def keymap_check(data: bytes) -> KeymapCheck:
+    msg = _parse(pb.RegisterKeymapResponse, data)
+    sizes: dict[str, dict[str, tuple[int, int]]] = {}
+    for g in msg.frame_sizes:
+        size = (int(g.height), int(g.width))
+        sizes.setdefault(g.key, {}).update(dict.fromkeys(g.episodes, size))
+    return KeymapCheck(str(msg.keymap_id), bool(msg.checked), int(msg.episodes_checked),
+                       tuple((p.episode, p.reason, p.key) for p in msg.problems), sizes)
+
+
 def read_result(data: bytes) -> ReadResult:
     msg = _parse(pb.ReadResponse, data)
     out = ReadResult(
@@ -172,8 +202,10 @@ def read_result(data: bytes) -> ReadResult:
     return out
 
 
-def list_request(page_token: str = "", page_size: int = 0, brief: bool = False) -> bytes:
-    msg = pb.ListEpisodesRequest(page_token=page_token, page_size=page_size, brief=brief)
+def list_request(page_token: str = "", page_size: int = 0, brief: bool = False,
+                 hashes: Sequence[str] = ()) -> bytes:
+    msg = pb.ListEpisodesRequest(page_token=page_token, page_size=page_size, brief=brief,
+                                 hashes=list(hashes))
     return msg.SerializeToString()  # type: ignore[no-any-return]
 
 
@@ -208,6 +240,12 @@ def merge_listings(pages: Sequence[Listing]) -> Listing:
     episodes = {e.hash: e for page in pages for e in page.episodes}
     broken = {h: r for page in pages for h, r in page.broken.items()}
     return Listing([episodes[h] for h in sorted(episodes)], dict(sorted(broken.items())))
+
+
+def only(listing: Listing, hashes: set[str]) -> Listing:
+    """The entries of ``listing`` for ``hashes`` (healthy and broken)."""
+    return Listing([e for e in listing.episodes if e.hash in hashes],
+                   {h: r for h, r in listing.broken.items() if h in hashes})
 
 
 def stats(data: bytes) -> dict[str, Any]:

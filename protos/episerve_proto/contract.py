@@ -7,6 +7,9 @@ descriptor of ``episerve/v1/episerve.proto``.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 PACKAGE = "episerve.v1"
 SERVICE_NAME = f"{PACKAGE}.EpiServe"
 #: The prefix of every method path: ``SERVICE_PATH + "Read"``.
@@ -37,6 +40,25 @@ def did_you_mean(word: str, choices: tuple[str, ...] | list[str]) -> str:
 
     close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
     return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def missing_array_reason(output_key: str, zarr_key: str) -> str:
+    """Why an episode cannot serve a keymap entry whose zarr key it lacks: the daemon's
+    ``RegisterKeymap`` check and the client's (against a full listing) say it alike."""
+    return f"output key {output_key!r}: the episode has no array {zarr_key!r}"
+
+
+def declared_frame_size(features: Mapping[str, Any], key: str) -> tuple[int, int] | None:
+    """``(H, W)`` of a ``{dtype: jpeg, shape: [H, W, 3]}`` entry of an episode's ``features``;
+    None when the key declares no shape of three positive ints. The daemon reports it per
+    episode (``RegisterKeymapResponse.frame_sizes``); the client checks frames against it."""
+    spec = features.get(key)
+    shape = spec.get("shape") if isinstance(spec, Mapping) else None
+    if not isinstance(shape, list | tuple) or len(shape) != 3:
+        return None
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in shape):
+        return None
+    return int(shape[0]), int(shape[1])
 
 #: The largest message either side sends or receives.
 MAX_MESSAGE_BYTES = 256 * 2**20

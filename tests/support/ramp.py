@@ -151,8 +151,10 @@ def write_ramp_episode(
     annotations: Sequence[Mapping[str, Any]] | None = None,
     extra_numeric: Mapping[str, np.ndarray] | None = None,
     chunk_rows: int = 100,
+    frame_size: tuple[int, int] = (24, 32),
 ) -> Path:
-    """Write one ramped episode (MECKA keys, ``images.front_1``, annotations); return its path."""
+    """Write one ramped episode (MECKA keys, ``images.front_1`` frames of ``frame_size``
+    (H, W), annotations); return its path."""
     # Imported here so that this module loads (for frame_jpeg, decode_frame_id) without the server.
     from episerve_tools.synth.writer import write_episode
 
@@ -161,7 +163,9 @@ def write_ramp_episode(
         for key, feature in MECKA_KEYS.items()
     }
     numeric.update(extra_numeric or {})
-    jpeg = {CAMERA_KEY: [frame_jpeg(episode_no, t) for t in range(total_frames)]}
+    height, width = frame_size
+    jpeg = {CAMERA_KEY: [frame_jpeg(episode_no, t, width=width, height=height)
+                         for t in range(total_frames)]}
     if annotations is None:
         annotations = default_annotations(total_frames)
     return write_episode(

@@ -312,3 +312,62 @@ def test_a_page_token_that_does_not_advance_is_data_loss() -> None:
                     stuck])
     with pytest.raises(errors.DataLossError, match="did not advance"):
         _serve_pages(BaseClient("a:1").list_flow(), lambda token, size: next(answers))
+
+
+def test_a_listing_of_some_hashes_is_filtered_by_the_daemon_or_else_by_the_client() -> None:
+    from episerve_proto.v1 import episerve_pb2 as pb
+    from episerve_server.rpc.convert import PageRequest, encode_listing
+
+    episodes = _episodes(["ep000", "ep001", "ep002"])
+    broken = {"ep003": "unreadable", "ep004": "gone"}
+    asked: list[list[str]] = []
+
+    def listed(daemon_filters: bool) -> Any:
+        flow = BaseClient("a:1").list_flow(hashes=["ep001", "ep003", "nope"])
+        ops = next(flow)
+        try:
+            while True:
+                [op] = ops
+                request = pb.ListEpisodesRequest.FromString(op.payload)
+                asked.append(list(request.hashes))
+                only = frozenset(request.hashes) if daemon_filters else None  # an older daemon
+                page = PageRequest(request.page_token, request.page_size, hashes=only)
+                ops = flow.send([encode_listing(episodes, broken, page)])
+        except StopIteration as done:
+            return done.value
+
+    for daemon_filters in (True, False):
+        got = listed(daemon_filters)
+        assert [e.hash for e in got.episodes] == ["ep001"] and got.broken == {"ep003": "unreadable"}
+    assert asked == [["ep001", "ep003", "nope"]] * 2
+    empty = BaseClient("a:1").list_flow(hashes=[])
+    with pytest.raises(StopIteration) as done:
+        next(empty)  # nothing asked for: no call at all
+    assert done.value.value.episodes == []
+
+
+def test_a_keymap_check_crosses_the_wire_with_its_groups() -> None:
+    from episerve_client.convert import keymap_check, register_request
+    from episerve_proto.v1 import episerve_pb2 as pb
+    from episerve_server.rpc.convert import encode_keymap_check, unchecked_register
+    from episerve_server.storage.keycheck import KeymapCheck, KeyProblem
+
+    check = KeymapCheck(4, [KeyProblem("ep9", "output key 'a': the episode has no array 'x'",
+                                       "x")],
+                        {("cam", 24, 32): ["ep0", "ep1"], ("cam", 48, 64): ["ep2"],
+                         ("wrist", 24, 32): ["ep0"]})
+    got = keymap_check(encode_keymap_check("km-1", check))
+    assert got.checked and got.keymap_id == "km-1" and got.episodes_checked == 4
+    assert got.problems == (("ep9", "output key 'a': the episode has no array 'x'", "x"),)
+    assert got.frame_sizes == {"cam": {"ep0": (24, 32), "ep1": (24, 32), "ep2": (48, 64)},
+                               "wrist": {"ep0": (24, 32)}}
+    # an answer without the check (an older daemon) says so
+    older = keymap_check(pb.RegisterKeymapResponse(keymap_id="km-1").SerializeToString())
+    assert not older.checked and older.problems == () and older.frame_sizes == {}
+    # the front sends the check to worker 0 only
+    keymap = {"a": {"zarr_key": "x", "key_type": "action_keys"}}
+    checked = register_request(keymap, check_episodes=True)
+    stripped = pb.RegisterKeymapRequest.FromString(unchecked_register(checked))
+    assert not stripped.check_episodes and stripped.keymap.entries[0].zarr_key == "x"
+    plain = register_request(keymap)
+    assert unchecked_register(plain) == plain and unchecked_register(b"\xff") == b"\xff"

@@ -11,16 +11,21 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from episerve_client._base import KeymapLike, load_keymap
-from episerve_client._probe import key_stats, probe
+from episerve_client._probe import Survey, describe, key_stats, probe
 from episerve_client.client import Client
-from episerve_client.convert import EpisodeInfo, KeyStats, Listing, ReadResult
+from episerve_client.convert import EpisodeInfo, KeyStats, ReadResult
 from episerve_client.data import ranks
 from episerve_client.data.batch import SampleBatch
 from episerve_client.data.episodes import ON_BROKEN, as_manifest, explicit, whole_root
 from episerve_client.data.frames import FRAME_MODES
-from episerve_client.data.jpeg import FrameCheck, FrameSizeMismatch, declared_size, decode_column
+from episerve_client.data.jpeg import FrameCheck, FrameSizeMismatch, decode_column
 from episerve_client.data.manifest import Manifest
-from episerve_client.errors import DataLossError, InvalidArgument
+from episerve_client.errors import (
+    DataLossError,
+    EpisodeNotFound,
+    FailedPrecondition,
+    InvalidArgument,
+)
 
 DEFAULT_CONNECT_TIMEOUT_S = 15.0
 MASK_MODES = ("spec", "all")
@@ -30,12 +35,13 @@ Transform = Callable[[dict[str, Any]], dict[str, Any]]
 class WindowDataset(Dataset[dict[str, Any]]):
     """Samples over episodes sorted by hash; global index ``g`` -> (episode, frame).
 
-    Building it lists the episodes and validates the keymap (its fields on the daemon, its
-    zarr keys against every chosen episode) from a short-lived child interpreter, so the
-    building process never starts gRPC and can fork DataLoader workers safely; each worker
-    opens its own channel on first use. Reading through the dataset in the main process
-    before the DataLoader forks its workers starts gRPC there: use
-    ``multiprocessing_context="spawn"`` (or ``"forkserver"``) then.
+    Building it lists the episodes (brief entries) and has the daemon validate the keymap
+    (its fields, and its zarr keys and declared frame sizes against every episode) from a
+    short-lived child process, so the building process never starts gRPC and can fork
+    DataLoader workers safely; each worker opens its own channel on first use. Reading
+    through the dataset in the main process before the DataLoader forks its workers starts
+    gRPC there: use ``multiprocessing_context="spawn"`` (or ``"forkserver"``) then.
+    ``episodes`` (the full listing entries) is fetched on first use.
 
     - ``frames``: camera outputs as CHW ``"float32"`` in [0, 1] (the default) or ``"uint8"``
       (a quarter of the bytes between processes; ``to_float`` widens them on the device).
@@ -78,10 +84,16 @@ class WindowDataset(Dataset[dict[str, Any]]):
         self.frames, self.masks, self.on_broken = frames, masks, on_broken
         self._client: Client | None = None
         self._timeout_s = connect_timeout_s
-        self.episodes = self._choose(episodes, as_manifest(manifest), sync_ranks)
-        self.manifest = Manifest(tuple((e.hash, e.total_frames) for e in self.episodes))
-        self._features = {e.hash: e.features for e in self.episodes}
+        # Filled by the probe: the frame size each episode declares per camera zarr key, and
+        # whether its entries are full ones (a daemon without the keymap check).
+        self._sizes: dict[str, dict[str, tuple[int, int]]] = {}
+        self._full_from = False
+        self._full: list[EpisodeInfo] | None = None  # ``episodes``, once asked for
+        self._brief = self._choose(episodes, as_manifest(manifest), sync_ranks)
+        self.manifest = Manifest(tuple((e.hash, e.total_frames) for e in self._brief))
         self._lengths = dict(self.manifest.episodes)
+        self._sizes = {key: {h: size for h, size in by_episode.items() if h in self._lengths}
+                       for key, by_episode in self._sizes.items()}
         self.camera_keys = {
             name for name, spec in self.keymap.items() if spec.get("key_type") == "camera_keys"
         }
@@ -90,25 +102,69 @@ class WindowDataset(Dataset[dict[str, Any]]):
     def _choose(self, episodes: Sequence[str] | None, manifest: Manifest | None,
                 sync_ranks: bool) -> list[EpisodeInfo]:
         if manifest is not None:
-            return explicit(self._listing(), self.keymap, manifest.hashes, dict(manifest.episodes))
+            return explicit(self._survey(), manifest.hashes, dict(manifest.episodes))
         if episodes is not None:
-            return explicit(self._listing(), self.keymap, list(dict.fromkeys(episodes)))
+            return explicit(self._survey(), list(dict.fromkeys(episodes)))
         if not (sync_ranks and ranks.distributed()):
-            return whole_root(self._listing(), self.keymap, self.on_broken, self.target)
+            return whole_root(self._survey(), self.on_broken, self.target)
         mine: list[EpisodeInfo] = []
 
         def choose() -> Manifest:
-            mine.extend(whole_root(self._listing(), self.keymap, self.on_broken, self.target))
+            mine.extend(whole_root(self._survey(), self.on_broken, self.target))
             return Manifest(tuple((e.hash, e.total_frames) for e in mine))
 
         agreed = ranks.from_rank0(choose)
         if agreed is None:  # rank 0
             return mine
-        return explicit(self._listing(), self.keymap, agreed.hashes, dict(agreed.episodes))
+        return explicit(self._survey(), agreed.hashes, dict(agreed.episodes))
 
-    def _listing(self) -> Listing:
-        return probe(self.target, self.keymap, timeout_s=self._timeout_s,
-                     client_options=self.client_options)
+    def _survey(self) -> Survey:
+        """The daemon's brief listing and keymap check; keeps the declared frame sizes."""
+        survey = probe(self.target, self.keymap, timeout_s=self._timeout_s,
+                       client_options=self.client_options)
+        self._sizes = survey.frame_sizes
+        self._full_from = survey.full
+        return survey
+
+    @property
+    def episodes(self) -> list[EpisodeInfo]:
+        """The dataset's episodes by hash, with all the daemon lists for each: ``fps``,
+        ``embodiment``, ``features``, ``attrs`` (intrinsics...), ``arrays``.
+
+        Building the dataset needs only each episode's hash and length (``manifest``), so
+        these are asked for on first use, from a child process like building (a fraction of
+        a second for a few episodes, seconds for thousands), and kept. An episode the daemon
+        no longer serves, or serves rewritten (another ``content_hash``), is an error
+        naming it.
+        """
+        if self._full is None:
+            if self._full_from:
+                self._full = list(self._brief)
+            else:
+                self._full = self._describe()
+        return self._full
+
+    def _describe(self) -> list[EpisodeInfo]:
+        hashes = self.manifest.hashes
+        listing = describe(self.target, hashes, timeout_s=self._timeout_s,
+                           client_options=self.client_options)
+        by_hash = {e.hash: e for e in listing.episodes}
+        out = []
+        for brief in self._brief:
+            info = by_hash.get(brief.hash)
+            if info is None:
+                reason = listing.broken.get(brief.hash)
+                raise EpisodeNotFound(
+                    f"episode {brief.hash!r} of this dataset is no longer served by the daemon "
+                    f"at {self.target!r}" + (f" (broken: {reason})" if reason else ""),
+                    episode=brief.hash)
+            if brief.content_hash and info.content_hash != brief.content_hash:
+                raise FailedPrecondition(
+                    f"episode {brief.hash!r}: the daemon serves content_hash "
+                    f"{info.content_hash!r}, the dataset was built on {brief.content_hash!r} "
+                    "(the episode was rewritten; build the dataset again)", episode=brief.hash)
+            out.append(info)
+        return out
 
     # -- Dataset protocol ---------------------------------------------------------------
 
@@ -221,8 +277,9 @@ class WindowDataset(Dataset[dict[str, Any]]):
                 objects[name] = [frames[int(k)] if np.ndim(k) == 0 else [frames[int(j)]
                                  for j in k] for k in index]
                 continue
+            declared = self._sizes.get(source, {})
             check = FrameCheck(source, result.episodes, result.frame_index.tolist(), {
-                e: declared_size(self._features.get(e, {}), source) for e in set(result.episodes)})
+                e: declared.get(e) for e in set(result.episodes)})
             try:
                 decoded, bad = decode_column(frames, index, check, self._frame_dtype)
             except FrameSizeMismatch as exc:

@@ -1,7 +1,7 @@
 """Which episodes a ``WindowDataset`` is built on: the broken-episode policy and the manifest.
 
 Over the whole root, an episode that cannot serve the keymap (broken, a short array, a
-missing keymap key: ``_probe.check_keys``) is skipped with one warning naming every skipped
+missing keymap key: ``_probe.Survey.problems``) is skipped with one warning naming every skipped
 episode and its reason (``on_broken="skip"``), or is an error naming the first
 (``on_broken="error"``). Episodes asked for explicitly, by ``episodes=`` or a manifest, are
 always an error when they cannot be served as asked.
@@ -13,10 +13,9 @@ import logging
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
-from episerve_client._probe import Problem, check_keys
-from episerve_client.convert import EpisodeInfo, Listing
+from episerve_client._probe import Problem, Survey
+from episerve_client.convert import EpisodeInfo
 from episerve_client.data.manifest import Manifest
 from episerve_client.errors import EpisodeNotFound, FailedPrecondition, InvalidArgument
 
@@ -40,27 +39,26 @@ def as_manifest(manifest: Manifest | str | Path | None) -> Manifest | None:
                           f"got {type(manifest).__name__} {manifest!r:.80}")
 
 
-def whole_root(listing: Listing, keymap: Mapping[str, Any], on_broken: str,
-               target: object) -> list[EpisodeInfo]:
+def whole_root(survey: Survey, on_broken: str, target: object) -> list[EpisodeInfo]:
     """Every episode the daemon lists that can serve the keymap, by hash."""
-    problems = check_keys(keymap, listing)
-    served = [e for e in listing.episodes if e.hash not in problems]
+    problems = survey.problems()
+    served = [e for e in survey.episodes if e.hash not in problems]
     if problems and (on_broken == "error" or not served):
         # Nothing left to serve: the first problem says why (a keymap typo names its key).
         raise next(iter(problems.values())).error()
     if not served:
         raise EpisodeNotFound(f"the daemon at {target!r} serves no episodes to read")
     if problems:
-        _warn(problems, len(listing.episodes) + len(listing.broken))
+        _warn(problems, len(survey.episodes) + len(survey.broken))
     return sorted(served, key=lambda e: e.hash)
 
 
-def explicit(listing: Listing, keymap: Mapping[str, Any], wanted: Sequence[str],
+def explicit(survey: Survey, wanted: Sequence[str],
              lengths: Mapping[str, int] | None = None) -> list[EpisodeInfo]:
     """Exactly the episodes asked for (with the lengths a manifest pins), or an error naming
     the first that the daemon does not serve as asked."""
-    by_hash = {e.hash: e for e in listing.episodes}
-    problems = check_keys(keymap, listing, wanted)
+    by_hash = {e.hash: e for e in survey.episodes}
+    problems = survey.problems(wanted)
     chosen = []
     for h in wanted:
         if h in problems:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import simplejpeg
@@ -65,17 +64,6 @@ class DeclaredSizeMismatch(DataLossError):
             "was not decoded (fix the dataset's frames or its features attribute)",
             episode=episode, key=key,
         )
-
-
-def declared_size(features: Mapping[str, Any], key: str) -> Size | None:
-    """``(H, W)`` of a ``{dtype: jpeg, shape: [H, W, 3]}`` feature; None when not declared."""
-    spec = features.get(key)
-    shape = spec.get("shape") if isinstance(spec, Mapping) else None
-    if not isinstance(shape, list | tuple) or len(shape) != 3:
-        return None
-    if not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in shape):
-        return None
-    return int(shape[0]), int(shape[1])
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,16 +35,48 @@ class Keymap(_message.Message):
     def __init__(self, entries: _Optional[_Iterable[_Union[KeySpec, _Mapping]]] = ...) -> None: ...
 
 class RegisterKeymapRequest(_message.Message):
-    __slots__ = ("keymap",)
+    __slots__ = ("keymap", "check_episodes")
     KEYMAP_FIELD_NUMBER: _ClassVar[int]
+    CHECK_EPISODES_FIELD_NUMBER: _ClassVar[int]
     keymap: Keymap
-    def __init__(self, keymap: _Optional[_Union[Keymap, _Mapping]] = ...) -> None: ...
+    check_episodes: bool
+    def __init__(self, keymap: _Optional[_Union[Keymap, _Mapping]] = ..., check_episodes: _Optional[bool] = ...) -> None: ...
+
+class KeymapProblem(_message.Message):
+    __slots__ = ("episode", "reason", "key")
+    EPISODE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    episode: str
+    reason: str
+    key: str
+    def __init__(self, episode: _Optional[str] = ..., reason: _Optional[str] = ..., key: _Optional[str] = ...) -> None: ...
+
+class FrameSizeGroup(_message.Message):
+    __slots__ = ("key", "height", "width", "episodes")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    EPISODES_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    height: int
+    width: int
+    episodes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, key: _Optional[str] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., episodes: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RegisterKeymapResponse(_message.Message):
-    __slots__ = ("keymap_id",)
+    __slots__ = ("keymap_id", "checked", "episodes_checked", "problems", "frame_sizes")
     KEYMAP_ID_FIELD_NUMBER: _ClassVar[int]
+    CHECKED_FIELD_NUMBER: _ClassVar[int]
+    EPISODES_CHECKED_FIELD_NUMBER: _ClassVar[int]
+    PROBLEMS_FIELD_NUMBER: _ClassVar[int]
+    FRAME_SIZES_FIELD_NUMBER: _ClassVar[int]
     keymap_id: str
-    def __init__(self, keymap_id: _Optional[str] = ...) -> None: ...
+    checked: bool
+    episodes_checked: int
+    problems: _containers.RepeatedCompositeFieldContainer[KeymapProblem]
+    frame_sizes: _containers.RepeatedCompositeFieldContainer[FrameSizeGroup]
+    def __init__(self, keymap_id: _Optional[str] = ..., checked: _Optional[bool] = ..., episodes_checked: _Optional[int] = ..., problems: _Optional[_Iterable[_Union[KeymapProblem, _Mapping]]] = ..., frame_sizes: _Optional[_Iterable[_Union[FrameSizeGroup, _Mapping]]] = ...) -> None: ...
 
 class ReadRequest(_message.Message):
     __slots__ = ("keymap", "keymap_id", "episodes", "frames", "annotation_cutoff", "max_response_bytes", "all_masks", "prefetch")
@@ -143,14 +175,16 @@ class ReadResponse(_message.Message):
     def __init__(self, episodes: _Optional[_Iterable[str]] = ..., frame_index: _Optional[_Iterable[int]] = ..., fps: _Optional[_Iterable[float]] = ..., embodiments: _Optional[_Iterable[str]] = ..., arrays: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., images: _Optional[_Iterable[_Union[ImageColumn, _Mapping]]] = ..., frames: _Optional[_Iterable[_Union[FrameSource, _Mapping]]] = ..., texts: _Optional[_Iterable[_Union[TextColumn, _Mapping]]] = ..., total_frames: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ListEpisodesRequest(_message.Message):
-    __slots__ = ("page_token", "page_size", "brief")
+    __slots__ = ("page_token", "page_size", "brief", "hashes")
     PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     BRIEF_FIELD_NUMBER: _ClassVar[int]
+    HASHES_FIELD_NUMBER: _ClassVar[int]
     page_token: str
     page_size: int
     brief: bool
-    def __init__(self, page_token: _Optional[str] = ..., page_size: _Optional[int] = ..., brief: _Optional[bool] = ...) -> None: ...
+    hashes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, page_token: _Optional[str] = ..., page_size: _Optional[int] = ..., brief: _Optional[bool] = ..., hashes: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class EpisodeInfo(_message.Message):
     __slots__ = ("hash", "total_frames", "fps", "embodiment", "features_json", "attrs_json", "arrays", "content_hash")

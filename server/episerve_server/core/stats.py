@@ -29,6 +29,10 @@ COUNTERS = (
     "prefetch_chunks",
     "prefetch_dropped",
     "preload_chunks",
+    # listings and keymap checks (what building a dataset asks for)
+    "listing_pages_full",
+    "listing_pages_brief",
+    "keymap_checks",
 )
 
 
@@ -59,6 +63,9 @@ class Stats:
     prefetch_dropped: int = 0  # hinted samples not prefetched (budget, queue, bad hint)
     preload_chunks: int = 0  # chunks fetched by --preload
     preload_total: int = 0  # chunks --preload means to fetch (a gauge: its progress)
+    listing_pages_full: int = 0  # ListEpisodes pages with full entries
+    listing_pages_brief: int = 0  # ListEpisodes pages with brief entries
+    keymap_checks: int = 0  # RegisterKeymap calls with check_episodes
     cache_bytes: int = 0
     cache_entries: int = 0
     episodes: defaultdict[str, EpisodeCounters] = field(

@@ -37,6 +37,7 @@ from episerve_server.config import ServerConfig
 from episerve_server.core.keymap import Keymap
 from episerve_server.core.keystats import KeyStats
 from episerve_server.storage.catalog import Episode
+from episerve_server.storage.keycheck import KeymapCheck
 
 #: A broken episode's reason is cut to this many bytes in a listing.
 MAX_REASON_BYTES = 4096
@@ -72,6 +73,7 @@ class PageRequest:
     token: str
     size: int  # 0: as many as fit
     brief: bool = False  # only hash, total_frames and content_hash per episode
+    hashes: frozenset[str] | None = None  # only these episodes; None: every one
 
 
 def _parse(message: Message, data: bytes, what: str) -> Any:
@@ -93,7 +95,13 @@ def parse_list(data: bytes) -> PageRequest:
         raise InvalidArgument(
             f"page_token {shown(req.page_token)} is {len(req.page_token)} characters long, "
             f"over the limit of {MAX_NAME_CHARS}; pass the next_page_token of the last page")
-    return PageRequest(req.page_token, max(0, req.page_size), req.brief)
+    for i, h in enumerate(req.hashes):
+        if len(h) > MAX_NAME_CHARS:
+            raise InvalidEpisodeId(
+                f"hashes[{i}]: episode id {shown(h)} is {len(h)} characters long, over the "
+                f"limit of {MAX_NAME_CHARS}")
+    return PageRequest(req.page_token, max(0, req.page_size), req.brief,
+                       frozenset(req.hashes) if len(req.hashes) else None)
 
 
 def read_batch_size(data: object) -> int:
@@ -108,10 +116,31 @@ def read_batch_size(data: object) -> int:
     return len(req.frames)
 
 
-def parse_register(data: bytes, limits: Limits) -> tuple[Keymap, int]:
-    """The keymap and its size in bytes as received."""
+@dataclass(frozen=True, slots=True)
+class RegisterCall:
+    keymap: Keymap
+    wire_bytes: int  # the keymap's size as received
+    check_episodes: bool  # also check it against every served episode
+
+
+def parse_register(data: bytes, limits: Limits) -> RegisterCall:
     req = _parse(pb.RegisterKeymapRequest(), data, "RegisterKeymap")
-    return keymap_from_pb(req.keymap, limits, "keymap"), req.keymap.ByteSize()
+    return RegisterCall(keymap_from_pb(req.keymap, limits, "keymap"), req.keymap.ByteSize(),
+                        req.check_episodes)
+
+
+def unchecked_register(data: bytes) -> bytes:
+    """A ``RegisterKeymap`` request without ``check_episodes`` (for the workers whose check
+    the front would not send on); a request that does not parse is passed on as it is."""
+    req = pb.RegisterKeymapRequest()
+    try:
+        req.ParseFromString(data)
+    except (DecodeError, RuntimeError, ValueError):
+        return data
+    if not req.check_episodes:
+        return data
+    req.check_episodes = False
+    return req.SerializeToString()  # type: ignore[no-any-return]
 
 
 def parse_read(data: bytes, limits: Limits) -> ReadCall:
@@ -205,6 +234,18 @@ def encode_keymap_id(kid: str) -> bytes:
     return pb.RegisterKeymapResponse(keymap_id=kid).SerializeToString()  # type: ignore[no-any-return]
 
 
+def encode_keymap_check(kid: str, check: KeymapCheck) -> bytes:
+    """The id with what ``check_episodes`` found: the problems, the frame sizes by group."""
+    msg = pb.RegisterKeymapResponse(keymap_id=kid, checked=True,
+                                    episodes_checked=check.episodes)
+    for p in check.problems:
+        msg.problems.add(episode=p.episode, reason=clipped(p.reason, MAX_REASON_BYTES),
+                         key=p.key)
+    for (key, height, width), episodes in check.frame_sizes.items():
+        msg.frame_sizes.add(key=key, height=height, width=width, episodes=episodes)
+    return msg.SerializeToString()  # type: ignore[no-any-return]
+
+
 def _listed_json(value: Any, what: str) -> str:
     """``value`` as JSON, or a marker when it is too large (or too deep) to list."""
     try:
@@ -243,6 +284,8 @@ def encode_listing(episodes: Sequence[Episode], broken: dict[str, str],
     after ``page.token``, until ``budget`` bytes or ``page.size`` entries (at least one)."""
     by_hash: list[tuple[str, Episode | str]] = [(e.hash, e) for e in episodes]
     by_hash += list(broken.items())
+    if page.hashes is not None:
+        by_hash = [item for item in by_hash if item[0] in page.hashes]
     by_hash.sort(key=lambda item: item[0])
     start = bisect.bisect_right([h for h, _ in by_hash], page.token) if page.token else 0
     msg = pb.ListEpisodesResponse()

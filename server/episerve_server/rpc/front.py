@@ -100,8 +100,14 @@ class FrontService:
 
     @_rpc
     async def register_keymap(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        replies = await _all([self.pool.call(w.index, "RegisterKeymap", request,
-                                             _timeout(context)) for w in self.pool.workers])
+        """On every worker; the answer is worker 0's. Every worker opens every episode, so
+        worker 0's check (``check_episodes``) covers all of them, from the same catalog that
+        answers ``ListEpisodes``; the other workers only register the keymap."""
+        timeout_s = _timeout(context)
+        others = convert.unchecked_register(request)
+        replies = await _all([self.pool.call(w.index, "RegisterKeymap",
+                                             request if w.index == 0 else others, timeout_s)
+                              for w in self.pool.workers])
         return replies[0]
 
     @_rpc

@@ -64,6 +64,9 @@ COUNTER_HELP = {
     "prefetch_chunks": "Chunks fetched into the cache for prefetch hints.",
     "prefetch_dropped": "Hinted samples not prefetched (budget, queue, stale or bad hint).",
     "preload_chunks": "Chunks fetched into the cache by --preload.",
+    "listing_pages_full": "ListEpisodes pages served with full entries.",
+    "listing_pages_brief": "ListEpisodes pages served with brief entries.",
+    "keymap_checks": "RegisterKeymap calls that checked the keymap against every episode.",
 }
 
 

@@ -1,0 +1,55 @@
+"""A keymap checked against every served episode (``RegisterKeymap`` with ``check_episodes``).
+
+What building a dataset needs to know about each episode, so that the client does not fetch
+every episode's arrays and features: whether it lacks one of the keymap's zarr keys (the
+first missing one, in keymap order, as the client's own check named it), and, for each JPEG
+zarr key of the keymap, the frame size the episode's ``features`` declare, grouped by size.
+Broken episodes are not checked: the listing already names them with their reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from episerve_proto.contract import declared_frame_size, missing_array_reason
+from episerve_server.core.keymap import Keymap, Rule
+from episerve_server.storage.catalog import Episode
+
+
+@dataclass(frozen=True, slots=True)
+class KeyProblem:
+    episode: str
+    reason: str
+    key: str  # the zarr key the episode lacks
+
+
+@dataclass(frozen=True, slots=True)
+class KeymapCheck:
+    episodes: int  # episodes checked
+    problems: list[KeyProblem]  # in the order of the episodes given
+    #: ``(zarr key, height, width)`` -> the episodes that declare that size, in order.
+    frame_sizes: dict[tuple[str, int, int], list[str]]
+
+
+def check_keymap(keymap: Keymap, episodes: Sequence[Episode]) -> KeymapCheck:
+    """Check ``keymap`` against each of ``episodes`` (the catalog's healthy ones)."""
+    keys = [(e.name, e.zarr_key) for e in keymap]
+    # Camera outputs are the entries whose array holds bytes (annotations are read apart).
+    framed = list(dict.fromkeys(e.zarr_key for e in keymap if e.rule is not Rule.ANNOTATION))
+    problems: list[KeyProblem] = []
+    sizes: dict[tuple[str, int, int], list[str]] = {}
+    for ep in episodes:
+        readers = ep.readers
+        missing = next(((n, k) for n, k in keys if k not in readers), None)
+        if missing is not None:
+            problems.append(KeyProblem(ep.hash, missing_array_reason(*missing), missing[1]))
+            continue
+        features = ep.features
+        for key in framed:
+            if not readers[key].info.is_bytes:
+                continue
+            size = declared_frame_size(features, key)
+            if size is not None:
+                sizes.setdefault((key, *size), []).append(ep.hash)
+    return KeymapCheck(len(episodes), problems, sizes)
