@@ -194,3 +194,28 @@ def test_non_string_ids_are_invalid(bad: object) -> None:
                                   "A" * 200])
 def test_plain_ids_are_valid(good: str) -> None:
     assert validate_id(good) == good
+
+
+def test_a_keymap_check_in_slices_merges_to_the_whole(tmp_path: Path,
+                                                      serve: Callable[..., Any]) -> None:
+    """RegisterKeymap checks the catalog a slice at a time (yielding between slices): the
+    slices' checks merged equal one check over every episode, wherever the cuts fall."""
+    from episerve_server.core.keymap import Keymap
+    from episerve_server.storage.keycheck import check_keymap, merged
+    from tests.support.keymaps import KEYMAPS
+
+    for n in range(5):
+        ramp.write_ramp_episode(tmp_path, f"ep{n:03d}", episode_no=n, total_frames=30 + n,
+                                frame_size=(48, 64) if n % 2 else (24, 32))
+    episodes = list(serve(tmp_path).catalog.healthy())
+    keymap = Keymap.parse(KEYMAPS["mecka_keypoints_k4"])
+    extra = dict(KEYMAPS["mecka_keypoints_k4"], extra={"zarr_key": "absent",
+                                                        "key_type": "proprio_keys"})
+    for km in (keymap, Keymap.parse(extra)):
+        whole = check_keymap(km, episodes)
+        assert whole.episodes == 5
+        for cut in range(6):
+            got = merged([check_keymap(km, episodes[:cut]), check_keymap(km, episodes[cut:])])
+            assert got == whole
+    assert len(check_keymap(keymap, episodes).frame_sizes) == 2  # two frame sizes
+    assert len(check_keymap(Keymap.parse(extra), episodes).problems) == 5

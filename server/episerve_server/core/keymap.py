@@ -6,9 +6,10 @@ entry's rule, or a value of the wrong type is a ``KeymapError`` naming the entry
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
@@ -59,10 +60,10 @@ class KeySpec:
     lag_s: float | None = None
     offsets_s: tuple[float, ...] | None = None
     # Derived once, when the entry is made (the planner asks for them on every batch).
-    rule: Rule = field(init=False, compare=False, repr=False)
-    length: int = field(init=False, compare=False, repr=False)  # rows in the window
+    rule: Rule = dataclasses.field(init=False, compare=False, repr=False)
+    length: int = dataclasses.field(init=False, compare=False, repr=False)  # rows in the window
     # A windowed output: (W, *feature) per sample, with an ``_is_pad`` mask on request.
-    time_axis: bool = field(init=False, compare=False, repr=False)
+    time_axis: bool = dataclasses.field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         rule = self._rule()
@@ -111,10 +112,11 @@ class Keymap:
     provides ``action_pad_mask`` and ``proprio_history_mask`` (SPEC: "the first ...")."""
 
     entries: tuple[KeySpec, ...]
-    zarr_keys: frozenset[str] = field(init=False, compare=False, repr=False)  # windowed reads
-    annotation_keys: frozenset[str] = field(init=False, compare=False, repr=False)
-    action_mask_entry: KeySpec | None = field(init=False, compare=False, repr=False)
-    proprio_mask_entry: KeySpec | None = field(init=False, compare=False, repr=False)
+    # derived when made: the keys of windowed (not annotation) reads, and so on
+    zarr_keys: frozenset[str] = dataclasses.field(init=False, compare=False, repr=False)
+    annotation_keys: frozenset[str] = dataclasses.field(init=False, compare=False, repr=False)
+    action_mask_entry: KeySpec | None = dataclasses.field(init=False, compare=False, repr=False)
+    proprio_mask_entry: KeySpec | None = dataclasses.field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         entries = self.entries

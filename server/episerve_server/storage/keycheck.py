@@ -32,6 +32,16 @@ class KeymapCheck:
     frame_sizes: dict[tuple[str, int, int], list[str]]
 
 
+def merged(parts: Sequence[KeymapCheck]) -> KeymapCheck:
+    """One check from checks of consecutive slices of the episodes, in order."""
+    sizes: dict[tuple[str, int, int], list[str]] = {}
+    for part in parts:
+        for size, hashes in part.frame_sizes.items():
+            sizes.setdefault(size, []).extend(hashes)
+    return KeymapCheck(sum(p.episodes for p in parts),
+                       [q for p in parts for q in p.problems], sizes)
+
+
 def check_keymap(keymap: Keymap, episodes: Sequence[Episode]) -> KeymapCheck:
     """Check ``keymap`` against each of ``episodes`` (the catalog's healthy ones)."""
     keys = [(e.name, e.zarr_key) for e in keymap]
