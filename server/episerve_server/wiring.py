@@ -9,6 +9,7 @@ from typing import Any
 
 from episerve_server.config import ServerConfig
 from episerve_server.core.cache import ChunkCache
+from episerve_server.core.collector import COLLECTOR
 from episerve_server.core.stats import Stats
 from episerve_server.plan.background import Background
 from episerve_server.plan.planner import Planner
@@ -54,6 +55,7 @@ def build_read_core(config: ServerConfig, *, stats: Stats | None = None) -> Read
         planner, budget_bytes=min(config.prefetch_bytes, config.cache_bytes // 2))
     key_stats = KeyStatsEngine(catalog, planner, cache, config.stats_cache_bytes)
     dropped.append(key_stats.drop_episode)
+    dropped.append(COLLECTOR.episode_dropped)  # frozen episodes are reclaimed in batches
     return ReadCore(stats, store, cache, catalog, planner, background, key_stats)
 
 
