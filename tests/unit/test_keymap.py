@@ -469,3 +469,35 @@ def test_reads_arriving_together_are_refused_before_the_work() -> None:
         release(None)
     assert buffers.total == 0 and buffers.by_peer == {}
     buffers.reserve(peer, 15)
+
+
+def test_the_end_of_a_burst_of_held_responses_gives_the_heap_back_once() -> None:
+    """``on_drained`` runs when the bytes held fall to a quarter of a peak of 64 MiB or
+    more (a stuck client let go), once per burst; small peaks never trigger it."""
+    from episerve_server.rpc.buffers import DRAINED_PEAK_BYTES, ResponseBuffers
+
+    drained: list[int] = []
+    buffers = ResponseBuffers(max_bytes=1 << 30, max_per_peer=1 << 30,
+                              on_drained=lambda: drained.append(buffers.total))
+    mb = 1 << 20
+    small = [buffers.hold("unix:", mb) for _ in range(8)]
+    for release in small:
+        release(None)
+    assert drained == []  # an 8 MiB peak is no burst
+    burst = [buffers.hold("unix:", 8 * mb) for _ in range(DRAINED_PEAK_BYTES // (8 * mb))]
+    for release in burst[:5]:
+        release(None)
+    assert drained == []  # 24 of 64 MiB released: still more than a quarter held
+    burst[5](None)
+    assert drained == [16 * mb]  # 16 MiB left: the burst is over
+    for release in burst[6:]:
+        release(None)
+    assert drained == [16 * mb]  # once per burst
+
+
+def test_heap_trim_runs_and_is_counted() -> None:
+    from episerve_server.core import heap
+
+    before = heap.trims
+    heap.trim_soon()  # no event loop here: it runs inline
+    assert heap.trims == before + (1 if heap._TRIM is not None else 0)

@@ -15,6 +15,9 @@ not fit beside what it holds is refused on arrival, before any work is done for 
 
 All unix-socket clients report the same peer (``unix:``, no per-connection address), so
 for them only the total limit applies.
+
+When the bytes held fall to a quarter of a peak of at least ``DRAINED_PEAK_BYTES``, a burst
+is over: ``on_drained`` runs once (the daemon gives the heap's free pages back).
 """
 
 from __future__ import annotations
@@ -22,15 +25,20 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from episerve_proto.errors import Overloaded, shown
+from episerve_server.core import heap
 
 #: Peers that do not tell one connection from another.
 SHARED_PEERS = ("unix:", "")
+DRAINED_PEAK_BYTES = 64 << 20
 
 
 class ResponseBuffers:
-    def __init__(self, max_bytes: int, max_per_peer: int) -> None:
+    def __init__(self, max_bytes: int, max_per_peer: int,
+                 on_drained: Callable[[], None] = heap.trim_soon) -> None:
         self.max_bytes, self.max_per_peer = max_bytes, max_per_peer
+        self.on_drained = on_drained
         self.total = 0
+        self.peak = 0  # the most held since the last burst ended
         self.by_peer: dict[str, int] = {}
         self._latest: dict[str, int] = {}  # a holding peer's latest response size
 
@@ -78,6 +86,7 @@ class ResponseBuffers:
     def hold(self, peer: str, nbytes: int) -> Callable[[object], None]:
         """Count ``nbytes`` for ``peer``; returns the callback that releases them (once)."""
         self.total += nbytes
+        self.peak = max(self.peak, self.total)
         self.by_peer[peer] = self.by_peer.get(peer, 0) + nbytes
         if peer not in SHARED_PEERS:
             self._latest[peer] = nbytes
@@ -89,6 +98,9 @@ class ResponseBuffers:
                 return
             released = True
             self.total -= nbytes
+            if self.peak >= DRAINED_PEAK_BYTES and self.total <= self.peak // 4:
+                self.peak = self.total
+                self.on_drained()
             left = self.by_peer[peer] - nbytes
             if left:
                 self.by_peer[peer] = left

@@ -230,10 +230,13 @@ def tune_allocator() -> None:
     glibc puts blocks over its mmap threshold (128 KiB at first) in mappings of their own:
     every response, output array and gRPC copy then starts on fresh pages, and the kernel's
     page faults and page zeroing were half the daemon's CPU with camera bytes (``perf``:
-    47% of it in the kernel, 6.5% in page faults from ``memmove``). A fixed 32 MiB threshold
-    (glibc's largest) serves those blocks from the heap, reused from batch to batch; what the
-    heap keeps is bounded by the bytes in flight (``--max-buffered-bytes``), and a free heap
-    top of 64 MiB or more goes back to the system. Two arenas bound the per-thread heaps.
+    47% of it in the kernel, 6.5% in page faults from ``memmove``). A fixed 4 MiB threshold
+    serves a batch's blocks (1-3 MB for 64 samples of the mecka keymap) from the heap, reused
+    from batch to batch, while larger ones still get a mapping that is returned when freed.
+    What the heap keeps is bounded by the bytes in flight (``--max-buffered-bytes``); a free
+    heap top of 64 MiB or more goes back to the system, and so do the heap's free pages once
+    a burst of held responses ends or a built response is refused (``core/heap.py``). Two
+    arenas bound the per-thread heaps.
     """
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
@@ -246,7 +249,7 @@ def tune_allocator() -> None:
     mallopt(m_arena_max, 2)
 
 
-MMAP_THRESHOLD = 32 << 20
+MMAP_THRESHOLD = 4 << 20
 TRIM_THRESHOLD = 64 << 20
 
 

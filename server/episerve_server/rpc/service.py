@@ -37,6 +37,7 @@ from episerve_proto.errors import (
     shown,
 )
 from episerve_server.config import ServerConfig
+from episerve_server.core import heap
 from episerve_server.core.keymap import Keymap
 from episerve_server.core.stats import Stats
 from episerve_server.plan.planner import Planner, ReadOptions
@@ -270,7 +271,12 @@ class EpiserveService:
                 release(None)
         self.stats.read_ns += time.perf_counter_ns() - start
         # gRPC holds the response until the client's window lets it out: count it till then.
-        self.buffers.admit(peer, len(data))
+        try:
+            self.buffers.admit(peer, len(data))
+        except Overloaded:
+            del data  # built and refused: give its memory back, not only to the heap
+            heap.trim_soon()
+            raise
         context.add_done_callback(self.buffers.hold(peer, len(data)))
         return data
 
