@@ -89,7 +89,7 @@ def main() -> None:
                    help="unmeasured warm-up per GiB of budget, so the cache is full (and "
                    "evicting) when the measured 30 s start (default 45: ~25 MB/s of fill)")
     p.add_argument("--allocators", default="tuned,arena1",
-                   help="tuned: the daemon's own mallopt settings (2 arenas, 32 MiB mmap "
+                   help="tuned: the daemon's own mallopt settings (2 arenas, 4 MiB mmap "
                    "threshold); arena1: the same with MALLOC_ARENA_MAX=1 in the environment")
     p.add_argument("--runs", default="", help="explicit GIB:ALLOCATOR pairs, e.g. 1:tuned,4:tuned")
     opts = p.parse_args()
