@@ -89,3 +89,31 @@ def test_paused_collects_nothing_meanwhile_and_reclaims_cycles_at_the_end() -> N
     ''')
     assert out == {"enabled_inside": False, "alive_inside": 20_000, "enabled_after": True,
                    "alive_after": 0}
+
+
+def test_a_rescan_opens_episodes_with_the_collector_off_then_freezes_them() -> None:
+    out = run('''
+        async def main():
+            collector.UNFREEZE_AFTER_DROPS = 10
+            c = Collector()
+            with c.opening(3):  # before install: the policy is not in force, nothing changes
+                out["enabled_before_install"] = gc.isenabled()
+            c.install(asyncio.get_running_loop())
+            freezes = c.freezes
+            with c.opening(4):
+                out["enabled_inside"] = gc.isenabled()
+                opened = [[i] for i in range(50_000)]  # the new episodes' metadata
+            out["enabled_after"] = gc.isenabled()
+            out["froze"] = c.freezes - freezes
+            out["unfrozen_left"] = len(gc.get_objects()) < 10_000  # the new objects are frozen
+            out["counted"] = c.drops
+            with c.opening(6):  # 4 + 6 reaches 10: everything is unfrozen once
+                pass
+            out["unfreezes"] = c.unfreezes
+            out["counted_after"] = c.drops
+            del opened
+        uvloop.run(main())
+    ''')
+    assert out == {"enabled_before_install": True, "enabled_inside": False,
+                   "enabled_after": True, "froze": 1, "unfrozen_left": True, "counted": 4,
+                   "unfreezes": 1, "counted_after": 0}

@@ -12,8 +12,9 @@ allocations) 14-39 ms each, every few seconds under load. The policy:
   and the same holds for the episodes a rescan opens;
 - a frozen object that later dies inside a reference cycle is not reclaimed until it is
   unfrozen. Of what the daemon keeps, only a dropped episode dies that way (zarr's codecs
-  hold ~145 objects in cycles per episode): after ``UNFREEZE_AFTER_DROPS`` dropped episodes,
-  everything is unfrozen once so that the next full pass reclaims them.
+  hold ~145 objects in cycles per episode): after ``UNFREEZE_AFTER_DROPS`` dropped or
+  added episodes, everything is unfrozen once so that the next full pass reclaims them;
+- a rescan that opens episodes runs with the collector off and freezes after (``opening``).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class Collector:
         self.pause_max_s = 0.0  # the longest pass
         self.freezes = 0
         self.unfreezes = 0
-        self.drops = 0  # episodes dropped since the last unfreeze
+        self.drops = 0  # episodes dropped or opened by rescans since the last unfreeze
         self._started = 0.0
 
     @contextlib.contextmanager
@@ -58,6 +59,25 @@ class Collector:
                 gc.enable()
             gc.collect()
 
+    @contextlib.contextmanager
+    def opening(self, episodes: int) -> Iterator[None]:
+        """No collection while a rescan opens ``episodes`` new episodes (their metadata
+        would go through every generation, and start a full pass, while Reads wait), then
+        freeze what exists: the new episodes are long-lived. What died in cycles meanwhile
+        is frozen with them and counts toward the next unfreeze, as drops do."""
+        if not self.installed:
+            yield
+            return
+        was = gc.isenabled()
+        gc.disable()
+        try:
+            yield
+        finally:
+            self.freeze()
+            if was:
+                gc.enable()
+            self._count(episodes)
+
     def install(self, loop: asyncio.AbstractEventLoop) -> None:
         """Take over the collector's thresholds, freeze what exists (the catalog just
         opened), and freeze again after each full pass; idempotent, per process."""
@@ -73,11 +93,14 @@ class Collector:
         self.freezes += 1
 
     def episode_dropped(self, episode: str) -> None:
-        self.drops += 1
+        self._count(1)
+
+    def _count(self, episodes: int) -> None:
+        self.drops += episodes
         if self.installed and self.drops >= UNFREEZE_AFTER_DROPS:
             self.drops = 0
             self.unfreezes += 1
-            gc.unfreeze()  # the next full pass reclaims the dropped episodes' cycles
+            gc.unfreeze()  # the next full pass reclaims the frozen cycles
 
     def _observe(self, phase: str, info: dict[str, Any]) -> None:
         if phase == "start":

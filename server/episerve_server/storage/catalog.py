@@ -21,6 +21,7 @@ import math
 import re
 import unicodedata
 from collections.abc import Callable, Iterable, Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +36,7 @@ from episerve_proto.errors import (
     InvalidEpisodeId,
     Unavailable,
 )
+from episerve_server.core.collector import COLLECTOR
 from episerve_server.core.spans import Span
 from episerve_server.storage.readers import ChunkReader, build_reader
 from episerve_server.storage.readers.bounds import DEFAULT_MAX_ITEM_BYTES, MAX_ROWS
@@ -165,11 +167,12 @@ class Catalog:
             added = sorted(names - known)
             first, self._scans = not self._scans, self._scans + 1
             limit = self.open_limit if first else min(self.open_limit, RESCAN_OPEN_LIMIT)
-            outcomes = await _open_many(self.store, added, limit, self.max_item_bytes,
-                                        not first)
-            for name, outcome in zip(added, outcomes):
-                self._opened(name, outcome)
-                await asyncio.sleep(0)  # adding one is ~0.1-0.5 ms: serve between them
+            with COLLECTOR.opening(len(added)) if added and not first else nullcontext():
+                outcomes = await _open_many(self.store, added, limit, self.max_item_bytes,
+                                            not first)
+                for name, outcome in zip(added, outcomes):
+                    self._opened(name, outcome)
+                    await asyncio.sleep(0)  # adding one is ~0.1-0.5 ms: serve between them
             return added, removed
 
     def _share(self, attrs: dict[str, Any]) -> dict[str, Any]:
