@@ -210,7 +210,7 @@ def test_stats_command(root: Path, start_daemon: Callable[..., DaemonProcess],
 
 
 def test_readme_stats_command_runs(root: Path, tmp_path: Path) -> None:
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    readme = (Path(__file__).parents[2] / "docs" / "GUIDE.md").read_text()
     lines = [line for line in readme.splitlines() if line.startswith("episerve stats ")]
     assert lines
     for ep in ("noisy0", "noisy1", "noisy2"):  # the keymap's keys are in every episode left

@@ -1,4 +1,5 @@
-"""Every example in README.md runs, as written, with temporary paths in place of /tmp."""
+"""Every example in README.md and docs/GUIDE.md runs, as written, with temporary paths in
+place of /tmp."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from episerve_tools.launch import DaemonProcess
 
 REPO = Path(__file__).resolve().parents[2]
 README = (REPO / "README.md").read_text()
-BLOCKS = re.findall(r"```(\w+)\n(.*?)```", README, flags=re.S)
+GUIDE = (REPO / "docs" / "GUIDE.md").read_text()
+BLOCKS = re.findall(r"```(\w+)\n(.*?)```", README + GUIDE, flags=re.S)
 
 
 def _blocks(lang: str) -> list[str]:
@@ -76,7 +78,24 @@ def test_usage_examples_run(tmp_path: Path) -> None:
                     "latency_ms"} <= set(report)
 
 
-@pytest.mark.parametrize("path", ["docs/ARCHITECTURE.md", "docs/KEYMAP.md", "deploy/README.md"])
+def test_install_lines_name_real_extras() -> None:
+    """The README's pip lines install this project with extras it declares (a dry run that
+    needs no index: everything they pull in is installed here already)."""
+    [block] = [b for b in _blocks("bash") if b.startswith("pip install")]
+    for line in block.splitlines():
+        spec = shlex.split(line.split("#")[0])[2]
+        done = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--no-index",
+                               "--no-build-isolation", "--quiet", "--report", "-",
+                               spec.replace(".", str(REPO), 1)],
+                              cwd=REPO, text=True, capture_output=True, timeout=300, check=False)
+        assert done.returncode == 0, done.stderr
+        assert "does not provide the extra" not in done.stderr, done.stderr
+        names = [item["metadata"]["name"] for item in json.loads(done.stdout)["install"]]
+        assert names == ["episerve"], names
+
+
+@pytest.mark.parametrize("path", ["docs/ARCHITECTURE.md", "docs/KEYMAP.md", "docs/FORMAT.md",
+                                  "docs/GUIDE.md", "docs/PERFORMANCE.md", "deploy/README.md"])
 def test_linked_documents_exist(path: str) -> None:
     assert f"({path})" in README
     assert (REPO / path).is_file()

@@ -340,7 +340,7 @@ def test_workers_exit_when_the_front_is_killed(ramp_roots: dict[str, Path],
 
 
 def test_readme_workers_example_runs(tmp_path: Path) -> None:
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "docs" / "GUIDE.md").read_text()
     section = readme.split("## Every core of the node")[1].split("\n## ")[0]
     [block] = re.findall(r"```bash\n(.*?)```", section, flags=re.S)
     args = shlex.split(block.strip().replace("/tmp/", f"{tmp_path}/"))
