@@ -64,9 +64,6 @@ PATH_LIKE = [
 ABSENT = ["outside", "outside.zarr", "ep000a.zarr", "epXYZ"]
 ZARR_KEYS_HOSTILE = ["../outside.zarr/left.obs_keypoints", "/etc/passwd", "..", ".",
                      "zarr.json", "left.obs_keypoints/c/0/0", "left.obs_keypoints\x00", ""]
-# Unexpected-exception answers that a strict-xfail test below reproduces. The fuzz counts
-# them as KNOWN_BUG instead of failing on them again; remove an entry with its fix.
-KNOWN_BUGS: dict[str, str] = {}
 
 
 @dataclass
@@ -91,8 +88,6 @@ class Fuzzed:
         except grpc.RpcError as exc:
             code, details = exc.code().name, exc.details() or ""
         # A daemon bug answers INTERNAL (the InternalError class), never anything else.
-        if code == "INTERNAL" and any(sig in details for sig in KNOWN_BUGS):
-            code = "KNOWN_BUG"
         self.outcomes.setdefault(test, Counter())[code] += 1
         assert code not in NEVER, (method, payload[:200], code, details)
         self.reasons[f"{test}: {code} {_shape(details)}"] += 1

@@ -30,10 +30,11 @@ except ImportError:
     sys.path.insert(0, str(_REPO))
     from tests.support import oracle, ramp
 
+from tests.support.served import LAYOUTS
+
 oracle_sample = oracle.oracle_sample
 OracleReadError = oracle.OracleReadError
 
-LAYOUTS = ("sharded", "unsharded", "v2")
 # ep000a T=37 fps 30, ep001b T=100 fps 30, ep002c T=101 fps 15, ep003d T=257 fps 30.
 SHORT, ONE_CHUNK, FPS15, LONG = "ep000a", "ep001b", "ep002c", "ep003d"
 EPISODE_NO = {h: no for h, no, _, _ in ramp.RAMP_DATASET}
@@ -41,21 +42,11 @@ TOTAL = {h: t for h, _, t, _ in ramp.RAMP_DATASET}
 FPS = {h: f for h, _, _, f in ramp.RAMP_DATASET}
 
 
-def _keymap_dir() -> Path | None:
-    for candidate in (
-        _REPO.parent / "shared" / "keymaps",
-        _REPO / "client" / "episerve_client" / "keymaps",
-    ):
-        if (candidate / "mecka_keypoints_k4.yaml").exists():
-            return candidate
-    return None
+KEYMAP_DIR = _REPO / "client" / "episerve_client" / "keymaps"
 
 
 def load_keymap(name: str) -> dict[str, dict[str, Any]]:
-    directory = _keymap_dir()
-    if directory is None:
-        pytest.skip("the shared keymaps (mecka_keypoints_k4.yaml, camera_history.yaml) are absent")
-    with (directory / name).open() as f:
+    with (KEYMAP_DIR / name).open() as f:
         keymap: dict[str, dict[str, Any]] = yaml.safe_load(f)
     return keymap
 

@@ -61,18 +61,11 @@ from tests.support.served import LAYOUTS as NUMERIC_LAYOUTS
 from tests.support.strategies import window_fields
 
 
-def test_keymap_constants_match_the_shared_yaml() -> None:
-    repo = Path(__file__).resolve().parents[2]
-    found = 0
-    for directory in (repo.parent / "shared" / "keymaps",
-                      repo / "client" / "episerve_client" / "keymaps"):
-        for name in ("mecka_keypoints_k4", "camera_history"):
-            path = directory / f"{name}.yaml"
-            if path.exists():
-                found += 1
-                assert yaml.safe_load(path.read_text()) == KEYMAPS[name], path
-    if not found:
-        pytest.skip("no keymap YAML files to compare with")
+def test_keymap_constants_match_the_packaged_yaml() -> None:
+    directory = Path(__file__).resolve().parents[2] / "client" / "episerve_client" / "keymaps"
+    for name in ("mecka_keypoints_k4", "camera_history"):
+        path = directory / f"{name}.yaml"
+        assert yaml.safe_load(path.read_text()) == KEYMAPS[name], path
 
 
 # -- planner == oracle ---------------------------------------------------------------------------
@@ -399,7 +392,8 @@ def test_no_metadata_requests_after_warm_up(dataset: str, cache_bytes: int,
         for name in ("mecka_keypoints_k4", "camera_history", "two_horizons"):
             served.read(KEYMAPS[name], samples, cutoff=True)
     assert served.stats.metadata_requests == metadata
-    assert served.stats.store_reads > reads or cache_bytes
+    # the later frames lie in chunks the warm-up did not touch: they were really read
+    assert served.stats.store_reads > reads
 
 
 @pytest.mark.parametrize("layout", NUMERIC_LAYOUTS)
