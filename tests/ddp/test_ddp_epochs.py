@@ -16,6 +16,8 @@ from tests.ddp.harness import Launch
 
 pytestmark = pytest.mark.slow
 WORLD = 2
+#: What one step of both ranks consumes, in the unit of each sampler's state.
+BATCHES = {"window": w.BATCH * WORLD, "mixture": WORLD}
 
 
 def expected(kind: str, rank: int, epoch: int) -> list[list[int]]:
@@ -50,18 +52,17 @@ def test_lightning_epochs_reshuffle_and_a_mid_epoch_checkpoint_resumes_exactly(
                              for g in b)
                 assert got == sorted(g for r in range(WORLD) for b in expected(kind, r, e)
                                      for g in b), (name, e)
+    steps = w.STOP_AFTER - w.CKPT_EVERY  # steps trained on when the checkpoint was written
     for kind in ("window", "mixture"):
-        before = after = 0
         trained: list[int] = []
         for r in range(WORLD):
             case = ranks[r][f"resume-{kind}"]
-            # The checkpoint's state is what the loop trained on, not what was prefetched.
-            assert case["state"]["epoch"] == 0
-            steps = w.STOP_AFTER - w.CKPT_EVERY
-            assert case["before"]["0"] == case["interrupted"]["0"][:steps]
-            before += len(case["before"]["0"])
-            after += len(case["after"]["0"])
-            trained += [g for part in ("before", "after") for b in case[part]["0"] for g in b]
+            before = case["interrupted"]["0"][:steps]  # the steps after it are trained again
+            if r == 0:  # rank 0 wrote the checkpoint: what it had trained on by then
+                assert case["before"]["0"] == before
+            # The state is what the loop trained on, not what the workers had prefetched.
+            assert (case["state"]["epoch"], case["state"]["consumed"]) == (0, steps * BATCHES[kind])
+            assert case["after"]["0"] == expected(kind, r, 0)[steps:], (kind, r)
+            trained += [g for b in before + case["after"]["0"] for g in b]
         epoch0 = sorted(g for r in range(WORLD) for b in expected(kind, r, 0) for g in b)
         assert sorted(trained) == epoch0, kind  # each sample of the epoch exactly once
-        assert before + after == sum(len(expected(kind, r, 0)) for r in range(WORLD))

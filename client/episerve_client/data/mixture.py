@@ -241,8 +241,8 @@ class WeightedMixtureSampler(EpochCursor, Sampler[list[int]]):
         return left // self.num_replicas if self.drop_last else -(-left // self.num_replicas)
 
     def __len__(self) -> int:
-        """Batches this rank yields from the next iteration's start."""
-        return self._steps(self._resume_at)
+        """Batches of a whole epoch on this rank (a resumed iteration yields the rest)."""
+        return self._steps(0)
 
     def __iter__(self) -> Iterator[MixtureBatch]:
         cur = self._begin()

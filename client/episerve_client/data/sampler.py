@@ -230,8 +230,10 @@ class WindowSampler(EpochCursor, Sampler[list[int]]):
         return left // per_step if self.drop_last else -(-left // per_step)
 
     def __len__(self) -> int:
-        """Batches this rank yields from the next iteration's start."""
-        return self._steps(self._resume_at)
+        """Batches of a whole epoch on this rank. An iteration resumed mid-epoch yields the
+        rest of it, fewer: Lightning, which counts the batches of a resumed epoch on from the
+        checkpoint, then ends the epoch where it ends (on as many ranks as the run had)."""
+        return self._steps(0)
 
     def _slice(self, start: int, step: int) -> tuple[int, int, int]:
         """(first position, end position, consumed after the step) of this rank's batch."""
