@@ -246,3 +246,10 @@ def test_keymaps_with_other_keys_need_batch_by_source() -> None:
     # Collating them together anyway names the keys instead of a bare KeyError.
     with pytest.raises(InvalidArgument, match=r"sample 1 of the batch has keys \['head'\]"):
         collate(mix.__getitems__([0, 10]))
+
+
+def test_negative_indices_count_from_the_end() -> None:
+    mix = MixtureDataset([Recording("a", 3), Recording("b", 4)])
+    assert mix[-1] == {"src": "b", "i": 3} and mix[-7] == {"src": "a", "i": 0}
+    with pytest.raises(IndexError, match=r"index -8 is outside the 7 samples"):
+        mix[-8]

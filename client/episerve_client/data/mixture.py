@@ -22,6 +22,7 @@ import numpy as np
 from torch.utils.data import Dataset, Sampler
 
 from episerve_client.data.batch import SampleBatch
+from episerve_client.data.dataset import sequence_index
 from episerve_client.data.sampler import (
     MAX_EPOCH,
     MAX_SAMPLES,
@@ -76,7 +77,8 @@ class MixtureDataset(Dataset[dict[str, Any]]):
         return s, g - self.starts[s]
 
     def __getitem__(self, g: int) -> dict[str, Any]:
-        s, i = self.locate(int(g))
+        """Sample ``g``; a negative one counts from the end, as in a Python sequence."""
+        s, i = self.locate(sequence_index(g, len(self)))
         sample: dict[str, Any] = self.datasets[s][i]
         return sample
 
