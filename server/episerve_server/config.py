@@ -339,7 +339,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--stats-cache-bytes", help="GetKeyStats keeps each (episode, key)'s "
                    "moments and values, and the percentile tails of recent episode sets, "
                    "under this budget, least recently used first (default 512MiB)")
-    for action in p._actions:  # every flag names the variable it also reads
+    defaults = {f.name: f.default for f in fields(ServerConfig)}
+    for action in p._actions:  # every flag names its default and the variable it also reads
         if action.dest != "help" and action.help not in (None, argparse.SUPPRESS):
+            default = defaults.get(action.dest)
+            if "(default" not in action.help and default not in (None, "", ()):
+                action.help = f"{action.help} (default {_shown(action.dest, default)})"
             action.help = f"{action.help} [{ENV_PREFIX}{action.dest.upper()}]"
     return p
+
+
+def _shown(name: str, default: Any) -> str:
+    """A default as a flag would take it: sizes in the largest binary unit that divides."""
+    if _is_size(name) and isinstance(default, int) and default:
+        for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+            if default % size == 0:
+                return f"{default // size}{unit}"
+    return str(default)
