@@ -21,7 +21,14 @@ in the DataLoader's main process, so workers that prefetch ahead of training mov
 ``set_epoch(e)`` wins when called: the next iteration is epoch ``e`` (the same epoch as the
 state loaded keeps its resume point); so does ``load_state_dict``: the next iteration starts
 where the state says. ``epoch`` is the epoch of the next iteration once the current one has
-handed out its last batch, else the current one's.
+handed out its last batch, else the current one's. To look at an epoch without moving on,
+use ``order(e)`` rather than iterating the sampler once more.
+
+``len()`` is the batches of a whole epoch on this rank; an iteration resumed mid-epoch
+yields the rest of it (Lightning counts a resumed epoch's batches on from its checkpoint).
+The sampler hands out batches ahead of training (DataLoader workers prefetch, Lightning
+fetches one ahead), so a checkpoint takes ``state_dict(steps=n)``, ``n`` the batches
+trained on since the iteration began.
 """
 
 from __future__ import annotations
