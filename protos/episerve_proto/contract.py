@@ -7,7 +7,7 @@ descriptor of ``episerve/v1/episerve.proto``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 PACKAGE = "episerve.v1"
@@ -42,10 +42,12 @@ def did_you_mean(word: str, choices: tuple[str, ...] | list[str]) -> str:
     return f"; did you mean {close[0]!r}?" if close else ""
 
 
-def missing_array_reason(output_key: str, zarr_key: str) -> str:
-    """Why an episode cannot serve a keymap entry whose zarr key it lacks: the daemon's
-    ``RegisterKeymap`` check and the client's (against a full listing) say it alike."""
-    return f"output key {output_key!r}: the episode has no array {zarr_key!r}"
+def missing_array_reason(output_key: str, zarr_key: str, arrays: Iterable[str] = ()) -> str:
+    """Why an episode cannot serve a keymap entry whose zarr key it lacks, with the nearest
+    of the episode's ``arrays`` as a "did you mean": the daemon's ``RegisterKeymap`` check
+    and the client's (against a full listing) say it alike."""
+    return (f"output key {output_key!r}: the episode has no array {zarr_key!r}"
+            f"{did_you_mean(zarr_key, sorted(arrays))}")
 
 
 def declared_frame_size(features: Mapping[str, Any], key: str) -> tuple[int, int] | None:

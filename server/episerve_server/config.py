@@ -20,7 +20,7 @@ RESPONSE_HEADROOM_BYTES = 2**20
 MAX_RESPONSE_BYTES = MAX_MESSAGE_BYTES - RESPONSE_HEADROOM_BYTES
 PORTS = ("port", "metrics_port", "health_port")
 DURATIONS = ("grace_s", "rescan_s", "store_timeout_s", "max_connection_age_s",
-             "max_connection_idle_s", "inject_latency_s")
+             "max_connection_idle_s", "inject_latency_s", "log_summary_s")
 COUNTS = ("max_batch", "max_window", "max_concurrent_reads", "max_store_concurrency",
           "max_keymap_entries", "max_streams_per_connection")
 PRELOAD_KINDS = ("off", "numeric")
@@ -74,6 +74,7 @@ class ServerConfig:
     s3_endpoint: str = ""
     log_level: str = "INFO"
     log_format: str = "text"  # or "json": one object per line
+    log_summary_s: float = 60.0  # one INFO line of the RPCs served per interval (each at DEBUG)
     max_store_concurrency: int = 64
     # A connection is closed (GOAWAY, then grace_s for its RPCs) after this long, so new
     # replicas get load and no client holds the daemon's buffers for longer; 0: never.
@@ -296,6 +297,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-client-ca", help="CA for client certificates: mutual TLS")
     p.add_argument("--s3-endpoint", help="endpoint URL of an S3-compatible store")
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING (default INFO)")
+    p.add_argument("--log-summary-s", type=float, help="write one INFO line per interval with "
+                   "the RPCs served in it, by method and code (each RPC's own line is DEBUG); "
+                   "0: after every RPC")
     p.add_argument("--log-format", help="text, or json: one object per line with ts, level, "
                    "logger, msg and the line's fields (default text)")
     p.add_argument("--max-store-concurrency", type=int, help="store requests in flight "
@@ -339,7 +343,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--stats-cache-bytes", help="GetKeyStats keeps each (episode, key)'s "
                    "moments and values, and the percentile tails of recent episode sets, "
                    "under this budget, least recently used first (default 512MiB)")
-    for action in p._actions:  # every flag names the variable it also reads
+    defaults = {f.name: f.default for f in fields(ServerConfig)}
+    for action in p._actions:  # every flag names its default and the variable it also reads
         if action.dest != "help" and action.help not in (None, argparse.SUPPRESS):
+            default = defaults.get(action.dest)
+            if "(default" not in action.help and default not in (None, "", ()):
+                action.help = f"{action.help} (default {_shown(action.dest, default)})"
             action.help = f"{action.help} [{ENV_PREFIX}{action.dest.upper()}]"
     return p
+
+
+def _shown(name: str, default: Any) -> str:
+    """A default as a flag would take it: sizes in the largest binary unit that divides."""
+    if _is_size(name) and isinstance(default, int) and default:
+        for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+            if default % size == 0:
+                return f"{default // size}{unit}"
+    return str(default)

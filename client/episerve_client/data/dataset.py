@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import random
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -172,7 +173,8 @@ class WindowDataset(Dataset[dict[str, Any]]):
         return len(self.manifest)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        return self.__getitems__([index])[0]
+        """Sample ``index``; a negative one counts from the end, as in a Python sequence."""
+        return self.__getitems__([sequence_index(index, len(self))])[0]
 
     def __getitems__(self, indices: Sequence[int]) -> SampleBatch | list[dict[str, Any]]:
         samples = [self.locate(int(g)) for g in indices]
@@ -323,6 +325,15 @@ class WindowDataset(Dataset[dict[str, Any]]):
                 f"episode {episode!r}: embodiment {b!r} is not in embodiment_ids "
                 f"{sorted(self.embodiment_ids)!r}", episode=episode,
             ) from exc
+
+
+def sequence_index(index: int, n: int) -> int:
+    """``index`` into ``n`` samples as a Python sequence takes it: ``-1`` is the last one."""
+    i = operator.index(index)
+    if not -n <= i < n:
+        raise IndexError(f"index {index!r} is outside the {n} samples "
+                         f"(valid: {-n} to {n - 1})")
+    return i + n if i < 0 else i
 
 
 def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
