@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import socket
 from collections import Counter
 from collections.abc import Iterator
@@ -145,9 +146,11 @@ def test_a_transient_failure_asks_again_next_time() -> None:
 
 
 def test_reachable_needs_a_socket_here(sockets: list[str], tmp_path: Path) -> None:
-    assert reachable(sockets[0]) and reachable("unix:" + sockets[0].removeprefix("unix://"))
-    assert not reachable(f"unix://{tmp_path}/none.sock")
-    assert reachable("127.0.0.1:5")
+    mine = {os.getuid()}
+    assert reachable(sockets[0], mine)
+    assert reachable("unix:" + sockets[0].removeprefix("unix://"), mine)
+    assert not reachable(f"unix://{tmp_path}/none.sock", mine)
+    assert reachable("127.0.0.1:5", mine)
 
 
 def test_calls_to_workers_do_not_wait_for_ready(sockets: list[str]) -> None:

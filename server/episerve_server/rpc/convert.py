@@ -397,6 +397,12 @@ def split_read(data: bytes, owner: Any, limits: Limits) -> list[tuple[int, list[
     return out
 
 
+def response_limit(data: bytes, limit: int) -> int:
+    """The byte limit of a Read's whole answer: the daemon's, or the request's if lower."""
+    req = _parse(pb.ReadRequest(), data, "Read")
+    return min(limit, req.max_response_bytes) if req.max_response_bytes > 0 else limit
+
+
 def merge_read_responses(parts: Sequence[tuple[list[int], bytes]], n: int) -> bytes:
     """Per-worker ``ReadResponse`` bytes back in request order, as one response."""
     if len(parts) == 1:

@@ -22,6 +22,7 @@ import functools
 import logging
 import signal
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
@@ -33,6 +34,7 @@ from episerve_proto import routing
 from episerve_proto.contract import METHODS, SERVICE_NAME
 from episerve_proto.errors import Overloaded, Unavailable
 from episerve_server.config import ServerConfig
+from episerve_server.plan.planner import _too_big
 from episerve_server.rpc import convert, preflight
 from episerve_server.rpc.buffers import ResponseBuffers
 from episerve_server.rpc.interceptors import LoggingInterceptor, TokenInterceptor
@@ -59,6 +61,11 @@ class FrontService:
         self.on_batch: Callable[[int], None] | None = None
         self._owner = functools.lru_cache(maxsize=1 << 16)(
             functools.partial(_owner, n=len(pool.workers)))
+        # Every keymap registered through the front (its unchecked request, least recently
+        # registered first, under --max-registry-bytes), replayed to a restarted worker.
+        self.registered: OrderedDict[bytes, None] = OrderedDict()
+        self.registered_bytes = 0
+        pool.on_restart = self.replay_keymaps
 
     def handlers(self) -> grpc.GenericRpcHandler:
         methods: dict[str, Callable[..., Any]] = {
@@ -78,12 +85,19 @@ class FrontService:
     async def counters(self) -> dict[str, int]:
         return convert.stats_counters(await self._stats(5.0))
 
-    async def _stats(self, timeout_s: float) -> bytes:
+    async def _stats(self, timeout_s: float, *, complete: bool = True) -> bytes:
+        """The workers' counters summed; with ``complete=False``, over the workers that are
+        ready (the others are counted in ``workers_ready`` and ``workers_hung``)."""
+        workers = self.pool.workers if complete else [w for w in self.pool.workers if w.ready]
+        if not workers:
+            raise Unavailable("no worker of the daemon is serving; retry")
         replies = await _all([self.pool.call(w.index, "GetStats", b"", timeout_s)
-                              for w in self.pool.workers])
+                              for w in workers])
         extra = {"workers": len(self.pool.workers),
                  "workers_ready": sum(w.ready for w in self.pool.workers),
+                 "workers_hung": self.pool.hung,
                  "worker_restarts": self.pool.restarts_total,
+                 "worker_hangs": self.pool.hangs_total,
                  "front_reads_in_flight": self.inflight,
                  "front_buffered_bytes": self.buffers.total}
         return convert.merge_stats(replies, extra)
@@ -96,7 +110,7 @@ class FrontService:
     @_rpc
     async def get_stats(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         convert.parse_empty(request, "GetStats")
-        return await self._stats(_timeout(context))
+        return await self._stats(_timeout(context), complete=False)
 
     @_rpc
     async def register_keymap(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
@@ -108,7 +122,22 @@ class FrontService:
         replies = await _all([self.pool.call(w.index, "RegisterKeymap",
                                              request if w.index == 0 else others, timeout_s)
                               for w in self.pool.workers])
+        self._remember(others)
         return replies[0]
+
+    def _remember(self, keymap: bytes) -> None:
+        if self.registered.pop(keymap, False) is None:
+            self.registered_bytes -= len(keymap)
+        self.registered[keymap] = None
+        self.registered_bytes += len(keymap)
+        while self.registered_bytes > self.config.max_registry_bytes and len(self.registered) > 1:
+            old, _ = self.registered.popitem(last=False)
+            self.registered_bytes -= len(old)
+
+    async def replay_keymaps(self, index: int) -> None:
+        """Register every keymap registered through the front on a restarted worker, before
+        it serves again: clients holding their ids never meet ``UnknownKeymap``."""
+        await self.pool.replay(index, list(self.registered))
 
     @_rpc
     async def read(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
@@ -120,25 +149,69 @@ class FrontService:
         peer = context.peer() or ""
         self.buffers.check(peer)
         self.inflight += 1
+        reserved: list[Callable[[object], None]] = []
+
+        def reserve(nbytes: int) -> None:
+            reserved.append(self.buffers.reserve(peer, nbytes))
+
         try:
             parts = convert.split_read(request, self._owner, self.limits)
+            limit = self.config.max_response_bytes
+            if len(parts) > 1:
+                limit = convert.response_limit(request, limit)
             del request
-            timeout_s = _timeout(context)
-            replies = await _all([self.pool.call(w, "Read", payload, timeout_s)
-                                  for w, _, payload in parts])
+            replies = await self._forward(parts, _timeout(context), limit, reserve)
             pieces = [(idx, data) for (_, idx, _), data in zip(parts, replies)]
+            del replies
             n = sum(len(idx) for idx, _ in pieces)
-            if sum(len(d) for d in replies) >= OFFLOAD_ENCODE_BYTES and len(pieces) > 1:
+            if len(pieces) > 1:
+                reserve(sum(len(d) for _, d in pieces))  # the merged copy, beside the parts
+            if sum(len(d) for _, d in pieces) >= OFFLOAD_ENCODE_BYTES and len(pieces) > 1:
                 data = await asyncio.to_thread(convert.merge_read_responses, pieces, n)
             else:
                 data = convert.merge_read_responses(pieces, n)
+            del pieces
         finally:
             self.inflight -= 1
+            for release in reserved:
+                release(None)
         self.buffers.admit(peer, len(data))
         context.add_done_callback(self.buffers.hold(peer, len(data)))
         if self.on_batch is not None:
             self.on_batch(n)
         return data
+
+
+    async def _forward(self, parts: list[tuple[int, list[int], bytes]], timeout_s: float,
+                       limit: int, reserve: Callable[[int], None]) -> list[bytes]:
+        """Each part's answer from its worker, in ``parts`` order.
+
+        A worker refuses its own part over ``limit``; the front refuses their sum, as one
+        process refuses one response over it, before anything is merged. Each answer is
+        reserved in the response buffers as it arrives (it is held until the merged one is
+        built), so reads arriving together cannot hold more than ``--max-buffered-bytes``.
+        The first answer that takes the sum over the limit ends the read (the others are
+        cancelled): the error names the limit and the size received so far.
+        """
+        if len(parts) == 1:
+            w, _, payload = parts[0]
+            return [await self.pool.call(w, "Read", payload, timeout_s)]
+        tasks = [asyncio.ensure_future(self.pool.call(w, "Read", payload, timeout_s))
+                 for w, _, payload in parts]
+        total, n = 0, sum(len(idx) for _, idx, _ in parts)
+        try:
+            pending: set[asyncio.Future[bytes]] = set(tasks)
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                total += sum(len(task.result()) for task in done)
+                if total > limit:
+                    raise _too_big(total, limit, n, at_least=bool(pending))
+                for task in done:
+                    reserve(len(task.result()))
+            return [task.result() for task in tasks]
+        finally:
+            for task in tasks:
+                task.cancel()
 
 
 def _pass_through(front: FrontService, method: str) -> Callable[..., Any]:
@@ -279,6 +352,7 @@ async def serve(config: ServerConfig, announce: Callable[[str], None]) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     watch = asyncio.create_task(pool.watch(set_health, give_up))
+    probe = asyncio.create_task(pool.probe(set_health))
     await stop.wait()
     log.info("draining for up to %.1fs", config.grace_s)
     front.draining = True
@@ -289,6 +363,7 @@ async def serve(config: ServerConfig, announce: Callable[[str], None]) -> int:
         await asyncio.sleep(0.02)
     await stopping
     watch.cancel()
+    probe.cancel()
     await server.stop(max(0.1, deadline - time.monotonic()))
     for s in extra:
         await s.stop(0)
