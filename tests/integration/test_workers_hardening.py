@@ -27,9 +27,9 @@ from episerve_proto import routing
 from episerve_proto.contract import ERROR_TRAILER, SERVICE_NAME, SERVICE_PATH
 from episerve_proto.v1 import episerve_pb2 as pb
 from episerve_tools.launch import DaemonProcess
+from tests.support.daemons import sample_of
 from tests.support.keymaps import BATCH
 from tests.support.served import assert_same_sample, oracle_of
-from tests.support.daemons import sample_of
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -173,9 +173,9 @@ def test_a_replaced_worker_socket_gets_no_token_and_serves_no_rows(
     forged = _Forged(folder / "1.sock", features=63)
     os.chown(folder / "1.sock", NOBODY, NOBODY)
     try:
-        with Client(d.target, token="s3cret", plaintext_token_ok=True) as c:
-            with pytest.raises(errors.PermissionDenied) as refused:
-                c.read(KEYPOINTS, [(OWNED_BY_1, 5), (OWNED_BY_0, 5)])
+        with (Client(d.target, token="s3cret", plaintext_token_ok=True) as c,
+              pytest.raises(errors.PermissionDenied) as refused):
+            c.read(KEYPOINTS, [(OWNED_BY_1, 5), (OWNED_BY_0, 5)])
         assert str(folder) in str(refused.value) and "65534" in str(refused.value)
         assert forged.seen == []  # neither the token nor a read reached it
     finally:
