@@ -403,6 +403,13 @@ def response_limit(data: bytes, limit: int) -> int:
     return min(limit, req.max_response_bytes) if req.max_response_bytes > 0 else limit
 
 
+def limited_read(data: bytes, max_response_bytes: int) -> bytes:
+    """A forwarded Read with a response limit of its own (at least 1 byte: 0 means none)."""
+    req = _parse(pb.ReadRequest(), data, "Read")
+    req.max_response_bytes = max(1, max_response_bytes)
+    return req.SerializeToString()  # type: ignore[no-any-return]
+
+
 def merge_read_responses(parts: Sequence[tuple[list[int], bytes]], n: int) -> bytes:
     """Per-worker ``ReadResponse`` bytes back in request order, as one response."""
     if len(parts) == 1:

@@ -32,7 +32,7 @@ from grpc_reflection.v1alpha import reflection
 
 from episerve_proto import routing
 from episerve_proto.contract import METHODS, SERVICE_NAME
-from episerve_proto.errors import Overloaded, Unavailable
+from episerve_proto.errors import Overloaded, ResponseTooLarge, Unavailable
 from episerve_server.config import ServerConfig
 from episerve_server.plan.planner import _too_big
 from episerve_server.rpc import convert, preflight
@@ -184,34 +184,49 @@ class FrontService:
 
     async def _forward(self, parts: list[tuple[int, list[int], bytes]], timeout_s: float,
                        limit: int, reserve: Callable[[int], None]) -> list[bytes]:
-        """Each part's answer from its worker, in ``parts`` order.
+        """Each part's answer from its worker, in ``parts`` order, their sum within ``limit``.
 
-        A worker refuses its own part over ``limit``; the front refuses their sum, as one
-        process refuses one response over it, before anything is merged. Each answer is
-        reserved in the response buffers as it arrives (it is held until the merged one is
+        The front refuses a merged answer over the limit as one process refuses one
+        response over it, and, like it, before the bytes are built: every part is forwarded
+        with a limit of its own, its share of ``limit`` by samples, which its worker checks
+        before it reads anything. Parts over their share are then asked again one at a time
+        with what is left of the limit, so a batch whose parts are uneven is still served
+        when its sum fits. The parts held at once are thus never more than ``limit``; each
+        is reserved in the response buffers as it arrives (held until the merged answer is
         built), so reads arriving together cannot hold more than ``--max-buffered-bytes``.
-        The first answer that takes the sum over the limit ends the read (the others are
-        cancelled): the error names the limit and the size received so far.
         """
         if len(parts) == 1:
             w, _, payload = parts[0]
             return [await self.pool.call(w, "Read", payload, timeout_s)]
-        tasks = [asyncio.ensure_future(self.pool.call(w, "Read", payload, timeout_s))
-                 for w, _, payload in parts]
-        total, n = 0, sum(len(idx) for _, idx, _ in parts)
-        try:
-            pending: set[asyncio.Future[bytes]] = set(tasks)
-            while pending:
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                total += sum(len(task.result()) for task in done)
-                if total > limit:
-                    raise _too_big(total, limit, n, at_least=bool(pending))
-                for task in done:
-                    reserve(len(task.result()))
-            return [task.result() for task in tasks]
-        finally:
-            for task in tasks:
-                task.cancel()
+        n = sum(len(idx) for _, idx, _ in parts)
+        shares = [max(1, limit * len(idx) // n) for _, idx, _ in parts]
+        first = await asyncio.gather(
+            *(self.pool.call(w, "Read", convert.limited_read(payload, share), timeout_s)
+              for (w, _, payload), share in zip(parts, shares)), return_exceptions=True)
+        for got in first:
+            if isinstance(got, BaseException) and not isinstance(got, ResponseTooLarge):
+                raise got
+        total = 0
+        for got in first:
+            if isinstance(got, bytes):
+                total += len(got)
+                reserve(len(got))
+        over = [k for k, got in enumerate(first) if isinstance(got, ResponseTooLarge)]
+        for k in over:  # each alone is known to be over its share
+            lower = total + sum(shares[j] + 1 for j in over if j >= k)
+            left = limit - total
+            if lower > limit:
+                raise _too_big(lower, limit, n, at_least=True)
+            w, _, payload = parts[k]
+            try:
+                data = await self.pool.call(w, "Read", convert.limited_read(payload, left),
+                                            timeout_s)
+            except ResponseTooLarge:
+                raise _too_big(total + left + 1, limit, n, at_least=True) from None
+            total += len(data)
+            reserve(len(data))
+            first[k] = data
+        return [got for got in first if isinstance(got, bytes)]
 
 
 def _pass_through(front: FrontService, method: str) -> Callable[..., Any]:
