@@ -429,11 +429,20 @@ def merge_read_responses(parts: Sequence[tuple[list[int], bytes]], n: int) -> by
     for name in ("episodes", "frame_index", "fps", "embodiments", "total_frames"):
         getattr(out, name).extend(each([getattr(m, name) for m in msgs]))
     for k, first in enumerate(msgs[0].arrays):
-        rows = [np.frombuffer(m.arrays[k].data, dtype=first.dtype).reshape(
-            tuple(m.arrays[k].shape)) for m in msgs]
-        merged = np.concatenate(rows)[order]
+        # Each part's rows go straight to their places: one copy of the array, not three.
+        merged: np.ndarray | None = None
+        for (idx, _), m in zip(parts, msgs):
+            rows = np.frombuffer(m.arrays[k].data, dtype=first.dtype).reshape(
+                tuple(m.arrays[k].shape))
+            if merged is None:
+                merged = np.empty((n, *rows.shape[1:]), rows.dtype)
+            merged[idx] = rows
+            del rows
+            m.arrays[k].ClearField("data")  # the part's copy is no longer needed
+        assert merged is not None
         out.arrays.add(name=first.name, dtype=first.dtype, shape=merged.shape,
                        data=merged.tobytes())
+        del merged
     offsets = {src.key: np.cumsum([0] + [len(m.frames[s].frames) for m in msgs])
                for s, src in enumerate(msgs[0].frames)}
     for k, first in enumerate(msgs[0].images):
