@@ -23,11 +23,11 @@ import grpc
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from episerve_client import convert  # noqa: E402
-from episerve_proto import routing  # noqa: E402
-from episerve_proto.contract import SERVICE_PATH  # noqa: E402
-from episerve_tools.launch import DaemonProcess  # noqa: E402
-from tests.support import hostile, ramp  # noqa: E402
+from episerve_client import convert
+from episerve_proto import routing
+from episerve_proto.contract import SERVICE_PATH
+from episerve_tools.launch import DaemonProcess
+from tests.support import hostile, ramp
 
 #: 1,024 rows of 63 float32 a sample: 258 kB.
 LONG = {"k": {"zarr_key": "left.obs_keypoints", "key_type": "proprio_keys", "horizon": 1024}}
