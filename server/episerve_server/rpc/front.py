@@ -5,10 +5,14 @@ The front reads nothing itself. It starts the workers (``rpc/workers.py``) and a
 - ``GetTopology``: the workers' addresses and the routing rule, so that a client sends each
   sample straight to the worker that owns its episode (``episerve_proto.routing``);
 - ``Read`` for clients that do not route (grpcurl, older clients, clients that cannot reach
-  the workers' sockets): split by owner, forwarded in parallel, merged in request order;
-- ``RegisterKeymap`` on every worker; ``GetStats`` summed over the workers;
-  ``ListEpisodes`` (and any other read-only call) from worker 0, which opens every episode;
-- health: ``SERVING`` only while every worker serves.
+  the workers' sockets): split by owner, forwarded in parallel with the caller's deadline,
+  each part with its share of the response limit (so an answer over it is refused before
+  it is built), merged in request order within the response buffers' budget;
+- ``RegisterKeymap`` on every worker, remembered and replayed to a worker restarted after
+  a crash; ``GetStats`` summed over the workers that serve; ``ListEpisodes`` (and any
+  other read-only call) from worker 0, which opens every episode;
+- health: ``SERVING`` only while every worker serves and answers its health checks in
+  time (a hung worker is ``NOT_SERVING``, its calls end ``UNAVAILABLE``).
 
 Drain (SIGTERM, SIGINT): health ``NOT_SERVING``, new forwarded reads refused, the workers
 drain their own reads, then everything stops. A worker that exits is restarted; more than
@@ -307,6 +311,8 @@ class FrontCollector:
              sum(w.ready for w in self.front.pool.workers)),
             ("worker_restarts", "Worker processes restarted after they exited.",
              self.front.pool.restarts_total),
+            ("workers_hung", "Worker processes running but missing their health checks.",
+             self.front.pool.hung),
         )
         for name, text, value in gauges:
             yield GaugeMetricFamily(f"{PREFIX}_{name}", text, value=value)
