@@ -287,7 +287,7 @@ def test_a_hung_worker_is_not_serving_and_reads_fail_fast(ramp_roots: dict[str, 
     os.kill(pid, signal.SIGSTOP)
     try:
         took = _wait_health(d.target, NOT_SERVING, within_s=10)
-        assert took < 6, took
+        assert took < 8, took
         with Client(d.target) as c:
             stats = c.stats()
             assert stats["workers_ready"] == 1 and stats["workers_hung"] == 1

@@ -53,7 +53,7 @@ WATCH_S = 0.2
 #: a worker that misses PROBE_MISSES checks in a row is hung (stopped, or its loop blocked):
 #: it is NOT_SERVING and its calls in flight end as UNAVAILABLE, until a check passes.
 PROBE_S = 0.5
-PROBE_TIMEOUT_S = 1.5
+PROBE_TIMEOUT_S = 2.0
 PROBE_MISSES = 2
 #: Keymaps replayed to a restarted worker at once, and the deadline of each.
 REPLAY_CONCURRENCY = 32
