@@ -6,12 +6,13 @@ receive their outcomes; the sync and async clients only execute them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import stat
 import time
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Collection, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeAlias
@@ -25,6 +26,7 @@ from episerve_client.channel import (
     check_unix_target,
     note_grpc_use,
     parse_targets,
+    unix_path,
 )
 from episerve_client.convert import ReadResult
 from episerve_client.errors import (
@@ -32,6 +34,7 @@ from episerve_client.errors import (
     DeadlineExceeded,
     EpiserveError,
     InvalidArgument,
+    PermissionDenied,
     ResponseTooLarge,
     Unavailable,
     UnknownKeymap,
@@ -138,7 +141,8 @@ class WorkerRoutes:
         for t, out in zip(need, outcomes):
             if isinstance(out, bytes):
                 workers, rule = convert.topology(out)
-                ok = rule == routing.ROUTING and all(map(reachable, workers))
+                owners = trusted_owners(t)
+                ok = rule == routing.ROUTING and all(reachable(w, owners) for w in workers)
                 self.of[t] = workers if ok else ()
             elif isinstance(out, EpiserveError) and not out.transient:
                 self.of[t] = ()  # a daemon without GetTopology serves everything itself
@@ -176,16 +180,48 @@ class WorkerRoutes:
         return True
 
 
-def reachable(address: str) -> bool:
+def reachable(address: str, owners: Collection[int]) -> bool:
     """Whether this process can plausibly connect to a worker's address: a unix socket that
-    exists here and that it may open, or a TCP address."""
-    if not address.startswith("unix:"):
+    exists here and that it may open, or a TCP address.
+
+    A socket this process may open is trusted only if it and its folder are owned by a uid
+    in ``owners`` and writable by nobody else: otherwise another local user could have put
+    it there to collect the token and answer with rows of its own, so it is refused with
+    ``PermissionDenied`` naming the path (before anything is sent to it).
+    """
+    path = unix_path(address)
+    if path is None:
         return True
-    path = address.removeprefix("unix:").removeprefix("//")
     try:
-        return stat.S_ISSOCK(os.stat(path).st_mode) and os.access(path, os.R_OK | os.W_OK)
+        st = os.lstat(path)
     except OSError:
         return False
+    if not stat.S_ISSOCK(st.st_mode) or not os.access(path, os.R_OK | os.W_OK):
+        return False
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        parent = os.lstat(folder)
+    except OSError:
+        return False
+    for what, where, info in (("socket", path, st), ("folder", folder, parent)):
+        if stat.S_ISLNK(info.st_mode) or info.st_uid not in owners or info.st_mode & 0o022:
+            raise PermissionDenied(
+                f"the daemon's worker {what} {where!r} is owned by uid {info.st_uid} with "
+                f"mode {stat.S_IMODE(info.st_mode):#o}; expected a uid in {sorted(owners)} "
+                "and no write permission for group or others: refusing to send reads or a "
+                "token to it (another local user may have replaced it)")
+    return True
+
+
+def trusted_owners(target: str) -> set[int]:
+    """The uids a target's workers may belong to: this process's, and the owner of the
+    daemon's own socket when the target is one."""
+    owners = {os.getuid()}
+    path = unix_path(target)
+    if path is not None:
+        with contextlib.suppress(OSError):
+            owners.add(os.stat(path).st_uid)
+    return owners
 
 
 class BaseClient:

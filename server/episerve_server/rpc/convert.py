@@ -397,6 +397,19 @@ def split_read(data: bytes, owner: Any, limits: Limits) -> list[tuple[int, list[
     return out
 
 
+def response_limit(data: bytes, limit: int) -> int:
+    """The byte limit of a Read's whole answer: the daemon's, or the request's if lower."""
+    req = _parse(pb.ReadRequest(), data, "Read")
+    return min(limit, req.max_response_bytes) if req.max_response_bytes > 0 else limit
+
+
+def limited_read(data: bytes, max_response_bytes: int) -> bytes:
+    """A forwarded Read with a response limit of its own (at least 1 byte: 0 means none)."""
+    req = _parse(pb.ReadRequest(), data, "Read")
+    req.max_response_bytes = max(1, max_response_bytes)
+    return req.SerializeToString()  # type: ignore[no-any-return]
+
+
 def merge_read_responses(parts: Sequence[tuple[list[int], bytes]], n: int) -> bytes:
     """Per-worker ``ReadResponse`` bytes back in request order, as one response."""
     if len(parts) == 1:
@@ -416,11 +429,20 @@ def merge_read_responses(parts: Sequence[tuple[list[int], bytes]], n: int) -> by
     for name in ("episodes", "frame_index", "fps", "embodiments", "total_frames"):
         getattr(out, name).extend(each([getattr(m, name) for m in msgs]))
     for k, first in enumerate(msgs[0].arrays):
-        rows = [np.frombuffer(m.arrays[k].data, dtype=first.dtype).reshape(
-            tuple(m.arrays[k].shape)) for m in msgs]
-        merged = np.concatenate(rows)[order]
+        # Each part's rows go straight to their places: one copy of the array, not three.
+        merged: np.ndarray | None = None
+        for (idx, _), m in zip(parts, msgs):
+            rows = np.frombuffer(m.arrays[k].data, dtype=first.dtype).reshape(
+                tuple(m.arrays[k].shape))
+            if merged is None:
+                merged = np.empty((n, *rows.shape[1:]), rows.dtype)
+            merged[idx] = rows
+            del rows
+            m.arrays[k].ClearField("data")  # the part's copy is no longer needed
+        assert merged is not None
         out.arrays.add(name=first.name, dtype=first.dtype, shape=merged.shape,
                        data=merged.tobytes())
+        del merged
     offsets = {src.key: np.cumsum([0] + [len(m.frames[s].frames) for m in msgs])
                for s, src in enumerate(msgs[0].frames)}
     for k, first in enumerate(msgs[0].images):

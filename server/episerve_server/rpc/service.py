@@ -240,6 +240,8 @@ class EpiserveService:
             await self.rescan(arrived)
             results = await self.key_stats.compute(call.keys, call.episodes)
         return convert.encode_key_stats(results)
+
+    @_rpc
     async def get_topology(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         """One process serves every episode: no workers to route to."""
         convert.parse_empty(request, "GetTopology")
