@@ -83,12 +83,18 @@ def note_grpc_use() -> None:
 
 
 def parse_targets(target: str | Sequence[str]) -> tuple[str, ...]:
+    """The targets, each stripped; a bare absolute path is the unix socket at that path.
+
+    gRPC would take ``/run/episerve.sock`` for a host name and wait for it until the
+    deadline: it becomes ``unix:///run/episerve.sock``.
+    """
     items = [target] if isinstance(target, str) else list(target)
     out = []
     for t in items:
         if not isinstance(t, str) or not t.strip():
             raise InvalidArgument(f"a target is 'host:port' or 'unix:///path', got {t!r}")
-        out.append(t.strip())
+        t = t.strip()
+        out.append(f"unix://{t}" if t.startswith("/") else t)
     if not out:
         raise InvalidArgument("at least one target is needed")
     return tuple(dict.fromkeys(out))
@@ -116,6 +122,20 @@ def check_token_transport(target: str, token: str, tls: TLS | None,
             f"refusing to send a token in plaintext to {target!r}: use tls=TLS(...), or, for "
             "a unix socket or loopback target only, pass plaintext_token_ok=True"
         )
+
+
+#: A target that has never answered this client must accept a connection within this.
+DEFAULT_CONNECT_TIMEOUT_S = 3.0
+
+
+def not_answering(target: str, waited_s: float, tls: bool) -> Unavailable:
+    """The error for a target that never answered: nothing listens there (or it speaks
+    another protocol), which waiting longer will not change."""
+    hint = ("is the daemon running at this address, and started with --tls-cert?" if tls
+            else "is the daemon running at this address, and without TLS?")
+    return Unavailable(f"no daemon answered at {target!r} within {waited_s:g}s: nothing "
+                       f"listens there or it did not accept the connection ({hint})",
+                       target=target)
 
 
 #: A unix socket that does not exist yet is looked for this long before the call fails (a

@@ -112,12 +112,22 @@ class Client(BaseClient):
         for call, fut in zip(calls, futures):
             try:
                 out.append(fut.result())
+                self.answered.add(call.target)
             except grpc.RpcError as exc:
                 out.append(from_rpc_error(exc, call.target))
         return out
 
     def _start(self, call: Call) -> Any:
-        stub = self._channel(call.target).unary_unary(SERVICE_PATH + call.method)
+        channel = self._channel(call.target)
+        if self.must_connect(call.target):
+            ready = grpc.channel_ready_future(channel)
+            try:
+                ready.result(timeout=self.connect_wait_s(call))
+            except grpc.FutureTimeoutError:
+                ready.cancel()
+                raise self.not_answering(call) from None
+            self.answered.add(call.target)
+        stub = channel.unary_unary(SERVICE_PATH + call.method)
         return stub.future(call.payload, timeout=max(call.timeout_s, 0.001),
                            metadata=self.metadata(),
                            wait_for_ready=self.waits_for_ready(call.target))
