@@ -24,6 +24,7 @@ from episerve_client.channel import (
     TLS,
     check_token_transport,
     check_unix_target,
+    keep_inherited,
     not_answering,
     note_grpc_use,
     parse_targets,
@@ -225,6 +226,7 @@ class BaseClient:
     def _channel(self, target: str) -> Any:
         """This process's channel to ``target``, made on first use (never before a fork)."""
         if self._pid != os.getpid():  # forked: the parent's channels are not ours to use
+            keep_inherited(self._channels.values())
             self._channels, self._pid = {}, os.getpid()
         channel = self._channels.get(target)
         if channel is None:
@@ -239,7 +241,10 @@ class BaseClient:
 
     def _take_channels(self) -> list[Any]:
         """Forget every channel; returns the ones this process may close."""
-        mine = list(self._channels.values()) if self._pid == os.getpid() else []
+        if self._pid != os.getpid():
+            keep_inherited(self._channels.values())
+            self._channels, self._pid = {}, os.getpid()
+        mine = list(self._channels.values())
         self._channels = {}
         return mine
 

@@ -109,7 +109,7 @@ class AsyncClient(BaseClient):
         if self.must_connect(call.target):
             try:
                 await asyncio.wait_for(channel.channel_ready(), self.connect_wait_s(call))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 raise self.not_answering(call) from None
             self.answered.add(call.target)
         stub = channel.unary_unary(SERVICE_PATH + call.method)
