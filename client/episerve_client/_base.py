@@ -21,9 +21,12 @@ import numpy as np
 
 from episerve_client import convert
 from episerve_client.channel import (
+    DEFAULT_CONNECT_TIMEOUT_S,
     TLS,
     check_token_transport,
     check_unix_target,
+    keep_inherited,
+    not_answering,
     note_grpc_use,
     parse_targets,
     unix_path,
@@ -229,13 +232,20 @@ class BaseClient:
                  token: str = "", tls: TLS | None = None, plaintext_token_ok: bool = False,
                  backoff_initial_s: float = DEFAULT_BACKOFF_INITIAL_S,
                  backoff_max_s: float = DEFAULT_BACKOFF_MAX_S,
-                 down_s: float = DEFAULT_DOWN_S, max_response_bytes: int = 0) -> None:
+                 down_s: float = DEFAULT_DOWN_S, max_response_bytes: int = 0,
+                 connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S) -> None:
         self.targets = parse_targets(target)
         for t in self.targets:
             check_token_transport(t, token, tls, plaintext_token_ok)
-        if timeout_s <= 0:
-            raise InvalidArgument(f"timeout_s must be > 0, got {timeout_s!r}")
+        for name, value in (("timeout_s", timeout_s), ("connect_timeout_s", connect_timeout_s)):
+            if not value > 0:
+                raise InvalidArgument(f"{name} must be > 0, got {value!r}")
         self.timeout_s, self.token, self.tls = timeout_s, token, tls
+        self.connect_timeout_s = connect_timeout_s
+        #: Targets that have answered this client (or the process it was copied from): a
+        #: call to one of them waits for it until the deadline, as through a restart. A
+        #: target not in it must first accept a connection within ``connect_timeout_s``.
+        self.answered: set[str] = set()
         self.backoff_initial_s, self.backoff_max_s = backoff_initial_s, backoff_max_s
         self.max_response_bytes = max_response_bytes
         self.router = Router(self.targets, down_s)
@@ -252,10 +262,11 @@ class BaseClient:
     def _channel(self, target: str) -> Any:
         """This process's channel to ``target``, made on first use (never before a fork)."""
         if self._pid != os.getpid():  # forked: the parent's channels are not ours to use
+            keep_inherited(self._channels.values())
             self._channels, self._pid = {}, os.getpid()
         channel = self._channels.get(target)
         if channel is None:
-            if self.wait_for_ready:  # one daemon: a missing socket fails now, not at the deadline
+            if self.must_connect(target):  # a missing socket fails now, not at the deadline
                 check_unix_target(target)
             note_grpc_use()
             channel = self._channels[target] = self._open_channel(target)
@@ -266,7 +277,10 @@ class BaseClient:
 
     def _take_channels(self) -> list[Any]:
         """Forget every channel; returns the ones this process may close."""
-        mine = list(self._channels.values()) if self._pid == os.getpid() else []
+        if self._pid != os.getpid():
+            keep_inherited(self._channels.values())
+            self._channels, self._pid = {}, os.getpid()
+        mine = list(self._channels.values())
         self._channels = {}
         return mine
 
@@ -278,6 +292,17 @@ class BaseClient:
     def waits_for_ready(self, target: str) -> bool:
         """A worker never: its samples fail over to the daemon's front instead."""
         return self.wait_for_ready and not self.workers.is_worker(target)
+
+    def must_connect(self, target: str) -> bool:
+        """Whether a call to ``target`` first waits (``connect_timeout_s`` at most) for a
+        connection: a target that never answered, with no other target to fail over to."""
+        return target not in self.answered and self.waits_for_ready(target)
+
+    def connect_wait_s(self, call: Call) -> float:
+        return min(self.connect_timeout_s, max(call.timeout_s, 0.001))
+
+    def not_answering(self, call: Call) -> Unavailable:
+        return not_answering(call.target, self.connect_wait_s(call), self.tls is not None)
 
     def plaintext_worker(self, target: str) -> bool:
         """Workers listen on plaintext unix sockets (the front alone speaks TLS)."""

@@ -19,7 +19,7 @@ from episerve_client._base import (
     Sleep,
     load_keymap,
 )
-from episerve_client.channel import CHANNEL_OPTIONS
+from episerve_client.channel import CHANNEL_OPTIONS, close_at_exit
 from episerve_client.convert import KeymapCheck, KeyStats, Listing, ReadResult
 from episerve_client.errors import from_rpc_error
 from episerve_proto.contract import SERVICE_PATH
@@ -38,6 +38,8 @@ class Client(BaseClient):
         self.close()
 
     def close(self) -> None:
+        """Close this process's channels (idempotent). Those still open when the process
+        exits are closed then, a DataLoader worker's included."""
         for channel in self._take_channels():
             channel.close()
 
@@ -89,8 +91,11 @@ class Client(BaseClient):
 
     def _open_channel(self, target: str) -> grpc.Channel:
         if self.tls is not None and not self.plaintext_worker(target):
-            return grpc.secure_channel(target, self.tls.credentials(), self.tls.options())
-        return grpc.insecure_channel(target, CHANNEL_OPTIONS)
+            channel = grpc.secure_channel(target, self.tls.credentials(), self.tls.options())
+        else:
+            channel = grpc.insecure_channel(target, CHANNEL_OPTIONS)
+        close_at_exit(self)
+        return channel
 
     def _run(self, flow: Flow) -> Any:
         try:
@@ -112,12 +117,22 @@ class Client(BaseClient):
         for call, fut in zip(calls, futures):
             try:
                 out.append(fut.result())
+                self.answered.add(call.target)
             except grpc.RpcError as exc:
                 out.append(from_rpc_error(exc, call.target))
         return out
 
     def _start(self, call: Call) -> Any:
-        stub = self._channel(call.target).unary_unary(SERVICE_PATH + call.method)
+        channel = self._channel(call.target)
+        if self.must_connect(call.target):
+            ready = grpc.channel_ready_future(channel)
+            try:
+                ready.result(timeout=self.connect_wait_s(call))
+            except grpc.FutureTimeoutError:
+                ready.cancel()
+                raise self.not_answering(call) from None
+            self.answered.add(call.target)
+        stub = channel.unary_unary(SERVICE_PATH + call.method)
         return stub.future(call.payload, timeout=max(call.timeout_s, 0.001),
                            metadata=self.metadata(),
                            wait_for_ready=self.waits_for_ready(call.target))

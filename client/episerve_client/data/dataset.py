@@ -203,6 +203,10 @@ class WindowDataset(Dataset[dict[str, Any]]):
     def client(self) -> Client:
         if self._client is None:
             self._client = Client(self.target, **self.client_options)
+            # Building the dataset talked to the daemon: in every process (a DataLoader
+            # worker too) a daemon that does not answer is restarting, so calls wait for
+            # it until their deadline instead of failing as a wrong target would.
+            self._client.answered.update(self._client.targets)
         return self._client
 
     def stats(self, keys: Sequence[str] | None = None, *,
