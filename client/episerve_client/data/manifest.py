@@ -5,6 +5,14 @@ long as the manifest lives, whatever the daemon picks up or drops meanwhile: ran
 and resumed runs that share a manifest share the index. Episodes are ordered by hash (SPEC
 "Global index"); ``digest`` is a short content hash of the whole list, cheap to compare
 between ranks or against a checkpoint.
+
+A manifest is checked when it is made and when its file is loaded: each ``total_frames`` in
+[1, ``MAX_EPISODE_FRAMES``] (10^8, the daemon's own bound), all of them together at most
+``MAX_MANIFEST_FRAMES`` (10^9: a sampler's epoch order is 8 bytes per sample), hashes of 1
+to ``MAX_NAME_CHARS`` characters, a file of at most ``MAX_MANIFEST_BYTES`` whose JSON nests
+at most ``MAX_MANIFEST_DEPTH`` deep (counted before it is parsed), and its ``digest``
+present and equal to the entries'. Each refusal is an ``InvalidArgument`` naming the field,
+the value and, where there is one, the episode.
 """
 
 from __future__ import annotations
