@@ -396,7 +396,8 @@ class BaseClient:
             pending, retry_after = [], False
             for (t, idx), out in zip(groups, outcomes):
                 if isinstance(out, bytes):
-                    parts.append((idx, convert.read_result(out)))
+                    expect = convert.Expected.of([samples[i] for i in idx], km, all_masks)
+                    parts.append((idx, convert.read_result(out, expect)))
                     continue
                 assert isinstance(out, EpiserveError)
                 if isinstance(out, UnknownKeymap):
@@ -479,21 +480,30 @@ def merge_results(parts: list[tuple[list[int], ReadResult]], n: int) -> ReadResu
         order[idx] = np.arange(pos, pos + len(idx))
         pos += len(idx)
     results = [r for _, r in parts]
-
-    def cat(values: list[Any]) -> list[Any]:
-        flat = [v for vs in values for v in vs]
-        return [flat[k] for k in order]
-
     out = ReadResult(
-        episodes=cat([r.episodes for r in results]),
+        episodes=_in_order([r.episodes for r in results], order),
         frame_index=np.concatenate([r.frame_index for r in results])[order],
         fps=np.concatenate([r.fps for r in results])[order],
-        embodiments=cat([r.embodiments for r in results]),
+        embodiments=_in_order([r.embodiments for r in results], order),
     )
+    try:
+        _merge_columns(out, results, order)
+    except (KeyError, ValueError) as exc:  # each part is valid alone, but they differ
+        raise DataLossError(f"the parts of a batch answered by several daemons or workers "
+                            f"do not have the same columns or shapes ({exc!r})") from None
+    return out
+
+
+def _in_order(values: list[Any], order: np.ndarray) -> list[Any]:
+    flat = [v for vs in values for v in vs]
+    return [flat[k] for k in order]
+
+
+def _merge_columns(out: ReadResult, results: list[ReadResult], order: np.ndarray) -> None:
     for name in results[0].arrays:
         out.arrays[name] = np.concatenate([r.arrays[name] for r in results])[order]
     for name in results[0].texts:
-        out.texts[name] = cat([r.texts[name] for r in results])
+        out.texts[name] = _in_order([r.texts[name] for r in results], order)
     totals = [r.total_frames for r in results if r.total_frames is not None]
     if len(totals) == len(results):
         out.total_frames = np.concatenate(totals)[order]
@@ -505,4 +515,3 @@ def merge_results(parts: list[tuple[list[int], ReadResult]], n: int) -> ReadResu
                 index = np.concatenate([r.images[name][1] + off
                                         for r, off in zip(results, offsets)])
                 out.images[name] = (source, index[order].astype(np.int32))
-    return out

@@ -66,6 +66,18 @@ def declared_frame_size(features: Mapping[str, Any], key: str) -> tuple[int, int
 MAX_MESSAGE_BYTES = 256 * 2**20
 #: The largest request the daemon accepts (a Read of the largest batch fits easily).
 MAX_REQUEST_BYTES = 8 * 2**20
+#: The most frames (rows) one episode may have: the daemon refuses an episode whose
+#: ``total_frames`` is larger, and the client refuses a manifest entry or a response that
+#: gives one. Far above real data, far below 2**31.
+MAX_EPISODE_FRAMES = 10**8
+#: The most samples (frames summed over its episodes) one manifest may hold: a sampler's
+#: epoch order is 8 bytes per sample, so this bound keeps it within 8 GB.
+MAX_MANIFEST_FRAMES = 10**9
+#: The most texts (annotation strings, over every text column) the client accepts in one
+#: Read response; more are refused before any is turned into a Python string.
+MAX_RESPONSE_TEXTS = 1 << 18
+#: The most JPEG frames (over every camera key) the client accepts in one Read response.
+MAX_RESPONSE_FRAMES = 1 << 18
 #: The longest episode id, output key, zarr key or keymap id, in characters.
 MAX_NAME_CHARS = 256
 #: The daemon accepts keepalive pings this often at most; the client pings less often.

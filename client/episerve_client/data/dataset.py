@@ -19,7 +19,12 @@ from episerve_client.data import ranks
 from episerve_client.data.batch import SampleBatch
 from episerve_client.data.episodes import ON_BROKEN, as_manifest, explicit, whole_root
 from episerve_client.data.frames import FRAME_MODES
-from episerve_client.data.jpeg import FrameCheck, FrameSizeMismatch, decode_column
+from episerve_client.data.jpeg import (
+    DEFAULT_MAX_DECODED_BYTES,
+    FrameCheck,
+    FrameSizeMismatch,
+    decode_column,
+)
 from episerve_client.data.manifest import Manifest
 from episerve_client.errors import (
     DataLossError,
@@ -54,6 +59,10 @@ class WindowDataset(Dataset[dict[str, Any]]):
     - ``on_broken``: over the whole root, episodes that cannot serve the keymap (broken, a
       short array, a missing key) are skipped with one warning naming each (``"skip"``) or
       raise (``"error"``). Episodes named by ``episodes=`` or a manifest must all be served.
+    - ``max_decoded_bytes``: the most one camera output of a batch may decode to (its
+      [B, (W,) 3, H, W] array and its distinct frames), checked from the JPEG headers
+      before anything is decoded; over it, the batch raises ``DecodedTooLarge`` (a
+      ``DataLossError``). Default 4 GiB.
     - ``sync_ranks``: with a default process group initialized and neither ``episodes`` nor
       ``manifest`` given, rank 0 lists the daemon and every rank builds on rank 0's manifest
       (``torch.distributed.broadcast_object_list``: a collective, so every rank must build
@@ -68,7 +77,8 @@ class WindowDataset(Dataset[dict[str, Any]]):
                  client_options: Mapping[str, Any] | None = None,
                  frames: str = "float32", masks: str = "spec",
                  manifest: Manifest | str | Path | None = None, on_broken: str = "skip",
-                 sync_ranks: bool = True) -> None:
+                 sync_ranks: bool = True,
+                 max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES) -> None:
         _choice("frames", frames, FRAME_MODES)
         _choice("masks", masks, MASK_MODES)
         _choice("on_broken", on_broken, ON_BROKEN)
@@ -83,6 +93,11 @@ class WindowDataset(Dataset[dict[str, Any]]):
         self.embodiment_ids = dict(embodiment_ids) if embodiment_ids is not None else None
         self.client_options = dict(client_options or {})
         self.frames, self.masks, self.on_broken = frames, masks, on_broken
+        if isinstance(max_decoded_bytes, bool) or not isinstance(max_decoded_bytes, int) \
+                or max_decoded_bytes < 1:
+            raise InvalidArgument(f"max_decoded_bytes must be a positive int, got "
+                                  f"{max_decoded_bytes!r}")
+        self.max_decoded_bytes = max_decoded_bytes
         self._client: Client | None = None
         self._timeout_s = connect_timeout_s
         # Filled by the probe: the frame size each episode declares per camera zarr key, and
@@ -287,7 +302,8 @@ class WindowDataset(Dataset[dict[str, Any]]):
             check = FrameCheck(source, result.episodes, result.frame_index.tolist(), {
                 e: declared.get(e) for e in set(result.episodes)})
             try:
-                decoded, bad = decode_column(frames, index, check, self._frame_dtype)
+                decoded, bad = decode_column(frames, index, check, self._frame_dtype,
+                                             self.max_decoded_bytes)
             except FrameSizeMismatch as exc:
                 episode = result.episodes[exc.position]
                 raise InvalidArgument(
