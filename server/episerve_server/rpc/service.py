@@ -26,6 +26,7 @@ from episerve_proto.contract import (
     SERVICE_NAME,
 )
 from episerve_proto.errors import (
+    DataLossError,
     EpiserveError,
     EpisodeNotFound,
     InternalError,
@@ -264,7 +265,7 @@ class EpiserveService:
             reserved.append(self.buffers.reserve(peer, nbytes))
 
         try:
-            data = await self._read(request, admit)
+            data = await self._read(request, admit, peer)
         finally:
             self.inflight -= 1
             for release in reserved:
@@ -280,7 +281,7 @@ class EpiserveService:
         context.add_done_callback(self.buffers.hold(peer, len(data)))
         return data
 
-    async def _read(self, request: bytes, admit: Callable[[int], None]) -> bytes:
+    async def _read(self, request: bytes, admit: Callable[[int], None], peer: str = "") -> bytes:
         arrived = time.monotonic()
         call = convert.parse_read(request, self.limits)
         del request
@@ -296,26 +297,33 @@ class EpiserveService:
             release_chain(exc)
             await self.rescan(arrived)  # an episode added since the last scan is readable
             result = await self.planner.read(keymap, call.samples, options)
+        except DataLossError as exc:
+            # Files rewritten under an open episode read as data loss: if they changed, the
+            # episode is reopened (its cache entries dropped) and the read is tried again.
+            if not exc.episode or not await self.catalog.recheck(exc.episode):
+                raise
+            release_chain(exc)
+            result = await self.planner.read(keymap, call.samples, options)
         if result.nbytes >= OFFLOAD_ENCODE_BYTES:
             data = await asyncio.to_thread(wire.encode_result, result)
         else:
             data = wire.encode_result(result)
         del result
-        self._hint(call, keymap)
+        self._hint(call, keymap, peer)
         self.stats.read_rpcs += 1
         self.stats.bytes_sent += len(data)
         if self.on_batch is not None:
             self.on_batch(len(call.samples))
         return data
 
-    def _hint(self, call: convert.ReadCall, keymap: Keymap) -> None:
+    def _hint(self, call: convert.ReadCall, keymap: Keymap, peer: str) -> None:
         """Queue a Read's prefetch hint, once the read itself is served; never an error."""
         if call.prefetch_refused:
             self.stats.prefetch_hinted_samples += call.prefetch_refused
             self.stats.prefetch_dropped += call.prefetch_refused
         background = self.planner.background
         if call.prefetch and background is not None:
-            background.hint(keymap, call.prefetch)
+            background.hint(keymap, call.prefetch, peer)
 
     def _registered(self, kid: str) -> Keymap:
         keymap = self.keymaps.get(kid)
