@@ -64,6 +64,13 @@ def declared_frame_size(features: Mapping[str, Any], key: str) -> tuple[int, int
 MAX_MESSAGE_BYTES = 256 * 2**20
 #: The largest request the daemon accepts (a Read of the largest batch fits easily).
 MAX_REQUEST_BYTES = 8 * 2**20
+#: Episode ids one ListEpisodes request may name in ``hashes``, and the bytes they may take
+#: on the wire (each id's UTF-8 bytes plus ``LIST_HASH_OVERHEAD``); the client sends a
+#: longer filter as several requests within both. A request over the bytes is refused
+#: before it is parsed.
+MAX_LIST_HASHES = 65536
+MAX_LIST_FILTER_BYTES = 1 << 20
+LIST_HASH_OVERHEAD = 3  # the field's tag and a length of up to 2 bytes
 #: The longest episode id, output key, zarr key or keymap id, in characters.
 MAX_NAME_CHARS = 256
 #: The daemon accepts keepalive pings this often at most; the client pings less often.

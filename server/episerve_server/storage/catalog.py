@@ -63,7 +63,7 @@ MAX_SHARED_VALUE_BYTES = 64 * 2**10
 RESCAN_OPEN_LIMIT = 2
 #: Rewritten episodes: a rescan fingerprints every known episode (a local root: each file's
 #: size, mtime and inode, one walk per episode in a worker thread) at most this often, so
-#: listings that each rescan do not each walk the root; and this many at a time.
+#: listings that each rescan do not each walk the root; this many in one worker thread.
 CHANGE_CHECK_S = 1.0
 CHANGE_CHECK_SLICE = 16
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,199}")
@@ -209,9 +209,11 @@ class Catalog:
         changed: set[str] = set()
         for start in range(0, len(names), CHANGE_CHECK_SLICE):
             part = names[start: start + CHANGE_CHECK_SLICE]
-            prints = await asyncio.gather(*(self._fingerprint(n) for n in part))
-            changed.update(n for n, fp in zip(part, prints)
-                           if fp is not None and fp != self._print_of(n))
+            try:
+                prints = await self.store.fingerprints([n + SUFFIX for n in part])
+            except (Unavailable, Refused):  # slow storage: checked again on the next scan
+                continue
+            changed.update(n for n, (fp, _) in zip(part, prints) if fp != self._print_of(n))
         return changed
 
     async def _fingerprint(self, name: str) -> str | None:
@@ -289,7 +291,7 @@ class Catalog:
             log.warning("episode %s was rewritten in place; reopened", name)
             if self.on_drop is not None:
                 self.on_drop(name)
-        if isinstance(episode, BaseException):
+        if isinstance(episode, BrokenEpisodeError | Unavailable):
             self.episodes.pop(name, None)
             self.broken[name] = episode.message
             self._broken_prints[name] = fingerprint

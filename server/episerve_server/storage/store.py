@@ -168,6 +168,23 @@ class CountingStore(WrapperStore[Store]):
         for entry in await self._timed("list_dir", prefix, collect):
             yield entry
 
+    async def fingerprints(self, folders: Sequence[str]) -> list[tuple[str, str]]:
+        """:meth:`fingerprint` of each folder; a local root walks them all in one worker
+        thread (one thread competing with the event loop for the GIL, not one each)."""
+        local = self._local()
+        if local is None:
+            return [await self.fingerprint(f) for f in folders]
+        names = list(folders)
+        return await self._timed("fingerprint", names[0] if names else "", lambda: (
+            asyncio.to_thread(lambda: [local.fingerprint_sync(f, MAX_FINGERPRINT_FILES)
+                                       for f in names])))
+
+    def _local(self) -> ConfinedLocalStore | None:
+        inner = self._store
+        while isinstance(inner, LatencyStore):
+            inner = inner._store
+        return inner if isinstance(inner, ConfinedLocalStore) else None
+
     async def fingerprint(self, folder: str) -> tuple[str, str]:
         """Two digests of what ``folder`` serves: one that changes when anything in it is
         rewritten, and one of the stored objects' sizes for the content hash ("" when the
@@ -175,11 +192,8 @@ class CountingStore(WrapperStore[Store]):
         worker thread. Another store: the bytes of the folder's own metadata documents
         (so there a rewrite is seen when the group's attributes, such as its length,
         change)."""
-        inner = self._store
-        while isinstance(inner, LatencyStore):
-            inner = inner._store
-        if isinstance(inner, ConfinedLocalStore):
-            local = inner
+        local = self._local()
+        if local is not None:
             return await self._timed("fingerprint", folder, lambda: asyncio.to_thread(
                 local.fingerprint_sync, folder, MAX_FINGERPRINT_FILES))
         digest = hashlib.sha256()
