@@ -43,6 +43,7 @@ from episerve_client.errors import (
     UnknownKeymap,
 )
 from episerve_proto import routing
+from episerve_proto.contract import LIST_HASH_OVERHEAD, MAX_LIST_FILTER_BYTES, MAX_LIST_HASHES
 
 DEFAULT_TIMEOUT_S = 120.0
 DEFAULT_BACKOFF_INITIAL_S = 0.05
@@ -351,20 +352,23 @@ class BaseClient:
         if wanted == []:
             return convert.Listing([], {})
         deadline = time.monotonic() + (timeout_s or self.timeout_s)
-        pages, token = [], ""
-        while True:
-            payload = convert.list_request(token, page_size, brief, wanted or ())
-            data = yield from self.unary_flow("ListEpisodes", payload, None,
-                                              max(_left(deadline), 0.001))
-            page, next_token = convert.listing_page(data)
-            pages.append(page)
-            if not next_token:
-                merged = convert.merge_listings(pages)
-                return merged if wanted is None else convert.only(merged, set(wanted))
-            if next_token <= token:
-                raise DataLossError(f"the daemon's listing did not advance: page token "
-                                    f"{next_token!r} after {token!r}")
-            token = next_token
+        pages = []
+        for group in [()] if wanted is None else _filter_groups(wanted):
+            token = ""
+            while True:
+                payload = convert.list_request(token, page_size, brief, group)
+                data = yield from self.unary_flow("ListEpisodes", payload, None,
+                                                  max(_left(deadline), 0.001))
+                page, next_token = convert.listing_page(data)
+                pages.append(page)
+                if not next_token:
+                    break
+                if next_token <= token:
+                    raise DataLossError(f"the daemon's listing did not advance: page token "
+                                        f"{next_token!r} after {token!r}")
+                token = next_token
+        merged = convert.merge_listings(pages)
+        return merged if wanted is None else convert.only(merged, set(wanted))
 
     def read_flow(self, keymap: KeymapLike, samples: Sequence[tuple[str, int]], *,
                   annotation_cutoff: bool = False, timeout_s: float | None = None,
@@ -515,3 +519,19 @@ def _merge_columns(out: ReadResult, results: list[ReadResult], order: np.ndarray
                 index = np.concatenate([r.images[name][1] + off
                                         for r, off in zip(results, offsets)])
                 out.images[name] = (source, index[order].astype(np.int32))
+
+
+def _filter_groups(wanted: list[str]) -> list[list[str]]:
+    """A listing filter cut into the requests a daemon takes: each within MAX_LIST_HASHES
+    ids and MAX_LIST_FILTER_BYTES bytes."""
+    groups: list[list[str]] = [[]]
+    size = 0
+    for h in wanted:
+        n = len(h.encode()) + LIST_HASH_OVERHEAD
+        if groups[-1] and (len(groups[-1]) >= MAX_LIST_HASHES
+                           or size + n > MAX_LIST_FILTER_BYTES):
+            groups.append([])
+            size = 0
+        groups[-1].append(h)
+        size += n
+    return groups

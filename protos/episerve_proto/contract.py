@@ -78,6 +78,13 @@ MAX_MANIFEST_FRAMES = 10**9
 MAX_RESPONSE_TEXTS = 1 << 18
 #: The most JPEG frames (over every camera key) the client accepts in one Read response.
 MAX_RESPONSE_FRAMES = 1 << 18
+#: Episode ids one ListEpisodes request may name in ``hashes``, and the bytes they may take
+#: on the wire (each id's UTF-8 bytes plus ``LIST_HASH_OVERHEAD``); the client sends a
+#: longer filter as several requests within both. A request over the bytes is refused
+#: before it is parsed.
+MAX_LIST_HASHES = 65536
+MAX_LIST_FILTER_BYTES = 1 << 20
+LIST_HASH_OVERHEAD = 3  # the field's tag and a length of up to 2 bytes
 #: The longest episode id, output key, zarr key or keymap id, in characters.
 MAX_NAME_CHARS = 256
 #: The daemon accepts keepalive pings this often at most; the client pings less often.

@@ -126,6 +126,12 @@ class Fetcher:
         busy = self.active + self.background
         return self.waiting == 0 and busy < max(1, int(self.limit * share))
 
+    def forget_episode(self, episode: str) -> None:
+        """An episode dropped or reopened: its chunks in flight finish for the reads that
+        wait for them, but no later read joins them (they are of the old files)."""
+        for cid in [cid for cid in self._flights if cid[0] == episode]:
+            del self._flights[cid]
+
     def in_flight(self, cid: ChunkId) -> bool:
         return cid in self._flights
 
@@ -349,11 +355,15 @@ class Fetcher:
         frames: list[tuple[ChunkId, list[bytes]]] = []
         for (reader, c0, _), chunks in zip(runs, decoded):
             info = reader.info
-            uid = self.cache.uid(info.episode) if not info.is_bytes else -1
+            # chunks of an episode dropped or reopened meanwhile are served, never kept
+            keep = self.catalog.current(info.episode, info.name, reader)
+            uid = self.cache.uid(info.episode) if keep and not info.is_bytes else -1
             n_chunks = -(-info.rows // info.chunk_rows)
             for k, (_, chunk) in enumerate(chunks):
                 cid = (info.episode, info.name, c0 + k)
                 out[cid] = chunk
+                if not keep:
+                    continue
                 if isinstance(chunk, np.ndarray):
                     numeric.setdefault(info.name, []).append((uid, n_chunks, c0 + k, chunk))
                 else:

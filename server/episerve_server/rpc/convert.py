@@ -18,6 +18,8 @@ from google.protobuf.message import DecodeError, Message
 
 from episerve_proto.contract import (
     LIST_FIELDS,
+    MAX_LIST_FILTER_BYTES,
+    MAX_LIST_HASHES,
     MAX_LISTED_ATTRS_BYTES,
     MAX_NAME_CHARS,
     TOO_LARGE_ATTR,
@@ -90,18 +92,29 @@ def parse_empty(data: bytes, what: str) -> None:
 
 
 def parse_list(data: bytes) -> PageRequest:
+    # page_token and page_size take a few hundred bytes; the rest is the filter
+    if len(data) > MAX_LIST_FILTER_BYTES + 4 * MAX_NAME_CHARS:
+        raise LimitExceeded(
+            f"hashes: a ListEpisodes request of {len(data)} bytes, over the limit of "
+            f"{MAX_LIST_FILTER_BYTES} bytes of episode ids (and {MAX_LIST_HASHES} ids) per "
+            "request; list them in several requests")
     req = _parse(pb.ListEpisodesRequest(), data, "ListEpisodes")
     if len(req.page_token) > MAX_NAME_CHARS:
         raise InvalidArgument(
             f"page_token {shown(req.page_token)} is {len(req.page_token)} characters long, "
             f"over the limit of {MAX_NAME_CHARS}; pass the next_page_token of the last page")
-    for i, h in enumerate(req.hashes):
-        if len(h) > MAX_NAME_CHARS:
-            raise InvalidEpisodeId(
-                f"hashes[{i}]: episode id {shown(h)} is {len(h)} characters long, over the "
-                f"limit of {MAX_NAME_CHARS}")
+    if len(req.hashes) > MAX_LIST_HASHES:
+        raise LimitExceeded(
+            f"hashes: {len(req.hashes)} episode ids, over the limit of {MAX_LIST_HASHES} "
+            "per request; list them in several requests")
+    hashes = list(req.hashes)
+    if hashes and max(map(len, hashes)) > MAX_NAME_CHARS:
+        i = next(i for i, h in enumerate(hashes) if len(h) > MAX_NAME_CHARS)
+        raise InvalidEpisodeId(
+            f"hashes[{i}]: episode id {shown(hashes[i])} is {len(hashes[i])} characters "
+            f"long, over the limit of {MAX_NAME_CHARS}")
     return PageRequest(req.page_token, max(0, req.page_size), req.brief,
-                       frozenset(req.hashes) if len(req.hashes) else None)
+                       frozenset(hashes) if hashes else None)
 
 
 def read_batch_size(data: object) -> int:

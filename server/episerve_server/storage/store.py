@@ -9,6 +9,7 @@ there after it arrives, since the size is not known before.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import posixpath
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from typing import Any, TypeVar
@@ -43,6 +44,8 @@ T = TypeVar("T")
 DEFAULT_MAX_CONNECTIONS = 64
 # Matches ServerConfig.store_timeout_s's default.
 DEFAULT_TIMEOUT_S = 30.0
+#: Entries one episode's fingerprint looks at, at most (a local root).
+MAX_FINGERPRINT_FILES = 65536
 
 
 def split_key(store_key: str) -> tuple[str, str]:
@@ -164,6 +167,44 @@ class CountingStore(WrapperStore[Store]):
 
         for entry in await self._timed("list_dir", prefix, collect):
             yield entry
+
+    async def fingerprints(self, folders: Sequence[str]) -> list[tuple[str, str]]:
+        """:meth:`fingerprint` of each folder; a local root walks them all in one worker
+        thread (one thread competing with the event loop for the GIL, not one each)."""
+        local = self._local()
+        if local is None:
+            return [await self.fingerprint(f) for f in folders]
+        names = list(folders)
+        return await self._timed("fingerprint", names[0] if names else "", lambda: (
+            asyncio.to_thread(lambda: [local.fingerprint_sync(f, MAX_FINGERPRINT_FILES)
+                                       for f in names])))
+
+    def _local(self) -> ConfinedLocalStore | None:
+        inner = self._store
+        while isinstance(inner, LatencyStore):
+            inner = inner._store
+        return inner if isinstance(inner, ConfinedLocalStore) else None
+
+    async def fingerprint(self, folder: str) -> tuple[str, str]:
+        """Two digests of what ``folder`` serves: one that changes when anything in it is
+        rewritten, and one of the stored objects' sizes for the content hash ("" when the
+        store cannot tell). A local root: every file's size, mtime and inode, one walk in a
+        worker thread. Another store: the bytes of the folder's own metadata documents
+        (so there a rewrite is seen when the group's attributes, such as its length,
+        change)."""
+        local = self._local()
+        if local is not None:
+            return await self._timed("fingerprint", folder, lambda: asyncio.to_thread(
+                local.fingerprint_sync, folder, MAX_FINGERPRINT_FILES))
+        digest = hashlib.sha256()
+        for doc in ("zarr.json", ".zattrs", ".zgroup"):
+            try:
+                buf = await self.get(f"{folder}/{doc}", default_buffer_prototype())
+            except FileNotFoundError:
+                buf = None
+            digest.update(f"\0{doc}\0".encode())
+            digest.update(b"-" if buf is None else buf.to_bytes())
+        return digest.hexdigest()[:16], ""
 
     async def get_partial_values(
         self,
