@@ -328,9 +328,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-keymap-bytes", help="largest keymap as sent (default 64KiB)")
     p.add_argument("--max-registry-bytes", help="registered keymaps kept, in all, least "
                    "recently used evicted first (default 16MiB)")
-    p.add_argument("--max-buffered-bytes", help="responses waiting to be sent, in all, "
-                   "before new Reads are refused as overloaded (default 256MiB; gRPC "
-                   "keeps its own copy of each, so up to about twice that in memory)")
+    p.add_argument("--max-buffered-bytes", help="memory held by responses waiting to be "
+                   "sent, in all, before new Reads are refused as overloaded; each counts "
+                   "twice its size, for gRPC's own copy (default 256MiB)")
     p.add_argument("--max-buffered-bytes-per-peer", help="the same, per client connection "
                    "(default 64MiB; over a unix socket every client is one peer, so "
                    "only the total applies)")
