@@ -8,6 +8,7 @@ client's connection (RST, no answer). Loopback only; one thread per connection.
 from __future__ import annotations
 
 import http.client
+import logging
 import os
 import socket
 import struct
@@ -111,6 +112,7 @@ class FaultyS3:
         import boto3
         from moto.server import ThreadedMotoServer
 
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)  # a line per request otherwise
         self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
         self.server.start()
         host, port = self.server.get_host_and_port()
