@@ -8,7 +8,7 @@ random 3rd..12th step, lasting at most 10 s, chosen at random among
 
 - ``sigkill``: the daemon (``--workers 2``, unix socket) SIGKILLed, restarted 1 s later by
   a supervisor on the same socket;
-- ``sigstop``: the daemon paused 5 s, then continued;
+- ``sigstop``: the daemon paused 5 s (its front and both workers), then continued;
 - ``worker``: one of its two worker processes SIGKILLed (the front restarts it);
 - ``s3-5xx``, ``s3-slow``, ``s3-reset``: the S3 store (moto behind a proxy) answering 503,
   answering 1.5 s late, or resetting connections, for 4 s;
@@ -58,8 +58,9 @@ class Arena:
         self.root = base / "ramp"
         ramp.write_ramp_dataset(self.root)
         sock = base / "d.sock"
-        self.node = Supervisor(lambda: DaemonProcess(self.root, *FLAGS, "--workers", "2",
-                                                     unix=sock), restart_s=1.0)
+        # INFO: the front logs each worker's pid (the worker and sigstop faults need them)
+        self.node = Supervisor(lambda: DaemonProcess(self.root, "--rescan-s", "0", "--workers",
+                                                     "2", unix=sock), restart_s=1.0)
         self.s3 = FaultyS3(self.root)
         self.s3_daemon = DaemonProcess(self.s3.url, *FLAGS, "--cache-bytes", "0",
                                        "--s3-endpoint", self.s3.proxy.endpoint,
@@ -98,10 +99,14 @@ class Arena:
         self.node.wait_restarts(done + 1)
 
     def _sigstop(self) -> None:
-        pid = self.node.daemon.pid
-        os.kill(pid, signal.SIGSTOP)
+        """The whole daemon, front and workers, as a frozen cgroup or a stalled VM."""
+        daemon = self.node.daemon
+        pids = [daemon.pid, *daemon.worker_pids().values()]
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
         time.sleep(5.0)
-        os.kill(pid, signal.SIGCONT)
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
 
     def _worker(self) -> None:
         daemon = self.node.daemon
@@ -171,8 +176,15 @@ def main() -> int:
                 kind = rng.choice(sorted(faults))
                 inject, where = faults[kind]
                 n += 1
-                run = run_epoch(where["target"], base / f"run{n}", epoch, inject=inject,
-                                rng=rng, prefix=where.get("prefix", ()), timeout_s=240)
+                try:
+                    run = run_epoch(where["target"], base / f"run{n}", epoch, inject=inject,
+                                    rng=rng, prefix=where.get("prefix", ()), timeout_s=240)
+                except Exception as exc:  # the fault itself could not be injected
+                    records.append({"fault": kind, "survived": False, "pause_s": 0.0,
+                                    "retries": 0, "differ": 0, "batches": 0,
+                                    "returncodes": [], "log": f"injecting failed: {exc!r}"})
+                    print(f"{n:3d} {kind:10s} could not be injected: {exc!r}", flush=True)
+                    continue
                 records.append(record(kind, clean, run))
                 r = records[-1]
                 print(f"{n:3d} {kind:10s} survived={r['survived']!s:5s} pause "

@@ -32,7 +32,7 @@ def test_fault_store_fails_what_it_is_told_and_heals(tmp_path: Path) -> None:
     healthy = read(CHUNK)
     assert healthy  # no control file: nothing fails
     write_orders(control, ["ep000a.zarr/left.obs_keypoints/"])
-    with pytest.raises(OSError) as info:
+    with pytest.raises(OSError, match="Input/output error") as info:
         read(CHUNK)
     assert info.value.errno == errno.EIO and info.value.filename == CHUNK
     assert read(OTHER)  # another key of the same episode still reads
