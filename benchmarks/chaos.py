@@ -181,7 +181,8 @@ def main() -> int:
                                     rng=rng, prefix=where.get("prefix", ()), timeout_s=240)
                 except Exception as exc:  # the fault itself could not be injected
                     records.append({"fault": kind, "survived": False, "pause_s": 0.0,
-                                    "retries": 0, "differ": 0, "batches": 0,
+                                    "retries": 0, "differ": 0, "missing": 0, "wrong": 0,
+                                    "batches": 0,
                                     "returncodes": [], "log": f"injecting failed: {exc!r}"})
                     print(f"{n:3d} {kind:10s} could not be injected: {exc!r}", flush=True)
                     continue
@@ -189,7 +190,8 @@ def main() -> int:
                 r = records[-1]
                 print(f"{n:3d} {kind:10s} survived={r['survived']!s:5s} pause "
                       f"{r['pause_s']:5.2f} s retries {r['retries']:3d} differ "
-                      f"{r['differ']}", flush=True)
+                      f"{r['differ']} (missing {r['missing']}, wrong {r['wrong']})",
+                      flush=True)
         finally:
             arena.close()
     report = summary(records, seed, time.monotonic() - start, args.workers)
@@ -200,9 +202,13 @@ def main() -> int:
 
 
 def record(kind: str, clean: Run, run: Run) -> dict[str, Any]:
+    """``differ``: batches not equal to the clean run's, of which ``missing``: never
+    delivered (the epoch stopped) and ``wrong``: delivered with other bytes."""
     differ = differing(clean, run)
+    missing = sum(step >= len(run.batches[rank]) for rank, step in differ)
     return {"fault": kind, "survived": run.ok and not differ, "pause_s": round(run.pause_s(), 3),
-            "retries": run.retries, "differ": len(differ),
+            "retries": run.retries, "differ": len(differ), "missing": missing,
+            "wrong": len(differ) - missing,
             "batches": sum(map(len, run.batches)), "returncodes": list(run.returncodes),
             "log": "" if run.ok else run.log[-2000:]}
 
@@ -221,7 +227,9 @@ def summary(records: list[dict[str, Any]], seed: int, elapsed_s: float,
                         "max": round(max(pauses, default=0.0), 2)},
             "retry_rounds": sum(r["retries"] for r in records),
             "batches_compared": sum(r["batches"] for r in records),
-            "batches_differing": sum(r["differ"] for r in records)}
+            "batches_differing": sum(r["differ"] for r in records),
+            "batches_missing": sum(r.get("missing", 0) for r in records),
+            "batches_wrong": sum(r.get("wrong", 0) for r in records)}
 
 
 if __name__ == "__main__":
