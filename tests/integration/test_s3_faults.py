@@ -37,8 +37,7 @@ def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultyS3]:
     "connection reset can surface as botocore.exceptions.EndpointConnectionError, which is "
     "answered as InternalError (not transient), so the client gives up at once. Which "
     "error a reset gives depends on the connection's state: seen in 2 of 3 reads of one run "
-    "and 1 of 2 reset faults of the chaos run, and in 0 of 3 reads of another run (so not "
-    "strict)"))
+    "and 0 of 3 of another, and in 4 of 8 reset faults of two chaos runs (so not strict)"))
 def test_s3_resetting_connections_is_transient_never_a_daemon_bug(s3: FaultyS3,
                                                                    tmp_path: Path) -> None:
     """While S3 resets every connection, each read fails as a transient error the client
