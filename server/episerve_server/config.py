@@ -25,6 +25,11 @@ COUNTS = ("max_batch", "max_window", "max_concurrent_reads", "max_store_concurre
           "max_keymap_entries", "max_streams_per_connection")
 PRELOAD_KINDS = ("off", "numeric")
 ZERO_OK = ("cache_bytes", "prefetch_bytes")  # sizes where 0 means off
+#: Connection timers gRPC takes in whole milliseconds (a C int): 0 turns one off; below a
+#: second a client spends its time reconnecting (1e-6 s became 0 ms: every connection went
+#: away as it opened), above the int's range gRPC would not take it.
+CONNECTION_TIMERS = ("max_connection_age_s", "max_connection_idle_s")
+CONNECTION_TIMER_RANGE_S = (1.0, (2**31 - 1) / 1000)
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 LOG_FORMATS = ("text", "json")
 #: Settings where an explicitly empty value would silently mean something else (no auth,
@@ -159,6 +164,12 @@ class ServerConfig:
                                  f"got {value!r}")
         if self.store_timeout_s <= 0:
             raise ValueError(f"store_timeout_s must be > 0 seconds, got {self.store_timeout_s!r}")
+        low, high = CONNECTION_TIMER_RANGE_S
+        for name in CONNECTION_TIMERS:
+            value = getattr(self, name)
+            if value and not low <= value <= high:
+                raise ValueError(f"{name} must be 0 (off) or between {low:g} and {high:g} "
+                                 f"seconds (gRPC counts it in whole milliseconds), got {value!r}")
         self._validate_sizes()
         if self.log_level.upper() not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, "
@@ -321,9 +332,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-keymap-bytes", help="largest keymap as sent (default 64KiB)")
     p.add_argument("--max-registry-bytes", help="registered keymaps kept, in all, least "
                    "recently used evicted first (default 16MiB)")
-    p.add_argument("--max-buffered-bytes", help="responses waiting to be sent, in all, "
-                   "before new Reads are refused as overloaded (default 256MiB; gRPC "
-                   "keeps its own copy of each, so up to about twice that in memory)")
+    p.add_argument("--max-buffered-bytes", help="memory held by responses waiting to be "
+                   "sent, in all, before new Reads are refused as overloaded; each counts "
+                   "twice its size, for gRPC's own copy (default 256MiB)")
     p.add_argument("--max-buffered-bytes-per-peer", help="the same, per client connection "
                    "(default 64MiB; over a unix socket every client is one peer, so "
                    "only the total applies)")

@@ -58,6 +58,8 @@ FLAG_CASES = [
     (["--max-response-bytes", "0"], {}, ("max_response_bytes", ">= 1")),
     (["--max-response-bytes", "256MiB"], {}, ("max_response_bytes", "headroom")),
     (["--grace-s", "nan"], {}, ("grace_s", "finite")),
+    (["--max-connection-age-s", "1e-6"], {}, ("max_connection_age_s", "1e-06", "0 (off)")),
+    ([], {"EPISERVE_MAX_CONNECTION_IDLE_S": "0.01"}, ("max_connection_idle_s", "0.01")),
     (["--store-timeout-s", "-1"], {}, ("store_timeout_s",)),
     (["--port", "many"], {}, ("--port", "invalid int")),
 ]
