@@ -182,12 +182,6 @@ def test_eio_mid_epoch_fails_loudly_and_nothing_before_it_differs(eio_run: Run,
     assert any(e == FAILING[0] for e, _ in first["samples"]), first
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug in plan/misses.py (the planner's file, not changed here): an OSError from the "
-    "store (EIO) becomes Unavailable, which is transient, so the client retries it until its "
-    "deadline and then raises DeadlineExceeded with no episode or key; and the Unavailable "
-    "names the first request of the batch's get_many, not the object that failed. EIO "
-    "should be DataLossError (not transient) naming the failing object's episode and key."))
 def test_eio_mid_epoch_is_a_typed_error_naming_the_episode_and_key(eio_run: Run) -> None:
     errors = [e for rank in eio_run.errors for e in rank]
     assert errors
@@ -209,9 +203,7 @@ def s3(root: Path) -> Iterator[FaultyS3]:
 
 
 @pytest.mark.faults
-@pytest.mark.parametrize("mode", ["5xx", "slow", pytest.param("reset", marks=pytest.mark.xfail(
-    strict=False, reason="a reset can surface as botocore's EndpointConnectionError, "
-    "answered as InternalError (see tests/integration/test_s3_faults.py); about half the runs"))])
+@pytest.mark.parametrize("mode", ["5xx", "slow", "reset"])
 def test_s3_misbehaving_for_a_while(mode: str, s3: FaultyS3, clean: Run, tmp_path: Path,
                                     rng: random.Random) -> None:
     proxy = s3.proxy

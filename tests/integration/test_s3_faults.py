@@ -31,13 +31,6 @@ def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultyS3]:
     store.close()
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "bug in the store's error mapping (plan/misses.py catches OSError and TimeoutError "
-    "only; storage/store.py's CountingStore passes botocore's exceptions through): an S3 "
-    "connection reset can surface as botocore.exceptions.EndpointConnectionError, which is "
-    "answered as InternalError (not transient), so the client gives up at once. Which "
-    "error a reset gives depends on the connection's state: seen in 2 of 3 reads of one run "
-    "and 0 of 3 of another, and in 4 of 8 reset faults of two chaos runs (so not strict)"))
 def test_s3_resetting_connections_is_transient_never_a_daemon_bug(s3: FaultyS3,
                                                                    tmp_path: Path) -> None:
     """While S3 resets every connection, each read fails as a transient error the client

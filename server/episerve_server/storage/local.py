@@ -168,6 +168,10 @@ class ConfinedLocalStore(LocalStore):
                         raise ObjectTooLarge(key, f"holds {size} bytes, over the limit of {cap}")
                     start, stop = _span(byte_range, size)
                     out[i] = _pread(fd, start, stop - start)
+            except OSError as exc:  # (pread does not say which file it was reading)
+                if exc.filename is None:
+                    exc.filename = key
+                raise
             finally:
                 os.close(fd)
         return out
