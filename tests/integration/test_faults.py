@@ -280,7 +280,8 @@ def test_reads_over_the_limit_are_refused_quickly_and_clients_back_off(
         ramp_roots: dict[str, Path], start_daemon: Any) -> None:
     d = start_daemon(ramp_roots["sharded"], "--max-concurrent-reads", "2",
                      "--inject-latency-s", "0.25", "--max-store-concurrency", "1",
-                     "--cache-bytes", "0", unix=True)  # INFO: one log line per RPC
+                     "--cache-bytes", "0", "--log-level", "DEBUG",
+                     unix=True)  # DEBUG: one log line per RPC
     payload = convert.read_request([("ep003d", f) for f in range(0, 200, 20)], keymap=CAMERA)
     done: list[tuple[Any, float]] = []
     with grpc.insecure_channel(d.target) as ch:
