@@ -112,8 +112,12 @@ def test_a_misspelt_zarr_key_is_answered_with_the_nearest_array(daemon: DaemonPr
     assert "did you mean" not in reasons["ep005nokeys"]  # nothing near among its arrays
     local = survey_of(typo, full)  # the client's own check says the same
     assert {h: p.reason for h, p in local.missing.items()} == reasons
-    with pytest.raises(errors.EpiserveError, match=r"did you mean 'left.obs_keypoints'\?"):
+    with pytest.raises(errors.KeymapError, match=r"did you mean 'left.obs_keypoints'\?") as info:
         WindowDataset(daemon.target, typo)
+    # a key no episode has is the keymap's mistake, not one episode's
+    assert str(info.value).startswith(f"no episode of the {len(reasons)} the daemon serves "
+                                      "has the keymap's zarr key 'left.obs_keypoint'"), info
+    assert info.value.key == "left.obs_keypoint"
 
 
 def build_and_count(target: str) -> dict[str, Any]:
