@@ -36,6 +36,7 @@ COUNTERS = (
     "keymap_checks",
     # the catalog
     "episodes_reopened",
+    "change_checks",
 )
 
 
@@ -72,6 +73,10 @@ class Stats:
     listing_pages_brief: int = 0  # ListEpisodes pages with brief entries
     keymap_checks: int = 0  # RegisterKeymap calls with check_episodes
     episodes_reopened: int = 0  # episodes whose files changed, reopened by a (re)check
+    # store requests made only to see whether an episode was rewritten (an object store's
+    # metadata documents, read again by a rescan): not metadata_requests, which count what
+    # opening and reading need
+    change_checks: int = 0
     cache_bytes: int = 0
     cache_entries: int = 0
     episodes: defaultdict[str, EpisodeCounters] = field(

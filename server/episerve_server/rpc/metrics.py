@@ -70,6 +70,7 @@ COUNTER_HELP = {
     "listing_pages_brief": "ListEpisodes pages served with brief entries.",
     "keymap_checks": "RegisterKeymap calls that checked the keymap against every episode.",
     "episodes_reopened": "Episodes reopened because their files were rewritten in place.",
+    "change_checks": "Store requests made to see whether an episode was rewritten.",
 }
 
 

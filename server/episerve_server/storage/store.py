@@ -236,8 +236,10 @@ class CountingStore(WrapperStore[Store]):
                 local.fingerprint_sync, folder, MAX_FINGERPRINT_FILES))
         digest = hashlib.sha256()
         for doc in ("zarr.json", ".zattrs", ".zgroup"):
+            key = f"{folder}/{doc}"
+            self.stats.change_checks += 1  # (not a metadata request: nothing is opened)
             try:
-                buf = await self.get(f"{folder}/{doc}", default_buffer_prototype())
+                buf = await self._get("get", key, default_buffer_prototype(), None, None)
             except FileNotFoundError:
                 buf = None
             digest.update(f"\0{doc}\0".encode())
