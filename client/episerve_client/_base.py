@@ -62,7 +62,7 @@ class Sleep:
 
 
 Op: TypeAlias = Call | Sleep
-Outcome: TypeAlias = bytes | EpiserveError | None
+Outcome: TypeAlias = bytes | ReadResult | EpiserveError | None  # ReadResult: the local plane
 Flow: TypeAlias = Generator[list[Op], list[Outcome], Any]
 
 
@@ -334,8 +334,9 @@ class BaseClient:
             outcomes = yield calls
             pending, retry_after = [], False
             for (t, idx), out in zip(groups, outcomes):
-                if isinstance(out, bytes):
-                    parts.append((idx, convert.read_result(out)))
+                if isinstance(out, bytes | ReadResult):
+                    parts.append((idx, out if isinstance(out, ReadResult)
+                                  else convert.read_result(out)))
                     continue
                 assert isinstance(out, EpiserveError)
                 if isinstance(out, UnknownKeymap):

@@ -311,3 +311,63 @@ def topology(data: bytes) -> tuple[tuple[str, ...], str]:
     """A ``GetTopology`` answer: the workers' addresses and the routing rule's name."""
     msg = _parse(pb.Topology, data)
     return tuple(msg.workers), str(msg.routing)
+
+
+#: dtypes an array of the local plane may have (what the daemon's outputs are).
+LOCAL_DTYPES = frozenset({"<f4", "|b1", "<i4", "<i8", "<f8", "|u1", "<u2", "<i2", "<f2"})
+
+
+def read_result_local(meta: bytes, blobs: Sequence[tuple[int, int]],
+                      segment: np.ndarray) -> ReadResult:
+    """A batch of the local plane: ``meta`` is the ``ReadResponse`` with its bulk fields
+    empty, ``blobs`` the ``(offset, nbytes)`` of each array, image index and frame (in that
+    order) in ``segment`` (uint8, already checked to lie inside it). Arrays are views of
+    the segment; each one's dtype, shape and byte count are checked first, and image
+    indices against the frames they point to."""
+    msg = _parse(pb.ReadResponse, meta)
+    n_frames = sum(len(src.frames) for src in msg.frames)
+    if len(blobs) != len(msg.arrays) + len(msg.images) + n_frames:
+        raise DataLossError(f"the daemon's batch lists {len(blobs)} blobs for "
+                            f"{len(msg.arrays)} arrays, {len(msg.images)} image columns and "
+                            f"{n_frames} frames")
+    out = ReadResult(
+        episodes=list(msg.episodes),
+        frame_index=np.array(msg.frame_index, dtype=np.int64),
+        fps=np.array(msg.fps, dtype=np.float32),
+        embodiments=list(msg.embodiments),
+    )
+    at = iter(blobs)
+    for t in msg.arrays:
+        out.arrays[t.name] = _view(segment, next(at), t.dtype, tuple(t.shape), t.name)
+    for col in msg.images:
+        out.images[col.name] = (col.source, _view(segment, next(at), "<i4", tuple(col.shape),
+                                                  col.name))
+    for src in msg.frames:
+        out.frames[src.key] = [segment[off:off + n].tobytes()
+                               for off, n in (next(at) for _ in src.frames)]
+    for name, (source, index) in out.images.items():
+        count = len(out.frames.get(source, ()))
+        if index.size and (int(index.min()) < 0 or int(index.max()) >= count):
+            raise DataLossError(f"image column {name!r}: the daemon's frame indices reach "
+                                f"outside the {count} frames of {source!r}", key=source)
+    for col in msg.texts:
+        out.texts[col.name] = [list(s.texts) for s in col.samples]
+    if len(msg.total_frames):
+        out.total_frames = np.array(msg.total_frames, dtype=np.int64)
+    return out
+
+
+def _view(segment: np.ndarray, blob: tuple[int, int], dtype: str, shape: tuple[int, ...],
+          name: str) -> np.ndarray:
+    off, n = blob
+    if dtype not in LOCAL_DTYPES or any(d < 0 for d in shape):
+        raise DataLossError(f"array {name!r}: the daemon sent dtype {dtype!r} and shape "
+                            f"{shape!r}, which the local plane does not carry")
+    want = np.dtype(dtype).itemsize
+    for d in shape:
+        want *= d
+    if want != n or off + n > segment.size:
+        raise DataLossError(f"array {name!r}: {shape!r} of {dtype} is {want} bytes, the "
+                            f"daemon's table says {n} at offset {off} of a "
+                            f"{segment.size}-byte segment")
+    return segment[off:off + n].view(dtype).reshape(shape)

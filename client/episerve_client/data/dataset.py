@@ -26,6 +26,7 @@ from episerve_client.errors import (
     FailedPrecondition,
     InvalidArgument,
 )
+from episerve_client.local import TRANSPORTS
 
 DEFAULT_CONNECT_TIMEOUT_S = 15.0
 MASK_MODES = ("spec", "all")
@@ -57,6 +58,9 @@ class WindowDataset(Dataset[dict[str, Any]]):
       ``manifest`` given, rank 0 lists the daemon and every rank builds on rank 0's manifest
       (``torch.distributed.broadcast_object_list``: a collective, so every rank must build
       the dataset; with NCCL set the rank's CUDA device first). ``False`` lists per rank.
+    - ``transport``: how workers read (``Client``'s ``transport``): ``"auto"`` uses the
+      daemon's local shared-memory plane for a unix-socket daemon of this host that offers
+      it (no gRPC in the workers then), gRPC otherwise; ``"local"``/``"grpc"`` force one.
     """
 
     def __init__(self, target: str | Sequence[str], keymap: KeymapLike, *,
@@ -67,8 +71,9 @@ class WindowDataset(Dataset[dict[str, Any]]):
                  client_options: Mapping[str, Any] | None = None,
                  frames: str = "float32", masks: str = "spec",
                  manifest: Manifest | str | Path | None = None, on_broken: str = "skip",
-                 sync_ranks: bool = True) -> None:
+                 sync_ranks: bool = True, transport: str = "auto") -> None:
         _choice("frames", frames, FRAME_MODES)
+        _choice("transport", transport, TRANSPORTS)
         _choice("masks", masks, MASK_MODES)
         _choice("on_broken", on_broken, ON_BROKEN)
         if episodes is not None and manifest is not None:
@@ -81,6 +86,7 @@ class WindowDataset(Dataset[dict[str, Any]]):
         self.transforms = tuple(transforms)
         self.embodiment_ids = dict(embodiment_ids) if embodiment_ids is not None else None
         self.client_options = dict(client_options or {})
+        self.transport = transport
         self.frames, self.masks, self.on_broken = frames, masks, on_broken
         self._client: Client | None = None
         self._timeout_s = connect_timeout_s
@@ -200,7 +206,8 @@ class WindowDataset(Dataset[dict[str, Any]]):
     @property
     def client(self) -> Client:
         if self._client is None:
-            self._client = Client(self.target, **self.client_options)
+            self._client = Client(self.target, transport=self.transport,
+                                  **self.client_options)
         return self._client
 
     def stats(self, keys: Sequence[str] | None = None, *,
