@@ -23,7 +23,7 @@ from episerve_client._base import (
 from episerve_client.channel import CHANNEL_OPTIONS
 from episerve_client.convert import KeymapCheck, KeyStats, Listing, ReadResult
 from episerve_client.errors import EpiserveError, from_rpc_error
-from episerve_client.local import LocalChannel, check_transport, pick_local
+from episerve_client.local import Adopt, LocalChannel, check_transport, pick_local
 from episerve_proto.contract import SERVICE_PATH
 
 
@@ -44,6 +44,9 @@ class Client(BaseClient):
         super().__init__(target, **options)
         self.transport = check_transport(transport, self.targets)
         self._local: dict[str, LocalChannel | None] = {}
+        #: Set by ``WindowDataset`` in a DataLoader worker: batches over the local plane
+        #: keep their segment, mapped by this (``LocalChannel.call``).
+        self.adopt_segment: Adopt | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -137,7 +140,8 @@ class Client(BaseClient):
         for call, plane, fut in zip(calls, planes, futures):
             try:
                 if plane is not None:
-                    out.append(plane.call(call.method, call.payload, call.timeout_s))
+                    out.append(plane.call(call.method, call.payload, call.timeout_s,
+                                          self.adopt_segment))
                 elif fut is not None:
                     out.append(fut.result())
             except grpc.RpcError as exc:

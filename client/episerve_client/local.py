@@ -29,6 +29,7 @@ import stat
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,6 +51,8 @@ from episerve_proto.errors import error_class
 log = logging.getLogger(__name__)
 
 TRANSPORTS = ("auto", "local", "grpc")
+#: Maps a kept segment's descriptor: ``(fd, size) -> uint8 array`` (see LocalChannel.call).
+Adopt = Callable[[int, int], np.ndarray]
 _FD_SPACE = socket.CMSG_SPACE(array.array("i").itemsize)
 
 
@@ -116,12 +119,19 @@ class LocalChannel:
 
     # -- public ------------------------------------------------------------------------
 
-    def call(self, method: str, payload: bytes, timeout_s: float) -> bytes | ReadResult:
-        """The method's answer (a ``ReadResult`` for Read); raises ``EpiserveError``."""
+    def call(self, method: str, payload: bytes, timeout_s: float,
+             adopt: Adopt | None = None) -> bytes | ReadResult:
+        """The method's answer (a ``ReadResult`` for Read); raises ``EpiserveError``.
+
+        ``adopt`` (Read only): keep the batch's segment instead of returning it;
+        ``adopt(fd, size)`` maps the descriptor (it is closed afterwards) and returns the
+        uint8 array the batch's arrays are views of (``data/shared.py``: a torch
+        shared-memory storage, which torch hands between processes as a descriptor).
+        """
         deadline = time.monotonic() + max(timeout_s, 0.001)
         with self._lock:
             try:
-                return self._call(method, payload, deadline)
+                return self._call(method, payload, deadline, adopt)
             except EpiserveError as exc:
                 if isinstance(exc, Unavailable | DeadlineExceeded | DataLossError):
                     self._drop()  # the stream's state is unknown: start over next time
@@ -147,7 +157,8 @@ class LocalChannel:
 
     # -- protocol ----------------------------------------------------------------------
 
-    def _call(self, method: str, payload: bytes, deadline: float) -> bytes | ReadResult:
+    def _call(self, method: str, payload: bytes, deadline: float,
+              adopt: Adopt | None) -> bytes | ReadResult:
         sock = self._connected(deadline)
         self._flush(sock)
         if method == "Read" and self._limit and self.lent >= self._limit:
@@ -161,7 +172,9 @@ class LocalChannel:
         self._ids += 1
         ident = self._ids
         sock.settimeout(_left(deadline))
-        sock.sendall(lp.frame(lp.CALL, ident, lp.call_body(method, payload)))
+        keep = adopt is not None and method == "Read"
+        sock.sendall(lp.frame(lp.CALL, ident, lp.call_body(method, payload),
+                              lp.FLAG_KEEP if keep else 0))
         while True:
             head, body, fd = self._recv(sock, deadline)
             if head.kind == lp.RETIRE:
@@ -175,7 +188,7 @@ class LocalChannel:
             if head.kind == lp.REPLY and method != "Read":
                 return body
             if head.kind == lp.BATCH and method == "Read":
-                return self._batch(body, fd)
+                return self._batch(body, fd, adopt if keep else None)
             raise DataLossError(f"the local plane answered a {method} call with frame kind "
                                 f"{head.kind}", target=self.target)
 
@@ -265,7 +278,7 @@ class LocalChannel:
             got += k
         return bytes(buf)
 
-    def _batch(self, body: bytes, fd: int) -> ReadResult:
+    def _batch(self, body: bytes, fd: int, adopt: Adopt | None) -> ReadResult:
         try:
             header = lp.parse_batch(body)
         except lp.FrameError as exc:
@@ -273,6 +286,8 @@ class LocalChannel:
                 os.close(fd)
             raise DataLossError(f"the local plane sent a bad batch header ({exc})",
                                 target=self.target) from None
+        if adopt is not None:
+            return self._kept(header, fd, adopt)
         seg = self._segments.get(header.segment)
         if fd >= 0:
             seg = self._map(header.segment, header.size, fd)
@@ -285,19 +300,44 @@ class LocalChannel:
         weakref.finalize(base, self._returned.append, header.segment)
         return convert.read_result_local(header.meta, header.blobs, base)
 
+    def _kept(self, header: lp.BatchHeader, fd: int, adopt: Adopt) -> ReadResult:
+        """A batch whose segment the daemon gave away: mapped by ``adopt``, never returned."""
+        try:
+            if fd < 0:
+                raise DataLossError("the local plane kept a segment the client asked for",
+                                    target=self.target)
+            old = self._segments.pop(header.segment, None)
+            if old is not None and old.lent:
+                raise DataLossError(f"the local plane gave away segment {header.segment}, "
+                                    "which this client still uses", target=self.target)
+            self._check_fd(header.segment, header.size, fd)
+            base = adopt(fd, header.size)
+        except OSError as exc:
+            raise DataLossError(f"segment {header.segment}: cannot map it ({exc.strerror})",
+                                target=self.target) from None
+        finally:
+            if fd >= 0:
+                os.close(fd)
+        if base.dtype != np.uint8 or base.ndim != 1 or base.size != header.size:
+            raise DataLossError(f"segment {header.segment}: the adopted mapping is not "
+                                f"{header.size} bytes", target=self.target)
+        return convert.read_result_local(header.meta, header.blobs, base)
+
+    def _check_fd(self, ident: int, size: int, fd: int) -> None:
+        st = os.fstat(fd)
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        if not stat.S_ISREG(st.st_mode) or st.st_size < size or not seals & fcntl.F_SEAL_SHRINK:
+            raise DataLossError(f"segment {ident}: the descriptor is not a sealed "
+                                f"shared-memory file of at least {size} bytes",
+                                target=self.target)
+
     def _map(self, ident: int, size: int, fd: int) -> _Segment:
         try:
             if ident in self._segments or len(self._segments) >= lp.MAX_CLIENT_SEGMENTS:
                 raise DataLossError(f"the local plane sent segment {ident} again, or more "
                                     f"than {lp.MAX_CLIENT_SEGMENTS} segments",
                                     target=self.target)
-            st = os.fstat(fd)
-            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-            if (not stat.S_ISREG(st.st_mode) or st.st_size < size
-                    or not seals & fcntl.F_SEAL_SHRINK):
-                raise DataLossError(f"segment {ident}: the descriptor is not a sealed "
-                                    f"shared-memory file of at least {size} bytes",
-                                    target=self.target)
+            self._check_fd(ident, size, fd)
             mm = mmap.mmap(fd, size)
         except OSError as exc:
             raise DataLossError(f"segment {ident}: cannot map it ({exc.strerror})",

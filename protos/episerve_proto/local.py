@@ -40,6 +40,10 @@ RETIRE = 14  # id: a segment id the daemon closed; the client drops its mapping
 TO_DAEMON = frozenset({HELLO, CALL, RELEASE})
 TO_CLIENT = frozenset({WELCOME, REPLY, BATCH, ERROR, RETIRE})
 FLAG_FD = 1  # the frame carries one descriptor (a BATCH with a segment new to the client)
+#: On a Read CALL: the answer's segment becomes the client's (its descriptor always comes
+#: with the answer, and the daemon forgets it). A DataLoader worker asks for this, so that
+#: torch hands the very memory the daemon wrote to the main process.
+FLAG_KEEP = 2
 
 #: The largest body a daemon accepts (a ReadRequest and the method name).
 MAX_CALL_BODY = MAX_REQUEST_BYTES + 256
@@ -81,7 +85,7 @@ def parse_head(data: bytes, allowed: frozenset[int], max_body: int) -> Head:
     kind, flags, reserved, length, ident = HEAD.unpack(data)
     if kind not in allowed:
         raise FrameError(f"unexpected frame kind {kind}")
-    if flags & ~FLAG_FD or reserved:
+    if flags & ~(FLAG_FD | FLAG_KEEP) or reserved:
         raise FrameError(f"frame kind {kind}: unknown flags {flags:#x} or reserved bits")
     if length > max_body:
         raise FrameError(f"frame kind {kind}: a body of {length} bytes is over the limit "

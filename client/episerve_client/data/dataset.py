@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, get_worker_info
 
 from episerve_client._base import KeymapLike, load_keymap
 from episerve_client._probe import Survey, describe, key_stats, probe
@@ -20,6 +20,7 @@ from episerve_client.data.episodes import ON_BROKEN, as_manifest, explicit, whol
 from episerve_client.data.frames import FRAME_MODES
 from episerve_client.data.jpeg import FrameCheck, FrameSizeMismatch, decode_column
 from episerve_client.data.manifest import Manifest
+from episerve_client.data.shared import adopt_segment
 from episerve_client.errors import (
     DataLossError,
     EpisodeNotFound,
@@ -208,6 +209,8 @@ class WindowDataset(Dataset[dict[str, Any]]):
         if self._client is None:
             self._client = Client(self.target, transport=self.transport,
                                   **self.client_options)
+            if get_worker_info() is not None:  # batches go to the main process as handles
+                self._client.adopt_segment = adopt_segment
         return self._client
 
     def stats(self, keys: Sequence[str] | None = None, *,

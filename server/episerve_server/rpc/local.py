@@ -195,6 +195,14 @@ class SegmentPool:
                 self.free[seg.ident] = seg
             self._changed.notify_all()
 
+    async def give_away(self, ident: int) -> None:
+        """A lent segment the client keeps: the daemon closes its side and forgets it."""
+        async with self._changed:
+            seg = self.lent.pop(ident, None)
+            if seg is not None:
+                self._close_one(seg)
+            self._changed.notify_all()
+
     def _retire(self, seg: Segment) -> None:
         del self.free[seg.ident]
         if seg.sent:
@@ -382,8 +390,11 @@ class LocalPlane:
                 await conn.pool.give_back(head.ident)
             elif head.kind == lp.CALL:
                 method, payload = lp.parse_call(body)
+                if head.flags & lp.FLAG_KEEP and method != "Read":
+                    raise lp.FrameError(f"a {method} call cannot keep a segment")
                 await calls.acquire()
-                task = asyncio.create_task(self._call(conn, head.ident, method, payload))
+                task = asyncio.create_task(self._call(conn, head.ident, method, payload,
+                                                      bool(head.flags & lp.FLAG_KEEP)))
                 conn.tasks.add(task)
 
                 def done(t: asyncio.Task[None]) -> None:
@@ -394,10 +405,11 @@ class LocalPlane:
             else:
                 raise lp.FrameError(f"unexpected frame kind {head.kind} after HELLO")
 
-    async def _call(self, conn: Connection, ident: int, method: str, payload: bytes) -> None:
+    async def _call(self, conn: Connection, ident: int, method: str, payload: bytes,
+                    keep: bool = False) -> None:
         try:
             if method == "Read":
-                await self._read(conn, ident, payload)
+                await self._read(conn, ident, payload, keep)
                 return
             handler = self.service.handlers_by_name()[method]
             data = await handler(payload, cast(Any, LocalContext(conn.peer)))
@@ -414,7 +426,7 @@ class LocalPlane:
             error = answered(exc, f"{method} (local plane)")
             await self._send_quietly(conn, lp.frame(lp.ERROR, ident, _error_body(error)))
 
-    async def _read(self, conn: Connection, ident: int, payload: bytes) -> None:
+    async def _read(self, conn: Connection, ident: int, payload: bytes, keep: bool) -> None:
         try:
             placed = await self.service.serve_read(payload, conn.peer,
                                                    lambda r: self._place(conn, r))
@@ -424,14 +436,16 @@ class LocalPlane:
             return
         seg = placed.segment
         body = lp.batch_body(seg.ident, seg.size, placed.blobs, placed.meta)
+        with_fd = keep or not seg.sent
         try:
-            await self._send(conn, lp.frame(lp.BATCH, ident, body,
-                                            0 if seg.sent else lp.FLAG_FD),
-                             () if seg.sent else (seg.fd,))
+            await self._send(conn, lp.frame(lp.BATCH, ident, body, lp.FLAG_FD if with_fd else 0),
+                             (seg.fd,) if with_fd else ())
             seg.sent = True
         except BaseException:
             await conn.pool.give_back(seg.ident)
             raise
+        if keep:
+            await conn.pool.give_away(seg.ident)
 
     async def _place(self, conn: Connection, result: BatchResult) -> tuple[Placed, int]:
         """Write the batch's blobs once into a segment lent to this connection."""
