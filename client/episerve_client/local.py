@@ -31,6 +31,7 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -110,6 +111,7 @@ class LocalChannel:
     def __init__(self, path: str, target: str, token: str) -> None:
         self.path, self.target, self.token = path, target, token
         self._sock: socket.socket | None = None
+        self._closer: Callable[[], Any] = lambda: None
         self._segments: dict[int, _Segment] = {}
         self._returned: collections.deque[int] = collections.deque()
         self._limit = 0
@@ -216,6 +218,9 @@ class LocalChannel:
                                 "client", target=self.target)
         self._limit = min(head.ident, lp.MAX_CLIENT_SEGMENTS)
         self._sock = sock
+        # A channel dropped without close() still closes its socket (and so the daemon
+        # frees its segments) when it is collected, or at exit.
+        self._closer = weakref.finalize(self, sock.close)
         return sock
 
     def _flush(self, sock: socket.socket) -> None:
@@ -366,7 +371,7 @@ class LocalChannel:
     def _drop(self) -> None:
         if self._sock is not None and self._pid == os.getpid():
             with contextlib.suppress(OSError):
-                self._sock.close()
+                self._closer()
         # Mappings live on while views refer to them. Returns queued for this connection's
         # segments must not release the next connection's segments of the same ids.
         self._sock, self._segments = None, {}
