@@ -3,9 +3,13 @@ daemon's segment pool (bounds, backpressure, reuse) and its socket's creation.""
 
 from __future__ import annotations
 
+import array
 import asyncio
 import os
+import socket
 import stat
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -162,11 +166,11 @@ class Gauge:
         self.nbytes += nbytes
 
 
-def _open_memfds() -> int:
+def _open_memfds(name: str = "episerve") -> int:
     n = 0
     for fd in os.listdir("/proc/self/fd"):
         try:
-            n += os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:episerve")
+            n += os.readlink(f"/proc/self/fd/{fd}").startswith(f"/memfd:{name}")
         except FileNotFoundError:  # the listing's own descriptor
             continue
     return n
@@ -262,3 +266,101 @@ def test_private_socket_refuses_symlinks_and_files(tmp_path: Path) -> None:
     world.chmod(0o777)
     with pytest.raises(StartupError, match="writable by every user"):
         bind_private_socket(world / "d.local", "--unix")
+
+
+# -- the client against a hostile daemon: a real socket, crafted frames --------------------
+
+
+def _hostile(tmp_path: Path,
+             answer: Callable[[socket.socket], None]) -> tuple[str, threading.Thread]:
+    """A one-connection 'daemon' at tmp_path/d.sock.local: WELCOME, then ``answer``."""
+    path = tmp_path / "d.sock"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(path) + lp.LOCAL_SUFFIX)
+    server.listen(1)
+
+    def serve() -> None:
+        conn, _ = server.accept()
+        with conn:
+            conn.recv(lp.HEAD_BYTES + 64)  # HELLO
+            conn.sendall(lp.frame(lp.WELCOME, 2))
+            conn.recv(1 << 16)  # the CALL
+            answer(conn)
+            conn.recv(16)  # until the client hangs up
+        server.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return str(path), thread
+
+
+def _memfd(size: int, sealed: bool) -> int:
+    import fcntl
+
+    fd = os.memfd_create("hostile", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    if sealed:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+    return fd
+
+
+def _with_fd(conn: socket.socket, data: bytes, fd: int) -> None:
+    conn.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+    os.close(fd)
+
+
+def _batch_frame(size: int, flags: int = lp.FLAG_FD) -> bytes:
+    meta, table, _ = _placed(_batch())
+    return lp.frame(lp.BATCH, 1, lp.batch_body(1, size, table, meta), flags)
+
+
+HOSTILE: dict[str, Callable[[socket.socket], None]] = {
+    # a descriptor that could shrink under the client's views (SIGBUS): refused
+    "unsealed": lambda c: _with_fd(c, _batch_frame(1 << 16), _memfd(1 << 16, False)),
+    # a segment said to be larger than the file behind it
+    "short file": lambda c: _with_fd(c, _batch_frame(1 << 16), _memfd(4096, True)),
+    # a segment the client never received
+    "unknown segment": lambda c: c.sendall(_batch_frame(1 << 16, flags=0)),
+    # a body of 16 MiB + 1 announced: refused from the head, nothing allocated
+    "huge body": lambda c: c.sendall(lp.HEAD.pack(lp.BATCH, 0, 0, lp.MAX_ANSWER_BODY + 1, 1)),
+    # an answer to another call
+    "wrong id": lambda c: c.sendall(lp.frame(lp.REPLY, 99, b"")),
+    # a descriptor on a frame that carries none
+    "stray fd": lambda c: _with_fd(c, lp.frame(lp.REPLY, 1, b""), _memfd(4096, True)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_a_hostile_daemon_gets_a_typed_error_and_no_bad_view(case: str,
+                                                             tmp_path: Path) -> None:
+    from episerve_client.local import LocalChannel
+
+    path, server = _hostile(tmp_path, HOSTILE[case])
+    channel = LocalChannel(path, f"unix://{path}", "")
+    with pytest.raises(DataLossError):
+        channel.call("GetStats" if case in ("wrong id", "stray fd") else "Read", b"", 5.0)
+    channel.close()
+    server.join(5)  # its own copy of the descriptor closed too
+    assert _open_memfds("hostile") == 0  # every descriptor received was closed
+
+
+def test_a_good_batch_from_a_crafted_daemon_is_a_view(tmp_path: Path) -> None:
+    """The same crafted server, answering properly: the client maps the segment."""
+    from episerve_client.local import LocalChannel
+
+    def good(conn: socket.socket) -> None:
+        meta, table, segment = _placed(_batch())
+        fd = _memfd(1 << 16, True)
+        os.pwrite(fd, segment.tobytes(), 0)
+        _with_fd(conn, lp.frame(lp.BATCH, 1, lp.batch_body(1, 1 << 16, table, meta),
+                                lp.FLAG_FD), fd)
+
+    path, _ = _hostile(tmp_path, good)
+    channel = LocalChannel(path, f"unix://{path}", "")
+    result = channel.call("Read", b"", 5.0)
+    assert not isinstance(result, bytes)
+    np.testing.assert_array_equal(result.arrays["x"], _batch().arrays["x"])
+    assert channel.lent == 1
+    del result
+    assert channel.lent == 1 and len(channel._returned) == 1  # returned with the next call
+    channel.close()
