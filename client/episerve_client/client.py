@@ -154,7 +154,7 @@ class Client(BaseClient):
         """This process's local-plane channel to ``target``, or None for gRPC."""
         if self._pid != os.getpid():
             self._take_channels()  # forked: drop the parent's channels and planes
-            self._local = {}
+            self._local, self._pid = {}, os.getpid()
         if target in self._local:
             return self._local[target]
         plane = pick_local(target, self.transport, self.token)

@@ -244,9 +244,6 @@ class LocalContext:
     def peer(self) -> str:
         return self._peer
 
-    def add_done_callback(self, callback: Callable[[Any], None]) -> None:
-        callback(self)  # the answer is written by the time the handler returns
-
     async def abort(self, code: Any, message: str,
                     trailers: Sequence[tuple[str, str | bytes]]) -> None:
         raise Aborted(str(code.name), message, dict(trailers))
