@@ -16,6 +16,12 @@ When every segment is lent the next Read waits for a return (backpressure), up t
 ``LEND_WAIT_S``, then answers ``Overloaded``. A connection that closes (a client that
 exits or is killed) frees all its segments at once: the daemon closes its descriptors and
 mappings, and the kernel frees the memory when the client's mappings are gone too.
+
+A Read may instead ask to keep its segment (``FLAG_KEEP``; DataLoader workers do): the
+daemon sends the descriptor, closes its own side and forgets the segment, which from then
+on belongs to the client's processes alone (torch passes it on to the main process). The
+pool still never holds more than ``--local-segments``; a kept segment costs the daemon a
+new memfd for the next batch.
 """
 
 from __future__ import annotations
