@@ -342,7 +342,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="with --unix: do not open the local shared-memory plane beside the "
                    "socket (default: open it at PATH.local)")
     p.add_argument("--local-uids", action="append", help="uids besides the daemon's own "
-                   "that may use the local plane (repeatable, or comma-separated)")
+                   "that may use the local plane (repeatable; the variable takes them "
+                   "comma-separated)")
     p.add_argument("--local-segments", type=int, help="shared-memory segments lent to one "
                    "local-plane connection at once; a Read waits for one to come back "
                    "(default 4)")

@@ -364,3 +364,21 @@ def test_a_good_batch_from_a_crafted_daemon_is_a_view(tmp_path: Path) -> None:
     del result
     assert channel.lent == 1 and len(channel._returned) == 1  # returned with the next call
     channel.close()
+
+
+def test_local_plane_settings_from_flags_and_environment() -> None:
+    from episerve_server.config import ServerConfig
+
+    on = ServerConfig.from_args([], {})
+    assert on.local_plane and on.local_uids == () and on.local_segments == 4
+    off = ServerConfig.from_args(["--no-local-plane", "--local-uids", "1000",
+                                  "--local-uids", "1001", "--local-segments", "2"], {})
+    assert not off.local_plane and off.local_uids == ("1000", "1001")
+    assert off.local_segments == 2
+    env = ServerConfig.from_args([], {"EPISERVE_LOCAL_PLANE": "0",
+                                      "EPISERVE_LOCAL_UIDS": "7,8"})
+    assert not env.local_plane and env.local_uids == ("7", "8")
+    with pytest.raises(ValueError, match="local_uids must be numeric"):
+        ServerConfig.from_args(["--local-uids", "alice"], {})
+    with pytest.raises(ValueError, match="local_segments"):
+        ServerConfig.from_args(["--local-segments", "0"], {})
