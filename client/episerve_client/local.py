@@ -43,7 +43,6 @@ from episerve_client.errors import (
     DeadlineExceeded,
     EpiserveError,
     InvalidArgument,
-    ResourceExhausted,
     Unavailable,
 )
 from episerve_proto import local as lp
@@ -55,6 +54,11 @@ TRANSPORTS = ("auto", "local", "grpc")
 #: Maps a kept segment's descriptor: ``(fd, size) -> uint8 array`` (see LocalChannel.call).
 Adopt = Callable[[int, int], np.ndarray]
 _FD_SPACE = socket.CMSG_SPACE(array.array("i").itemsize)
+
+
+def adopt_mapping(fd: int, size: int) -> np.ndarray:
+    """A kept segment as a plain shared mapping; it is unmapped when the batch is dropped."""
+    return np.frombuffer(mmap.mmap(fd, size), np.uint8)
 
 
 def check_transport(transport: str, targets: tuple[str, ...]) -> str:
@@ -163,14 +167,11 @@ class LocalChannel:
               adopt: Adopt | None) -> bytes | ReadResult:
         sock = self._connected(deadline)
         self._flush(sock)
-        if method == "Read" and self._limit and self.lent >= self._limit:
+        if method == "Read" and adopt is None and self._limit and self.lent >= self._limit:
             gc.collect()  # batches only reachable through cycles
             self._flush(sock)
-            if self.lent >= self._limit:
-                raise ResourceExhausted(
-                    f"this process still refers to {self.lent} batches read over the local "
-                    f"plane, every segment the daemon lends it; drop or copy earlier batches "
-                    "(or use transport='grpc')", target=self.target)
+            if self.lent >= self._limit:  # every pooled segment is held: keep a new one
+                adopt = adopt_mapping
         self._ids += 1
         ident = self._ids
         sock.settimeout(_left(deadline))

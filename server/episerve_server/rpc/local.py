@@ -17,11 +17,12 @@ When every segment is lent the next Read waits for a return (backpressure), up t
 exits or is killed) frees all its segments at once: the daemon closes its descriptors and
 mappings, and the kernel frees the memory when the client's mappings are gone too.
 
-A Read may instead ask to keep its segment (``FLAG_KEEP``; DataLoader workers do): the
-daemon sends the descriptor, closes its own side and forgets the segment, which from then
-on belongs to the client's processes alone (torch passes it on to the main process). The
-pool still never holds more than ``--local-segments``; a kept segment costs the daemon a
-new memfd for the next batch.
+A Read may instead ask to keep its segment (``FLAG_KEEP``): the daemon makes a segment
+for that batch alone, sends the descriptor, closes its own side and forgets it; from then
+on it belongs to the client's processes (torch passes it on to the main process).
+DataLoader workers ask for this, and so does a client that still refers to every pooled
+segment. The daemon holds such a segment only while it writes and sends it, at most one
+per call in flight on the connection (``--local-segments`` + 1).
 """
 
 from __future__ import annotations
@@ -165,7 +166,18 @@ class SegmentPool:
     def __len__(self) -> int:
         return len(self.free) + len(self.lent)
 
-    async def acquire(self, nbytes: int, wait_s: float = LEND_WAIT_S) -> Segment:
+    async def acquire(self, nbytes: int, wait_s: float = LEND_WAIT_S,
+                      keep: bool = False) -> Segment:
+        """A segment of at least ``nbytes``, lent until it comes back. ``keep``: one made
+        for this batch alone, at once (the client takes it over when it is sent)."""
+        if keep:
+            async with self._changed:
+                if self._closed:
+                    raise Unavailable("the local connection closed")
+                seg = Segment.make(next(self._ids), lp.aligned(max(nbytes, 1)))
+                self._on_change(1, seg.size)
+                self.lent[seg.ident] = seg
+                return seg
         async with self._changed:
             try:
                 await asyncio.wait_for(
@@ -432,7 +444,7 @@ class LocalPlane:
     async def _read(self, conn: Connection, ident: int, payload: bytes, keep: bool) -> None:
         try:
             placed = await self.service.serve_read(payload, conn.peer,
-                                                   lambda r: self._place(conn, r))
+                                                   lambda r: self._place(conn, r, keep))
         except Exception as exc:
             error = answered(exc, "read (local plane)")
             await self._send_quietly(conn, lp.frame(lp.ERROR, ident, _error_body(error)))
@@ -450,7 +462,8 @@ class LocalPlane:
         if keep:
             await conn.pool.give_away(seg.ident)
 
-    async def _place(self, conn: Connection, result: BatchResult) -> tuple[Placed, int]:
+    async def _place(self, conn: Connection, result: BatchResult,
+                     keep: bool) -> tuple[Placed, int]:
         """Write the batch's blobs once into a segment lent to this connection."""
         blobs: list[wire.Buf] = []
         meta = wire.encode_result(result, blobs.append)
@@ -460,7 +473,7 @@ class LocalPlane:
             raise ResponseTooLarge(f"the batch's metadata takes {len(meta)} bytes, over the "
                                    f"local plane's limit of {lp.MAX_ANSWER_BODY}; split the "
                                    "batch")
-        seg = await conn.pool.acquire(max(total, 1))
+        seg = await conn.pool.acquire(max(total, 1), keep=keep)
         try:
             if total >= OFFLOAD_ENCODE_BYTES:
                 await asyncio.to_thread(_copy, seg.view, offsets, blobs)
