@@ -382,3 +382,20 @@ def test_local_plane_settings_from_flags_and_environment() -> None:
         ServerConfig.from_args(["--local-uids", "alice"], {})
     with pytest.raises(ValueError, match="local_segments"):
         ServerConfig.from_args(["--local-segments", "0"], {})
+
+
+def test_a_kept_segment_is_made_at_once_and_forgotten_when_given_away() -> None:
+    async def run() -> None:
+        gauge = Gauge()
+        pool = SegmentPool(1, gauge)
+        lent = await pool.acquire(100)
+        kept = await asyncio.wait_for(pool.acquire(100, keep=True), 1)  # the pool is full
+        assert kept.ident != lent.ident and gauge.segments == 2
+        await pool.give_away(kept.ident)
+        assert gauge.segments == 1 and kept.ident not in pool.lent
+        await pool.close()
+        assert gauge.segments == 0
+
+    before = _open_memfds()
+    asyncio.run(run())
+    assert _open_memfds() == before
