@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo serve test test-all load bench bench-core bench-daemon bench-client lint typecheck protos protos-check clean
+.PHONY: setup demo serve test test-all stress load bench bench-core bench-daemon bench-client lint typecheck protos protos-check clean
 
 setup: $(STAMP)
 
@@ -28,6 +28,9 @@ test: $(STAMP)
 
 test-all: $(STAMP)
 	$(PY) -m pytest -m ''
+
+stress: $(STAMP)
+	$(PY) -m pytest -m stress tests/integration/test_teardown.py
 
 load: $(STAMP)
 	$(PY) -m pytest -m load tests/load

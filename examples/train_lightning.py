@@ -3,11 +3,15 @@
     python examples/train_lightning.py unix:///tmp/episerve.sock --out /tmp/run --devices 2
 
 The same recipe as ``train_ddp.py``: a pinned ``Manifest`` agreed from rank 0, a train/val
-split by episode, ``WindowSampler`` as the training loader's batch sampler (Lightning calls its
-``set_epoch``; ``use_distributed_sampler=False`` keeps Lightning from replacing it), the
-video gate on the validation side (rank 0 renders, nothing runs elsewhere). Lightning's
-checkpoint (``OUT/checkpoints/last.ckpt``, written at every epoch's end) carries the manifest
-and the sampler state under ``"episerve"``; run the command again to resume from it.
+split by episode, ``WindowSampler`` as the training loader's batch sampler
+(``use_distributed_sampler=False`` keeps Lightning from replacing it; each epoch is a new
+iteration of the sampler, so a new order, with no ``set_epoch`` call), the video gate on the
+validation side (rank 0 renders, nothing runs elsewhere). Lightning's checkpoints
+(``OUT/checkpoints/last.ckpt``, written at every epoch's end, or every ``--ckpt-every`` steps)
+carry the manifest and the sampler state under ``"episerve"``: the state of the batches
+trained on (the module counts them; the loader's workers and Lightning's fetcher run ahead of
+training), so a run stopped anywhere resumes from it without repeating or skipping a sample
+of the epoch. Run the command again to resume.
 """
 
 from __future__ import annotations
@@ -51,6 +55,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--val-every", type=int, default=4, help="every n-th episode validates")
     p.add_argument("--video-every", type=int, default=1, help="render every n epochs")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ckpt-every", type=int, default=0,
+                   help="checkpoint every n steps instead of at every epoch's end")
     return p.parse_args(argv)
 
 
@@ -73,6 +79,7 @@ class ChunkPolicy(pl.LightningModule):
         self.manifest: Manifest | None = None  # from the checkpoint, or agreed at start
         self.sampler: WindowSampler | None = None
         self.sampler_state: dict[str, Any] | None = None
+        self.steps = 0  # batches trained on since the training loader's iteration began
         self.renderer: PassRenderer | None = None
         self.log_: dict[str, Any] = {"epochs": {}, "videos": [], "resumed_from": None}
 
@@ -121,7 +128,11 @@ class ChunkPolicy(pl.LightningModule):
 
     # -- steps ------------------------------------------------------------------------------
 
+    def on_train_epoch_start(self) -> None:
+        self.steps = 0  # each epoch is a new iteration of the sampler
+
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        self.steps += 1  # before the step's checkpoint (written in on_train_batch_end)
         loss = torch.nn.functional.mse_loss(self(batch[OBS]), batch[ACTION])
         self.log("train_loss", loss, sync_dist=True, batch_size=len(batch[OBS]))
         epoch = self.log_["epochs"].setdefault(str(self.current_epoch), {"steps": 0})
@@ -155,8 +166,10 @@ class ChunkPolicy(pl.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         assert self.manifest is not None
         assert self.sampler is not None
+        # What training took, not what the loader has prefetched: after the epoch's last
+        # step this is the next epoch's start.
         checkpoint["episerve"] = {"manifest": self.manifest.to_dict(),
-                                  "sampler": self.sampler.state_dict()}
+                                  "sampler": self.sampler.state_dict(steps=self.steps)}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint["episerve"]
@@ -173,7 +186,8 @@ def main() -> None:
         devices=args.devices, max_epochs=args.epochs, use_distributed_sampler=False,
         num_sanity_val_steps=0, logger=False, enable_progress_bar=False,
         enable_model_summary=False, default_root_dir=args.out,
-        callbacks=[ModelCheckpoint(dirpath=args.out / "checkpoints", save_last=True)])
+        callbacks=[ModelCheckpoint(dirpath=args.out / "checkpoints", save_last=True,
+                                   every_n_train_steps=args.ckpt_every or None)])
     module = ChunkPolicy(args)
     trainer.fit(module, ckpt_path=last if last.exists() else None)
     (args.out / f"result.rank{trainer.global_rank}.json").write_text(json.dumps(module.log_))

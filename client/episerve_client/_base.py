@@ -6,12 +6,13 @@ receive their outcomes; the sync and async clients only execute them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import stat
 import time
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Collection, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeAlias
@@ -20,11 +21,15 @@ import numpy as np
 
 from episerve_client import convert
 from episerve_client.channel import (
+    DEFAULT_CONNECT_TIMEOUT_S,
     TLS,
     check_token_transport,
     check_unix_target,
+    keep_inherited,
+    not_answering,
     note_grpc_use,
     parse_targets,
+    unix_path,
 )
 from episerve_client.convert import ReadResult
 from episerve_client.errors import (
@@ -32,11 +37,13 @@ from episerve_client.errors import (
     DeadlineExceeded,
     EpiserveError,
     InvalidArgument,
+    PermissionDenied,
     ResponseTooLarge,
     Unavailable,
     UnknownKeymap,
 )
 from episerve_proto import routing
+from episerve_proto.contract import LIST_HASH_OVERHEAD, MAX_LIST_FILTER_BYTES, MAX_LIST_HASHES
 
 DEFAULT_TIMEOUT_S = 120.0
 DEFAULT_BACKOFF_INITIAL_S = 0.05
@@ -138,7 +145,8 @@ class WorkerRoutes:
         for t, out in zip(need, outcomes):
             if isinstance(out, bytes):
                 workers, rule = convert.topology(out)
-                ok = rule == routing.ROUTING and all(map(reachable, workers))
+                owners = trusted_owners(t)
+                ok = rule == routing.ROUTING and all(reachable(w, owners) for w in workers)
                 self.of[t] = workers if ok else ()
             elif isinstance(out, EpiserveError) and not out.transient:
                 self.of[t] = ()  # a daemon without GetTopology serves everything itself
@@ -176,16 +184,48 @@ class WorkerRoutes:
         return True
 
 
-def reachable(address: str) -> bool:
+def reachable(address: str, owners: Collection[int]) -> bool:
     """Whether this process can plausibly connect to a worker's address: a unix socket that
-    exists here and that it may open, or a TCP address."""
-    if not address.startswith("unix:"):
+    exists here and that it may open, or a TCP address.
+
+    A socket this process may open is trusted only if it and its folder are owned by a uid
+    in ``owners`` and writable by nobody else: otherwise another local user could have put
+    it there to collect the token and answer with rows of its own, so it is refused with
+    ``PermissionDenied`` naming the path (before anything is sent to it).
+    """
+    path = unix_path(address)
+    if path is None:
         return True
-    path = address.removeprefix("unix:").removeprefix("//")
     try:
-        return stat.S_ISSOCK(os.stat(path).st_mode) and os.access(path, os.R_OK | os.W_OK)
+        st = os.lstat(path)
     except OSError:
         return False
+    if not stat.S_ISSOCK(st.st_mode) or not os.access(path, os.R_OK | os.W_OK):
+        return False
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        parent = os.lstat(folder)
+    except OSError:
+        return False
+    for what, where, info in (("socket", path, st), ("folder", folder, parent)):
+        if stat.S_ISLNK(info.st_mode) or info.st_uid not in owners or info.st_mode & 0o022:
+            raise PermissionDenied(
+                f"the daemon's worker {what} {where!r} is owned by uid {info.st_uid} with "
+                f"mode {stat.S_IMODE(info.st_mode):#o}; expected a uid in {sorted(owners)} "
+                "and no write permission for group or others: refusing to send reads or a "
+                "token to it (another local user may have replaced it)")
+    return True
+
+
+def trusted_owners(target: str) -> set[int]:
+    """The uids a target's workers may belong to: this process's, and the owner of the
+    daemon's own socket when the target is one."""
+    owners = {os.getuid()}
+    path = unix_path(target)
+    if path is not None:
+        with contextlib.suppress(OSError):
+            owners.add(os.stat(path).st_uid)
+    return owners
 
 
 class BaseClient:
@@ -193,13 +233,20 @@ class BaseClient:
                  token: str = "", tls: TLS | None = None, plaintext_token_ok: bool = False,
                  backoff_initial_s: float = DEFAULT_BACKOFF_INITIAL_S,
                  backoff_max_s: float = DEFAULT_BACKOFF_MAX_S,
-                 down_s: float = DEFAULT_DOWN_S, max_response_bytes: int = 0) -> None:
+                 down_s: float = DEFAULT_DOWN_S, max_response_bytes: int = 0,
+                 connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S) -> None:
         self.targets = parse_targets(target)
         for t in self.targets:
             check_token_transport(t, token, tls, plaintext_token_ok)
-        if timeout_s <= 0:
-            raise InvalidArgument(f"timeout_s must be > 0, got {timeout_s!r}")
+        for name, value in (("timeout_s", timeout_s), ("connect_timeout_s", connect_timeout_s)):
+            if not value > 0:
+                raise InvalidArgument(f"{name} must be > 0, got {value!r}")
         self.timeout_s, self.token, self.tls = timeout_s, token, tls
+        self.connect_timeout_s = connect_timeout_s
+        #: Targets that have answered this client (or the process it was copied from): a
+        #: call to one of them waits for it until the deadline, as through a restart. A
+        #: target not in it must first accept a connection within ``connect_timeout_s``.
+        self.answered: set[str] = set()
         self.backoff_initial_s, self.backoff_max_s = backoff_initial_s, backoff_max_s
         self.max_response_bytes = max_response_bytes
         self.router = Router(self.targets, down_s)
@@ -216,10 +263,11 @@ class BaseClient:
     def _channel(self, target: str) -> Any:
         """This process's channel to ``target``, made on first use (never before a fork)."""
         if self._pid != os.getpid():  # forked: the parent's channels are not ours to use
+            keep_inherited(self._channels.values())
             self._channels, self._pid = {}, os.getpid()
         channel = self._channels.get(target)
         if channel is None:
-            if self.wait_for_ready:  # one daemon: a missing socket fails now, not at the deadline
+            if self.must_connect(target):  # a missing socket fails now, not at the deadline
                 check_unix_target(target)
             note_grpc_use()
             channel = self._channels[target] = self._open_channel(target)
@@ -230,7 +278,10 @@ class BaseClient:
 
     def _take_channels(self) -> list[Any]:
         """Forget every channel; returns the ones this process may close."""
-        mine = list(self._channels.values()) if self._pid == os.getpid() else []
+        if self._pid != os.getpid():
+            keep_inherited(self._channels.values())
+            self._channels, self._pid = {}, os.getpid()
+        mine = list(self._channels.values())
         self._channels = {}
         return mine
 
@@ -242,6 +293,17 @@ class BaseClient:
     def waits_for_ready(self, target: str) -> bool:
         """A worker never: its samples fail over to the daemon's front instead."""
         return self.wait_for_ready and not self.workers.is_worker(target)
+
+    def must_connect(self, target: str) -> bool:
+        """Whether a call to ``target`` first waits (``connect_timeout_s`` at most) for a
+        connection: a target that never answered, with no other target to fail over to."""
+        return target not in self.answered and self.waits_for_ready(target)
+
+    def connect_wait_s(self, call: Call) -> float:
+        return min(self.connect_timeout_s, max(call.timeout_s, 0.001))
+
+    def not_answering(self, call: Call) -> Unavailable:
+        return not_answering(call.target, self.connect_wait_s(call), self.tls is not None)
 
     def plaintext_worker(self, target: str) -> bool:
         """Workers listen on plaintext unix sockets (the front alone speaks TLS)."""
@@ -290,20 +352,23 @@ class BaseClient:
         if wanted == []:
             return convert.Listing([], {})
         deadline = time.monotonic() + (timeout_s or self.timeout_s)
-        pages, token = [], ""
-        while True:
-            payload = convert.list_request(token, page_size, brief, wanted or ())
-            data = yield from self.unary_flow("ListEpisodes", payload, None,
-                                              max(_left(deadline), 0.001))
-            page, next_token = convert.listing_page(data)
-            pages.append(page)
-            if not next_token:
-                merged = convert.merge_listings(pages)
-                return merged if wanted is None else convert.only(merged, set(wanted))
-            if next_token <= token:
-                raise DataLossError(f"the daemon's listing did not advance: page token "
-                                    f"{next_token!r} after {token!r}")
-            token = next_token
+        pages = []
+        for group in [()] if wanted is None else _filter_groups(wanted):
+            token = ""
+            while True:
+                payload = convert.list_request(token, page_size, brief, group)
+                data = yield from self.unary_flow("ListEpisodes", payload, None,
+                                                  max(_left(deadline), 0.001))
+                page, next_token = convert.listing_page(data)
+                pages.append(page)
+                if not next_token:
+                    break
+                if next_token <= token:
+                    raise DataLossError(f"the daemon's listing did not advance: page token "
+                                        f"{next_token!r} after {token!r}")
+                token = next_token
+        merged = convert.merge_listings(pages)
+        return merged if wanted is None else convert.only(merged, set(wanted))
 
     def read_flow(self, keymap: KeymapLike, samples: Sequence[tuple[str, int]], *,
                   annotation_cutoff: bool = False, timeout_s: float | None = None,
@@ -335,8 +400,10 @@ class BaseClient:
             pending, retry_after = [], False
             for (t, idx), out in zip(groups, outcomes):
                 if isinstance(out, bytes | ReadResult):
-                    parts.append((idx, out if isinstance(out, ReadResult)
-                                  else convert.read_result(out)))
+                    expect = convert.Expected.of([samples[i] for i in idx], km, all_masks)
+                    parts.append((idx, convert.check_result(out, expect)
+                                  if isinstance(out, ReadResult)
+                                  else convert.read_result(out, expect)))
                     continue
                 assert isinstance(out, EpiserveError)
                 if isinstance(out, UnknownKeymap):
@@ -419,21 +486,30 @@ def merge_results(parts: list[tuple[list[int], ReadResult]], n: int) -> ReadResu
         order[idx] = np.arange(pos, pos + len(idx))
         pos += len(idx)
     results = [r for _, r in parts]
-
-    def cat(values: list[Any]) -> list[Any]:
-        flat = [v for vs in values for v in vs]
-        return [flat[k] for k in order]
-
     out = ReadResult(
-        episodes=cat([r.episodes for r in results]),
+        episodes=_in_order([r.episodes for r in results], order),
         frame_index=np.concatenate([r.frame_index for r in results])[order],
         fps=np.concatenate([r.fps for r in results])[order],
-        embodiments=cat([r.embodiments for r in results]),
+        embodiments=_in_order([r.embodiments for r in results], order),
     )
+    try:
+        _merge_columns(out, results, order)
+    except (KeyError, ValueError) as exc:  # each part is valid alone, but they differ
+        raise DataLossError(f"the parts of a batch answered by several daemons or workers "
+                            f"do not have the same columns or shapes ({exc!r})") from None
+    return out
+
+
+def _in_order(values: list[Any], order: np.ndarray) -> list[Any]:
+    flat = [v for vs in values for v in vs]
+    return [flat[k] for k in order]
+
+
+def _merge_columns(out: ReadResult, results: list[ReadResult], order: np.ndarray) -> None:
     for name in results[0].arrays:
         out.arrays[name] = np.concatenate([r.arrays[name] for r in results])[order]
     for name in results[0].texts:
-        out.texts[name] = cat([r.texts[name] for r in results])
+        out.texts[name] = _in_order([r.texts[name] for r in results], order)
     totals = [r.total_frames for r in results if r.total_frames is not None]
     if len(totals) == len(results):
         out.total_frames = np.concatenate(totals)[order]
@@ -445,4 +521,19 @@ def merge_results(parts: list[tuple[list[int], ReadResult]], n: int) -> ReadResu
                 index = np.concatenate([r.images[name][1] + off
                                         for r, off in zip(results, offsets)])
                 out.images[name] = (source, index[order].astype(np.int32))
-    return out
+
+
+def _filter_groups(wanted: list[str]) -> list[list[str]]:
+    """A listing filter cut into the requests a daemon takes: each within MAX_LIST_HASHES
+    ids and MAX_LIST_FILTER_BYTES bytes."""
+    groups: list[list[str]] = [[]]
+    size = 0
+    for h in wanted:
+        n = len(h.encode()) + LIST_HASH_OVERHEAD
+        if groups[-1] and (len(groups[-1]) >= MAX_LIST_HASHES
+                           or size + n > MAX_LIST_FILTER_BYTES):
+            groups.append([])
+            size = 0
+        groups[-1].append(h)
+        size += n
+    return groups

@@ -239,7 +239,8 @@ def survey_of(keymap: Mapping[str, Any], listing: Listing) -> Survey:
         have = set(e.arrays)
         lacking = next(((n, z) for n, z in keys if z not in have), None)
         if lacking is not None:
-            missing[e.hash] = Problem(e.hash, missing_array_reason(*lacking), lacking[1])
+            missing[e.hash] = Problem(e.hash, missing_array_reason(*lacking, have),
+                                      lacking[1])
             continue
         for key in framed:
             size = declared_frame_size(e.features, key)

@@ -105,11 +105,19 @@ class AsyncClient(BaseClient):
                                            if isinstance(op, Call))))
 
     async def _call(self, call: Call) -> Outcome:
-        stub = self._channel(call.target).unary_unary(SERVICE_PATH + call.method)
+        channel = self._channel(call.target)
+        if self.must_connect(call.target):
+            try:
+                await asyncio.wait_for(channel.channel_ready(), self.connect_wait_s(call))
+            except TimeoutError:
+                raise self.not_answering(call) from None
+            self.answered.add(call.target)
+        stub = channel.unary_unary(SERVICE_PATH + call.method)
         try:
             data: bytes = await stub(call.payload, timeout=max(call.timeout_s, 0.001),
                                      metadata=self.metadata(),
                                      wait_for_ready=self.waits_for_ready(call.target))
         except grpc.RpcError as exc:
             return from_rpc_error(exc, call.target)
+        self.answered.add(call.target)
         return data

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import atexit
 import ipaddress
 import logging
+import multiprocessing.util
 import os
 import stat
+import threading
 import time
-from collections.abc import Sequence
+import weakref
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,6 +66,63 @@ class TLS:
         return grpc.ssl_channel_credentials(read(self.ca), read(self.key), read(self.cert))
 
 
+# -- the clients of this process, closed when it exits --------------------------------------
+
+#: Seconds ``close_process_channels`` waits for gRPC's helper threads to end.
+EXIT_CLOSE_S = 2.0
+_owners: weakref.WeakSet[Any] = weakref.WeakSet()  # blocking clients with a channel open here
+_owners_pid = 0
+#: Channels a forked child inherited: referenced for good and never used or closed there;
+#: letting one be collected or closing it would run gRPC on state of the parent's threads.
+_INHERITED: list[Any] = []
+
+
+def close_at_exit(client: Any) -> None:
+    """Have ``client.close()`` run when this process exits, if the client is still alive.
+
+    A DataLoader worker that ends (the epoch was cut short, the loader dropped) must not
+    reach interpreter shutdown with a live channel: gRPC's threads then run while the
+    interpreter is torn down under them. ``multiprocessing.util.Finalize`` covers a
+    multiprocessing child as its target returns, ``atexit`` any process that ends normally.
+    """
+    global _owners_pid
+    pid = os.getpid()
+    if _owners_pid != pid:  # the first client of this process (or of a forked child)
+        _owners.clear()  # a parent's clients: each parks its own channels when used here
+        _owners_pid = pid
+        atexit.register(close_process_channels)
+        multiprocessing.util.Finalize(None, close_process_channels, exitpriority=100)
+    _owners.add(client)
+
+
+def keep_inherited(channels: Iterable[Any]) -> None:
+    """Park channels inherited through ``fork``: referenced for good, never touched."""
+    _INHERITED.extend(channels)
+
+
+def close_process_channels(wait_s: float = EXIT_CLOSE_S) -> int:
+    """Close every blocking client of this process that still has channels, dropping its
+    references to them, then wait (at most ``wait_s``) for gRPC's helper threads to end.
+    Idempotent; inherited channels are left alone. Returns how many clients were closed."""
+    if _owners_pid != os.getpid():
+        return 0
+    clients = list(_owners)
+    _owners.clear()
+    closed = len(clients)
+    for client in clients:
+        try:
+            client.close()
+        except Exception as exc:  # closing at exit must never raise
+            log.debug("closing a client at exit failed: %r", exc)
+    del clients
+    deadline = time.monotonic() + wait_s
+    for thread in threading.enumerate():
+        # gRPC's call and connectivity pollers: daemon threads running its ``_run``
+        if thread.daemon and thread.name.endswith("(_run)") and thread.is_alive():
+            thread.join(max(0.0, deadline - time.monotonic()))
+    return closed
+
+
 def note_grpc_use() -> None:
     """Record that this process uses gRPC; warn once in a child forked after its parent did.
 
@@ -83,12 +144,18 @@ def note_grpc_use() -> None:
 
 
 def parse_targets(target: str | Sequence[str]) -> tuple[str, ...]:
+    """The targets, each stripped; a bare absolute path is the unix socket at that path.
+
+    gRPC would take ``/run/episerve.sock`` for a host name and wait for it until the
+    deadline: it becomes ``unix:///run/episerve.sock``.
+    """
     items = [target] if isinstance(target, str) else list(target)
     out = []
     for t in items:
         if not isinstance(t, str) or not t.strip():
             raise InvalidArgument(f"a target is 'host:port' or 'unix:///path', got {t!r}")
-        out.append(t.strip())
+        t = t.strip()
+        out.append(f"unix://{t}" if t.startswith("/") else t)
     if not out:
         raise InvalidArgument("at least one target is needed")
     return tuple(dict.fromkeys(out))
@@ -116,6 +183,20 @@ def check_token_transport(target: str, token: str, tls: TLS | None,
             f"refusing to send a token in plaintext to {target!r}: use tls=TLS(...), or, for "
             "a unix socket or loopback target only, pass plaintext_token_ok=True"
         )
+
+
+#: A target that has never answered this client must accept a connection within this.
+DEFAULT_CONNECT_TIMEOUT_S = 3.0
+
+
+def not_answering(target: str, waited_s: float, tls: bool) -> Unavailable:
+    """The error for a target that never answered: nothing listens there (or it speaks
+    another protocol), which waiting longer will not change."""
+    hint = ("is the daemon running at this address, and started with --tls-cert?" if tls
+            else "is the daemon running at this address, and without TLS?")
+    return Unavailable(f"no daemon answered at {target!r} within {waited_s:g}s: nothing "
+                       f"listens there or it did not accept the connection ({hint})",
+                       target=target)
 
 
 #: A unix socket that does not exist yet is looked for this long before the call fails (a

@@ -20,7 +20,7 @@ from episerve_client._base import (
     Sleep,
     load_keymap,
 )
-from episerve_client.channel import CHANNEL_OPTIONS
+from episerve_client.channel import CHANNEL_OPTIONS, close_at_exit
 from episerve_client.convert import KeymapCheck, KeyStats, Listing, ReadResult
 from episerve_client.errors import EpiserveError, from_rpc_error
 from episerve_client.local import Adopt, LocalChannel, check_transport, pick_local
@@ -32,14 +32,15 @@ class Client(BaseClient):
 
     Safe to build before a fork: no channel exists until the first call in a process.
 
-    ``transport``: ``"auto"`` (the default) talks to a unix-socket daemon of this host over
-    its local shared-memory plane when it offers one (``<socket>.local``), and over gRPC
-    otherwise, logging once per target which; ``"local"`` and ``"grpc"`` force one. Over
+    ``transport``: ``"grpc"`` (the default, for now) always reads over gRPC; ``"auto"``
+    talks to a unix-socket daemon of this host over its local shared-memory plane when it
+    offers one (``<socket>.local``), and over gRPC otherwise, logging once per target
+    which; ``"local"`` forces the plane. Over
     the local plane, a batch's arrays are views of shared memory that the daemon reuses
     only once nothing refers to them.
     """
 
-    def __init__(self, target: str | Sequence[str], *, transport: str = "auto",
+    def __init__(self, target: str | Sequence[str], *, transport: str = "grpc",
                  **options: Any) -> None:
         super().__init__(target, **options)
         self.transport = check_transport(transport, self.targets)
@@ -60,6 +61,8 @@ class Client(BaseClient):
         self.close()
 
     def close(self) -> None:
+        """Close this process's channels (idempotent). Those still open when the process
+        exits are closed then, a DataLoader worker's included."""
         for channel in self._take_channels():
             channel.close()
         local, self._local = self._local, {}
@@ -115,8 +118,11 @@ class Client(BaseClient):
 
     def _open_channel(self, target: str) -> grpc.Channel:
         if self.tls is not None and not self.plaintext_worker(target):
-            return grpc.secure_channel(target, self.tls.credentials(), self.tls.options())
-        return grpc.insecure_channel(target, CHANNEL_OPTIONS)
+            channel = grpc.secure_channel(target, self.tls.credentials(), self.tls.options())
+        else:
+            channel = grpc.insecure_channel(target, CHANNEL_OPTIONS)
+        close_at_exit(self)
+        return channel
 
     def _run(self, flow: Flow) -> Any:
         try:
@@ -144,6 +150,7 @@ class Client(BaseClient):
                                           self.adopt_segment))
                 elif fut is not None:
                     out.append(fut.result())
+                self.answered.add(call.target)
             except grpc.RpcError as exc:
                 out.append(from_rpc_error(exc, call.target))
             except EpiserveError as exc:
@@ -162,7 +169,16 @@ class Client(BaseClient):
         return plane
 
     def _start(self, call: Call) -> Any:
-        stub = self._channel(call.target).unary_unary(SERVICE_PATH + call.method)
+        channel = self._channel(call.target)
+        if self.must_connect(call.target):
+            ready = grpc.channel_ready_future(channel)
+            try:
+                ready.result(timeout=self.connect_wait_s(call))
+            except grpc.FutureTimeoutError:
+                ready.cancel()
+                raise self.not_answering(call) from None
+            self.answered.add(call.target)
+        stub = channel.unary_unary(SERVICE_PATH + call.method)
         return stub.future(call.payload, timeout=max(call.timeout_s, 0.001),
                            metadata=self.metadata(),
                            wait_for_ready=self.waits_for_ready(call.target))

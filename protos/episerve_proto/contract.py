@@ -7,7 +7,7 @@ descriptor of ``episerve/v1/episerve.proto``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 PACKAGE = "episerve.v1"
@@ -42,10 +42,12 @@ def did_you_mean(word: str, choices: tuple[str, ...] | list[str]) -> str:
     return f"; did you mean {close[0]!r}?" if close else ""
 
 
-def missing_array_reason(output_key: str, zarr_key: str) -> str:
-    """Why an episode cannot serve a keymap entry whose zarr key it lacks: the daemon's
-    ``RegisterKeymap`` check and the client's (against a full listing) say it alike."""
-    return f"output key {output_key!r}: the episode has no array {zarr_key!r}"
+def missing_array_reason(output_key: str, zarr_key: str, arrays: Iterable[str] = ()) -> str:
+    """Why an episode cannot serve a keymap entry whose zarr key it lacks, with the nearest
+    of the episode's ``arrays`` as a "did you mean": the daemon's ``RegisterKeymap`` check
+    and the client's (against a full listing) say it alike."""
+    return (f"output key {output_key!r}: the episode has no array {zarr_key!r}"
+            f"{did_you_mean(zarr_key, sorted(arrays))}")
 
 
 def declared_frame_size(features: Mapping[str, Any], key: str) -> tuple[int, int] | None:
@@ -64,6 +66,25 @@ def declared_frame_size(features: Mapping[str, Any], key: str) -> tuple[int, int
 MAX_MESSAGE_BYTES = 256 * 2**20
 #: The largest request the daemon accepts (a Read of the largest batch fits easily).
 MAX_REQUEST_BYTES = 8 * 2**20
+#: The most frames (rows) one episode may have: the daemon refuses an episode whose
+#: ``total_frames`` is larger, and the client refuses a manifest entry or a response that
+#: gives one. Far above real data, far below 2**31.
+MAX_EPISODE_FRAMES = 10**8
+#: The most samples (frames summed over its episodes) one manifest may hold: a sampler's
+#: epoch order is 8 bytes per sample, so this bound keeps it within 8 GB.
+MAX_MANIFEST_FRAMES = 10**9
+#: The most texts (annotation strings, over every text column) the client accepts in one
+#: Read response; more are refused before any is turned into a Python string.
+MAX_RESPONSE_TEXTS = 1 << 18
+#: The most JPEG frames (over every camera key) the client accepts in one Read response.
+MAX_RESPONSE_FRAMES = 1 << 18
+#: Episode ids one ListEpisodes request may name in ``hashes``, and the bytes they may take
+#: on the wire (each id's UTF-8 bytes plus ``LIST_HASH_OVERHEAD``); the client sends a
+#: longer filter as several requests within both. A request over the bytes is refused
+#: before it is parsed.
+MAX_LIST_HASHES = 65536
+MAX_LIST_FILTER_BYTES = 1 << 20
+LIST_HASH_OVERHEAD = 3  # the field's tag and a length of up to 2 bytes
 #: The longest episode id, output key, zarr key or keymap id, in characters.
 MAX_NAME_CHARS = 256
 #: The daemon accepts keepalive pings this often at most; the client pings less often.

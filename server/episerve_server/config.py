@@ -20,11 +20,16 @@ RESPONSE_HEADROOM_BYTES = 2**20
 MAX_RESPONSE_BYTES = MAX_MESSAGE_BYTES - RESPONSE_HEADROOM_BYTES
 PORTS = ("port", "metrics_port", "health_port")
 DURATIONS = ("grace_s", "rescan_s", "store_timeout_s", "max_connection_age_s",
-             "max_connection_idle_s", "inject_latency_s")
+             "max_connection_idle_s", "inject_latency_s", "log_summary_s")
 COUNTS = ("max_batch", "max_window", "max_concurrent_reads", "max_store_concurrency",
           "max_keymap_entries", "max_streams_per_connection", "local_segments")
 PRELOAD_KINDS = ("off", "numeric")
 ZERO_OK = ("cache_bytes", "prefetch_bytes")  # sizes where 0 means off
+#: Connection timers gRPC takes in whole milliseconds (a C int): 0 turns one off; below a
+#: second a client spends its time reconnecting (1e-6 s became 0 ms: every connection went
+#: away as it opened), above the int's range gRPC would not take it.
+CONNECTION_TIMERS = ("max_connection_age_s", "max_connection_idle_s")
+CONNECTION_TIMER_RANGE_S = (1.0, (2**31 - 1) / 1000)
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 LOG_FORMATS = ("text", "json")
 #: Settings where an explicitly empty value would silently mean something else (no auth,
@@ -74,6 +79,7 @@ class ServerConfig:
     s3_endpoint: str = ""
     log_level: str = "INFO"
     log_format: str = "text"  # or "json": one object per line
+    log_summary_s: float = 60.0  # one INFO line of the RPCs served per interval (each at DEBUG)
     max_store_concurrency: int = 64
     # A connection is closed (GOAWAY, then grace_s for its RPCs) after this long, so new
     # replicas get load and no client holds the daemon's buffers for longer; 0: never.
@@ -163,6 +169,12 @@ class ServerConfig:
                                  f"got {value!r}")
         if self.store_timeout_s <= 0:
             raise ValueError(f"store_timeout_s must be > 0 seconds, got {self.store_timeout_s!r}")
+        low, high = CONNECTION_TIMER_RANGE_S
+        for name in CONNECTION_TIMERS:
+            value = getattr(self, name)
+            if value and not low <= value <= high:
+                raise ValueError(f"{name} must be 0 (off) or between {low:g} and {high:g} "
+                                 f"seconds (gRPC counts it in whole milliseconds), got {value!r}")
         self._validate_sizes()
         if self.log_level.upper() not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, "
@@ -304,6 +316,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-client-ca", help="CA for client certificates: mutual TLS")
     p.add_argument("--s3-endpoint", help="endpoint URL of an S3-compatible store")
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING (default INFO)")
+    p.add_argument("--log-summary-s", type=float, help="write one INFO line per interval with "
+                   "the RPCs served in it, by method and code (each RPC's own line is DEBUG); "
+                   "0: after every RPC")
     p.add_argument("--log-format", help="text, or json: one object per line with ts, level, "
                    "logger, msg and the line's fields (default text)")
     p.add_argument("--max-store-concurrency", type=int, help="store requests in flight "
@@ -325,9 +340,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-keymap-bytes", help="largest keymap as sent (default 64KiB)")
     p.add_argument("--max-registry-bytes", help="registered keymaps kept, in all, least "
                    "recently used evicted first (default 16MiB)")
-    p.add_argument("--max-buffered-bytes", help="responses waiting to be sent, in all, "
-                   "before new Reads are refused as overloaded (default 256MiB; gRPC "
-                   "keeps its own copy of each, so up to about twice that in memory)")
+    p.add_argument("--max-buffered-bytes", help="memory held by responses waiting to be "
+                   "sent, in all, before new Reads are refused as overloaded; each counts "
+                   "twice its size, for gRPC's own copy (default 256MiB)")
     p.add_argument("--max-buffered-bytes-per-peer", help="the same, per client connection "
                    "(default 64MiB; over a unix socket every client is one peer, so "
                    "only the total applies)")
@@ -356,7 +371,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--stats-cache-bytes", help="GetKeyStats keeps each (episode, key)'s "
                    "moments and values, and the percentile tails of recent episode sets, "
                    "under this budget, least recently used first (default 512MiB)")
-    for action in p._actions:  # every flag names the variable it also reads
+    defaults = {f.name: f.default for f in fields(ServerConfig)}
+    for action in p._actions:  # every flag names its default and the variable it also reads
         if action.dest != "help" and action.help not in (None, argparse.SUPPRESS):
+            default = defaults.get(action.dest)
+            if "(default" not in action.help and default not in (None, "", ()):
+                action.help = f"{action.help} (default {_shown(action.dest, default)})"
             action.help = f"{action.help} [{ENV_PREFIX}{action.dest.upper()}]"
     return p
+
+
+def _shown(name: str, default: Any) -> str:
+    """A default as a flag would take it: sizes in the largest binary unit that divides."""
+    if _is_size(name) and isinstance(default, int) and default:
+        for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+            if default % size == 0:
+                return f"{default // size}{unit}"
+    return str(default)

@@ -50,9 +50,12 @@ def build_read_core(config: ServerConfig, *, stats: Stats | None = None) -> Read
     catalog = Catalog(store, allow=config.allow, on_drop=on_drop,
                       max_item_bytes=config.max_item_bytes)
     planner = Planner(catalog, cache, stats, fetch_limit=config.max_store_concurrency)
-    # Hints: at most --prefetch-bytes in flight, and never more than half the cache.
+    dropped.append(planner.fetcher.forget_episode)  # no read joins a fetch of the old files
+    # Hints: at most --prefetch-bytes in flight, and never more than half the cache; each
+    # admitted as a read is (its estimated response within --max-response-bytes).
     background = planner.background = Background(
-        planner, budget_bytes=min(config.prefetch_bytes, config.cache_bytes // 2))
+        planner, budget_bytes=min(config.prefetch_bytes, config.cache_bytes // 2),
+        response_limit=config.max_response_bytes)
     key_stats = KeyStatsEngine(catalog, planner, cache, config.stats_cache_bytes)
     dropped.append(key_stats.drop_episode)
     dropped.append(COLLECTOR.episode_dropped)  # frozen episodes are reclaimed in batches

@@ -24,7 +24,7 @@ def test_an_episode_added_between_ranks_changes_nothing(launch: Launch, tmp_path
     ramp.write_ramp_dataset(root)
     out = tmp_path / "out"
     out.mkdir()
-    with DaemonProcess(root, "--rescan-s", "0", "--log-level", "INFO",
+    with DaemonProcess(root, "--rescan-s", "0", "--log-level", "DEBUG",
                        unix=tmp_path / "d.sock") as daemon:
         for rank in (0, 1):
             launch.start("tests.ddp.manifest_worker", [daemon.target, str(out)], f"rank{rank}",

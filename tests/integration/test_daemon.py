@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -251,23 +252,33 @@ def test_keymap_by_id_and_inline_give_the_same_result(
         assert np.array_equal(by_id.arrays[k], inline.arrays[k])
 
 
-def test_one_log_line_per_rpc_with_its_request_id(ramp_roots: dict[str, Path],
-                                                 start_daemon: Any) -> None:
+def test_one_debug_line_per_rpc_and_an_info_summary_per_interval(ramp_roots: dict[str, Path],
+                                                                   start_daemon: Any) -> None:
     from episerve_client import convert
 
-    d = start_daemon(ramp_roots["sharded"], "--log-level", "INFO")
-    with _channel(d.target) as ch:
-        read = ch.unary_unary("/episerve.v1.EpiServe/Read")
-        ok = convert.read_request([("ep000a", 1)], keymap=CAMERA_ONLY)
-        bad = convert.read_request([("ep000a", 99)], keymap=CAMERA_ONLY)
-        read(ok, metadata=(("x-request-id", "req-ok-1"),), timeout=5)
-        with pytest.raises(grpc.RpcError):
-            read(bad, metadata=(("x-request-id", "req-bad-2"),), timeout=5)
-        read(ok, timeout=5)
-    d.stop()
-    rpc_lines = [line for line in d.lines if " rpc " in line and "INFO" in line]
-    assert len(rpc_lines) == 3
+    lines = {}
+    for level in ("DEBUG", "INFO"):
+        d = start_daemon(ramp_roots["sharded"], "--log-level", level, "--log-summary-s", "0.3")
+        with _channel(d.target) as ch:
+            read = ch.unary_unary("/episerve.v1.EpiServe/Read")
+            ok = convert.read_request([("ep000a", 1)], keymap=CAMERA_ONLY)
+            bad = convert.read_request([("ep000a", 99)], keymap=CAMERA_ONLY)
+            read(ok, metadata=(("x-request-id", "req-ok-1"),), timeout=5)
+            with pytest.raises(grpc.RpcError):
+                read(bad, metadata=(("x-request-id", "req-bad-2"),), timeout=5)
+            time.sleep(0.4)
+            read(ok, timeout=5)  # past the interval: the summary of the three is written
+            read(ok, timeout=5)  # written when the daemon stops
+        d.stop()
+        lines[level] = d.lines
+    rpc_lines = [line for line in lines["DEBUG"] if " rpc " in line]
+    assert len(rpc_lines) == 4 and all("DEBUG" in line for line in rpc_lines)
     assert any("req-ok-1" in line and "/Read OK" in line for line in rpc_lines)
     assert any("req-bad-2" in line and "OUT_OF_RANGE" in line for line in rpc_lines)
-    warnings = [line for line in d.lines if "WARNING" in line and "'ep000a'" in line]
+    assert not [line for line in lines["INFO"] if " rpc " in line]
+    summaries = [line for line in lines["INFO"] if " rpcs " in line]
+    assert len(summaries) == 2 and all("INFO" in line for line in summaries), lines["INFO"]
+    assert "rpcs 3 in " in summaries[0] and "Read OK=2 Read OUT_OF_RANGE=1" in summaries[0]
+    assert "rpcs 1 in " in summaries[1] and "samples=1 " in summaries[1]
+    warnings = [line for line in lines["INFO"] if "WARNING" in line and "'ep000a'" in line]
     assert len(warnings) == 1 and "99" in warnings[0]

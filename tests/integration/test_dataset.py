@@ -121,6 +121,16 @@ def test_default_collate_and_getitem_give_spec_samples(daemon: DaemonProcess) ->
     assert batch["embodiment"].tolist() == [3, 3, 3]
 
 
+def test_negative_indices_count_from_the_end_as_in_a_sequence(daemon: DaemonProcess) -> None:
+    ds = WindowDataset(daemon.target, KEYMAPS["mecka_keypoints_k4"], episodes=EPISODES)
+    last = ds[-1]
+    assert (last["episode_hash"], last["frame_index"]) == ("ep002c", 100)
+    assert (ds[-len(ds)]["episode_hash"], ds[-len(ds)]["frame_index"]) == ("ep000a", 0)
+    for bad in (len(ds), -len(ds) - 1):
+        with pytest.raises(IndexError, match=rf"index {bad} is outside the 138 samples"):
+            ds[bad]
+
+
 def test_outputs_share_no_memory(daemon: DaemonProcess) -> None:
     ds = WindowDataset(daemon.target, KEYMAPS["camera_history"])
     batch = collate(ds.__getitems__([0, 5, 5, 300]))

@@ -280,7 +280,8 @@ def test_reads_over_the_limit_are_refused_quickly_and_clients_back_off(
         ramp_roots: dict[str, Path], start_daemon: Any) -> None:
     d = start_daemon(ramp_roots["sharded"], "--max-concurrent-reads", "2",
                      "--inject-latency-s", "0.25", "--max-store-concurrency", "1",
-                     "--cache-bytes", "0", unix=True)  # INFO: one log line per RPC
+                     "--cache-bytes", "0", "--log-level", "DEBUG",
+                     unix=True)  # DEBUG: one log line per RPC
     payload = convert.read_request([("ep003d", f) for f in range(0, 200, 20)], keymap=CAMERA)
     done: list[tuple[Any, float]] = []
     with grpc.insecure_channel(d.target) as ch:
@@ -399,3 +400,70 @@ def test_refusing_a_huge_read_costs_no_more_than_the_request(ramp_roots: dict[st
     assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert peak < 32e6 and after < 32e6
     assert elapsed < 0.5
+
+
+# -- a daemon that answered before is waited for, longer than a wrong target would be --------
+
+
+def test_a_daemon_down_longer_than_the_connect_timeout_is_waited_for(
+        ramp_roots: dict[str, Path], tmp_path: Path) -> None:
+    """A target that answered once is restarting when it does not answer: its calls wait
+    until their deadline, past ``connect_timeout_s`` (which only a wrong target gets)."""
+    root, sock = ramp_roots["sharded"], tmp_path / "down.sock"
+    daemons = [DaemonProcess(root, "--rescan-s", "0", unix=sock)]
+    restart = threading.Timer(2.0, lambda: daemons.append(
+        DaemonProcess(root, "--rescan-s", "0", unix=sock)))
+    try:
+        with Client(daemons[0].target, connect_timeout_s=0.5, timeout_s=90) as client:
+            assert client.read(KEYPOINTS, [("ep003d", 4)]).arrays["k"].shape == (1, 63)
+            daemons[0].kill()
+            client.close()  # the next call opens a new channel to the target, now silent
+            restart.start()
+            start = time.monotonic()
+            result = client.read(KEYPOINTS, [("ep003d", 5)])
+            waited = time.monotonic() - start
+        assert result.arrays["k"][0, 0] == _keypoint(3, 5)
+        assert waited >= 1.5  # it waited for the restart, past the 0.5 s connect timeout
+    finally:
+        restart.cancel()
+        if restart.is_alive():
+            restart.join()
+        for d in daemons:
+            d.kill()
+
+
+def epoch_started_while_the_daemon_is_down(root: Path, sock: Path) -> tuple[int, int]:
+    """Fork workers whose first call finds the daemon down for longer than their client's
+    ``connect_timeout_s``: they wait for it (the dataset's target answered when it was
+    built), and the epoch completes."""
+    from torch.utils.data import DataLoader
+
+    from episerve_client import WindowDataset, collate
+
+    daemons = [DaemonProcess(root, "--rescan-s", "0", unix=sock)]
+    restart = threading.Timer(3.0, lambda: daemons.append(
+        DaemonProcess(root, "--rescan-s", "0", unix=sock)))
+    try:
+        ds = WindowDataset(daemons[0].target, KEYPOINTS,
+                           client_options={"connect_timeout_s": 0.5, "timeout_s": 90})
+        daemons[0].kill()
+        restart.start()
+        loader = DataLoader(ds, batch_size=64, num_workers=2, collate_fn=collate,
+                            multiprocessing_context="fork")
+        served = sum(len(batch["frame_index"]) for batch in loader)
+        return served, len(ds)
+    finally:
+        restart.cancel()
+        if restart.is_alive():
+            restart.join()  # a restart under way: wait for it, so its daemon is stopped too
+        for d in daemons:
+            d.kill()
+
+
+def test_dataloader_workers_wait_for_a_daemon_that_answered_the_dataset(
+        ramp_roots: dict[str, Path], tmp_path: Path) -> None:
+    from tests.support.daemons import isolated
+
+    served, total = isolated(epoch_started_while_the_daemon_is_down, ramp_roots["sharded"],
+                             tmp_path / "later.sock")
+    assert served == total

@@ -204,6 +204,16 @@ def test_stats_command(root: Path, start_daemon: Callable[..., DaemonProcess],
         assert doc["keys"][key] == want[key].as_dict()
     assert "left.obs_keypoints[62]" in done.stdout and "q99" in done.stdout
     assert "[1/5]" in done.stderr
+    # A reader that has gone (`| head` done) before the table: the file is written all the
+    # same, and no traceback.
+    out.unlink()
+    with subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as head:
+        assert head.stdout is not None and head.stderr is not None
+        head.stdout.close()
+        errors = head.stderr.read().decode()
+        assert head.wait(120) == 0, errors
+    assert "Traceback" not in errors and "BrokenPipeError" not in errors, errors
+    assert sorted(json.loads(out.read_text())["keys"]) == sorted(KEYS)
     bad = subprocess.run([*args[:4], d.target, "--keys", ramp.CAMERA_KEY],
                          capture_output=True, text=True, timeout=120, check=False)
     assert bad.returncode == 1 and "InvalidArgument" in bad.stderr

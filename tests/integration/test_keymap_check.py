@@ -101,6 +101,25 @@ def test_the_check_reports_only_jpeg_keys_and_first_missing_key(
     assert plain.problems == () and plain.frame_sizes == {} and plain.episodes_checked == 8
 
 
+def test_a_misspelt_zarr_key_is_answered_with_the_nearest_array(daemon: DaemonProcess) -> None:
+    typo = {"kp": {"zarr_key": "left.obs_keypoint", "key_type": "proprio_keys"}}
+    with Client(daemon.target) as client:
+        check = client.check_keymap(typo)
+        full = client.list_episodes()
+    reasons = {h: reason for h, reason, _ in check.problems}
+    assert reasons["ep003d"] == ("output key 'kp': the episode has no array "
+                                 "'left.obs_keypoint'; did you mean 'left.obs_keypoints'?")
+    assert "did you mean" not in reasons["ep005nokeys"]  # nothing near among its arrays
+    local = survey_of(typo, full)  # the client's own check says the same
+    assert {h: p.reason for h, p in local.missing.items()} == reasons
+    with pytest.raises(errors.KeymapError, match=r"did you mean 'left.obs_keypoints'\?") as info:
+        WindowDataset(daemon.target, typo)
+    # a key no episode has is the keymap's mistake, not one episode's
+    assert str(info.value).startswith(f"no episode of the {len(reasons)} the daemon serves "
+                                      "has the keymap's zarr key 'left.obs_keypoint'"), info
+    assert info.value.key == "left.obs_keypoint"
+
+
 def build_and_count(target: str) -> dict[str, Any]:
     """Build a dataset in a process that never used gRPC; the daemon's counters around it."""
     with warnings.catch_warnings(record=True) as caught:

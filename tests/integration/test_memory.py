@@ -27,6 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from episerve_client import Client, convert, errors
 from episerve_proto.contract import SERVICE_PATH
+from episerve_server.rpc.buffers import HELD_COPIES
 from episerve_tools.launch import DaemonProcess
 from episerve_tools.synth.writer import write_episode
 from tests.support import h2raw, ramp
@@ -225,7 +226,7 @@ PER_READ = 64 * 4 * 200 * (63 + 1) * 4  # 64 samples, 4 outputs, their masks: ~1
 @pytest.fixture
 def slow_daemon(ramp_roots: dict[str, Path], start_daemon: Any) -> DaemonProcess:
     d: DaemonProcess = start_daemon(
-        ramp_roots["sharded"], "--max-buffered-bytes-per-peer", "32MiB", "--max-buffered-bytes",
+        ramp_roots["sharded"], "--max-buffered-bytes-per-peer", "64MiB", "--max-buffered-bytes",
         "128MiB", "--max-connection-age-s", "4", "--grace-s", "1", "--log-level", "ERROR")
     return d
 
@@ -233,8 +234,9 @@ def slow_daemon(ramp_roots: dict[str, Path], start_daemon: Any) -> DaemonProcess
 def test_a_client_that_never_reads_holds_little_and_not_for_long(
         slow_daemon: DaemonProcess) -> None:
     """The stalled client's first reads are served into buffers it never drains; once its
-    share (32 MiB) is taken, every further Read of it is refused on arrival, for as long as
-    it asks. Its connection is recycled after 4 s (+1 s grace) and the buffers let go."""
+    share (64 MiB, each response counted with gRPC's copy of it) is taken, every further Read
+    of it is refused on arrival, for as long as it asks. Its connection is recycled after 4 s
+    (+1 s grace) and the buffers let go."""
     d = slow_daemon
     payload = convert.read_request([("ep003d", f) for f in range(64)], keymap=WIDE)
     asked = 50
@@ -246,7 +248,8 @@ def test_a_client_that_never_reads_holds_little_and_not_for_long(
 
         def wait_buffered(n: int) -> None:
             deadline = time.monotonic() + 10
-            while good.stats()["buffered_bytes"] < n * PER_READ * 0.9 and not stalled.ended:
+            while (good.stats()["buffered_bytes"] < n * PER_READ * HELD_COPIES * 0.9
+                   and not stalled.ended):
                 assert time.monotonic() < deadline
                 time.sleep(0.01)
 
@@ -282,8 +285,8 @@ def test_a_client_that_never_reads_holds_little_and_not_for_long(
           f"health max {max(probe.ms):.1f} ms over {len(probe.ms)} checks "
           f"(the slowest at #{probe.ms.index(max(probe.ms))})")
     assert stalled.data_bytes == 0  # nothing could be sent: the window stayed shut
-    assert 0 < held <= 32 * MiB + PER_READ
-    assert max(buffered) <= 32 * MiB + PER_READ
+    assert 0 < held <= 64 * MiB + PER_READ * HELD_COPIES
+    assert max(buffered) <= 64 * MiB + PER_READ * HELD_COPIES
     assert refused == asked - 2  # every Read after the first two, refused as Overloaded
     assert set(stalled_errors) == {"Overloaded"}
     assert released == 0  # recycled (max connection age + grace): every buffer let go
@@ -298,7 +301,8 @@ KEYPOINTS = {"k": {"zarr_key": "left.obs_keypoints", "key_type": "proprio_keys"}
 
 def test_reads_over_the_total_buffer_limit_are_overloaded_and_say_why(
         ramp_roots: dict[str, Path], start_daemon: Any) -> None:
-    d = start_daemon(ramp_roots["sharded"], "--max-buffered-bytes", "24MiB",
+    # one stalled 13 MB response, counted with gRPC's copy, fits; a second would not
+    d = start_daemon(ramp_roots["sharded"], "--max-buffered-bytes", "40MiB",
                      "--log-level", "ERROR")
     payload = convert.read_request([("ep003d", f) for f in range(64)], keymap=WIDE)
     stalled = Stalled(d.target)
@@ -312,7 +316,7 @@ def test_reads_over_the_total_buffer_limit_are_overloaded_and_say_why(
                 assert time.monotonic() < deadline
                 time.sleep(0.02)
             with pytest.raises(grpc.RpcError) as info:
-                read(payload, timeout=10)  # 13 MB more would pass 24 MiB: refused, with why
+                read(payload, timeout=10)  # 13 MB more would pass 40 MiB: refused, with why
             err = errors.from_rpc_error(info.value)
             assert isinstance(err, errors.Overloaded) and err.transient
             assert "--max-buffered-bytes" in str(err) and "slow clients" in str(err)

@@ -61,7 +61,7 @@ def load(targets: list[str], keymaps: list[dict[str, Any]], concat: bool,
     loader = DataLoader(data, batch_sampler=sampler, num_workers=2, collate_fn=collate)
     batches = [{k: v.numpy() if isinstance(v, torch.Tensor) else v for k, v in b.items()}
                for b in loader]
-    asked = [[subs[s].locate(i) for s, i in map(mix.locate, b)] for b in sampler]
+    asked = [[subs[s].locate(i) for s, i in map(mix.locate, b)] for b in sampler.batches(0)]
     return {"batches": batches, "asked": asked}
 
 

@@ -58,6 +58,8 @@ FLAG_CASES = [
     (["--max-response-bytes", "0"], {}, ("max_response_bytes", ">= 1")),
     (["--max-response-bytes", "256MiB"], {}, ("max_response_bytes", "headroom")),
     (["--grace-s", "nan"], {}, ("grace_s", "finite")),
+    (["--max-connection-age-s", "1e-6"], {}, ("max_connection_age_s", "1e-06", "0 (off)")),
+    ([], {"EPISERVE_MAX_CONNECTION_IDLE_S": "0.01"}, ("max_connection_idle_s", "0.01")),
     (["--store-timeout-s", "-1"], {}, ("store_timeout_s",)),
     (["--port", "many"], {}, ("--port", "invalid int")),
 ]
@@ -158,7 +160,8 @@ def test_json_logs_carry_every_rpc_field_and_standard_tools_get_answers(
     from grpc_health.v1 import health_pb2
     from grpc_reflection.v1alpha import reflection_pb2
 
-    d = start_daemon(ramp_roots["sharded"], "--log-format", "json", unix=True)
+    d = start_daemon(ramp_roots["sharded"], "--log-format", "json", "--log-level", "DEBUG",
+                     unix=True)
     channel = grpc.insecure_channel(d.target)
     listed = channel.unary_unary(
         "/grpc.health.v1.Health/List",
@@ -199,3 +202,6 @@ def test_json_logs_carry_every_rpc_field_and_standard_tools_get_answers(
     assert read["code"] == "OK" and read["batch"] == 3 and read["peer"].startswith("unix")
     assert read["bytes_sent"] > 3 * 4 * 63 and read["duration_ms"] > 0
     assert f"batch=3 sent={read['bytes_sent']}B" in read["msg"]
+    [summary] = [r for r in records if "by_method" in r]  # written at the stop
+    assert summary["level"] == "INFO" and summary["by_method"]["Read"] == {"OK": 1}
+    assert summary["samples"] == 3 and summary["bytes_sent"] >= read["bytes_sent"]

@@ -347,6 +347,8 @@ class Health:
     polls: int = 0
     failures: int = 0
     first_failure: str = ""
+    p50_ms: float = 0.0  # the median and the 99th percentile of the polls' latencies
+    p99_ms: float = 0.0
 
 
 class HealthPoller:
@@ -398,6 +400,7 @@ def _poll(target: str, interval_s: float, timeout_s: float) -> None:
 
     lock = threading.Lock()
     state = Health()
+    latencies: list[float] = []
     stop = threading.Event()
     channel = grpc.insecure_channel(target)
     check = health_pb2_grpc.HealthStub(channel).Check
@@ -418,6 +421,7 @@ def _poll(target: str, interval_s: float, timeout_s: float) -> None:
             with lock:
                 state.polls += 1
                 state.worst_ms = max(state.worst_ms, ms)
+                latencies.append(ms)
                 if error:
                     state.failures += 1
                     state.first_failure = state.first_failure or error
@@ -431,8 +435,13 @@ def _poll(target: str, interval_s: float, timeout_s: float) -> None:
             reply: dict[str, Any] = {"ready": True}
         elif command == "mark":
             with lock:
+                ordered = sorted(latencies)
+                if ordered:
+                    state.p50_ms = ordered[len(ordered) // 2]
+                    state.p99_ms = ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
                 reply = dict(state.__dict__)
                 state = Health()
+                latencies.clear()
         else:
             break
         sys.stdout.write(json.dumps(reply) + "\n")

@@ -68,3 +68,16 @@ def test_subcommand_help_exits_0() -> None:
                               capture_output=True, text=True, timeout=60, check=False)
         assert done.returncode == 0, done.stderr
         assert "--" in done.stdout and "usage: episerve" in done.stdout
+
+
+def test_serve_help_gives_every_default() -> None:
+    from episerve_server.config import ServerConfig, _parser
+
+    defaults = {f.name: f.default for f in fields(ServerConfig)}
+    helps = {a.dest: a.help for a in _parser()._actions if a.help not in (None, argparse.SUPPRESS)}
+    assert "(default 2GiB)" in helps["cache_bytes"]
+    assert "(default 512MiB)" in helps["stats_cache_bytes"]
+    assert "(default 64KiB)" in helps["max_keymap_bytes"]
+    for dest, text in helps.items():
+        if defaults.get(dest) not in (None, "", ()):
+            assert "(default" in text, (dest, text)

@@ -142,6 +142,17 @@ def test_merge_results_restores_request_order() -> None:
     assert [merged.frames[source][k] for k in index] == [b"p10", b"q11", b"p12", b"q13", b"q14"]
 
 
+def test_merging_parts_that_disagree_is_data_loss_not_a_raw_error() -> None:
+    wide = _result(["b"], [11], "q")
+    wide.arrays["x"] = np.zeros((1, 5), np.float32)  # the other part's rows have 1 value
+    with pytest.raises(errors.DataLossError, match="same columns or shapes"):
+        merge_results([([0], _result(["a"], [10], "p")), ([1], wide)], 2)
+    lacking = _result(["b"], [11], "q")
+    del lacking.texts["t"]
+    with pytest.raises(errors.DataLossError, match="same columns or shapes"):
+        merge_results([([0], _result(["a"], [10], "p")), ([1], lacking)], 2)
+
+
 def test_read_flow_fails_over_and_retries_only_transient_errors() -> None:
     client = BaseClient(["a:1", "b:1"], timeout_s=5)
     first, second = client.router.order("ep1")

@@ -169,3 +169,21 @@ def test_defaults_are_valid_and_documented() -> None:
     help_text = _parser().format_help()
     assert "127.0.0.1" in help_text.split("--metrics-host METRICS_HOST")[-1][:200]
     assert "(default 600)" in help_text and "(default 300)" in help_text
+
+
+@pytest.mark.parametrize("name", ["max_connection_age_s", "max_connection_idle_s"])
+@pytest.mark.parametrize("value", ["1e-6", "0.0004", "0.5", "2147484", "1e12"])
+def test_connection_timers_grpc_cannot_honour_are_refused(name: str, value: str) -> None:
+    """gRPC takes these in whole milliseconds (an int32): 1e-6 s became 0 ms and made every
+    connection go away at once; below a second clients spend their time reconnecting."""
+    with pytest.raises(ValueError, match=f"{name} must be 0 .off. or between 1 and") as info:
+        ServerConfig.from_args(["r", f"--{name.replace('_', '-')}={value}"], {})
+    assert value in str(info.value) or repr(float(value)) in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("value", ["0", "1", "600", "2147483"])
+def test_connection_timers_grpc_can_honour_are_kept(value: str) -> None:
+    config = ServerConfig.from_args(["r", "--max-connection-age-s", value,
+                                     "--max-connection-idle-s", value], {})
+    assert config.max_connection_age_s == config.max_connection_idle_s == float(value)

@@ -169,3 +169,17 @@ def test_failed_reads_are_counted_by_code() -> None:
     tally, _ = _phase(clients, _plan(), 0.2, Budget(0), 5.0)
     assert tally.codes["RESOURCE_EXHAUSTED"] > 0 and tally.codes["OK"] > 0
     assert len(tally.latencies_ms) == tally.codes["OK"]  # latency of successful reads only
+
+
+def test_the_last_progress_line_gives_the_summary_figures(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    clients = [FakeClient(0.004) for _ in range(3)]
+    tally, elapsed = _phase(clients, _plan(batch=2, progress=True), 1.3, Budget(0), 5.0)
+    lines = capsys.readouterr().err.strip().splitlines()
+    summary = loadtest.summarize(tally, elapsed, None)
+    assert len(lines) >= 2 and all("whole phase" not in line for line in lines[:-1])
+    last = lines[-1]
+    assert "whole phase" in last, lines
+    assert f"done in {summary['elapsed_s']:.1f}s] {summary['rpc_per_s']:,.1f} RPC/s " in last
+    assert f"{summary['samples_per_s']:,.0f} samples/s" in last
+    assert f"reads {summary['reads']:,}  failed 0" in last

@@ -3,12 +3,16 @@ determinism, ranks, and how batches of several sub-datasets are put together."""
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from typing import Any
 
 import numpy as np
 import pytest
+import torch
+from torch.utils.data import DataLoader
 
+from episerve_client import collate
 from episerve_client.data.batch import SampleBatch
 from episerve_client.data.mixture import MixtureDataset, WeightedMixtureSampler
 from episerve_client.errors import InvalidArgument
@@ -86,9 +90,9 @@ def test_sampler_is_deterministic_and_weighted() -> None:
     s = WeightedMixtureSampler(mix, [3, 1], batch_size=8, num_samples=80, seed=4)
     first = list(s)
     assert len(first) == len(s) == 10 and all(len(b) == 8 for b in first)
+    assert list(s) != first  # the next iteration is the next epoch
+    s.set_epoch(0)
     assert list(s) == first
-    s.set_epoch(1)
-    assert list(s) != first
     flat = [g for b in first for g in b]
     per_source = Counter(mix.locate(g)[0] for g in flat)
     assert per_source == {0: 60, 1: 20}
@@ -120,9 +124,10 @@ def test_ranks_split_the_same_batches() -> None:
                                   num_replicas=1)
     ranks = [WeightedMixtureSampler(mix, [1, 1], batch_size=4, num_samples=50, rank=r,
                                     num_replicas=3) for r in range(3)]
-    assert [len(r) for r in ranks] == [4, 4, 4]  # 13 batches: the 13th is dropped
+    assert [len(r) for r in ranks] == [5, 5, 5]  # 13 batches: the last round is padded
     every = full.batches(0)
-    assert [b for r in ranks for b in r] == [b for r in range(3) for b in every[r:12:3]]
+    padded = every + every[:2]
+    assert [b for r in ranks for b in r] == [b for r in range(3) for b in padded[r::3]]
 
 
 def test_drop_last() -> None:
@@ -144,3 +149,107 @@ def test_bad_weights(weights: list[float], says: str) -> None:
         WeightedMixtureSampler(mix, [1, 1], batch_size=2, rank=2, num_replicas=2)
     with pytest.raises(InvalidArgument, match="at least one dataset"):
         MixtureDataset([])
+
+
+def test_every_batch_of_an_epoch_is_served_across_ranks() -> None:
+    # 64 samples in batches of 16 on 3 ranks: 4 batches, one more than the ranks.
+    mix = MixtureDataset([range(40), range(40)])
+    ranks = [WeightedMixtureSampler(mix, [1, 1], batch_size=16, num_samples=64, rank=r,
+                                    num_replicas=3) for r in range(3)]
+    every = ranks[0].batches(0)
+    served = [b for r in ranks for b in r]
+    assert [len(r) for r in ranks] == [2, 2, 2]
+    real = [list(b) for b in served if not b.pad]
+    assert sorted(map(tuple, real)) == sorted(map(tuple, every))  # all 64 samples, once
+    pads = [b for b in served if b.pad]
+    assert [list(b) for b in pads] == every[:2] and all(b.pad == 16 for b in pads)
+
+
+def _take(sampler: WeightedMixtureSampler, count: int | None) -> list[list[int]]:
+    it = iter(sampler)
+    return [list(b) for b in it] if count is None else [list(next(it)) for _ in range(count)]
+
+
+@pytest.mark.parametrize("count", [None, 5, 2])
+def test_each_iteration_of_a_mixture_is_a_new_epoch(count: int | None) -> None:
+    mix = MixtureDataset([range(30), range(50)])
+    s = WeightedMixtureSampler(mix, [1, 2], batch_size=8, num_samples=40, seed=3)
+    assert len(s) == 5
+    orders = [_take(s, count) for _ in range(3)]
+    assert orders[0] != orders[1] != orders[2] != orders[0]
+    for epoch, order in enumerate(orders):
+        assert order == s.batches(epoch)[: len(order)]
+    s.set_epoch(1)  # set_epoch still chooses
+    assert _take(s, None) == s.batches(1)
+
+
+@pytest.mark.parametrize(("world", "resumed_world"), [(2, 3), (3, 1), (1, 2)])
+def test_a_mixture_resumes_mid_epoch_on_another_world_size(world: int,
+                                                           resumed_world: int) -> None:
+    mix = MixtureDataset([range(30), range(50)])
+
+    def sampler(rank: int, replicas: int) -> WeightedMixtureSampler:
+        return WeightedMixtureSampler(mix, [1, 2], batch_size=4, num_samples=70, seed=8,
+                                      rank=rank, num_replicas=replicas)
+
+    first = [sampler(r, world) for r in range(world)]
+    before = []
+    for s in first:
+        s.set_epoch(2)
+        before += [list(b) for b in _take(s, 3)]
+    state = first[0].state_dict(steps=3)
+    assert (state["epoch"], state["consumed"]) == (2, 3 * world)
+    after = []
+    for r in range(resumed_world):
+        s = sampler(r, resumed_world)
+        s.load_state_dict(json.loads(json.dumps(state)))  # as a checkpoint stores it
+        after += [list(b) for b in s if not b.pad]
+        assert s.epoch == 3
+    assert sorted(map(tuple, before + after)) == sorted(map(tuple, first[0].batches(2)))
+
+
+def test_a_mixture_state_is_checked() -> None:
+    mix = MixtureDataset([range(30), range(50)])
+    s = WeightedMixtureSampler(mix, [1, 2], batch_size=4, num_samples=70)
+    state = s.state_dict()
+    with pytest.raises(InvalidArgument, match=r"format is 'episerve.sampler/1'"):
+        s.load_state_dict({**state, "format": "episerve.sampler/1"})
+    with pytest.raises(InvalidArgument, match=r"has batch_size 8, this sampler 4"):
+        s.load_state_dict({**state, "batch_size": 8})
+    with pytest.raises(InvalidArgument, match=r"weights \[0.5, 0.5\]"):
+        s.load_state_dict({**state, "weights": [0.5, 0.5]})
+    with pytest.raises(InvalidArgument, match=r"consumed must be an int in \[0, 18\], got 99"):
+        s.load_state_dict({**state, "consumed": 99})
+    with pytest.raises(InvalidArgument, match=r"epoch must be an int .* got -2"):
+        s.load_state_dict({**state, "epoch": -2})
+    with pytest.raises(InvalidArgument, match=r"num_samples must be an integer in \[1, "):
+        WeightedMixtureSampler(mix, [1, 1], batch_size=4, num_samples=10**13)
+
+
+class Keyed(Recording):
+    def __init__(self, name: str, n: int, keys: list[str]) -> None:
+        super().__init__(name, n)
+        self.keymap = {k: {"zarr_key": k} for k in keys}
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {k: torch.zeros(2) for k in self.keymap}
+
+
+def test_keymaps_with_other_keys_need_batch_by_source() -> None:
+    mix = MixtureDataset([Keyed("a", 10, ["obs"]), Keyed("b", 10, ["head"])])
+    with pytest.raises(InvalidArgument, match=r"datasets 0 and 1 .* \(\['obs'\] and \['head'\]"
+                                              r".* batch_by_source=True"):
+        WeightedMixtureSampler(mix, [1, 1], batch_size=4)
+    per_source = WeightedMixtureSampler(mix, [1, 1], batch_size=4, batch_by_source=True)
+    batches = list(DataLoader(mix, batch_sampler=per_source, collate_fn=collate))
+    assert len(batches) == 5 and all(len(b) == 1 for b in batches)
+    # Collating them together anyway names the keys instead of a bare KeyError.
+    with pytest.raises(InvalidArgument, match=r"sample 1 of the batch has keys \['head'\]"):
+        collate(mix.__getitems__([0, 10]))
+
+
+def test_negative_indices_count_from_the_end() -> None:
+    mix = MixtureDataset([Recording("a", 3), Recording("b", 4)])
+    assert mix[-1] == {"src": "b", "i": 3} and mix[-7] == {"src": "a", "i": 0}
+    with pytest.raises(IndexError, match=r"index -8 is outside the 7 samples"):
+        mix[-8]

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import socket
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from episerve_client import errors
@@ -145,9 +147,11 @@ def test_a_transient_failure_asks_again_next_time() -> None:
 
 
 def test_reachable_needs_a_socket_here(sockets: list[str], tmp_path: Path) -> None:
-    assert reachable(sockets[0]) and reachable("unix:" + sockets[0].removeprefix("unix://"))
-    assert not reachable(f"unix://{tmp_path}/none.sock")
-    assert reachable("127.0.0.1:5")
+    mine = {os.getuid()}
+    assert reachable(sockets[0], mine)
+    assert reachable("unix:" + sockets[0].removeprefix("unix://"), mine)
+    assert not reachable(f"unix://{tmp_path}/none.sock", mine)
+    assert reachable("127.0.0.1:5", mine)
 
 
 def test_calls_to_workers_do_not_wait_for_ready(sockets: list[str]) -> None:
@@ -185,6 +189,36 @@ def test_split_read_of_one_owner_forwards_the_request_as_it_is() -> None:
     data = pb.ReadRequest(keymap_id="km", episodes=["a", "b"], frames=[0, 1]).SerializeToString()
     limits = convert.Limits.of(ServerConfig())
     assert convert.split_read(data, lambda e: 1, limits) == [(1, [0, 1], data)]
+
+
+def test_the_fronts_limits_on_a_forwarded_read() -> None:
+    req = pb.ReadRequest(keymap_id="km", episodes=["a"], frames=[3], all_masks=True)
+    assert convert.response_limit(req.SerializeToString(), 1000) == 1000  # 0: the daemon's
+    req.max_response_bytes = 200
+    assert convert.response_limit(req.SerializeToString(), 1000) == 200
+    assert convert.response_limit(req.SerializeToString(), 100) == 100
+    for share, want in ((500, 500), (0, 1)):  # never 0, which would mean "no limit"
+        sub = pb.ReadRequest.FromString(convert.limited_read(req.SerializeToString(), share))
+        assert sub.max_response_bytes == want
+        assert (sub.keymap_id, list(sub.episodes), list(sub.frames), sub.all_masks) \
+            == ("km", ["a"], [3], True)
+
+
+def test_merge_read_responses_puts_rows_back_in_request_order() -> None:
+    def part(rows: list[int]) -> bytes:
+        values = np.array([[r, r + 0.5] for r in rows], "<f4")
+        msg = pb.ReadResponse(episodes=[f"e{r}" for r in rows], frame_index=rows,
+                              fps=[30.0] * len(rows), embodiments=["x"] * len(rows))
+        msg.arrays.add(name="k", dtype="<f4", shape=values.shape, data=values.tobytes())
+        return msg.SerializeToString()  # type: ignore[no-any-return]
+
+    merged = pb.ReadResponse.FromString(convert.merge_read_responses(
+        [([0, 2, 3], part([0, 2, 3])), ([1, 4], part([1, 4]))], 5))
+    assert list(merged.frame_index) == [0, 1, 2, 3, 4]
+    assert list(merged.episodes) == [f"e{r}" for r in range(5)]
+    [k] = merged.arrays
+    values = np.frombuffer(k.data, "<f4").reshape(tuple(k.shape))
+    assert values.tolist() == [[r, r + 0.5] for r in range(5)]
 
 
 def test_merge_stats_sums_counters_and_keeps_shared_gauges() -> None:

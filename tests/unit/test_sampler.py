@@ -240,10 +240,12 @@ def test_plain_dataloader_resume_skips_what_was_trained_on() -> None:
     assert state["consumed"] == 5 * 16 and state["epoch"] == 2
     resumed = WindowSampler(m, 16, seed=9)
     resumed.load_state_dict(state)
-    assert len(resumed) == -(-(len(m) - 80) // 16)
+    assert len(resumed) == -(-len(m) // 16)  # an epoch's batches; this iteration yields the rest
     loader = DataLoader(Echo(len(m)), batch_sampler=resumed, num_workers=2,
                         collate_fn=_collate, multiprocessing_context="fork")
-    trained += [g for got in loader for g in got["indices"]]
+    rest = [got["indices"] for got in loader]
+    assert len(rest) == -(-(len(m) - 80) // 16)
+    trained += [g for got in rest for g in got]
     assert sorted(trained) == list(range(len(m)))
     # The iteration ran to its end: the next epoch starts at its beginning, set_epoch or not.
     assert resumed.epoch == 3 and resumed.state_dict()["consumed"] == 0
@@ -281,9 +283,9 @@ def test_resuming_another_manifest_or_seed_is_refused() -> None:
         WindowSampler(m, 8, seed=1, locality=2).load_state_dict(state)
     with pytest.raises(InvalidArgument, match=r"format is None"):
         WindowSampler(m, 8).load_state_dict({"epoch": 0})
-    with pytest.raises(InvalidArgument, match=r"consumed must be an int >= 0, got -1"):
+    with pytest.raises(InvalidArgument, match=r"consumed must be an int in \[0, 150\], got -1"):
         WindowSampler(m, 8, seed=1).load_state_dict({**state, "consumed": -1})
-    with pytest.raises(InvalidArgument, match=r"consumed 151 is past"):
+    with pytest.raises(InvalidArgument, match=r"consumed must be an int in \[0, 150\], got 151"):
         WindowSampler(m, 8, seed=1).load_state_dict({**state, "consumed": 151})
 
 
@@ -328,3 +330,91 @@ def test_an_epoch_run_to_its_end_moves_to_the_next() -> None:
     batches = list(it)
     assert it.state_dict(steps=len(batches) - 1)["consumed"] == (len(batches) - 1) * 8
     assert (it.state_dict(steps=len(batches))["epoch"], it.state_dict()["consumed"]) == (1, 0)
+
+
+def _take(sampler: Any, count: int) -> list[list[int]]:
+    """The first ``count`` batches of a new iteration, the iteration then left as it is."""
+    it = iter(sampler)
+    return [list(next(it)) for _ in range(count)]
+
+
+@pytest.mark.parametrize("taken", ["len", "fewer", "all"])
+def test_each_iteration_is_a_new_epoch_however_it_ended(taken: str) -> None:
+    # Lightning stops after len() batches without asking for one more; limit_train_batches
+    # stops earlier; a plain loop runs to the end. Each new iteration is the next epoch.
+    m = manifest_of([64, 30])
+    s = WindowSampler(m, 8, seed=1)
+    orders = []
+    for epoch in range(3):
+        count = {"len": len(s), "fewer": 2, "all": None}[taken]
+        batches = [list(b) for b in s] if count is None else _take(s, count)
+        orders.append(batches)
+        fresh = WindowSampler(m, 8, seed=1)
+        fresh.set_epoch(epoch)
+        assert batches == [list(b) for b in fresh][: len(batches)]
+    assert orders[0] != orders[1] != orders[2] != orders[0]
+
+
+def test_an_iterator_never_asked_for_a_batch_moves_nothing() -> None:
+    m = manifest_of([40])
+    s = WindowSampler(m, 8, seed=3)
+    iter(s)  # a DataLoader makes such iterators (and drops them) when it starts workers
+    iter(s)
+    assert [b.epoch for b in s] == [0] * 5
+    iter(s)
+    assert next(iter(s)).epoch == 1
+
+
+def test_set_epoch_wins_and_a_loaded_state_resumes() -> None:
+    m = manifest_of([64])
+    s = WindowSampler(m, 8, seed=1)
+    _take(s, 2)
+    s.set_epoch(7)
+    assert {b.epoch for b in s} == {7}
+    s.set_epoch(7)  # the same epoch again, after it ran: it is chosen, not advanced past
+    assert {b.epoch for b in s} == {7}
+    state = WindowSampler(m, 8, seed=1).state_dict()
+    s.load_state_dict({**state, "epoch": 3, "consumed": 16})
+    s.set_epoch(3)  # the epoch loaded: it keeps the resume point
+    assert [b.position for b in s] == list(range(16, 64, 8))
+    assert next(iter(s)).epoch == 4
+
+
+def test_prefetching_workers_and_a_loop_that_stops_at_len_still_reshuffle() -> None:
+    m = manifest_of([100, 28])
+    sampler = WindowSampler(m, 16, seed=2)
+    loader = DataLoader(Echo(len(m)), batch_sampler=sampler, num_workers=2,
+                        collate_fn=_collate, multiprocessing_context="fork",
+                        persistent_workers=True)
+    epochs = []
+    for _ in range(3):
+        got = []
+        for step, batch in enumerate(loader, start=1):
+            got.append(batch)
+            if step == len(loader):  # stop as Lightning does: never ask for one more
+                break
+        epochs.append([g["epoch"] for g in got])
+        assert sorted(i for g in got for i in g["indices"]) == list(range(len(m)))
+    assert epochs == [[e] * len(loader) for e in range(3)]
+
+
+@pytest.mark.parametrize(("change", "says"), [
+    ({"epoch": 2**40}, r"epoch must be an int in \[0, 4294967295\], got 1099511627776"),
+    ({"epoch": "3"}, r"epoch must be an int .* got '3'"),
+    ({"consumed": 10**18}, r"consumed must be an int in \[0, 150\], got 1000000000000000000"),
+    ({"consumed": -1}, r"consumed must be an int in \[0, 150\], got -1"),
+    ({"total": 10**12}, r"total 1000000000000, this sampler 150"),
+])
+def test_a_loaded_state_is_bounded_and_named(change: dict[str, Any], says: str) -> None:
+    m = manifest_of([100, 50])
+    state = WindowSampler(m, 8, seed=1).state_dict()
+    s = WindowSampler(m, 8, seed=1)
+    with pytest.raises(InvalidArgument, match=says):
+        s.load_state_dict({**state, **change})
+    assert (s.epoch, len(s)) == (0, 19)  # nothing was changed
+
+
+def test_a_manifest_too_large_to_order_is_refused_before_anything_is_allocated() -> None:
+    huge = Manifest.of([("ep0", 10**12)])
+    with pytest.raises(InvalidArgument, match=r"holds 1000000000000 samples, more than"):
+        WindowSampler(huge, 8)

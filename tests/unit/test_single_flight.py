@@ -13,6 +13,7 @@ from episerve_server.config import ServerConfig
 from episerve_server.core.keymap import Keymap
 from episerve_server.plan.planner import ReadOptions
 from episerve_server.storage.latency import LatencyStore
+from episerve_server.wiring import build_read_core
 from tests.support import ramp
 
 KEYPOINTS = Keymap.parse({"k": {"zarr_key": "left.obs_keypoints", "key_type": "proprio_keys"}})
@@ -100,3 +101,51 @@ def test_hint_and_preload_settings() -> None:
         ServerConfig.from_args(["--preload", "everything"], {})
     with pytest.raises(ValueError, match="preload"):
         ServerConfig.from_args([], {"EPISERVE_PRELOAD": "camera"})
+
+
+LONG_HEAD = Keymap.parse({"h": {"zarr_key": "obs_head_pose", "key_type": "proprio_keys",
+                                "history": 1000}})
+
+
+def test_hints_are_admitted_against_budgets_then_planned_in_slices(
+        ramp_roots: dict[str, Path], run: Any) -> None:
+    """A hint of 2,000 samples of 1,000-row windows is 2M window rows to plan: admitted
+    (its 56 MB response is within the 64 MiB limit), four of them fill one connection's
+    budget (the fifth is dropped and counted), another connection still gets in; the
+    total budget caps every connection together; and what was admitted is planned and
+    fetched, its budget given back."""
+    core = build_read_core(ServerConfig(root=str(ramp_roots["sharded"]),
+                                        cache_bytes=256 << 20))
+    run(core.catalog.scan())
+    bg, stats = core.background, core.stats
+    samples = [("ep003d", f % 257) for f in range(2000)]
+    cells = 2000 * 1000
+    assert cells * 4 <= bg.peer_cells < cells * 5
+
+    async def hint_all() -> None:
+        for _ in range(5):
+            bg.hint(LONG_HEAD, samples, "peer-a")
+        assert stats.prefetch_over_budget == 2000
+        bg.hint(LONG_HEAD, samples, "peer-b")
+        assert bg.queued == 5 and bg.queued_cells == 5 * cells
+        bg.total_cells = 5 * cells  # every connection together: full now
+        bg.hint(LONG_HEAD, samples[:10], "peer-c")
+        assert stats.prefetch_over_budget == 2010
+        wide = Keymap.parse({"k": {"zarr_key": KP, "key_type": "proprio_keys",
+                                   "history": 1000}})
+        bg.total_cells = 1 << 40
+        bg.hint(wide, samples, "peer-d")  # 2000 x 1000 x 63 floats: over the response limit
+        assert stats.prefetch_over_budget == 4010
+        assert bg.queued == 5
+        for _ in range(2000):
+            if bg.queued_cells == 0 and bg.in_flight_bytes == 0:
+                break
+            await asyncio.sleep(0.005)
+        assert bg._worker is not None
+        bg._worker.cancel()
+        await asyncio.sleep(0)
+
+    run(hint_all())
+    assert bg.queued_cells == 0 and not bg._peer_cells
+    assert stats.prefetch_chunks > 0
+    assert stats.prefetch_dropped == 4010

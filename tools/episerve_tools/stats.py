@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -78,9 +79,13 @@ def main(argv: Sequence[str]) -> int:
     except EpiserveError as exc:
         print(f"\nepiserve stats: {type(exc).__name__}: {exc.message}", file=sys.stderr)
         return 1
-    table(stats, sys.stdout)
-    if args.json_out:
+    if args.json_out:  # first: a reader that closes the table early loses nothing
         doc = {"target": args.target, "keys": {k: s.as_dict() for k, s in stats.items()}}
         Path(args.json_out).write_text(json.dumps(doc, indent=1) + "\n")
         print(f"wrote {args.json_out}", file=sys.stderr)
+    try:
+        table(stats, sys.stdout)
+        sys.stdout.flush()
+    except BrokenPipeError:  # `episerve stats ... | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
     return 0

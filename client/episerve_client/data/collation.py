@@ -9,6 +9,7 @@ import torch
 from torch.utils.data import default_collate
 
 from episerve_client.data.batch import SampleBatch
+from episerve_client.errors import InvalidArgument
 
 
 def collate(batch: Sequence[dict[str, Any]] | SampleBatch) -> dict[str, Any]:
@@ -22,8 +23,15 @@ def collate(batch: Sequence[dict[str, Any]] | SampleBatch) -> dict[str, Any]:
         return batch.columns()
     if not batch:
         return {}
+    keys = batch[0].keys()
+    for i, sample in enumerate(batch):
+        if sample.keys() != keys:
+            raise InvalidArgument(
+                f"collate: sample {i} of the batch has keys {sorted(sample)!r}, sample 0 "
+                f"{sorted(keys)!r}: samples of different keymaps cannot share a batch (with a "
+                "WeightedMixtureSampler, pass batch_by_source=True)")
     out: dict[str, Any] = {}
-    for key in batch[0]:
+    for key in keys:
         values = [sample[key] for sample in batch]
         first = values[0]
         if isinstance(first, str | list | bytes):

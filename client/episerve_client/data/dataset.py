@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import random
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -18,7 +19,12 @@ from episerve_client.data import ranks
 from episerve_client.data.batch import SampleBatch
 from episerve_client.data.episodes import ON_BROKEN, as_manifest, explicit, whole_root
 from episerve_client.data.frames import FRAME_MODES
-from episerve_client.data.jpeg import FrameCheck, FrameSizeMismatch, decode_column
+from episerve_client.data.jpeg import (
+    DEFAULT_MAX_DECODED_BYTES,
+    FrameCheck,
+    FrameSizeMismatch,
+    decode_column,
+)
 from episerve_client.data.manifest import Manifest
 from episerve_client.data.shared import adopt_segment
 from episerve_client.errors import (
@@ -55,13 +61,18 @@ class WindowDataset(Dataset[dict[str, Any]]):
     - ``on_broken``: over the whole root, episodes that cannot serve the keymap (broken, a
       short array, a missing key) are skipped with one warning naming each (``"skip"``) or
       raise (``"error"``). Episodes named by ``episodes=`` or a manifest must all be served.
+    - ``max_decoded_bytes``: the most one camera output of a batch may decode to (its
+      [B, (W,) 3, H, W] array and its distinct frames), checked from the JPEG headers
+      before anything is decoded; over it, the batch raises ``DecodedTooLarge`` (a
+      ``DataLossError``). Default 4 GiB.
     - ``sync_ranks``: with a default process group initialized and neither ``episodes`` nor
       ``manifest`` given, rank 0 lists the daemon and every rank builds on rank 0's manifest
       (``torch.distributed.broadcast_object_list``: a collective, so every rank must build
       the dataset; with NCCL set the rank's CUDA device first). ``False`` lists per rank.
-    - ``transport``: how workers read (``Client``'s ``transport``): ``"auto"`` uses the
-      daemon's local shared-memory plane for a unix-socket daemon of this host that offers
-      it (no gRPC in the workers then), gRPC otherwise; ``"local"``/``"grpc"`` force one.
+    - ``transport``: how workers read (``Client``'s ``transport``): ``"grpc"`` (the
+      default, for now); ``"auto"`` uses the daemon's local shared-memory plane for a
+      unix-socket daemon of this host that offers it (no gRPC in the workers then), gRPC
+      otherwise; ``"local"`` forces the plane.
     """
 
     def __init__(self, target: str | Sequence[str], keymap: KeymapLike, *,
@@ -72,7 +83,9 @@ class WindowDataset(Dataset[dict[str, Any]]):
                  client_options: Mapping[str, Any] | None = None,
                  frames: str = "float32", masks: str = "spec",
                  manifest: Manifest | str | Path | None = None, on_broken: str = "skip",
-                 sync_ranks: bool = True, transport: str = "auto") -> None:
+                 sync_ranks: bool = True,
+                 max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES,
+                 transport: str = "grpc") -> None:
         _choice("frames", frames, FRAME_MODES)
         _choice("transport", transport, TRANSPORTS)
         _choice("masks", masks, MASK_MODES)
@@ -89,6 +102,11 @@ class WindowDataset(Dataset[dict[str, Any]]):
         self.client_options = dict(client_options or {})
         self.transport = transport
         self.frames, self.masks, self.on_broken = frames, masks, on_broken
+        if isinstance(max_decoded_bytes, bool) or not isinstance(max_decoded_bytes, int) \
+                or max_decoded_bytes < 1:
+            raise InvalidArgument(f"max_decoded_bytes must be a positive int, got "
+                                  f"{max_decoded_bytes!r}")
+        self.max_decoded_bytes = max_decoded_bytes
         self._client: Client | None = None
         self._timeout_s = connect_timeout_s
         # Filled by the probe: the frame size each episode declares per camera zarr key, and
@@ -179,7 +197,8 @@ class WindowDataset(Dataset[dict[str, Any]]):
         return len(self.manifest)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        return self.__getitems__([index])[0]
+        """Sample ``index``; a negative one counts from the end, as in a Python sequence."""
+        return self.__getitems__([sequence_index(index, len(self))])[0]
 
     def __getitems__(self, indices: Sequence[int]) -> SampleBatch | list[dict[str, Any]]:
         samples = [self.locate(int(g)) for g in indices]
@@ -211,6 +230,10 @@ class WindowDataset(Dataset[dict[str, Any]]):
                                   **self.client_options)
             if get_worker_info() is not None:  # batches go to the main process as handles
                 self._client.adopt_segment = adopt_segment
+            # Building the dataset talked to the daemon: in every process (a DataLoader
+            # worker too) a daemon that does not answer is restarting, so calls wait for
+            # it until their deadline instead of failing as a wrong target would.
+            self._client.answered.update(self._client.targets)
         return self._client
 
     def stats(self, keys: Sequence[str] | None = None, *,
@@ -291,7 +314,8 @@ class WindowDataset(Dataset[dict[str, Any]]):
             check = FrameCheck(source, result.episodes, result.frame_index.tolist(), {
                 e: declared.get(e) for e in set(result.episodes)})
             try:
-                decoded, bad = decode_column(frames, index, check, self._frame_dtype)
+                decoded, bad = decode_column(frames, index, check, self._frame_dtype,
+                                             self.max_decoded_bytes)
             except FrameSizeMismatch as exc:
                 episode = result.episodes[exc.position]
                 raise InvalidArgument(
@@ -333,6 +357,15 @@ class WindowDataset(Dataset[dict[str, Any]]):
                 f"episode {episode!r}: embodiment {b!r} is not in embodiment_ids "
                 f"{sorted(self.embodiment_ids)!r}", episode=episode,
             ) from exc
+
+
+def sequence_index(index: int, n: int) -> int:
+    """``index`` into ``n`` samples as a Python sequence takes it: ``-1`` is the last one."""
+    i = operator.index(index)
+    if not -n <= i < n:
+        raise IndexError(f"index {index!r} is outside the {n} samples "
+                         f"(valid: {-n} to {n - 1})")
+    return i + n if i < 0 else i
 
 
 def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:

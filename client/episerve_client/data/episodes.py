@@ -17,7 +17,13 @@ from pathlib import Path
 from episerve_client._probe import Problem, Survey
 from episerve_client.convert import EpisodeInfo
 from episerve_client.data.manifest import Manifest
-from episerve_client.errors import EpisodeNotFound, FailedPrecondition, InvalidArgument
+from episerve_client.errors import (
+    EpiserveError,
+    EpisodeNotFound,
+    FailedPrecondition,
+    InvalidArgument,
+    KeymapError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -43,14 +49,30 @@ def whole_root(survey: Survey, on_broken: str, target: object) -> list[EpisodeIn
     """Every episode the daemon lists that can serve the keymap, by hash."""
     problems = survey.problems()
     served = [e for e in survey.episodes if e.hash not in problems]
-    if problems and (on_broken == "error" or not served):
-        # Nothing left to serve: the first problem says why (a keymap typo names its key).
+    if problems and not served:
+        raise _nothing_served(problems)
+    if problems and on_broken == "error":
         raise next(iter(problems.values())).error()
     if not served:
         raise EpisodeNotFound(f"the daemon at {target!r} serves no episodes to read")
     if problems:
         _warn(problems, len(survey.episodes) + len(survey.broken))
     return sorted(served, key=lambda e: e.hash)
+
+
+def _nothing_served(problems: Mapping[str, Problem]) -> EpiserveError:
+    """Every episode has a problem: a zarr key that all of them lack is a keymap mistake
+    (named as such, with the first episode's reason, which carries the "did you mean"),
+    not a property of one episode."""
+    lacking = [p for p in problems.values() if p.key]
+    keys = {p.key for p in lacking}
+    if len(keys) == 1:
+        first, broken = lacking[0], len(problems) - len(lacking)
+        return KeymapError(f"no episode of the {len(lacking)} the daemon serves has the "
+                           f"keymap's zarr key {first.key!r}"
+                           f"{f' ({broken} more are broken)' if broken else ''}; "
+                           f"episode {first.episode!r}: {first.reason}", key=first.key)
+    return next(iter(problems.values())).error()
 
 
 def explicit(survey: Survey, wanted: Sequence[str],

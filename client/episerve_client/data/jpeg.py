@@ -7,13 +7,15 @@ are far larger than declared costs a header parse, never the decoded frame.
 
 from __future__ import annotations
 
+import math
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import simplejpeg
 
-from episerve_proto.errors import DataLossError
+from episerve_proto.errors import DataLossError, shown
 
 # Camera values are ``uint8 / float32(255)`` (SPEC section 2): bit for bit what the EgoVerse
 # loader gives. Multiplying by ``float32(1 / 255)`` instead differs by one ulp on about half
@@ -22,8 +24,30 @@ _DIVISOR = np.float32(255.0)
 #: The most pixels a frame may have when its episode declares no size for the key (8K UHD
 #: fits), and the most a declared size may ask for.
 MAX_FRAME_PIXELS = 2**25
+#: The most bytes one camera output of a batch may decode to (its output array and its
+#: distinct decoded frames): 256 samples of two 480x640 frames as float32 take ~1.9 GB.
+DEFAULT_MAX_DECODED_BYTES = 4 << 30
 
 Size = tuple[int, int]  # (height, width)
+
+
+class DecodedTooLarge(DataLossError):
+    """A batch's frames would decode to more than the per-batch budget: refused from their
+    headers, before any frame is decoded or the batch's array is allocated."""
+
+    @classmethod
+    def of(cls, check: FrameCheck | None, shape: tuple[int, ...], size: Size, distinct: int,
+           need: int, budget: int) -> DecodedTooLarge:
+        key = check.key if check is not None else ""
+        episodes = sorted(set(check.episodes)) if check is not None else []
+        where = f"key {key!r} (episodes {shown(episodes)}): " if key else ""
+        return cls(
+            f"{where}the batch's frames would decode to {need} bytes, over the "
+            f"max_decoded_bytes budget of {budget}: {math.prod(shape)} frames of "
+            f"{size[0]}x{size[1]} (HxW) indexed by shape {list(shape)}, from {distinct} "
+            "distinct frames; nothing was decoded (read smaller batches, or raise "
+            "max_decoded_bytes if the frames are right)",
+            episode=episodes[0] if len(episodes) == 1 else "", key=key)
 
 
 class FrameDecodeError(ValueError):
@@ -112,8 +136,8 @@ def to_chw(img: np.ndarray, out: np.ndarray) -> None:
         np.divide(img.transpose(2, 0, 1), _DIVISOR, out=out, dtype=np.float32)
 
 
-def _checked_decode(data: bytes, position: int, check: FrameCheck | None) -> np.ndarray | None:
-    """The frame, or None when it does not decode; its header is checked first."""
+def _checked_size(data: bytes, position: int, check: FrameCheck | None) -> Size | None:
+    """The frame's size from its header, checked; None when it will not be decoded."""
     size = header_size(data)
     if size is None:
         return None  # undecodable: the sample is retried at another frame
@@ -121,6 +145,10 @@ def _checked_decode(data: bytes, position: int, check: FrameCheck | None) -> np.
         check.check(position, size)
     elif size[0] * size[1] > MAX_FRAME_PIXELS:
         return None  # never decoded; with no episode to name, it counts as undecodable
+    return size
+
+
+def _decode_as(data: bytes, size: Size) -> np.ndarray | None:
     try:
         img = decode_rgb(data)
     except FrameDecodeError:
@@ -129,30 +157,40 @@ def _checked_decode(data: bytes, position: int, check: FrameCheck | None) -> np.
 
 
 def decode_column(frames: list[bytes], index: np.ndarray, check: FrameCheck | None = None,
-                  dtype: type[np.generic] = np.float32) -> tuple[np.ndarray | None, set[int]]:
+                  dtype: type[np.generic] = np.float32,
+                  max_bytes: int = DEFAULT_MAX_DECODED_BYTES,
+                  ) -> tuple[np.ndarray | None, set[int]]:
     """Frames ``index`` (shape [B] or [B, K]) as [B, (K,) 3, H, W] ``dtype``: float32 in
     [0, 1], or uint8 copied straight from the decoder (no float pass).
 
     Returns the array (None if nothing decoded) and the sample positions whose frames
-    failed to decode. Each frame's header is checked against ``check`` before the frame is
-    decoded (``DeclaredSizeMismatch``); without one, a frame over ``MAX_FRAME_PIXELS`` counts
-    as undecodable. Frames
-    that decode to different sizes within the batch raise ``FrameSizeMismatch``.
+    failed to decode. Every frame's header is read first and checked against ``check``
+    (``DeclaredSizeMismatch``); without one, a frame over ``MAX_FRAME_PIXELS`` counts as
+    undecodable. Then the bytes the column needs (the decoded distinct frames and the
+    output, where every sample has its own copy) are checked against ``max_bytes``
+    (``DecodedTooLarge``), before anything is decoded or allocated. Frames that decode to
+    different sizes within the batch raise ``FrameSizeMismatch``.
     """
     flat = index.reshape(len(index), -1)
-    decoded: dict[int, np.ndarray | None] = {}
-    for b, row in enumerate(flat.tolist()):
+    rows = flat.tolist()
+    sizes: dict[int, Size | None] = {}
+    for b, row in enumerate(rows):
         for k in row:
-            if k not in decoded:
-                decoded[k] = _checked_decode(frames[k], b, check)
-    shapes = [d.shape for d in decoded.values() if d is not None]
-    if not shapes:
+            if k not in sizes:
+                sizes[k] = _checked_size(frames[k], b, check)
+    known = Counter(s for s in sizes.values() if s is not None)
+    if not known:
         return None, set(range(len(index)))
-    h, w, _ = max(set(shapes), key=shapes.count)
+    (h, w), _ = known.most_common(1)[0]
+    need = (flat.size * 3 * h * w * np.dtype(dtype).itemsize
+            + sum(3 * y * x * n for (y, x), n in known.items()))
+    if need > max_bytes:
+        raise DecodedTooLarge.of(check, index.shape, (h, w), len(known), need, max_bytes)
+    decoded = {k: None if s is None else _decode_as(frames[k], s) for k, s in sizes.items()}
     out = np.empty((*index.shape, 3, h, w), dtype)
     view = out.reshape(len(index), -1, 3, h, w)
     failed: set[int] = set()
-    for b, row in enumerate(flat.tolist()):
+    for b, row in enumerate(rows):
         for j, k in enumerate(row):
             img = decoded[k]
             if img is None:

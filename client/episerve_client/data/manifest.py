@@ -5,12 +5,21 @@ long as the manifest lives, whatever the daemon picks up or drops meanwhile: ran
 and resumed runs that share a manifest share the index. Episodes are ordered by hash (SPEC
 "Global index"); ``digest`` is a short content hash of the whole list, cheap to compare
 between ranks or against a checkpoint.
+
+A manifest is checked when it is made and when its file is loaded: each ``total_frames`` in
+[1, ``MAX_EPISODE_FRAMES``] (10^8, the daemon's own bound), all of them together at most
+``MAX_MANIFEST_FRAMES`` (10^9: a sampler's epoch order is 8 bytes per sample), hashes of 1
+to ``MAX_NAME_CHARS`` characters, a file of at most ``MAX_MANIFEST_BYTES`` whose JSON nests
+at most ``MAX_MANIFEST_DEPTH`` deep (counted before it is parsed), and its ``digest``
+present and equal to the entries'. Each refusal is an ``InvalidArgument`` naming the field,
+the value and, where there is one, the episode.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,10 +28,14 @@ from typing import Any
 import numpy as np
 
 from episerve_client.errors import InvalidArgument
+from episerve_proto.contract import MAX_EPISODE_FRAMES, MAX_MANIFEST_FRAMES, MAX_NAME_CHARS
+from episerve_proto.errors import shown
 
 FORMAT = "episerve.manifest/1"
 #: The largest manifest file read (a flagship set of 1,600 episodes is about 50 KB).
 MAX_MANIFEST_BYTES = 64 << 20
+#: How deep a manifest file's JSON may nest (its own form nests 3 deep).
+MAX_MANIFEST_DEPTH = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,22 +46,36 @@ class Manifest:
     _starts: np.ndarray = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.episodes, tuple):
+            raise InvalidArgument(f"manifest episodes must be a tuple of (episode hash, "
+                                  f"total_frames) pairs, got {shown(self.episodes)}")
         seen: set[str] = set()
+        samples = 0
         for entry in self.episodes:
             if (not isinstance(entry, tuple) or len(entry) != 2 or not isinstance(entry[0], str)
                     or isinstance(entry[1], bool) or not isinstance(entry[1], int)):
                 raise InvalidArgument(
-                    f"a manifest entry is (episode hash, total_frames), got {entry!r}")
+                    f"a manifest entry is (episode hash, total_frames), got {shown(entry)}")
             h, total = entry
-            if total < 1:
+            if not 0 < len(h) <= MAX_NAME_CHARS:
+                raise InvalidArgument(f"manifest episode hash {shown(h)} must have 1 to "
+                                      f"{MAX_NAME_CHARS} characters", episode=h[:MAX_NAME_CHARS])
+            if not 1 <= total <= MAX_EPISODE_FRAMES:
                 raise InvalidArgument(
-                    f"manifest episode {h!r}: total_frames must be >= 1, got {total!r}",
-                    episode=h)
+                    f"manifest episode {h!r}: total_frames must be in [1, "
+                    f"{MAX_EPISODE_FRAMES}], got {shown(total)}", episode=h)
             if h in seen:
                 raise InvalidArgument(f"manifest lists episode {h!r} twice", episode=h)
             seen.add(h)
+            samples += total
+            if samples > MAX_MANIFEST_FRAMES:
+                raise InvalidArgument(
+                    f"manifest episodes hold more than {MAX_MANIFEST_FRAMES} frames in all "
+                    f"({samples} up to episode {h!r}); split the set into several manifests",
+                    episode=h)
         if list(self.episodes) != sorted(self.episodes):
             raise InvalidArgument("manifest episodes must be sorted by hash")
+        # Bounded above, so neither the lengths nor their sums can overflow int64.
         lengths = np.array([t for _, t in self.episodes], np.int64)
         object.__setattr__(self, "_starts", np.concatenate([[0], np.cumsum(lengths)]))
 
@@ -110,17 +137,23 @@ class Manifest:
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> Manifest:
+        """From ``to_dict``'s form; its ``digest`` is required and must match the entries."""
         if not isinstance(raw, Mapping) or raw.get("format") != FORMAT:
             got = raw.get("format") if isinstance(raw, Mapping) else raw
-            raise InvalidArgument(f"not an episerve manifest: format is {got!r}, "
+            raise InvalidArgument(f"not an episerve manifest: format is {shown(got)}, "
                                   f"expected {FORMAT!r}")
         entries = raw.get("episodes")
         if not isinstance(entries, list):
-            raise InvalidArgument(f"manifest 'episodes' must be a list, got {entries!r:.80}")
-        manifest = cls(tuple(tuple(e) if isinstance(e, list) else e for e in entries))
-        if "digest" in raw and raw["digest"] != manifest.digest:
+            raise InvalidArgument(f"manifest 'episodes' must be a list, got {shown(entries)}")
+        digest = raw.get("digest")
+        if not isinstance(digest, str) or not _DIGEST.fullmatch(digest):
             raise InvalidArgument(
-                f"manifest digest {raw['digest']!r} does not match its episodes "
+                f"manifest 'digest' must be the 16 hex digits Manifest.save writes, got "
+                f"{shown(digest)}: a manifest without its digest cannot be checked")
+        manifest = cls(tuple(tuple(e) if isinstance(e, list) else e for e in entries))
+        if digest != manifest.digest:
+            raise InvalidArgument(
+                f"manifest digest {digest!r} does not match its episodes "
                 f"({manifest.digest!r}): the file was edited or is corrupt")
         return manifest
 
@@ -142,8 +175,29 @@ class Manifest:
         if size > MAX_MANIFEST_BYTES:
             raise InvalidArgument(f"manifest {str(path)!r} is {size} bytes, more than the "
                                   f"{MAX_MANIFEST_BYTES} a manifest may have")
+        depth = nesting(text)
+        if depth > MAX_MANIFEST_DEPTH:
+            raise InvalidArgument(f"manifest {str(path)!r} nests JSON {depth} levels deep, "
+                                  f"more than the {MAX_MANIFEST_DEPTH} a manifest may have")
         try:
             raw = json.loads(text)
         except ValueError as exc:
             raise InvalidArgument(f"manifest {str(path)!r} is not JSON: {exc}") from exc
         return cls.from_dict(raw)
+
+
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+_DIGEST = re.compile(r"[0-9a-f]{16}")
+
+
+def nesting(text: str) -> int:
+    """How deep the arrays and objects of a JSON text nest (strings skipped), counted with
+    numpy over the text, so a deep document is refused before a parser recurses into it."""
+    bare = _STRING.sub("", text).encode("ascii", errors="replace")
+    codes = np.frombuffer(bare, np.uint8)
+    step = (np.isin(codes, _OPEN).astype(np.int64) - np.isin(codes, _CLOSE))
+    return int(np.cumsum(step).max(initial=0))
+
+
+_OPEN = np.frombuffer(b"[{", np.uint8)
+_CLOSE = np.frombuffer(b"]}", np.uint8)

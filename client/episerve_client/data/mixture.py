@@ -14,7 +14,7 @@ import bisect
 import dataclasses
 import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -22,7 +22,18 @@ import numpy as np
 from torch.utils.data import Dataset, Sampler
 
 from episerve_client.data.batch import SampleBatch
+from episerve_client.data.dataset import sequence_index
+from episerve_client.data.sampler import (
+    MAX_EPOCH,
+    MAX_SAMPLES,
+    EpochCursor,
+    WindowBatch,
+    bounded,
+    check_format,
+)
 from episerve_client.errors import InvalidArgument
+
+MIXTURE_FORMAT = "episerve.mixture_sampler/1"
 
 
 class MixtureDataset(Dataset[dict[str, Any]]):
@@ -66,7 +77,8 @@ class MixtureDataset(Dataset[dict[str, Any]]):
         return s, g - self.starts[s]
 
     def __getitem__(self, g: int) -> dict[str, Any]:
-        s, i = self.locate(int(g))
+        """Sample ``g``; a negative one counts from the end, as in a Python sequence."""
+        s, i = self.locate(sequence_index(g, len(self)))
         sample: dict[str, Any] = self.datasets[s][i]
         return sample
 
@@ -164,7 +176,14 @@ def _join(items: list[Any], order: np.ndarray) -> Any:
     return _MISMATCH
 
 
-class WeightedMixtureSampler(Sampler[list[int]]):
+class MixtureBatch(WindowBatch):
+    """A ``WeightedMixtureSampler`` batch: ``epoch``; ``position``, its number in the epoch's
+    list of batches; ``consumed``, the batches consumed by every rank once its round is done;
+    ``pad``, its length when it repeats a batch from the start of the list (the last round,
+    ``drop_last=False``), else 0."""
+
+
+class WeightedMixtureSampler(EpochCursor, Sampler[list[int]]):
     """Batches of global indices of a ``MixtureDataset``, drawn from its sub-datasets by
     weight; pass it as ``DataLoader(mixture, batch_sampler=sampler)``.
 
@@ -172,15 +191,27 @@ class WeightedMixtureSampler(Sampler[list[int]]):
     sub-datasets in proportion to ``weights`` (largest remainder), each sub-dataset's share
     is taken from a fresh random permutation of it (repeated if the share is larger), and
     the samples are shuffled into batches. With ``batch_by_source=True`` whole batches are
-    split by weight instead, each batch from one sub-dataset. The same (seed, epoch) gives
-    the same batches on every rank; rank ``r`` of ``num_replicas`` takes every
-    ``num_replicas``-th batch, and every rank gets the same number of batches.
+    split by weight instead, each batch from one sub-dataset. The epoch's list of batches is
+    a function of (seed, epoch) and the arguments, whatever the world size; the ranks take
+    it in rounds: in round ``k`` from list position ``c``, rank ``r`` of ``num_replicas``
+    takes batch ``c + k*num_replicas + r``. Every batch of the list is served once per epoch;
+    with ``drop_last=False`` a short last round is filled with batches from the start of the
+    list (marked by ``pad``), so every rank gets the same number of batches; with
+    ``drop_last=True`` it is dropped (with the short last batch).
+
+    Epochs advance as ``WindowSampler``'s do (each iteration is an epoch, ``set_epoch``
+    wins), and ``state_dict`` / ``load_state_dict`` resume mid-epoch on any world size: the
+    state is the batches of the list consumed. Sub-datasets whose keymaps have different
+    output keys need ``batch_by_source=True`` (their samples cannot be stacked together).
     """
+
+    _owner = "WeightedMixtureSampler"
 
     def __init__(self, mixture: MixtureDataset, weights: Sequence[float], batch_size: int, *,
                  num_samples: int | None = None, seed: int = 0, rank: int | None = None,
                  num_replicas: int | None = None, batch_by_source: bool = False,
                  drop_last: bool = False) -> None:
+        super().__init__()
         w = np.asarray(list(weights), np.float64)
         if w.shape != (len(mixture.datasets),):
             raise InvalidArgument(f"weights {list(weights)!r}: need one weight per dataset "
@@ -190,30 +221,50 @@ class WeightedMixtureSampler(Sampler[list[int]]):
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise InvalidArgument(f"batch_size must be an integer >= 1, got {batch_size!r}")
         n = len(mixture) if num_samples is None else num_samples
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise InvalidArgument(f"num_samples must be an integer >= 1, got {num_samples!r}")
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_SAMPLES:
+            raise InvalidArgument(f"num_samples must be an integer in [1, {MAX_SAMPLES}], "
+                                  f"got {n!r}")
         rank, num_replicas = _world(rank, num_replicas)
+        if not batch_by_source:
+            _same_outputs(mixture)
         self.mixture, self.weights = mixture, w / w.sum()
         self.batch_size, self.num_samples, self.seed = batch_size, n, seed
         self.rank, self.num_replicas = rank, num_replicas
         self.batch_by_source, self.drop_last = batch_by_source, drop_last
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+        self._cached: tuple[int, list[list[int]]] | None = None
 
     def _total_batches(self) -> int:
         if self.drop_last:
             return self.num_samples // self.batch_size
         return math.ceil(self.num_samples / self.batch_size)
 
-    def __len__(self) -> int:
-        return self._total_batches() // self.num_replicas
+    def _steps(self, start: int) -> int:
+        left = self._total_batches() - start
+        return left // self.num_replicas if self.drop_last else -(-left // self.num_replicas)
 
-    def __iter__(self) -> Iterator[list[int]]:
-        batches = self.batches(self.epoch)
-        mine = batches[: len(self) * self.num_replicas][self.rank:: self.num_replicas]
-        return iter(mine)
+    def __len__(self) -> int:
+        """Batches of a whole epoch on this rank (a resumed iteration yields the rest)."""
+        return self._steps(0)
+
+    def __iter__(self) -> Iterator[MixtureBatch]:
+        cur = self._begin()
+        epoch, start = cur[0], cur[1]
+        batches, steps, r = self._epoch_batches(epoch), self._steps(cur[1]), self.num_replicas
+        for k in range(steps):
+            j = start + k * r + self.rank
+            batch = MixtureBatch(batches[j % len(batches)])
+            batch.epoch, batch.position, batch.prefetch = epoch, j, []
+            batch.consumed = min(start + (k + 1) * r, len(batches))
+            batch.pad = len(batch) if j >= len(batches) else 0
+            self._handed(cur, k + 1, last=k + 1 == steps)
+            yield batch
+        if not steps:
+            self._handed(cur, 0, last=True)
+
+    def _epoch_batches(self, epoch: int) -> list[list[int]]:
+        if self._cached is None or self._cached[0] != epoch:
+            self._cached = (epoch, self.batches(epoch))
+        return self._cached[1]
 
     def batches(self, epoch: int) -> list[list[int]]:
         """Every rank's batches of one epoch, in order."""
@@ -244,6 +295,65 @@ class WeightedMixtureSampler(Sampler[list[int]]):
                                    [np.empty(0, np.int64)])[:k]
             out.append(local + self.mixture.starts[s])
         return out
+
+    # -- state ------------------------------------------------------------------------------
+
+    def position(self, steps: int | None = None) -> tuple[int, int]:
+        """(epoch, batches of its list consumed) after ``steps`` batches of this rank in the
+        current iteration (by default, those it has yielded); a finished epoch is (next, 0)."""
+        if self._cur is None:
+            return self.epoch, self._resume_at
+        epoch, start, _ = self._cur
+        steps = self._yielded if steps is None else steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise InvalidArgument(f"WeightedMixtureSampler: steps must be an int >= 0 (batches "
+                                  f"trained on since this iteration began), got {steps!r}")
+        if steps >= self._steps(start):
+            return epoch + 1, 0
+        return epoch, start + steps * self.num_replicas
+
+    def state_dict(self, steps: int | None = None) -> dict[str, Any]:
+        """The resume point; pass ``steps`` (batches trained on since this iteration began)
+        when DataLoader workers prefetch, as for ``WindowSampler.state_dict``."""
+        epoch, consumed = self.position(steps)
+        return {"format": MIXTURE_FORMAT, "epoch": epoch, "consumed": consumed,
+                **self._identity()}
+
+    def _identity(self) -> dict[str, Any]:
+        return {"total": self._total_batches(), "seed": self.seed,
+                "batch_size": self.batch_size, "num_samples": self.num_samples,
+                "weights": self.weights.tolist(), "lengths": list(self.mixture.lengths),
+                "batch_by_source": self.batch_by_source, "drop_last": self.drop_last}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue a run: the next iteration starts where ``state`` says, on any world size
+        (with the same mixture, weights, batch size, number of samples and seed)."""
+        check_format(self._owner, state, MIXTURE_FORMAT)
+        for key, mine in self._identity().items():
+            if state.get(key) != mine:
+                raise InvalidArgument(
+                    f"WeightedMixtureSampler state has {key} {state.get(key)!r}, this "
+                    f"sampler {mine!r}: resume with the datasets and arguments the run used")
+        total = self._total_batches()
+        epoch = bounded("WeightedMixtureSampler state", "epoch", state.get("epoch"), MAX_EPOCH)
+        consumed = bounded("WeightedMixtureSampler state", "consumed", state.get("consumed"),
+                           total)
+        if consumed == total:
+            epoch, consumed = epoch + 1, 0
+        self._restore(epoch, consumed)
+
+
+def _same_outputs(mixture: MixtureDataset) -> None:
+    """Sub-datasets with keymaps must have the same output keys to share a batch."""
+    keys = [sorted(k) if isinstance(k := getattr(d, "keymap", None), Mapping) else None
+            for d in mixture.datasets]
+    known = [(i, k) for i, k in enumerate(keys) if k is not None]
+    for i, k in known[1:]:
+        if k != known[0][1]:
+            raise InvalidArgument(
+                f"WeightedMixtureSampler: datasets {known[0][0]} and {i} of the mixture have "
+                f"different output keys ({known[0][1]!r} and {k!r}), so their samples cannot "
+                "share a batch: pass batch_by_source=True to keep each batch within one dataset")
 
 
 def _split(total: int, weights: np.ndarray) -> np.ndarray:

@@ -11,9 +11,24 @@ skipped. The last, short global step is split evenly over the ranks; with
 batch of the same size (a batch's ``pad`` trailing entries are those repeats); with
 ``drop_last=True`` it is dropped (a different tail every epoch, since the order is shuffled).
 
-An iteration that runs to its end moves the sampler to the next epoch (frameworks that call
-``set_epoch`` on a sampler but not on a batch sampler, as Lightning does, still get a new
-order every epoch); ``set_epoch`` chooses one explicitly, as with ``DistributedSampler``.
+Epochs move on by themselves, by one rule that needs no call and gives every rank the same
+answer: **each iteration of the sampler is one epoch.** A new iteration (the first batch asked
+of a new ``iter(sampler)``) starts the epoch after the previous iteration's, whether that one
+was run to its end, stopped after ``len()`` batches (Lightning, a loop that counts) or
+abandoned earlier (``limit_train_batches``). Only iterations that were started count: a
+DataLoader makes and drops an iterator it never asks a batch of, and the batch sampler lives
+in the DataLoader's main process, so workers that prefetch ahead of training move nothing.
+``set_epoch(e)`` wins when called: the next iteration is epoch ``e`` (the same epoch as the
+state loaded keeps its resume point); so does ``load_state_dict``: the next iteration starts
+where the state says. ``epoch`` is the epoch of the next iteration once the current one has
+handed out its last batch, else the current one's. To look at an epoch without moving on,
+use ``order(e)`` rather than iterating the sampler once more.
+
+``len()`` is the batches of a whole epoch on this rank; an iteration resumed mid-epoch
+yields the rest of it (Lightning counts a resumed epoch's batches on from its checkpoint).
+The sampler hands out batches ahead of training (DataLoader workers prefetch, Lightning
+fetches one ahead), so a checkpoint takes ``state_dict(steps=n)``, ``n`` the batches
+trained on since the iteration began.
 """
 
 from __future__ import annotations
@@ -89,6 +104,11 @@ def _local_order(manifest: Manifest, rng: np.random.Generator, locality: int) ->
     return out
 
 
+MAX_SAMPLES = 1 << 31
+"""The most samples a sampler's epoch may hold: its order is 8 bytes a sample (16 GiB here)."""
+MAX_EPOCH = (1 << 32) - 1
+
+
 def _world(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
     live = dist.is_available() and dist.is_initialized()
     if num_replicas is None:
@@ -108,22 +128,86 @@ def _manifest_of(source: Manifest | HasManifest) -> Manifest:
                               f"(a WindowDataset), got {type(source).__name__!r}")
     if len(manifest) == 0:
         raise InvalidArgument("WindowSampler: the manifest holds no samples")
+    if len(manifest) > MAX_SAMPLES:
+        raise InvalidArgument(f"WindowSampler: the manifest holds {len(manifest)!r} samples, "
+                              f"more than the {MAX_SAMPLES} an epoch's order may hold")
     return manifest
 
 
-class WindowSampler(Sampler[list[int]]):
+def bounded(owner: str, name: str, value: object, high: int) -> int:
+    """``value`` as an int in ``[0, high]``, else an ``InvalidArgument`` naming it."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or not (
+            0 <= value <= high):
+        raise InvalidArgument(f"{owner}: {name} must be an int in [0, {high}], got {value!r}")
+    return int(value)
+
+
+class EpochCursor:
+    """Where a sampler is: the epoch rule of this module's docstring, shared by the samplers.
+
+    ``epoch`` and ``_resume_at`` say where the next iteration starts unless the one before
+    it was started and left before its last batch; ``_cur`` is (epoch, start, serial) of the
+    iteration started last (None after ``set_epoch`` or ``load_state_dict``), ``_yielded``
+    how many batches it has handed out. The unit of ``_resume_at`` is the sampler's own.
+    """
+
+    _owner = "sampler"
+
+    def __init__(self) -> None:
+        self.epoch = 0
+        self._resume_at = 0
+        self._cur: tuple[int, int, int] | None = None
+        self._yielded = 0
+        self._serial = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """The next iteration is epoch ``epoch``: from its start, or, when it is the epoch
+        already chosen (or loaded), from where that one stands."""
+        epoch = bounded(self._owner, "epoch", epoch, MAX_EPOCH)
+        if epoch != self.epoch:
+            self._resume_at = 0
+        self.epoch, self._cur, self._yielded = epoch, None, 0
+
+    def _begin(self) -> tuple[int, int, int]:
+        """Start an iteration: the epoch after the last one if that one was left early."""
+        cur = self._cur
+        if cur is not None and (self.epoch, self._resume_at) == cur[:2]:
+            self.epoch, self._resume_at = cur[0] + 1, 0
+        self._serial += 1
+        self._cur, self._yielded = (self.epoch, self._resume_at, self._serial), 0
+        return self._cur
+
+    def _handed(self, cur: tuple[int, int, int], count: int, last: bool) -> bool:
+        """Note that iteration ``cur`` handed out its ``count``-th batch (``last``: its final
+        one, so the next iteration is the next epoch); False for a superseded iteration."""
+        if self._cur != cur:
+            return False
+        self._yielded = count
+        if last:
+            self.epoch, self._resume_at = cur[0] + 1, 0
+        return True
+
+    def _restore(self, epoch: int, resume_at: int) -> None:
+        self.epoch, self._resume_at, self._cur, self._yielded = epoch, resume_at, None, 0
+
+
+class WindowSampler(EpochCursor, Sampler[list[int]]):
     """A batch sampler (``DataLoader(dataset, batch_sampler=WindowSampler(...))``).
 
     ``num_replicas`` and ``rank`` default to the initialized process group's (else 1 and 0).
     ``locality=N`` keeps the shuffle but pools ``N`` neighbourhoods of 100 rows at a time, so
     a batch of ``B <= 100*N`` samples touches at most about ``2N`` of them (its pool's and
-    the next). Every rank must see the same ``set_epoch`` calls.
+    the next). Each iteration is an epoch (see the module's docstring): every rank must make
+    the same iterations and the same ``set_epoch`` calls, as every DDP loop and Lightning do.
     """
+
+    _owner = "WindowSampler"
 
     def __init__(self, source: Manifest | HasManifest, batch_size: int, *, shuffle: bool = True,
                  seed: int = 0, drop_last: bool = False, num_replicas: int | None = None,
                  rank: int | None = None, locality: int | None = None,
                  lookahead: int = DEFAULT_LOOKAHEAD) -> None:
+        super().__init__()
         self.manifest = _manifest_of(source)
         for name, value, low in (("batch_size", batch_size, 1), ("lookahead", lookahead, 0),
                                  ("locality", 1 if locality is None else locality, 1)):
@@ -136,19 +220,9 @@ class WindowSampler(Sampler[list[int]]):
         self.batch_size, self.shuffle, self.seed = batch_size, shuffle, int(seed)
         self.drop_last, self.locality, self.lookahead = drop_last, locality, lookahead
         self.num_replicas, self.rank = _world(num_replicas, rank)
-        self.epoch = 0
-        self._resume_at = 0  # where the next iteration starts in this epoch's order
-        self._iter: tuple[int, int] | None = None  # (epoch, start) of the current iteration
-        self._yielded = 0  # batches yielded by the current (or last) iteration
         self._order: tuple[int, np.ndarray] | None = None
 
     # -- order ------------------------------------------------------------------------------
-
-    def set_epoch(self, epoch: int) -> None:
-        """Choose the next iteration's epoch; another than ``self.epoch`` starts at its
-        beginning (the same one keeps a loaded resume point)."""
-        if epoch != self.epoch:
-            self.epoch, self._resume_at, self._iter, self._yielded = int(epoch), 0, None, 0
 
     def order(self, epoch: int | None = None) -> np.ndarray:
         """An epoch's global order (by default ``self.epoch``'s; the last one is cached)."""
@@ -163,8 +237,10 @@ class WindowSampler(Sampler[list[int]]):
         return left // per_step if self.drop_last else -(-left // per_step)
 
     def __len__(self) -> int:
-        """Batches this rank yields from the next iteration's start."""
-        return self._steps(self._resume_at)
+        """Batches of a whole epoch on this rank. An iteration resumed mid-epoch yields the
+        rest of it, fewer: Lightning, which counts the batches of a resumed epoch on from the
+        checkpoint, then ends the epoch where it ends (on as many ranks as the run had)."""
+        return self._steps(0)
 
     def _slice(self, start: int, step: int) -> tuple[int, int, int]:
         """(first position, end position, consumed after the step) of this rank's batch."""
@@ -175,36 +251,36 @@ class WindowSampler(Sampler[list[int]]):
         share = -(-(n - lo) // r)  # the short last step, split evenly (drop_last=False)
         return lo + self.rank * share, lo + (self.rank + 1) * share, n
 
-    def _indices(self, first: int, end: int) -> list[int]:
-        order = self.order(self._iter[0] if self._iter else None)
+    def _indices(self, epoch: int, first: int, end: int) -> list[int]:
+        order = self.order(epoch)
         return order[np.arange(first, end) % len(order)].tolist()  # type: ignore[no-any-return]
 
     def __iter__(self) -> Iterator[WindowBatch]:
-        epoch, start = self.epoch, self._resume_at
-        self._iter, self._yielded = (epoch, start), 0
+        cur = self._begin()
+        epoch, start = cur[0], cur[1]
         steps = self._steps(start)
         for s in range(steps):
             first, end, consumed = self._slice(start, s)
-            batch = WindowBatch(self._indices(first, end))
+            batch = WindowBatch(self._indices(epoch, first, end))
             batch.epoch, batch.position, batch.consumed = epoch, first, consumed
             batch.pad = max(0, end - max(first, len(self.manifest)))
             ahead = range(1, self.lookahead + 1) if s == 0 or not self.lookahead else [
                 s + self.lookahead]
             batch.prefetch = [g for a in ahead if a < steps
-                              for g in self._indices(*self._slice(start, a)[:2])]
-            self._yielded = s + 1
+                              for g in self._indices(epoch, *self._slice(start, a)[:2])]
+            self._handed(cur, s + 1, last=s + 1 == steps)
             yield batch
-        if self._iter == (epoch, start):  # ran to its end: the next iteration is a new epoch
-            self.epoch, self._resume_at = epoch + 1, 0
+        if not steps:
+            self._handed(cur, 0, last=True)
 
     # -- state ------------------------------------------------------------------------------
 
     def position(self, steps: int | None = None) -> tuple[int, int]:
         """(epoch, global samples consumed in it) after ``steps`` steps of the current
         iteration (by default, the batches it has yielded); a finished epoch is (next, 0)."""
-        if self._iter is None:
+        if self._cur is None:
             return self.epoch, self._resume_at
-        epoch, start = self._iter
+        epoch, start, _ = self._cur
         steps = self._yielded if steps is None else steps
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
             raise InvalidArgument(f"WindowSampler: steps must be an int >= 0 (batches trained "
@@ -224,10 +300,7 @@ class WindowSampler(Sampler[list[int]]):
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue a run: the next iteration starts where ``state`` says, on any world size."""
-        if not isinstance(state, Mapping) or state.get("format") != FORMAT:
-            got = state.get("format") if isinstance(state, Mapping) else state
-            raise InvalidArgument(f"not a WindowSampler state: format is {got!r}, "
-                                  f"expected {FORMAT!r}")
+        check_format(self._owner, state, FORMAT)
         mine = self.state_dict()
         for key in ("manifest_digest", "seed", "shuffle", "locality", "total"):
             if state.get(key) != mine[key]:
@@ -235,17 +308,15 @@ class WindowSampler(Sampler[list[int]]):
                     f"WindowSampler state has {key} {state.get(key)!r}, this sampler "
                     f"{mine[key]!r}: resume with the manifest and order the run used "
                     "(Manifest.load of the checkpoint's manifest, the same seed)")
-        consumed, epoch = _count(state, "consumed"), _count(state, "epoch")
-        if consumed > len(self.manifest):
-            raise InvalidArgument(f"WindowSampler state: consumed {consumed!r} is past the "
-                                  f"epoch's {len(self.manifest)} samples")
+        epoch = bounded("WindowSampler state", "epoch", state.get("epoch"), MAX_EPOCH)
+        consumed = bounded("WindowSampler state", "consumed", state.get("consumed"),
+                           len(self.manifest))
         if consumed == len(self.manifest):
             epoch, consumed = epoch + 1, 0
-        self.epoch, self._resume_at, self._iter, self._yielded = epoch, consumed, None, 0
+        self._restore(epoch, consumed)
 
 
-def _count(state: Mapping[str, Any], name: str) -> int:
-    value = state.get(name)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise InvalidArgument(f"WindowSampler state: {name} must be an int >= 0, got {value!r}")
-    return value
+def check_format(owner: str, state: object, expected: str) -> None:
+    if not isinstance(state, Mapping) or state.get("format") != expected:
+        got = state.get("format") if isinstance(state, Mapping) else state
+        raise InvalidArgument(f"not a {owner} state: format is {got!r}, expected {expected!r}")

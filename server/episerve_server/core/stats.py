@@ -28,11 +28,14 @@ COUNTERS = (
     "prefetch_hinted_samples",
     "prefetch_chunks",
     "prefetch_dropped",
+    "prefetch_over_budget",
     "preload_chunks",
     # listings and keymap checks (what building a dataset asks for)
     "listing_pages_full",
     "listing_pages_brief",
     "keymap_checks",
+    # the catalog
+    "episodes_reopened",
 )
 
 
@@ -61,11 +64,14 @@ class Stats:
     prefetch_hinted_samples: int = 0  # samples named in Read prefetch hints
     prefetch_chunks: int = 0  # chunks fetched into the cache for hints
     prefetch_dropped: int = 0  # hinted samples not prefetched (budget, queue, bad hint)
+    # hinted samples refused at admission: over the response limit or the planning budgets
+    prefetch_over_budget: int = 0
     preload_chunks: int = 0  # chunks fetched by --preload
     preload_total: int = 0  # chunks --preload means to fetch (a gauge: its progress)
     listing_pages_full: int = 0  # ListEpisodes pages with full entries
     listing_pages_brief: int = 0  # ListEpisodes pages with brief entries
     keymap_checks: int = 0  # RegisterKeymap calls with check_episodes
+    episodes_reopened: int = 0  # episodes whose files changed, reopened by a (re)check
     cache_bytes: int = 0
     cache_entries: int = 0
     episodes: defaultdict[str, EpisodeCounters] = field(

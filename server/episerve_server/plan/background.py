@@ -11,6 +11,14 @@ so is a hint that waited ``HINT_TTL_S`` for spare slots. A hint is never an erro
 caller: samples the daemon cannot serve (an unknown episode, a frame out of range, a key an
 episode lacks) are dropped and counted.
 
+A hint is admitted as a read is, before anything is built: its estimated response size
+(samples x window rows x row size, from the first episode it names) must be within
+``--max-response-bytes``, and its planning cost (samples x window rows of the keymap) must
+fit ``HINT_PEER_CELLS`` queued per connection and ``HINT_TOTAL_CELLS`` queued in all. A hint
+over any of them is dropped and counted in ``prefetch_over_budget``. An admitted hint is
+planned in slices of about ``PLAN_SLICE_CELLS`` window rows, with the loop served between
+them, so health and reads never wait behind one.
+
 Background fetches hold none of the reads' ``--max-store-concurrency`` slots, so a read
 never waits behind one; they start only when the slots are mostly free, and there are at
 most ``HINT_JOBS`` hint fetches and one preload fetch at a time.
@@ -28,12 +36,13 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from episerve_proto.errors import EpiserveError
-from episerve_server.core.keymap import Keymap
+from episerve_server.core.keymap import Keymap, Rule
 from episerve_server.plan.misses import Need
 
 if TYPE_CHECKING:
@@ -47,21 +56,36 @@ HINT_JOBS = 2  # hint fetches in flight at once
 #: Frame chunks are charged to the hint budget at this size (their size is known only once
 #: read); numeric chunks at their decoded size.
 FRAME_ESTIMATE_BYTES = 256 << 10
-PRELOAD_CHUNKS_PER_JOB = 512
+#: Planning budgets, in window rows (samples x rows per sample over the keymap's windows;
+#: about 20 bytes of planner arrays each): queued per connection, queued in all, and
+#: planned between two yields to the event loop (a slice plans in about a millisecond).
+HINT_PEER_CELLS = 8 << 20
+HINT_TOTAL_CELLS = 32 << 20
+PLAN_SLICE_CELLS = 64 << 10
+#: Chunks of one preload job: its decode runs in a worker thread, but its chunks go into
+#: the cache on the loop in one pass (at 512 a job, reads waited ~300 ms at p99; at 16,
+#: ~25 ms).
+PRELOAD_CHUNKS_PER_JOB = 16
+PRELOAD_PLAN_SLICE = 64  # episodes planned between yields to the loop
 POLL_S = 0.002
 
 
 class Background:
     """The hint queue and its worker, and the preload task, over a planner's fetcher."""
 
-    def __init__(self, planner: Planner, *, budget_bytes: int,
-                 max_queue: int = MAX_QUEUED_HINTS) -> None:
+    def __init__(self, planner: Planner, *, budget_bytes: int, response_limit: int = 0,
+                 max_queue: int = MAX_QUEUED_HINTS, peer_cells: int = HINT_PEER_CELLS,
+                 total_cells: int = HINT_TOTAL_CELLS) -> None:
         self.planner, self.fetcher = planner, planner.fetcher
         self.stats, self.cache = planner.stats, planner.cache
         self.budget_bytes = budget_bytes
+        self.response_limit = response_limit  # 0: no limit
         self.max_queue = max_queue
+        self.peer_cells, self.total_cells = peer_cells, total_cells
         self.in_flight_bytes = 0
-        self._queue: deque[tuple[Keymap, list[tuple[str, int]], float]] = deque()
+        self.queued_cells = 0
+        self._peer_cells: dict[str, int] = {}
+        self._queue: deque[_Hint] = deque()
         self._jobs = 0
         self._wake: asyncio.Event | None = None
         self._worker: asyncio.Task[None] | None = None
@@ -74,13 +98,25 @@ class Background:
 
     # -- hints ------------------------------------------------------------------------------
 
-    def hint(self, keymap: Keymap, samples: Sequence[tuple[str, int]]) -> None:
-        """Queue a hint; never raises, never waits."""
+    def hint(self, keymap: Keymap, samples: Sequence[tuple[str, int]], peer: str = "") -> None:
+        """Queue a hint from connection ``peer``; never raises, never waits."""
         self.stats.prefetch_hinted_samples += len(samples)
         if not self.hints_enabled or len(self._queue) >= self.max_queue:
             self.stats.prefetch_dropped += len(samples)
             return
-        self._queue.append((keymap, list(samples), time.monotonic()))
+        good = self._servable(list(samples))
+        if not good:
+            return
+        cells = len(good) * sum(e.length for e in keymap if e.rule is not Rule.ANNOTATION)
+        mine = self._peer_cells.get(peer, 0)
+        if (cells + mine > self.peer_cells or cells + self.queued_cells > self.total_cells
+                or not self._admitted(keymap, good)):
+            self.stats.prefetch_over_budget += len(good)
+            self.stats.prefetch_dropped += len(good)
+            return
+        self._peer_cells[peer] = mine + cells
+        self.queued_cells += cells
+        self._queue.append(_Hint(keymap, good, time.monotonic(), peer, cells))
         if self._wake is None:
             self._wake = asyncio.Event()
         if self._worker is None or self._worker.done():
@@ -98,26 +134,50 @@ class Background:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            keymap, samples, since = self._queue.popleft()
+            item = self._queue.popleft()
             try:
-                await self._prefetch(keymap, samples, since)
+                await self._prefetch(item.keymap, item.samples, item.since)
             except Exception:  # a bug: logged, the hint dropped, the worker lives on
-                log.exception("prefetch hint of %d samples failed", len(samples))
-                self.stats.prefetch_dropped += len(samples)
+                log.exception("prefetch hint of %d samples failed", len(item.samples))
+                self.stats.prefetch_dropped += len(item.samples)
+            finally:
+                self._release(item)
 
-    async def _prefetch(self, keymap: Keymap, samples: list[tuple[str, int]],
+    def _release(self, item: _Hint) -> None:
+        self.queued_cells -= item.cells
+        left = self._peer_cells.pop(item.peer, 0) - item.cells
+        if left > 0:
+            self._peer_cells[item.peer] = left
+
+    def _admitted(self, keymap: Keymap, good: list[tuple[str, int]]) -> bool:
+        """Whether the hint's response, estimated as a read's is before anything is built
+        (rows x row size, from the first episode named), is within the response limit."""
+        if not self.response_limit:
+            return True
+        try:
+            episode = self.planner.catalog.lookup(good[0][0])
+        except EpiserveError:
+            return False
+        per_sample = 0
+        for e in keymap:
+            if e.rule is Rule.ANNOTATION:
+                continue
+            reader = episode.readers.get(e.zarr_key)
+            if reader is None:
+                return False
+            info = reader.info
+            per_sample += e.length * (4 if info.is_bytes else 4 * math.prod(info.feature))
+        return len(good) * per_sample <= self.response_limit
+
+    async def _prefetch(self, keymap: Keymap, good: list[tuple[str, int]],
                         since: float) -> None:
-        good = self._servable(samples)
-        if not good:
-            return
         while not (self.fetcher.spare() and self._jobs < HINT_JOBS):
             if time.monotonic() - since > HINT_TTL_S:
                 self.stats.prefetch_dropped += len(good)
                 return
             await asyncio.sleep(POLL_S)
-        try:
-            needs = self.planner.uncached(keymap, good)
-        except EpiserveError:  # e.g. a key one of the episodes lacks: the hint is no good
+        needs = await self._plan(keymap, good)
+        if needs is None:  # e.g. a key one of the episodes lacks: the hint is no good
             self.stats.prefetch_dropped += len(good)
             return
         if not needs:
@@ -138,6 +198,26 @@ class Background:
 
         assert job.task is not None
         job.task.add_done_callback(done)
+
+    async def _plan(self, keymap: Keymap, good: list[tuple[str, int]]) -> list[Need] | None:
+        """The hint's chunks neither cached nor in flight, planned a slice at a time (the
+        loop is served between slices); None if a read of it would fail."""
+        per_sample = max(1, sum(e.length for e in keymap if e.rule is not Rule.ANNOTATION))
+        step = max(1, PLAN_SLICE_CELLS // per_sample)
+        needs: list[Need] = []
+        seen: set[object] = set()
+        for start in range(0, len(good), step):
+            if start:
+                await asyncio.sleep(0)
+            try:
+                part = self.planner.uncached(keymap, good[start: start + step])
+            except EpiserveError:
+                return None
+            for need in part:
+                if need.id not in seen and not self.fetcher.in_flight(need.id):
+                    seen.add(need.id)
+                    needs.append(need)
+        return needs
 
     def _servable(self, samples: list[tuple[str, int]]) -> list[tuple[str, int]]:
         """The samples a read could serve; the others are dropped and counted."""
@@ -175,7 +255,9 @@ class Background:
         groups: list[list[Need]] = []
         planned = 0
         limit = self.cache.budget_bytes
-        for episode in episodes:
+        for n, episode in enumerate(episodes):
+            if n % PRELOAD_PLAN_SLICE == PRELOAD_PLAN_SLICE - 1:
+                await asyncio.sleep(0)  # planning every episode is served in slices
             mine = []
             for name in sorted(episode.readers):
                 reader = episode.readers[name]
@@ -223,6 +305,15 @@ class Background:
         return bool(slab[0] >= 0)
 
 
+@dataclass(frozen=True, slots=True)
+class _Hint:
+    keymap: Keymap
+    samples: list[tuple[str, int]]
+    since: float  # when it arrived
+    peer: str  # the connection it came from
+    cells: int  # its planning cost: samples x window rows
+
+
 def _estimate(need: Need) -> int:
     info = need.reader.info
     if info.is_bytes:
@@ -231,11 +322,15 @@ def _estimate(need: Need) -> int:
 
 
 def _batches(groups: list[list[Need]], size: int) -> list[list[Need]]:
-    """Whole episodes per job, about ``size`` chunks a job."""
+    """Jobs of at most ``size`` chunks: small episodes together, a large one in pieces (a
+    job's chunks are put in the cache on the loop in one pass, so a large job would keep
+    reads waiting for that pass)."""
     out: list[list[Need]] = []
     for group in groups:
-        if out and len(out[-1]) + len(group) <= size:
-            out[-1].extend(group)
-        else:
-            out.append(list(group))
+        for start in range(0, len(group), size):
+            piece = group[start: start + size]
+            if out and len(out[-1]) + len(piece) <= size:
+                out[-1].extend(piece)
+            else:
+                out.append(list(piece))
     return out

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
@@ -125,6 +126,12 @@ class Fetcher:
         ``share`` of the slots are in use, background jobs included."""
         busy = self.active + self.background
         return self.waiting == 0 and busy < max(1, int(self.limit * share))
+
+    def forget_episode(self, episode: str) -> None:
+        """An episode dropped or reopened: its chunks in flight finish for the reads that
+        wait for them, but no later read joins them (they are of the old files)."""
+        for cid in [cid for cid in self._flights if cid[0] == episode]:
+            del self._flights[cid]
 
     def in_flight(self, cid: ChunkId) -> bool:
         return cid in self._flights
@@ -267,10 +274,7 @@ class Fetcher:
             raise DataLossError(f"episode {info.episode!r} key {info.name!r}: data went "
                                 f"missing ({exc})", episode=info.episode, key=info.name) from exc
         except (OSError, TimeoutError) as exc:
-            info = reader.info
-            raise Unavailable(
-                f"episode {info.episode!r} key {info.name!r}: storage read failed "
-                f"({type(exc).__name__}: {exc})", episode=info.episode, key=info.name) from exc
+            raise storage_error(exc, reader.info.episode, reader.info.name) from exc
 
     async def _fetch_decode(self, runs: list[tuple[ChunkReader, int, int]],
                             plans: list[RunPlan | None],
@@ -289,10 +293,10 @@ class Fetcher:
                                     f"{exc.key!r} refused: {exc.why}",
                                     episode=episode, key=key) from exc
             except (OSError, TimeoutError) as exc:
-                episode, key = split_key(requests[0][0]) if requests else ("", "")
-                raise Unavailable(
-                    f"episode {episode!r} key {key!r}: storage read failed "
-                    f"({type(exc).__name__}: {exc})", episode=episode, key=key) from exc
+                failed = getattr(exc, "filename", None)
+                episode, key = split_key(failed if isinstance(failed, str) else
+                                         requests[0][0] if requests else "")
+                raise storage_error(exc, episode, key) from exc
         raws: list[bytes | None] = got[0]
         fallback: dict[int, list[Raw | Chunk]] = dict(zip(others, got[1:]))
         nbytes = sum(len(r) for r in raws if r is not None)
@@ -349,11 +353,15 @@ class Fetcher:
         frames: list[tuple[ChunkId, list[bytes]]] = []
         for (reader, c0, _), chunks in zip(runs, decoded):
             info = reader.info
-            uid = self.cache.uid(info.episode) if not info.is_bytes else -1
+            # chunks of an episode dropped or reopened meanwhile are served, never kept
+            keep = self.catalog.current(info.episode, info.name, reader)
+            uid = self.cache.uid(info.episode) if keep and not info.is_bytes else -1
             n_chunks = -(-info.rows // info.chunk_rows)
             for k, (_, chunk) in enumerate(chunks):
                 cid = (info.episode, info.name, c0 + k)
                 out[cid] = chunk
+                if not keep:
+                    continue
                 if isinstance(chunk, np.ndarray):
                     numeric.setdefault(info.name, []).append((uid, n_chunks, c0 + k, chunk))
                 else:
@@ -400,3 +408,21 @@ def _split_decode(runs: list[tuple[ChunkReader, int, int]], plans: list[RunPlan 
                 raise _Vanished(reader, exc) from exc
         out.append([(raw, decode_chunk(reader, raw, c0 + j)) for j, raw in enumerate(got)])
     return out
+
+
+#: ``errno`` values that say the stored bytes cannot be read at all (a bad sector), not that
+#: storage is busy or away: retrying will not help, so the read fails as data loss.
+LOST_ERRNOS = frozenset({errno.EIO})
+
+
+def storage_error(exc: OSError | TimeoutError, episode: str, key: str) -> Exception:
+    """What a failed storage read of ``episode``'s ``key`` is to the caller: ``DataLossError``
+    for an I/O error of the medium (never retried), else ``Unavailable`` (transient)."""
+    where = getattr(exc, "filename", None)
+    what = (f"episode {episode!r} key {key!r}: storage read "
+            f"{'of ' + repr(where) + ' ' if isinstance(where, str) else ''}failed "
+            f"({type(exc).__name__}: {exc})")
+    if isinstance(exc, OSError) and exc.errno in LOST_ERRNOS:
+        return DataLossError(f"{what}; the stored bytes cannot be read", episode=episode,
+                             key=key)
+    return Unavailable(what, episode=episode, key=key)

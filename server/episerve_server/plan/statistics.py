@@ -19,9 +19,9 @@ import asyncio
 import math
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -47,12 +47,16 @@ from episerve_server.plan.planner import Planner
 from episerve_server.storage.catalog import Catalog, Episode
 from episerve_server.storage.readers import ChunkReader, decode_chunk
 
+T = TypeVar("T")
+
 #: Keys one request may ask for.
 MAX_KEYS = 256
 #: Tails kept per key (for that many different episode sets).
 TAILS_PER_KEY = 4
 #: Episodes computed at once; each is read and then summarized in one worker thread.
 EPISODE_CONCURRENCY = 8
+#: Worker threads decoding and summarizing for statistics at once.
+STATS_THREADS = 1
 #: Decoded bytes of one block of an episode's rows: a longer episode is read in blocks.
 BLOCK_BYTES = 32 << 20
 #: The tails of one key may take at most this many bytes (about 4% of its values).
@@ -99,7 +103,17 @@ class KeyStatsEngine:
         self._next_token = 0
         self._serial = 0
         self._lock = asyncio.Lock()
+        self._cpu: asyncio.Semaphore | None = None
         self.rpcs = self.parts_computed = self.parts_cached = 0
+
+    async def _in_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` in a worker thread, one at a time: several CPU-bound threads at once
+        make the event loop wait for the GIL behind each of them in turn (8 at once kept
+        health waiting 170 ms; one alone costs the loop a few ms at most)."""
+        if self._cpu is None:
+            self._cpu = asyncio.Semaphore(STATS_THREADS)
+        async with self._cpu:
+            return await asyncio.to_thread(fn, *args)
 
     def counters(self) -> dict[str, int]:
         return {"key_stats_rpcs": self.rpcs, "key_stats_parts_computed": self.parts_computed,
@@ -117,7 +131,7 @@ class KeyStatsEngine:
             n = sum(e.total_frames for e in chosen)
             plans = [self._plan(key, chosen, n) for key in keys]
             await self._read_missing(plans, chosen)
-            out = await asyncio.to_thread(lambda: [plan.finish() for plan in plans])
+            out = await self._in_thread(lambda: [plan.finish() for plan in plans])
             for plan in plans:
                 self._keep_tails(plan)
             return out
@@ -203,7 +217,7 @@ class KeyStatsEngine:
     async def _read_missing(self, plans: list[_KeyPlan], chosen: list[Episode]) -> None:
         for plan in plans:  # values cached in parts go into the tails first, in a thread
             if plan.cached_values:
-                await asyncio.to_thread(_feed_all, plan.builder, plan.cached_values)
+                await self._in_thread(_feed_all, plan.builder, plan.cached_values)
                 plan.cached_values = []
         sem = asyncio.Semaphore(EPISODE_CONCURRENCY)
 
@@ -237,7 +251,7 @@ class KeyStatsEngine:
             now = [(j, t) for j, t in enumerate(todo) if k < len(t[2])]
             fetched = await asyncio.gather(*(self._chunks(e, reader, *ranges[k])
                                              for _, (_, reader, ranges, _) in now))
-            done = await asyncio.to_thread(_summarize_all, [
+            done = await self._in_thread(_summarize_all, [
                 (reader, chunks, ranges[k][0], e.total_frames, plan.builder)
                 for (_, (plan, reader, ranges, _)), chunks in zip(now, fetched)])
             for (j, (_, _, _, keep)), (part_moments, part_values) in zip(now, done):

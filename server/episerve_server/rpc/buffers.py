@@ -6,12 +6,19 @@ window, would make the daemon hold every response it asked for. So each response
 counted from the handler's return until its RPC is done (``context.add_done_callback``),
 per peer (``context.peer()``: one TCP connection) and in total, and a Read that arrives
 while either is over its limit is refused as ``Overloaded`` (transient: clients back off).
+
+A response is counted ``HELD_COPIES`` times its size: until the RPC is done the process
+holds the handler's ``bytes`` (gRPC's send operation keeps a reference to it) and the copy
+gRPC made of them for its transport. Counting the handler's bytes alone let six
+connections that never read keep twice the budget alive. A reservation made before a
+response is built (from its size known from the request) is counted the same way.
+
 Reads that arrive together all pass that check, so a finished response is checked again
 before it is handed over: one that would take its peer (or the total) over the limit is
 refused too, unless nothing is held yet (so a response larger than a limit is still served
-alone). A peer thus never holds more than ``max(limit, one response)``. While a peer holds
-bytes, the size of its latest response is kept, and a new Read from it that would likely
-not fit beside what it holds is refused on arrival, before any work is done for it.
+alone). A peer thus never holds more than ``max(limit, one response's copies)``. While a
+peer holds bytes, the size of its latest response is kept, and a new Read from it that would
+likely not fit beside what it holds is refused on arrival, before any work is done for it.
 
 All unix-socket clients report the same peer (``unix:``, no per-connection address), so
 for them only the total limit applies.
@@ -30,6 +37,8 @@ from episerve_server.core import heap
 #: Peers that do not tell one connection from another.
 SHARED_PEERS = ("unix:", "")
 DRAINED_PEAK_BYTES = 64 << 20
+#: Copies of an unsent response the process holds: the handler's bytes and gRPC's own.
+HELD_COPIES = 2
 
 
 class ResponseBuffers:
@@ -61,18 +70,20 @@ class ResponseBuffers:
                 "responses, then retry")
 
     def admit(self, peer: str, nbytes: int) -> None:
-        """Refuse a finished response that would take the total or ``peer`` over a limit."""
+        """Refuse a finished response of ``nbytes`` that would take the total or ``peer``
+        over a limit (counting its copies)."""
+        size, nbytes = nbytes, nbytes * HELD_COPIES
         if self.total and self.total + nbytes > self.max_bytes:
             raise Overloaded(
-                f"a response of {nbytes} bytes would make {self.total + nbytes} bytes wait "
-                f"for slow clients, over the limit of {self.max_bytes} (--max-buffered-bytes); "
-                "back off and retry")
+                f"a response of {size} bytes (held {HELD_COPIES} times until sent) would make "
+                f"{self.total + nbytes} bytes wait for slow clients, over the limit of "
+                f"{self.max_bytes} (--max-buffered-bytes); back off and retry")
         held = self.by_peer.get(peer, 0)
         if peer not in SHARED_PEERS and held:
             self._latest[peer] = nbytes
         if peer not in SHARED_PEERS and held and held + nbytes > self.max_per_peer:
             raise Overloaded(
-                f"a response of {nbytes} bytes would make this connection ({shown(peer)}) "
+                f"a response of {size} bytes would make this connection ({shown(peer)}) "
                 f"hold {held + nbytes} unsent bytes, over the limit of {self.max_per_peer} "
                 "(--max-buffered-bytes-per-peer): read the earlier responses, then retry")
 
@@ -84,7 +95,9 @@ class ResponseBuffers:
         return self.hold(peer, nbytes)
 
     def hold(self, peer: str, nbytes: int) -> Callable[[object], None]:
-        """Count ``nbytes`` for ``peer``; returns the callback that releases them (once)."""
+        """Count a response of ``nbytes`` (its copies) for ``peer``; returns the callback
+        that releases them (once)."""
+        nbytes *= HELD_COPIES
         self.total += nbytes
         self.peak = max(self.peak, self.total)
         self.by_peer[peer] = self.by_peer.get(peer, 0) + nbytes

@@ -18,6 +18,8 @@ from google.protobuf.message import DecodeError, Message
 
 from episerve_proto.contract import (
     LIST_FIELDS,
+    MAX_LIST_FILTER_BYTES,
+    MAX_LIST_HASHES,
     MAX_LISTED_ATTRS_BYTES,
     MAX_NAME_CHARS,
     TOO_LARGE_ATTR,
@@ -90,18 +92,29 @@ def parse_empty(data: bytes, what: str) -> None:
 
 
 def parse_list(data: bytes) -> PageRequest:
+    # page_token and page_size take a few hundred bytes; the rest is the filter
+    if len(data) > MAX_LIST_FILTER_BYTES + 4 * MAX_NAME_CHARS:
+        raise LimitExceeded(
+            f"hashes: a ListEpisodes request of {len(data)} bytes, over the limit of "
+            f"{MAX_LIST_FILTER_BYTES} bytes of episode ids (and {MAX_LIST_HASHES} ids) per "
+            "request; list them in several requests")
     req = _parse(pb.ListEpisodesRequest(), data, "ListEpisodes")
     if len(req.page_token) > MAX_NAME_CHARS:
         raise InvalidArgument(
             f"page_token {shown(req.page_token)} is {len(req.page_token)} characters long, "
             f"over the limit of {MAX_NAME_CHARS}; pass the next_page_token of the last page")
-    for i, h in enumerate(req.hashes):
-        if len(h) > MAX_NAME_CHARS:
-            raise InvalidEpisodeId(
-                f"hashes[{i}]: episode id {shown(h)} is {len(h)} characters long, over the "
-                f"limit of {MAX_NAME_CHARS}")
+    if len(req.hashes) > MAX_LIST_HASHES:
+        raise LimitExceeded(
+            f"hashes: {len(req.hashes)} episode ids, over the limit of {MAX_LIST_HASHES} "
+            "per request; list them in several requests")
+    hashes = list(req.hashes)
+    if hashes and max(map(len, hashes)) > MAX_NAME_CHARS:
+        i = next(i for i, h in enumerate(hashes) if len(h) > MAX_NAME_CHARS)
+        raise InvalidEpisodeId(
+            f"hashes[{i}]: episode id {shown(hashes[i])} is {len(hashes[i])} characters "
+            f"long, over the limit of {MAX_NAME_CHARS}")
     return PageRequest(req.page_token, max(0, req.page_size), req.brief,
-                       frozenset(req.hashes) if len(req.hashes) else None)
+                       frozenset(hashes) if hashes else None)
 
 
 def read_batch_size(data: object) -> int:
@@ -397,6 +410,19 @@ def split_read(data: bytes, owner: Any, limits: Limits) -> list[tuple[int, list[
     return out
 
 
+def response_limit(data: bytes, limit: int) -> int:
+    """The byte limit of a Read's whole answer: the daemon's, or the request's if lower."""
+    req = _parse(pb.ReadRequest(), data, "Read")
+    return min(limit, req.max_response_bytes) if req.max_response_bytes > 0 else limit
+
+
+def limited_read(data: bytes, max_response_bytes: int) -> bytes:
+    """A forwarded Read with a response limit of its own (at least 1 byte: 0 means none)."""
+    req = _parse(pb.ReadRequest(), data, "Read")
+    req.max_response_bytes = max(1, max_response_bytes)
+    return req.SerializeToString()  # type: ignore[no-any-return]
+
+
 def merge_read_responses(parts: Sequence[tuple[list[int], bytes]], n: int) -> bytes:
     """Per-worker ``ReadResponse`` bytes back in request order, as one response."""
     if len(parts) == 1:
@@ -416,11 +442,20 @@ def merge_read_responses(parts: Sequence[tuple[list[int], bytes]], n: int) -> by
     for name in ("episodes", "frame_index", "fps", "embodiments", "total_frames"):
         getattr(out, name).extend(each([getattr(m, name) for m in msgs]))
     for k, first in enumerate(msgs[0].arrays):
-        rows = [np.frombuffer(m.arrays[k].data, dtype=first.dtype).reshape(
-            tuple(m.arrays[k].shape)) for m in msgs]
-        merged = np.concatenate(rows)[order]
+        # Each part's rows go straight to their places: one copy of the array, not three.
+        merged: np.ndarray | None = None
+        for (idx, _), m in zip(parts, msgs):
+            rows = np.frombuffer(m.arrays[k].data, dtype=first.dtype).reshape(
+                tuple(m.arrays[k].shape))
+            if merged is None:
+                merged = np.empty((n, *rows.shape[1:]), rows.dtype)
+            merged[idx] = rows
+            del rows
+            m.arrays[k].ClearField("data")  # the part's copy is no longer needed
+        assert merged is not None
         out.arrays.add(name=first.name, dtype=first.dtype, shape=merged.shape,
                        data=merged.tobytes())
+        del merged
     offsets = {src.key: np.cumsum([0] + [len(m.frames[s].frames) for m in msgs])
                for s, src in enumerate(msgs[0].frames)}
     for k, first in enumerate(msgs[0].images):

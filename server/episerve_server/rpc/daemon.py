@@ -27,7 +27,7 @@ from episerve_server.config import ServerConfig
 from episerve_server.core.collector import COLLECTOR
 from episerve_server.core.stats import Stats
 from episerve_server.rpc import introspection, logs, preflight
-from episerve_server.rpc.interceptors import LoggingInterceptor, TokenInterceptor
+from episerve_server.rpc.interceptors import LoggingInterceptor, RpcSummary, TokenInterceptor
 from episerve_server.rpc.preflight import StartupError
 from episerve_server.rpc.service import EpiserveService
 from episerve_server.wiring import build_read_core
@@ -84,6 +84,7 @@ class Daemon:
     address: str
     extra_servers: list[Any]
     metrics: Any = None
+    summary: RpcSummary | None = None
     local: Any = None  # the local plane (rpc/local.py), with --unix unless turned off
 
     async def drain(self) -> None:
@@ -100,6 +101,8 @@ class Daemon:
             await extra.stop(0)
         if self.metrics is not None:
             self.metrics.close()
+        if self.summary is not None:  # the RPCs of the last interval
+            self.summary.flush()
 
 
 async def start(config: ServerConfig, *, stats: Stats | None = None,
@@ -117,7 +120,8 @@ async def start(config: ServerConfig, *, stats: Stats | None = None,
     if config.preload == "numeric":  # in the background: health and reads never wait for it
         core.background.start_preload(owns)
     metrics = _metrics(config, service)
-    interceptors: list[grpc.aio.ServerInterceptor] = [LoggingInterceptor(metrics)]
+    logging_interceptor = LoggingInterceptor(metrics, summary_s=config.log_summary_s)
+    interceptors: list[grpc.aio.ServerInterceptor] = [logging_interceptor]
     if config.token:
         interceptors.append(TokenInterceptor(config.token))
     server = grpc.aio.server(interceptors=interceptors, options=server_options(config))
@@ -144,7 +148,8 @@ async def start(config: ServerConfig, *, stats: Stats | None = None,
         raise
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return Daemon(config, server, health_servicer, service, address, extra, metrics, plane)
+    return Daemon(config, server, health_servicer, service, address, extra, metrics,
+                  logging_interceptor.summary, plane)
 
 
 def _bind(server: grpc.aio.Server, config: ServerConfig) -> str:

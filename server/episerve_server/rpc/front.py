@@ -5,10 +5,14 @@ The front reads nothing itself. It starts the workers (``rpc/workers.py``) and a
 - ``GetTopology``: the workers' addresses and the routing rule, so that a client sends each
   sample straight to the worker that owns its episode (``episerve_proto.routing``);
 - ``Read`` for clients that do not route (grpcurl, older clients, clients that cannot reach
-  the workers' sockets): split by owner, forwarded in parallel, merged in request order;
-- ``RegisterKeymap`` on every worker; ``GetStats`` summed over the workers;
-  ``ListEpisodes`` (and any other read-only call) from worker 0, which opens every episode;
-- health: ``SERVING`` only while every worker serves.
+  the workers' sockets): split by owner, forwarded in parallel with the caller's deadline,
+  each part with its share of the response limit (so an answer over it is refused before
+  it is built), merged in request order within the response buffers' budget;
+- ``RegisterKeymap`` on every worker, remembered and replayed to a worker restarted after
+  a crash; ``GetStats`` summed over the workers that serve; ``ListEpisodes`` (and any
+  other read-only call) from worker 0, which opens every episode;
+- health: ``SERVING`` only while every worker serves and answers its health checks in
+  time (a hung worker is ``NOT_SERVING``, its calls end ``UNAVAILABLE``).
 
 Drain (SIGTERM, SIGINT): health ``NOT_SERVING``, new forwarded reads refused, the workers
 drain their own reads, then everything stops. A worker that exits is restarted; more than
@@ -22,6 +26,7 @@ import functools
 import logging
 import signal
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
@@ -31,8 +36,9 @@ from grpc_reflection.v1alpha import reflection
 
 from episerve_proto import routing
 from episerve_proto.contract import METHODS, SERVICE_NAME
-from episerve_proto.errors import Overloaded, Unavailable
+from episerve_proto.errors import Overloaded, ResponseTooLarge, Unavailable
 from episerve_server.config import ServerConfig
+from episerve_server.plan.planner import _too_big
 from episerve_server.rpc import convert, preflight
 from episerve_server.rpc.buffers import ResponseBuffers
 from episerve_server.rpc.interceptors import LoggingInterceptor, TokenInterceptor
@@ -43,6 +49,10 @@ log = logging.getLogger(__name__)
 
 #: A forwarded call without a client deadline gets this long.
 DEFAULT_FORWARD_S = 120.0
+#: Bytes a merge holds besides its parts, per byte of the answer: the merged arrays, their
+#: bytes and the encoded answer (measured: one 62 MB answer took the front's RSS up by
+#: ~380 MiB with the parts and gRPC's own copies).
+MERGE_COPIES = 3
 #: Calls the front answers from worker 0 as they are.
 PASSED_THROUGH = ("ListEpisodes", "GetKeyStats")
 
@@ -59,6 +69,11 @@ class FrontService:
         self.on_batch: Callable[[int], None] | None = None
         self._owner = functools.lru_cache(maxsize=1 << 16)(
             functools.partial(_owner, n=len(pool.workers)))
+        # Every keymap registered through the front (its unchecked request, least recently
+        # registered first, under --max-registry-bytes), replayed to a restarted worker.
+        self.registered: OrderedDict[bytes, None] = OrderedDict()
+        self.registered_bytes = 0
+        pool.on_restart = self.replay_keymaps
 
     def handlers(self) -> grpc.GenericRpcHandler:
         methods: dict[str, Callable[..., Any]] = {
@@ -78,12 +93,19 @@ class FrontService:
     async def counters(self) -> dict[str, int]:
         return convert.stats_counters(await self._stats(5.0))
 
-    async def _stats(self, timeout_s: float) -> bytes:
+    async def _stats(self, timeout_s: float, *, complete: bool = True) -> bytes:
+        """The workers' counters summed; with ``complete=False``, over the workers that are
+        ready (the others are counted in ``workers_ready`` and ``workers_hung``)."""
+        workers = self.pool.workers if complete else [w for w in self.pool.workers if w.ready]
+        if not workers:
+            raise Unavailable("no worker of the daemon is serving; retry")
         replies = await _all([self.pool.call(w.index, "GetStats", b"", timeout_s)
-                              for w in self.pool.workers])
+                              for w in workers])
         extra = {"workers": len(self.pool.workers),
                  "workers_ready": sum(w.ready for w in self.pool.workers),
+                 "workers_hung": self.pool.hung,
                  "worker_restarts": self.pool.restarts_total,
+                 "worker_hangs": self.pool.hangs_total,
                  "front_reads_in_flight": self.inflight,
                  "front_buffered_bytes": self.buffers.total}
         return convert.merge_stats(replies, extra)
@@ -96,7 +118,7 @@ class FrontService:
     @_rpc
     async def get_stats(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         convert.parse_empty(request, "GetStats")
-        return await self._stats(_timeout(context))
+        return await self._stats(_timeout(context), complete=False)
 
     @_rpc
     async def register_keymap(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
@@ -108,7 +130,22 @@ class FrontService:
         replies = await _all([self.pool.call(w.index, "RegisterKeymap",
                                              request if w.index == 0 else others, timeout_s)
                               for w in self.pool.workers])
+        self._remember(others)
         return replies[0]
+
+    def _remember(self, keymap: bytes) -> None:
+        if self.registered.pop(keymap, False) is None:
+            self.registered_bytes -= len(keymap)
+        self.registered[keymap] = None
+        self.registered_bytes += len(keymap)
+        while self.registered_bytes > self.config.max_registry_bytes and len(self.registered) > 1:
+            old, _ = self.registered.popitem(last=False)
+            self.registered_bytes -= len(old)
+
+    async def replay_keymaps(self, index: int) -> None:
+        """Register every keymap registered through the front on a restarted worker, before
+        it serves again: clients holding their ids never meet ``UnknownKeymap``."""
+        await self.pool.replay(index, list(self.registered))
 
     @_rpc
     async def read(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
@@ -120,25 +157,84 @@ class FrontService:
         peer = context.peer() or ""
         self.buffers.check(peer)
         self.inflight += 1
+        reserved: list[Callable[[object], None]] = []
+
+        def reserve(nbytes: int) -> None:
+            reserved.append(self.buffers.reserve(peer, nbytes))
+
         try:
             parts = convert.split_read(request, self._owner, self.limits)
+            limit = self.config.max_response_bytes
+            if len(parts) > 1:
+                limit = convert.response_limit(request, limit)
             del request
-            timeout_s = _timeout(context)
-            replies = await _all([self.pool.call(w, "Read", payload, timeout_s)
-                                  for w, _, payload in parts])
+            replies = await self._forward(parts, _timeout(context), limit, reserve)
             pieces = [(idx, data) for (_, idx, _), data in zip(parts, replies)]
+            del replies
             n = sum(len(idx) for idx, _ in pieces)
-            if sum(len(d) for d in replies) >= OFFLOAD_ENCODE_BYTES and len(pieces) > 1:
+            if len(pieces) > 1:  # the merge's copies, beside the parts
+                reserve(MERGE_COPIES * sum(len(d) for _, d in pieces))
+            if sum(len(d) for _, d in pieces) >= OFFLOAD_ENCODE_BYTES and len(pieces) > 1:
                 data = await asyncio.to_thread(convert.merge_read_responses, pieces, n)
             else:
                 data = convert.merge_read_responses(pieces, n)
+            del pieces
         finally:
             self.inflight -= 1
+            for release in reserved:
+                release(None)
         self.buffers.admit(peer, len(data))
         context.add_done_callback(self.buffers.hold(peer, len(data)))
         if self.on_batch is not None:
             self.on_batch(n)
         return data
+
+
+    async def _forward(self, parts: list[tuple[int, list[int], bytes]], timeout_s: float,
+                       limit: int, reserve: Callable[[int], None]) -> list[bytes]:
+        """Each part's answer from its worker, in ``parts`` order, their sum within ``limit``.
+
+        The front refuses a merged answer over the limit as one process refuses one
+        response over it, and, like it, before the bytes are built: every part is forwarded
+        with a limit of its own, its share of ``limit`` by samples, which its worker checks
+        before it reads anything. Parts over their share are then asked again one at a time
+        with what is left of the limit, so a batch whose parts are uneven is still served
+        when its sum fits. The parts held at once are thus never more than ``limit``; each
+        is reserved in the response buffers as it arrives (held until the merged answer is
+        built), so reads arriving together cannot hold more than ``--max-buffered-bytes``.
+        """
+        if len(parts) == 1:
+            w, _, payload = parts[0]
+            return [await self.pool.call(w, "Read", payload, timeout_s)]
+        n = sum(len(idx) for _, idx, _ in parts)
+        shares = [max(1, limit * len(idx) // n) for _, idx, _ in parts]
+        first = await asyncio.gather(
+            *(self.pool.call(w, "Read", convert.limited_read(payload, share), timeout_s)
+              for (w, _, payload), share in zip(parts, shares)), return_exceptions=True)
+        for got in first:
+            if isinstance(got, BaseException) and not isinstance(got, ResponseTooLarge):
+                raise got
+        total = 0
+        for got in first:
+            if isinstance(got, bytes):
+                total += len(got)
+                reserve(len(got))
+        over = [k for k, got in enumerate(first) if isinstance(got, ResponseTooLarge)]
+        for k in over:  # each alone is known to be over its share
+            lower = total + sum(shares[j] + 1 for j in over if j >= k)
+            left = limit - total
+            if lower > limit:
+                raise _too_big(lower, limit, n, at_least=True)
+            w, _, payload = parts[k]
+            try:
+                data = await self.pool.call(w, "Read", convert.limited_read(payload, left),
+                                            timeout_s)
+            except ResponseTooLarge:
+                raise _too_big(total + left + 1, limit, n, at_least=True) from None
+            total += len(data)
+            reserve(len(data))
+            first[k] = data
+        return [got for got in first if isinstance(got, bytes)]
 
 
 def _pass_through(front: FrontService, method: str) -> Callable[..., Any]:
@@ -215,6 +311,8 @@ class FrontCollector:
              sum(w.ready for w in self.front.pool.workers)),
             ("worker_restarts", "Worker processes restarted after they exited.",
              self.front.pool.restarts_total),
+            ("workers_hung", "Worker processes running but missing their health checks.",
+             self.front.pool.hung),
         )
         for name, text, value in gauges:
             yield GaugeMetricFamily(f"{PREFIX}_{name}", text, value=value)
@@ -279,6 +377,7 @@ async def serve(config: ServerConfig, announce: Callable[[str], None]) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     watch = asyncio.create_task(pool.watch(set_health, give_up))
+    probe = asyncio.create_task(pool.probe(set_health))
     await stop.wait()
     log.info("draining for up to %.1fs", config.grace_s)
     front.draining = True
@@ -289,6 +388,7 @@ async def serve(config: ServerConfig, announce: Callable[[str], None]) -> int:
         await asyncio.sleep(0.02)
     await stopping
     watch.cancel()
+    probe.cancel()
     await server.stop(max(0.1, deadline - time.monotonic()))
     for s in extra:
         await s.stop(0)

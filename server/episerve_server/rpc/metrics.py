@@ -63,10 +63,13 @@ COUNTER_HELP = {
     "prefetch_hinted_samples": "Samples named in Read prefetch hints.",
     "prefetch_chunks": "Chunks fetched into the cache for prefetch hints.",
     "prefetch_dropped": "Hinted samples not prefetched (budget, queue, stale or bad hint).",
+    "prefetch_over_budget": "Hinted samples refused at admission (response limit or the "
+                            "hint planning budgets per connection and in total).",
     "preload_chunks": "Chunks fetched into the cache by --preload.",
     "listing_pages_full": "ListEpisodes pages served with full entries.",
     "listing_pages_brief": "ListEpisodes pages served with brief entries.",
     "keymap_checks": "RegisterKeymap calls that checked the keymap against every episode.",
+    "episodes_reopened": "Episodes reopened because their files were rewritten in place.",
 }
 
 

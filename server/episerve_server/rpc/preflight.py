@@ -118,3 +118,68 @@ def check_tls(config: ServerConfig) -> None:
         except (ssl.SSLError, OSError, ValueError) as exc:
             raise StartupError(f"--tls-client-ca {config.tls_client_ca!r}: not PEM CA "
                                f"certificates ({exc})") from None
+
+
+def claim_private_dir(folder: Path, flag: str) -> None:
+    """Make ``folder`` a runtime folder only this daemon's user can touch: mode 0700.
+
+    A new folder is created exclusively. One that exists already is the leftover of a
+    daemon that was killed, or a trap: it is reused only if it is a real folder (not a
+    symlink) owned by this uid with no group or other permission bits, since no other user
+    can make a folder that we own; what it holds is stale worker sockets, removed here (a
+    socket that still answers belongs to a live daemon and is refused). Anything else is
+    refused, naming the path: another user may have made it to catch the workers' sockets
+    and the token sent to them. The checks run on the opened folder (``O_NOFOLLOW``), so a
+    path swapped between the check and the use is not trusted.
+    """
+    where = f"{flag}: the workers' folder {str(folder)!r}"
+    try:
+        os.mkdir(folder, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise StartupError(f"{where}: cannot create it ({exc.strerror})") from None
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError as exc:
+        kind = "a symlink" if os.path.islink(folder) else "not a folder"
+        raise StartupError(f"{where} exists and is {kind}; refusing to use it (remove it "
+                           f"yourself, or choose another --unix path) ({exc.strerror})") \
+            from None
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid():
+            raise StartupError(f"{where} belongs to uid {st.st_uid}, not to this daemon's "
+                               f"uid {os.geteuid()}; refusing to use it (another user may have "
+                               "made it: remove it, or choose another --unix path)")
+        if stat.S_IMODE(st.st_mode) & 0o077:
+            raise StartupError(f"{where} has mode {stat.S_IMODE(st.st_mode):#o}, open to "
+                               "group or others; refusing to use it (remove it, or chmod it "
+                               "0700)")
+        for name in os.listdir(fd):
+            _remove_stale(fd, folder / name, where)
+    finally:
+        os.close(fd)
+
+
+def _remove_stale(fd: int, path: Path, where: str) -> None:
+    """Remove a dead worker's socket from our own folder; refuse anything else in it."""
+    mode = os.lstat(path.name, dir_fd=fd).st_mode
+    if not stat.S_ISSOCK(mode):
+        raise StartupError(f"{where} holds {path.name!r}, which is not a worker socket; "
+                           "refusing to remove it (remove it yourself)")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(str(path))
+    except (ConnectionRefusedError, FileNotFoundError):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path.name, dir_fd=fd)
+        return
+    except OSError as exc:
+        raise StartupError(f"{where}: cannot check the socket {path.name!r} in it "
+                           f"({exc.strerror or exc})") from None
+    finally:
+        probe.close()
+    raise StartupError(f"{where}: a process is listening on {path.name!r} in it (another "
+                       "daemon's worker?); stop it or choose another --unix path")

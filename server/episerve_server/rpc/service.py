@@ -26,6 +26,7 @@ from episerve_proto.contract import (
     SERVICE_NAME,
 )
 from episerve_proto.errors import (
+    DataLossError,
     EpiserveError,
     EpisodeNotFound,
     InternalError,
@@ -54,7 +55,16 @@ log = logging.getLogger(__name__)
 # Responses this large are encoded in a worker thread; below it the hop costs more than the
 # join (about 0.2 ms per MB).
 OFFLOAD_ENCODE_BYTES = 8 << 20
-CHECK_SLICE = 200  # episodes checked against a keymap between yields to the event loop
+CHECK_SLICE = 50  # episodes checked against a keymap between yields to the event loop
+#: RegisterKeymap calls served at once; the others wait their turn (concurrent ones would
+#: each put a parse or a check slice on every loop turn).
+KEYMAP_REGISTRATIONS = 1
+#: A RegisterKeymap request over this size (a keymap of ~40 entries or more) is parsed in
+#: a worker thread.
+OFFLOAD_KEYMAP_BYTES = 4 << 10
+#: A ListEpisodes request over this size (a long ``hashes`` filter) is parsed in a worker
+#: thread, one such at a time; on the loop, 65,536 ids took ~15 ms.
+OFFLOAD_PARSE_BYTES = 64 << 10
 #: A ListEpisodes page is filled up to this many bytes: well under MAX_MESSAGE_BYTES, and
 #: small enough that encoding one page never keeps health waiting (measured: 16 MiB pages
 #: of 200 kB attributes delayed health by 260 ms; 4 MiB pages do not).
@@ -160,6 +170,8 @@ class EpiserveService:
         self.gauges: list[Callable[[], dict[str, int]]] = []
         self._last_scan = 0.0
         self._scan_lock = asyncio.Lock()
+        self._registrations = asyncio.Semaphore(KEYMAP_REGISTRATIONS)
+        self._heavy_parse = asyncio.Semaphore(1)
 
     def handlers_by_name(self) -> dict[str, Callable[[bytes, Any], Awaitable[bytes]]]:
         """Every method of the contract, by name (the gRPC server and the local plane)."""
@@ -196,7 +208,12 @@ class EpiserveService:
 
     @_rpc
     async def list_episodes(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        page = convert.parse_list(request)
+        if len(request) > OFFLOAD_PARSE_BYTES:
+            async with self._heavy_parse:
+                page = await asyncio.to_thread(convert.parse_list, request)
+        else:
+            page = convert.parse_list(request)
+        del request
         if not page.token:  # the first page rescans; later ones continue by hash
             await self.rescan()
         if page.brief:
@@ -209,22 +226,30 @@ class EpiserveService:
 
     @_rpc
     async def register_keymap(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        call = convert.parse_register(request, self.limits)
-        self._check_windows(call.keymap)
-        kid = convert.keymap_id(call.keymap)
-        self.keymaps.add(kid, call.keymap, call.wire_bytes)
-        if not call.check_episodes:
-            return convert.encode_keymap_id(kid)
-        # Every healthy episode, as the listing shows them (broken ones are listed there).
-        # At 1,600 episodes the whole call takes ~14 ms and answers ~29 kB (measured over
-        # benchmarks/bench_dataset_build.py's root); it yields to other RPCs every slice.
-        episodes = list(self.catalog.healthy())
-        parts = []
-        for start in range(0, len(episodes), CHECK_SLICE):
-            parts.append(check_keymap(call.keymap, episodes[start: start + CHECK_SLICE]))
-            await asyncio.sleep(0)
-        check = merged(parts)
-        self.stats.keymap_checks += 1
+        # One registration at a time: parsing a keymap of 128 entries is ~10-30 ms of
+        # Python, and 64 parsed back to back kept health waiting for all of them. A large
+        # one is parsed in a worker thread (the loop keeps its turns at the GIL).
+        async with self._registrations:
+            if len(request) > OFFLOAD_KEYMAP_BYTES:
+                call = await asyncio.to_thread(convert.parse_register, request, self.limits)
+            else:
+                call = convert.parse_register(request, self.limits)
+            del request
+            self._check_windows(call.keymap)
+            kid = convert.keymap_id(call.keymap)
+            self.keymaps.add(kid, call.keymap, call.wire_bytes)
+            if not call.check_episodes:
+                return convert.encode_keymap_id(kid)
+            # Every healthy episode, as the listing shows them (broken ones are listed
+            # there). At 1,600 episodes the check takes ~14 ms and answers ~29 kB (measured
+            # over benchmarks/bench_dataset_build.py's root); it yields every slice.
+            episodes = list(self.catalog.healthy())
+            parts = []
+            for start in range(0, len(episodes), CHECK_SLICE):
+                parts.append(check_keymap(call.keymap, episodes[start: start + CHECK_SLICE]))
+                await asyncio.sleep(0)
+            check = merged(parts)
+            self.stats.keymap_checks += 1
         return convert.encode_keymap_check(kid, check)
 
     @_rpc
@@ -256,6 +281,8 @@ class EpiserveService:
             await self.rescan(arrived)
             results = await self.key_stats.compute(call.keys, call.episodes)
         return convert.encode_key_stats(results)
+
+    @_rpc
     async def get_topology(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         """One process serves every episode: no workers to route to."""
         convert.parse_empty(request, "GetTopology")
@@ -305,7 +332,7 @@ class EpiserveService:
             reserved.append(self.buffers.reserve(peer, nbytes))
 
         try:
-            out = await self._read(request, admit, encode)
+            out = await self._read(request, admit, encode, peer)
         finally:
             self.inflight -= 1
             for release in reserved:
@@ -314,7 +341,8 @@ class EpiserveService:
         return out
 
     async def _read(self, request: bytes, admit: Callable[[int], None],
-                    encode: Callable[[BatchResult], Awaitable[tuple[T, int]]]) -> T:
+                    encode: Callable[[BatchResult], Awaitable[tuple[T, int]]],
+                    peer: str = "") -> T:
         arrived = time.monotonic()
         call = convert.parse_read(request, self.limits)
         del request
@@ -330,23 +358,30 @@ class EpiserveService:
             release_chain(exc)
             await self.rescan(arrived)  # an episode added since the last scan is readable
             result = await self.planner.read(keymap, call.samples, options)
+        except DataLossError as exc:
+            # Files rewritten under an open episode read as data loss: if they changed, the
+            # episode is reopened (its cache entries dropped) and the read is tried again.
+            if not exc.episode or not await self.catalog.recheck(exc.episode):
+                raise
+            release_chain(exc)
+            result = await self.planner.read(keymap, call.samples, options)
         data, nbytes = await encode(result)
         del result
-        self._hint(call, keymap)
+        self._hint(call, keymap, peer)
         self.stats.read_rpcs += 1
         self.stats.bytes_sent += nbytes
         if self.on_batch is not None:
             self.on_batch(len(call.samples))
         return data
 
-    def _hint(self, call: convert.ReadCall, keymap: Keymap) -> None:
+    def _hint(self, call: convert.ReadCall, keymap: Keymap, peer: str) -> None:
         """Queue a Read's prefetch hint, once the read itself is served; never an error."""
         if call.prefetch_refused:
             self.stats.prefetch_hinted_samples += call.prefetch_refused
             self.stats.prefetch_dropped += call.prefetch_refused
         background = self.planner.background
         if call.prefetch and background is not None:
-            background.hint(keymap, call.prefetch)
+            background.hint(keymap, call.prefetch, peer)
 
     def _registered(self, kid: str) -> Keymap:
         keymap = self.keymaps.get(kid)

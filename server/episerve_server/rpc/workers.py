@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,7 @@ from episerve_proto import routing
 from episerve_proto.contract import EPISODE_TRAILER, ERROR_TRAILER, KEY_TRAILER, SERVICE_PATH
 from episerve_proto.errors import EpiserveError, Unavailable, error_class
 from episerve_server.config import ServerConfig
-from episerve_server.rpc.preflight import StartupError
+from episerve_server.rpc.preflight import StartupError, claim_private_dir
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,15 @@ MAX_RESTARTS = 5
 RESTART_WINDOW_S = 60.0
 #: How often the front looks at its workers, and a worker at its front.
 WATCH_S = 0.2
+#: The front health-checks each running worker this often, each check with this deadline;
+#: a worker that misses PROBE_MISSES checks in a row is hung (stopped, or its loop blocked):
+#: it is NOT_SERVING and its calls in flight end as UNAVAILABLE, until a check passes.
+PROBE_S = 0.5
+PROBE_TIMEOUT_S = 2.0
+PROBE_MISSES = 2
+#: Keymaps replayed to a restarted worker at once, and the deadline of each.
+REPLAY_CONCURRENCY = 32
+REPLAY_TIMEOUT_S = 10.0
 #: The longest unix socket path (sun_path, less its NUL).
 MAX_SOCKET_PATH = 107
 WORKER_CHANNEL_OPTIONS = (
@@ -63,20 +73,17 @@ WORKER_CHANNEL_OPTIONS = (
 def runtime_dir(config: ServerConfig) -> Path:
     """Next to the daemon's socket (``<socket>.workers/``), else a fresh temporary folder.
 
-    Readable by everyone who can reach the daemon; with TLS on, by the daemon's user only
-    (the workers speak plaintext, so only the user that runs the daemon may bypass TLS).
+    Mode 0700 either way, owned by the daemon's uid (``preflight.claim_private_dir``): the
+    workers speak plaintext and receive the token, so only the daemon's own user may reach
+    them; other users' clients read through the front.
     """
-    mode = 0o700 if config.tls else 0o755
     if config.unix:
         path = Path(config.unix).resolve()
         folder = path.with_name(path.name + ".workers")
         if len(str(folder / f"{config.worker_count - 1}.sock")) <= MAX_SOCKET_PATH:
-            folder.mkdir(mode=mode, exist_ok=True)
-            os.chmod(folder, mode)
+            claim_private_dir(folder, f"--unix {str(path)!r}")
             return folder
-    folder = Path(tempfile.mkdtemp(prefix="episerve-workers-"))
-    os.chmod(folder, mode)
-    return folder
+    return Path(tempfile.mkdtemp(prefix="episerve-workers-"))  # made exclusively, mode 0700
 
 
 def worker_config(config: ServerConfig, socket: Path, n: int) -> ServerConfig:
@@ -94,8 +101,11 @@ class Worker:
     config: ServerConfig
     process: subprocess.Popen[bytes] | None = None
     channel: grpc.aio.Channel | None = None
-    ready: bool = False
+    ready: bool = False  # serving, and not hung: calls are forwarded to it
     count: int = 1  # workers in the pool: with ``index``, which episodes this one owns
+    hung: bool = False  # running, but missing its health checks
+    restarting: bool = False  # exited; being started again (the probe leaves it alone)
+    calls: set[Any] = field(default_factory=set)  # calls in flight to it
 
     @property
     def address(self) -> str:
@@ -124,7 +134,10 @@ class WorkerPool:
     token: str = field(default="", repr=False)
     restarts: deque[float] = field(default_factory=deque)
     restarts_total: int = 0
+    hangs_total: int = 0
     stopping: bool = False
+    #: Run on a restarted worker before it is ready again (the front replays its keymaps).
+    on_restart: Callable[[int], Awaitable[None]] | None = None
 
     @classmethod
     def create(cls, config: ServerConfig) -> WorkerPool:
@@ -143,10 +156,16 @@ class WorkerPool:
     def all_ready(self) -> bool:
         return all(w.ready for w in self.workers)
 
+    @property
+    def hung(self) -> int:
+        return sum(w.hung for w in self.workers)
+
     async def start(self) -> None:
         for w in self.workers:
             w.spawn()
         await asyncio.gather(*(self._wait_ready(w) for w in self.workers))
+        for w in self.workers:
+            w.ready = True
 
     async def _wait_ready(self, w: Worker) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -163,7 +182,6 @@ class WorkerPool:
             with contextlib.suppress(grpc.RpcError):
                 reply = await check(health_pb2.HealthCheckRequest(), timeout=1.0)
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    w.ready = True
                     return
             await asyncio.sleep(0.05)
         raise StartupError(f"worker {w.index} did not serve within {START_TIMEOUT_S:.0f}s")
@@ -172,14 +190,69 @@ class WorkerPool:
         """Forward one call; a worker's error comes back as the same typed error."""
         w = self.workers[index]
         if w.channel is None or not w.ready:
-            raise Unavailable(f"worker {index} of the daemon is restarting; retry")
+            state = "not answering its health checks" if w.hung else "restarting"
+            raise Unavailable(f"worker {index} of the daemon is {state}; retry")
+        return await self._send(w, method, payload, timeout_s)
+
+    async def _send(self, w: Worker, method: str, payload: bytes, timeout_s: float) -> bytes:
+        assert w.channel is not None
         meta = (("authorization", f"Bearer {self.token}"),) if self.token else ()
-        stub = w.channel.unary_unary(SERVICE_PATH + method)
+        call = w.channel.unary_unary(SERVICE_PATH + method)(
+            payload, timeout=max(timeout_s, 0.001), metadata=meta)
+        w.calls.add(call)
         try:
-            data: bytes = await stub(payload, timeout=max(timeout_s, 0.001), metadata=meta)
+            data: bytes = await call
         except grpc.aio.AioRpcError as exc:
-            raise worker_error(exc, index) from None
+            raise worker_error(exc, w.index) from None
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if w.hung and call.cancelled() and not (task and task.cancelling()):
+                raise Unavailable(f"worker {w.index} of the daemon stopped answering its "
+                                  "health checks during this call; retry") from None
+            raise
+        finally:
+            w.calls.discard(call)
         return data
+
+    async def probe(self, on_change: Callable[[], Awaitable[None]]) -> None:
+        """Health-check every running worker with a deadline: a worker that misses
+        ``PROBE_MISSES`` checks in a row is hung (``NOT_SERVING``; its calls in flight are
+        cancelled and answered ``UNAVAILABLE``, new ones refused) until a check passes."""
+        misses = [0] * len(self.workers)
+        while not self.stopping:
+            await asyncio.sleep(PROBE_S)
+            answers = await asyncio.gather(*(self._check(w) for w in self.workers))
+            for w, ok in zip(self.workers, answers):
+                if ok is None or self.stopping:
+                    continue
+                misses[w.index] = 0 if ok else misses[w.index] + 1
+                if ok and w.hung:
+                    w.hung, w.ready = False, True
+                    log.info("worker %d answers its health checks again", w.index)
+                    await on_change()
+                elif not ok and w.ready and misses[w.index] >= PROBE_MISSES:
+                    w.hung, w.ready = True, False
+                    self.hangs_total += 1
+                    log.warning("worker %d (pid %s) missed %d health checks of %.1fs; "
+                                "NOT_SERVING until it answers", w.index,
+                                w.process.pid if w.process else "?", misses[w.index],
+                                PROBE_TIMEOUT_S)
+                    for call in list(w.calls):
+                        call.cancel()
+                    await on_change()
+
+    async def _check(self, w: Worker) -> bool | None:
+        """Whether ``w`` answers SERVING in time; ``None`` while it is not running."""
+        if w.restarting or w.channel is None or w.exited() is not None:
+            return None
+        check = w.channel.unary_unary("/grpc.health.v1.Health/Check",
+                                      health_pb2.HealthCheckRequest.SerializeToString,
+                                      health_pb2.HealthCheckResponse.FromString)
+        try:
+            reply = await check(health_pb2.HealthCheckRequest(), timeout=PROBE_TIMEOUT_S)
+        except grpc.RpcError:
+            return False if not w.restarting else None
+        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
 
     async def watch(self, on_change: Any, on_give_up: Any) -> None:
         """Restart workers that exit; after MAX_RESTARTS in RESTART_WINDOW_S, give up."""
@@ -191,7 +264,7 @@ class WorkerPool:
                     continue
                 log.warning("worker %d (pid %s) exited with code %s; restarting it", w.index,
                             w.process.pid if w.process else "?", code)
-                w.ready = False
+                w.ready, w.hung, w.restarting = False, False, True
                 await on_change()
                 now = time.monotonic()
                 self.restarts.append(now)
@@ -209,9 +282,27 @@ class WorkerPool:
                 except StartupError as exc:
                     log.warning("restarting worker %d failed: %s", w.index, exc)
                     continue  # exited again: the next pass counts it
+                if self.on_restart is not None:
+                    await self.on_restart(w.index)
+                w.ready, w.restarting = True, False
                 log.info("worker %d is serving again (pid %s)", w.index,
                          w.process.pid if w.process else "?")
                 await on_change()
+
+    async def replay(self, index: int, payloads: list[bytes]) -> None:
+        """Send ``RegisterKeymap`` requests to a worker that is not ready yet, a few at
+        once; a failure is logged (clients that meet ``UnknownKeymap`` register again)."""
+        w = self.workers[index]
+        failed = 0
+        for start in range(0, len(payloads), REPLAY_CONCURRENCY):
+            got = await asyncio.gather(
+                *(self._send(w, "RegisterKeymap", p, REPLAY_TIMEOUT_S)
+                  for p in payloads[start:start + REPLAY_CONCURRENCY]),
+                return_exceptions=True)
+            failed += sum(isinstance(g, BaseException) for g in got)
+        if failed:
+            log.warning("worker %d: %d of %d keymaps could not be registered again", index,
+                        failed, len(payloads))
 
     async def stop(self, grace_s: float) -> None:
         """SIGTERM every worker (each drains for up to ``grace_s``), SIGKILL stragglers."""
@@ -255,6 +346,7 @@ def main() -> None:
     """A worker's entry point: settings from stdin, then serve until told to stop."""
     config, index, count, front_pid = pickle.loads(sys.stdin.buffer.read())
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the front, which decides
+    os.umask(0o077)  # its socket: for the daemon's user alone, like the folder it is in
     from episerve_server.rpc import daemon
 
     daemon.tune_allocator()

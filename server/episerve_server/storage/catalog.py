@@ -13,12 +13,14 @@ open leaves the episode listed as broken with that reason, and the next scan tri
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fnmatch
 import hashlib
 import json
 import logging
 import math
 import re
+import time
 import unicodedata
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import nullcontext
@@ -40,7 +42,7 @@ from episerve_server.core.collector import COLLECTOR
 from episerve_server.core.spans import Span
 from episerve_server.storage.readers import ChunkReader, build_reader
 from episerve_server.storage.readers.bounds import DEFAULT_MAX_ITEM_BYTES, MAX_ROWS
-from episerve_server.storage.store import METADATA_NAMES, CountingStore
+from episerve_server.storage.store import METADATA_NAMES, CountingStore, Refused
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +61,11 @@ MAX_SHARED_VALUE_BYTES = 64 * 2**10
 #: its own loop was measured too, and was worse: a CPU-bound thread makes the loop wait up
 #: to the 5 ms GIL switch interval after every poll.)
 RESCAN_OPEN_LIMIT = 2
+#: Rewritten episodes: a rescan fingerprints every known episode (a local root: each file's
+#: size, mtime and inode, one walk per episode in a worker thread) at most this often, so
+#: listings that each rescan do not each walk the root; this many in one worker thread.
+CHANGE_CHECK_S = 1.0
+CHANGE_CHECK_SLICE = 16
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,199}")
 
 
@@ -91,6 +98,8 @@ class Episode:
     problems: dict[str, str] = field(default_factory=dict)
     spans: dict[str, list[Span]] = field(default_factory=dict)
     content_hash: str = ""  # 16 hex digits over the group's attributes and array metadata
+    fingerprint: str = ""  # what its files were when it was opened (see CountingStore)
+    checked_at: float = 0.0  # when a failed read last had its files checked (monotonic)
     # Annotation loads in flight: concurrent first reads share one (single-flight).
     span_loads: dict[str, asyncio.Future[list[Span]]] = field(default_factory=dict)
 
@@ -120,6 +129,8 @@ class Catalog:
         self._scan_lock = asyncio.Lock()
         self._shared: dict[str, Any] = {}  # canonical JSON -> the one parsed value kept
         self._scans = 0
+        self._broken_prints: dict[str, str] = {}  # broken episodes' fingerprints
+        self._changes_at = -math.inf  # when the last check for rewritten episodes started
 
     def allowed(self, episode_id: str) -> bool:
         return not self.allow or any(fnmatch.fnmatchcase(episode_id, p) for p in self.allow)
@@ -144,11 +155,18 @@ class Catalog:
             )
         raise EpisodeNotFound(f"episode {episode_id!r} is not in the dataset", episode=episode_id)
 
+    def current(self, episode_id: str, key: str, reader: object) -> bool:
+        """Whether ``reader`` is what the catalog serves now for that episode's key (not a
+        reader of an episode since dropped or reopened)."""
+        episode = self.episodes.get(episode_id)
+        return episode is not None and episode.readers.get(key) is reader
+
     def drop(self, episode_id: str) -> None:
         """Forget an episode whose folder went away while it was served."""
         known = episode_id in self.episodes or episode_id in self.broken
         self.episodes.pop(episode_id, None)
         self.broken.pop(episode_id, None)
+        self._broken_prints.pop(episode_id, None)
         self._retry.discard(episode_id)
         if known:
             log.warning("episode %s was removed from the root; dropped", episode_id)
@@ -163,17 +181,64 @@ class Catalog:
             for name in removed:  # one at a time: a Read waits for one drop at most
                 self.drop(name)
                 await asyncio.sleep(0)
-            known = set(self.episodes) | (set(self.broken) - self._retry)
-            added = sorted(names - known)
             first, self._scans = not self._scans, self._scans + 1
+            changed = set() if first else await self._changed()
+            known = set(self.episodes) | (set(self.broken) - self._retry)
+            added = sorted((names - known) | (changed & names))
             limit = self.open_limit if first else min(self.open_limit, RESCAN_OPEN_LIMIT)
             with COLLECTOR.opening(len(added)) if added and not first else nullcontext():
                 outcomes = await _open_many(self.store, added, limit, self.max_item_bytes,
                                             not first)
                 for name, outcome in zip(added, outcomes):
-                    self._opened(name, outcome)
+                    self._opened(name, outcome, reopen=name in changed)
                     await asyncio.sleep(0)  # adding one is ~0.1-0.5 ms: serve between them
             return added, removed
+
+    def _print_of(self, name: str) -> str | None:
+        episode = self.episodes.get(name)
+        return episode.fingerprint if episode is not None else self._broken_prints.get(name)
+
+    async def _changed(self) -> set[str]:
+        """The known episodes whose files changed since they were opened (at most once per
+        ``CHANGE_CHECK_S``; a few at a time, the loop served between them)."""
+        now = time.monotonic()
+        if now - self._changes_at < CHANGE_CHECK_S:
+            return set()
+        self._changes_at = now
+        names = sorted(set(self.episodes) | (set(self.broken) - self._retry))
+        changed: set[str] = set()
+        for start in range(0, len(names), CHANGE_CHECK_SLICE):
+            part = names[start: start + CHANGE_CHECK_SLICE]
+            try:
+                prints = await self.store.fingerprints([n + SUFFIX for n in part])
+            except (Unavailable, Refused):  # slow storage: checked again on the next scan
+                continue
+            changed.update(n for n, (fp, _) in zip(part, prints) if fp != self._print_of(n))
+        return changed
+
+    async def _fingerprint(self, name: str) -> str | None:
+        try:
+            return (await self.store.fingerprint(name + SUFFIX))[0]
+        except (Unavailable, Refused):  # slow storage: checked again on the next scan
+            return None
+
+    async def recheck(self, name: str, *, every_s: float = CHANGE_CHECK_S) -> bool:
+        """After a read of ``name`` failed as data loss: whether its files changed since it
+        was opened, and if so reopen it (its cache entries dropped). Checked at most once
+        per ``every_s`` per episode."""
+        episode = self.episodes.get(name)
+        if episode is None or time.monotonic() - episode.checked_at < every_s:
+            return False
+        episode.checked_at = time.monotonic()
+        fp = await self._fingerprint(name)
+        if fp is None or fp == episode.fingerprint:
+            return False
+        async with self._scan_lock:
+            if self.episodes.get(name) is not episode:  # a scan reopened it meanwhile
+                return True
+            outcome = (await _open_many(self.store, [name], 1, self.max_item_bytes, True))[0]
+            self._opened(name, outcome, reopen=True)
+        return True
 
     def _share(self, attrs: dict[str, Any]) -> dict[str, Any]:
         """The same attributes, with each value equal to one another episode has (a
@@ -210,21 +275,35 @@ class Catalog:
                 names.add(name)
         return names
 
-    def _opened(self, name: str, episode: Episode | BaseException) -> None:
-        self._retry.discard(name)
-        if isinstance(episode, BrokenEpisodeError):
-            self.broken[name] = episode.message
-            log.warning("episode %s is broken: %s", name, episode.message)
-            return
-        if isinstance(episode, Unavailable):
-            self.broken[name] = episode.message
-            self._retry.add(name)
-            log.warning("episode %s could not be opened, will retry: %s", name,
-                        episode.message)
-            return
-        if isinstance(episode, BaseException):
+    def _opened(self, name: str, opened: tuple[str, Episode | BaseException],
+                reopen: bool = False) -> None:
+        """Add what opening ``name`` gave; ``reopen``: it replaces what was served before
+        (whose cache entries are dropped first)."""
+        fingerprint, episode = opened
+        if isinstance(episode, BaseException) and not isinstance(
+                episode, BrokenEpisodeError | Unavailable):
             raise episode
+        self._retry.discard(name)
+        if reopen and (name in self.episodes or name in self.broken):
+            self.episodes.pop(name, None)
+            self.broken.pop(name, None)
+            self.store.stats.episodes_reopened += 1
+            log.warning("episode %s was rewritten in place; reopened", name)
+            if self.on_drop is not None:
+                self.on_drop(name)
+        if isinstance(episode, BrokenEpisodeError | Unavailable):
+            self.episodes.pop(name, None)
+            self.broken[name] = episode.message
+            self._broken_prints[name] = fingerprint
+            if isinstance(episode, Unavailable):
+                self._retry.add(name)
+                log.warning("episode %s could not be opened, will retry: %s", name,
+                            episode.message)
+            else:
+                log.warning("episode %s is broken: %s", name, episode.message)
+            return
         self.broken.pop(name, None)
+        self._broken_prints.pop(name, None)
         episode.attrs = self._share(episode.attrs)
         self.episodes[name] = episode
         if episode.problems:
@@ -232,28 +311,37 @@ class Catalog:
 
 
 async def _open_many(store: CountingStore, names: list[str], limit: int,
-                     max_item_bytes: int, serving: bool) -> list[Episode | BaseException]:
-    """Each episode opened, or the ``BrokenEpisodeError``/``Unavailable`` saying why not;
-    at most ``limit`` at a time."""
+                     max_item_bytes: int, serving: bool,
+                     ) -> list[tuple[str, Episode | BaseException]]:
+    """Each episode's fingerprint (taken before it is opened, so a write during the open is
+    seen by the next scan) and the episode opened, or the ``BrokenEpisodeError`` /
+    ``Unavailable`` saying why not; at most ``limit`` at a time."""
     sem = asyncio.Semaphore(limit)
 
-    async def one(name: str) -> Episode | BaseException:
+    async def one(name: str) -> tuple[str, Episode | BaseException]:
         async with sem:
+            fingerprint, sizes = "", ""
             try:
-                return await open_episode(store, name, max_item_bytes=max_item_bytes,
-                                          one_at_a_time=serving)
+                # a metadata document the store refuses: the open below says so
+                with contextlib.suppress(Refused):
+                    fingerprint, sizes = await store.fingerprint(name + SUFFIX)
+                episode = await open_episode(store, name, max_item_bytes=max_item_bytes,
+                                             one_at_a_time=serving, sizes=sizes)
             except (BrokenEpisodeError, Unavailable) as exc:
-                return exc
+                return fingerprint, exc
+            episode.fingerprint = fingerprint
+            return fingerprint, episode
 
     return list(await asyncio.gather(*(one(n) for n in names)))
 
 
 async def open_episode(store: CountingStore, name: str, *,
                        max_item_bytes: int = DEFAULT_MAX_ITEM_BYTES,
-                       one_at_a_time: bool = False) -> Episode:
+                       one_at_a_time: bool = False, sizes: str = "") -> Episode:
     """Open one episode group; ``BrokenEpisodeError`` says why it cannot be served
     (``Unavailable`` if storage timed out). ``one_at_a_time``: the arrays' metadata one
-    after the other (while serving: one parse step ready at a time, not one per array)."""
+    after the other (while serving: one parse step ready at a time, not one per array).
+    ``sizes``: a digest of the stored objects' sizes, part of the content hash."""
     try:
         group = await zasync.open_group(store=StorePath(store, name + SUFFIX), mode="r")
         attrs = dict(group.attrs)
@@ -274,7 +362,7 @@ async def open_episode(store: CountingStore, name: str, *,
     else:
         members = await asyncio.gather(*(group.getitem(k) for k in keys),
                                        return_exceptions=True)
-    episode.content_hash = content_hash(attrs, keys, members)
+    episode.content_hash = content_hash(attrs, keys, members, sizes)
     for key, member in zip(keys, members):
         if isinstance(member, Unavailable):
             raise member
@@ -297,11 +385,16 @@ async def _member(group: Any, key: str) -> Any:
         return exc
 
 
-def content_hash(attrs: Mapping[str, Any], keys: Iterable[str], members: Iterable[object]) -> str:
-    """16 hex digits of sha256 over the group's attributes and each array's metadata
-    (shape, inner and outer chunks, dtype, codecs): it changes when the episode is
-    rewritten with other attributes or shapes."""
+def content_hash(attrs: Mapping[str, Any], keys: Iterable[str], members: Iterable[object],
+                 sizes: str = "") -> str:
+    """16 hex digits of sha256 over the group's attributes, each array's metadata (shape,
+    inner and outer chunks, dtype, codecs) and ``sizes`` (a local root: every stored
+    object's name and size): it changes when the episode is rewritten with other
+    attributes, shapes or stored bytes. It does not depend on where or when the files were
+    written, so copies of an episode agree."""
     digest = hashlib.sha256(json.dumps(attrs, sort_keys=True, default=str).encode())
+    if sizes:
+        digest.update(f"\0sizes\0{sizes}".encode())
     for key, member in zip(keys, members):
         if isinstance(member, AsyncArray):  # (to_dict would cost 10% of opening)
             meta = member.metadata

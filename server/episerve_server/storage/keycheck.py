@@ -53,7 +53,8 @@ def check_keymap(keymap: Keymap, episodes: Sequence[Episode]) -> KeymapCheck:
         readers = ep.readers
         missing = next(((n, k) for n, k in keys if k not in readers), None)
         if missing is not None:
-            problems.append(KeyProblem(ep.hash, missing_array_reason(*missing), missing[1]))
+            problems.append(KeyProblem(ep.hash, missing_array_reason(*missing, readers),
+                                       missing[1]))
             continue
         features = ep.features
         for key in framed:

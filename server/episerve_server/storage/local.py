@@ -25,6 +25,8 @@ episode, the chunk readers into ``DataLossError``.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import itertools
 import os
 import posixpath
 import stat
@@ -166,6 +168,10 @@ class ConfinedLocalStore(LocalStore):
                         raise ObjectTooLarge(key, f"holds {size} bytes, over the limit of {cap}")
                     start, stop = _span(byte_range, size)
                     out[i] = _pread(fd, start, stop - start)
+            except OSError as exc:  # (pread does not say which file it was reading)
+                if exc.filename is None:
+                    exc.filename = key
+                raise
             finally:
                 os.close(fd)
         return out
@@ -230,6 +236,45 @@ class ConfinedLocalStore(LocalStore):
             return sorted(os.listdir(real))
         except (FileNotFoundError, NotADirectoryError):
             return []
+
+    def fingerprint_sync(self, prefix: str, max_files: int) -> tuple[str, str]:
+        """What a folder holds, as two digests of 16 hex digits: one over every entry's
+        name, size, mtime and inode (it changes when any file under ``prefix`` is written,
+        replaced, added or removed), one over the regular files' names and sizes only (the
+        same for a copy). Links are not followed; past ``max_files`` entries the walk stops
+        (and says so)."""
+        real = os.path.realpath(os.path.join(self.root, prefix))
+        if not self.inside(real) or not os.path.isdir(real):
+            return "absent", ""
+        changes, sizes = hashlib.sha256(), hashlib.sha256()
+        todo, seen = [(real, "")], 0
+        while todo and seen <= max_files:
+            folder, rel = todo.pop()
+            try:
+                with os.scandir(folder) as it:
+                    entries = sorted(itertools.islice(it, max_files + 1 - seen),
+                                     key=lambda e: e.name)
+            except OSError as exc:
+                changes.update(f"\0{rel}\0!{type(exc).__name__}".encode())
+                continue
+            for entry in entries:
+                seen += 1
+                if seen > max_files:
+                    break
+                name = f"{rel}/{entry.name}"
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                if stat.S_ISDIR(st.st_mode):
+                    todo.append((entry.path, name))
+                elif stat.S_ISREG(st.st_mode):
+                    sizes.update(f"\0{name}\0{st.st_size}".encode())
+                changes.update(f"\0{name}\0{st.st_mode}\0{st.st_size}\0{st.st_mtime_ns}"
+                               f"\0{st.st_ino}".encode())
+        if seen > max_files:
+            changes.update(b"\0truncated")
+        return changes.hexdigest()[:16], sizes.hexdigest()[:16]
 
     async def list(self) -> AsyncIterator[str]:
         raise NotImplementedError("a confined root is never listed recursively")

@@ -9,6 +9,7 @@ there after it arrives, since the size is not known before.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import posixpath
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from typing import Any, TypeVar
@@ -43,6 +44,33 @@ T = TypeVar("T")
 DEFAULT_MAX_CONNECTIONS = 64
 # Matches ServerConfig.store_timeout_s's default.
 DEFAULT_TIMEOUT_S = 30.0
+#: Entries one episode's fingerprint looks at, at most (a local root).
+MAX_FINGERPRINT_FILES = 65536
+
+
+_TRANSPORT_ERRORS: tuple[type[BaseException], ...] | None = None
+
+
+def transport_errors() -> tuple[type[BaseException], ...]:
+    """The exceptions an object-store client raises when a connection fails (reset, refused,
+    closed mid-answer): botocore's connection and HTTP-client errors and aiohttp's client
+    errors. They are no ``OSError``, but mean the same as one: storage did not answer this
+    time. Looked up on first use, from the packages that are installed (the ``s3`` extra)."""
+    global _TRANSPORT_ERRORS
+    if _TRANSPORT_ERRORS is None:
+        found: list[type[BaseException]] = []
+        try:
+            from botocore import exceptions as boto
+            found += [boto.ConnectionError, boto.HTTPClientError]
+        except ImportError:
+            pass
+        try:
+            import aiohttp
+            found.append(aiohttp.ClientError)
+        except ImportError:
+            pass
+        _TRANSPORT_ERRORS = tuple(found)
+    return _TRANSPORT_ERRORS
 
 
 def split_key(store_key: str) -> tuple[str, str]:
@@ -87,15 +115,28 @@ class CountingStore(WrapperStore[Store]):
             self.stats.store_reads += 1
 
     async def _timed(self, call: str, key: str, work: Callable[[], Awaitable[T]]) -> T:
-        if not self.timeout_s or self.timeout_s <= 0:
-            return await work()
+        """``work()`` bounded by ``timeout_s``; a timeout or a failed connection of an object
+        store is ``Unavailable`` naming the key (an ``OSError`` names the key it failed on)."""
         try:
+            if not self.timeout_s or self.timeout_s <= 0:
+                return await work()
             return await asyncio.wait_for(work(), self.timeout_s)
         except TimeoutError as exc:
             episode, array = split_key(key)
             raise Unavailable(
                 f"storage call {call}({key!r}) timed out after {self.timeout_s} s "
                 "(slow or hung storage; retry later)", episode=episode, key=array,
+            ) from exc
+        except OSError as exc:
+            if exc.filename is None:
+                exc.filename = key
+            raise
+        except transport_errors() as exc:
+            failed = getattr(exc, "episerve_key", key)
+            episode, array = split_key(failed)
+            raise Unavailable(
+                f"storage call {call}({failed!r}) failed: the connection to storage broke "
+                f"({type(exc).__name__}: {exc}); retry later", episode=episode, key=array,
             ) from exc
 
     async def _get(self, call: str, key: str, prototype: BufferPrototype,
@@ -139,7 +180,7 @@ class CountingStore(WrapperStore[Store]):
         else:
             proto = default_buffer_prototype()
             bufs = await self._timed("get_many", requests[0][0], lambda: asyncio.gather(
-                *(inner.get(key, proto, rng) for key, rng, _ in requests)))
+                *(_keyed(key, inner.get(key, proto, rng)) for key, rng, _ in requests)))
             out = [None if b is None else b.to_bytes() for b in bufs]
         for (key, _, cap), data in zip(requests, out):
             if data is not None and len(data) > cap:
@@ -164,6 +205,44 @@ class CountingStore(WrapperStore[Store]):
 
         for entry in await self._timed("list_dir", prefix, collect):
             yield entry
+
+    async def fingerprints(self, folders: Sequence[str]) -> list[tuple[str, str]]:
+        """:meth:`fingerprint` of each folder; a local root walks them all in one worker
+        thread (one thread competing with the event loop for the GIL, not one each)."""
+        local = self._local()
+        if local is None:
+            return [await self.fingerprint(f) for f in folders]
+        names = list(folders)
+        return await self._timed("fingerprint", names[0] if names else "", lambda: (
+            asyncio.to_thread(lambda: [local.fingerprint_sync(f, MAX_FINGERPRINT_FILES)
+                                       for f in names])))
+
+    def _local(self) -> ConfinedLocalStore | None:
+        inner = self._store
+        while isinstance(inner, LatencyStore):
+            inner = inner._store
+        return inner if isinstance(inner, ConfinedLocalStore) else None
+
+    async def fingerprint(self, folder: str) -> tuple[str, str]:
+        """Two digests of what ``folder`` serves: one that changes when anything in it is
+        rewritten, and one of the stored objects' sizes for the content hash ("" when the
+        store cannot tell). A local root: every file's size, mtime and inode, one walk in a
+        worker thread. Another store: the bytes of the folder's own metadata documents
+        (so there a rewrite is seen when the group's attributes, such as its length,
+        change)."""
+        local = self._local()
+        if local is not None:
+            return await self._timed("fingerprint", folder, lambda: asyncio.to_thread(
+                local.fingerprint_sync, folder, MAX_FINGERPRINT_FILES))
+        digest = hashlib.sha256()
+        for doc in ("zarr.json", ".zattrs", ".zgroup"):
+            try:
+                buf = await self.get(f"{folder}/{doc}", default_buffer_prototype())
+            except FileNotFoundError:
+                buf = None
+            digest.update(f"\0{doc}\0".encode())
+            digest.update(b"-" if buf is None else buf.to_bytes())
+        return digest.hexdigest()[:16], ""
 
     async def get_partial_values(
         self,
@@ -228,3 +307,17 @@ def object_store_options(root: str, storage_options: dict[str, Any] | None,
         else:
             options[key] = value
     return options
+
+
+async def _keyed(key: str, call: Awaitable[T]) -> T:
+    """``await call``; what it raises says which key it was for (one call of a batch)."""
+    try:
+        return await call
+    except OSError as exc:
+        if exc.filename is None:
+            exc.filename = key
+        raise
+    except Exception as exc:
+        if not hasattr(exc, "episerve_key"):
+            exc.episerve_key = key  # type: ignore[attr-defined]
+        raise

@@ -220,16 +220,18 @@ async def _phase(plan: Plan, clients: Sequence[CountingClient | ThreadedClient],
         if left <= 0:
             break
         _, pending = await asyncio.wait(pending, timeout=min(PROGRESS_EVERY_S, left))
-        progress.tick()
+        if pending:  # a last, partial interval would give a rate of its few stragglers
+            progress.tick()
     for t in pending:
         t.cancel()
     await asyncio.gather(*pending, return_exceptions=True)
     elapsed = time.monotonic() - start
-    progress.close()
     for t in tasks:
         if not t.cancelled() and t.exception() is not None:
             raise t.exception()  # type: ignore[misc]
-    return merged([c.tally for c in clients]), elapsed
+    tally = merged([c.tally for c in clients])
+    progress.close(tally, elapsed)
+    return tally, elapsed
 
 
 async def _cache_counters(client: AsyncClient, targets: Sequence[str]) -> dict[str, int] | None:

@@ -106,7 +106,8 @@ class Tallied(Protocol):
 
 
 class Progress:
-    """One status line on stderr, about every second: rates over the last interval."""
+    """One status line on stderr, about every second, with the rates of the last interval,
+    then one with the whole phase's figures, the same as its summary's."""
 
     def __init__(self, label: str, clients: Sequence[Tallied], length_s: float,
                  enabled: bool) -> None:
@@ -129,16 +130,25 @@ class Progress:
         nbytes = sum(c.tally.bytes for c in self.clients)
         dt = max(now - self.last, 1e-9)
         p = percentiles(fresh)
-        line = (f"[{self.label} {now - self.start:5.1f}/{self.length_s:.0f}s] "
-                f"{(ok - self.prev[0]) / dt:8.1f} RPC/s {(samples - self.prev[1]) / dt:9.0f} "
-                f"samples/s {(nbytes - self.prev[2]) / 1e6 / dt:7.1f} MB/s  "
-                f"p50 {p['p50'] or 0:7.1f} ms  p99 {p['p99'] or 0:7.1f} ms  "
-                f"reads {ok:,}  failed {failed:,}")
+        self._write(f"[{self.label} {now - self.start:5.1f}/{self.length_s:.0f}s] "
+                    f"{(ok - self.prev[0]) / dt:8.1f} RPC/s {(samples - self.prev[1]) / dt:9.0f} "
+                    f"samples/s {(nbytes - self.prev[2]) / 1e6 / dt:7.1f} MB/s  "
+                    f"p50 {p['p50'] or 0:7.1f} ms  p99 {p['p99'] or 0:7.1f} ms  "
+                    f"reads {ok:,}  failed {failed:,}")
         self.last, self.prev = now, (ok, samples, nbytes)
+
+    def close(self, tally: Tally, elapsed_s: float) -> None:
+        """The phase's line: its figures over ``elapsed_s``, as ``summarize`` gives them."""
+        s = summarize(tally, elapsed_s, None)
+        lat, failed = s["latency_ms"], sum(s["codes"].values()) - s["reads"]
+        self._write(f"[{self.label} done in {s['elapsed_s']:.1f}s] {s['rpc_per_s']:,.1f} RPC/s "
+                    f"{s['samples_per_s']:,.0f} samples/s {s['mb_per_s']:,.1f} MB/s  "
+                    f"p50 {lat['p50'] or 0:.1f} ms  p99 {lat['p99'] or 0:.1f} ms  "
+                    f"reads {s['reads']:,}  failed {failed:,}  (whole phase)")
+        if self.enabled and self.tty:
+            sys.stderr.write("\n")
+
+    def _write(self, line: str) -> None:
         if self.enabled:
             sys.stderr.write(f"\r{line}\x1b[K" if self.tty else f"{line}\n")
             sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.enabled and self.tty:
-            sys.stderr.write("\n")

@@ -21,8 +21,10 @@ from collections.abc import Callable
 import numcodecs
 from numcodecs import blosc as _blosc
 
+from episerve_proto.contract import MAX_EPISODE_FRAMES
+
 # -- limits on array metadata (beyond them an array, or the episode, is refused at open) ------
-MAX_ROWS = 10**8  # rows of an array, and total_frames; far above real data, far below 2**31
+MAX_ROWS = MAX_EPISODE_FRAMES  # rows of an array, and total_frames (the contract's bound)
 MAX_NDIM = 8
 MAX_FEATURE_ELEMENTS = 2**24  # values per row
 MAX_ROW_BYTES = 64 << 20  # bytes per row of the float32 output
