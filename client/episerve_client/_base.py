@@ -69,7 +69,7 @@ class Sleep:
 
 
 Op: TypeAlias = Call | Sleep
-Outcome: TypeAlias = bytes | EpiserveError | None
+Outcome: TypeAlias = bytes | ReadResult | EpiserveError | None  # ReadResult: the local plane
 Flow: TypeAlias = Generator[list[Op], list[Outcome], Any]
 
 
@@ -399,9 +399,11 @@ class BaseClient:
             outcomes = yield calls
             pending, retry_after = [], False
             for (t, idx), out in zip(groups, outcomes):
-                if isinstance(out, bytes):
+                if isinstance(out, bytes | ReadResult):
                     expect = convert.Expected.of([samples[i] for i in idx], km, all_masks)
-                    parts.append((idx, convert.read_result(out, expect)))
+                    parts.append((idx, convert.check_result(out, expect)
+                                  if isinstance(out, ReadResult)
+                                  else convert.read_result(out, expect)))
                     continue
                 assert isinstance(out, EpiserveError)
                 if isinstance(out, UnknownKeymap):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -21,7 +22,8 @@ from episerve_client._base import (
 )
 from episerve_client.channel import CHANNEL_OPTIONS, close_at_exit
 from episerve_client.convert import KeymapCheck, KeyStats, Listing, ReadResult
-from episerve_client.errors import from_rpc_error
+from episerve_client.errors import EpiserveError, from_rpc_error
+from episerve_client.local import Adopt, LocalChannel, check_transport, pick_local
 from episerve_proto.contract import SERVICE_PATH
 
 
@@ -29,7 +31,28 @@ class Client(BaseClient):
     """``Client("unix:///run/episerve.sock")``, ``Client("host:50051")`` or a list of targets.
 
     Safe to build before a fork: no channel exists until the first call in a process.
+
+    ``transport``: ``"grpc"`` (the default, for now) always reads over gRPC; ``"auto"``
+    talks to a unix-socket daemon of this host over its local shared-memory plane when it
+    offers one (``<socket>.local``), and over gRPC otherwise, logging once per target
+    which; ``"local"`` forces the plane. Over
+    the local plane, a batch's arrays are views of shared memory that the daemon reuses
+    only once nothing refers to them.
     """
+
+    def __init__(self, target: str | Sequence[str], *, transport: str = "grpc",
+                 **options: Any) -> None:
+        super().__init__(target, **options)
+        self.transport = check_transport(transport, self.targets)
+        self._local: dict[str, LocalChannel | None] = {}
+        #: Set by ``WindowDataset`` in a DataLoader worker: batches over the local plane
+        #: keep their segment, mapped by this (``LocalChannel.call``).
+        self.adopt_segment: Adopt | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_local"] = {}  # sockets never travel to another process
+        return state
 
     def __enter__(self) -> Client:
         return self
@@ -42,6 +65,10 @@ class Client(BaseClient):
         exits are closed then, a DataLoader worker's included."""
         for channel in self._take_channels():
             channel.close()
+        local, self._local = self._local, {}
+        for plane in local.values():
+            if plane is not None:
+                plane.close()
 
     def list_episodes(self, *, timeout_s: float | None = None, brief: bool = False,
                       hashes: Sequence[str] | None = None) -> Listing:
@@ -112,15 +139,34 @@ class Client(BaseClient):
         calls = [op for op in ops if isinstance(op, Call)]
         if len(calls) != len(ops):
             raise TypeError(f"a flow step mixes calls with sleeps: {ops!r}")
-        futures = [self._start(call) for call in calls]
+        planes = [self._plane(call.target) for call in calls]
+        futures = [self._start(call) if plane is None else None
+                   for call, plane in zip(calls, planes)]
         out: list[Outcome] = []
-        for call, fut in zip(calls, futures):
+        for call, plane, fut in zip(calls, planes, futures):
             try:
-                out.append(fut.result())
+                if plane is not None:
+                    out.append(plane.call(call.method, call.payload, call.timeout_s,
+                                          self.adopt_segment))
+                elif fut is not None:
+                    out.append(fut.result())
                 self.answered.add(call.target)
             except grpc.RpcError as exc:
                 out.append(from_rpc_error(exc, call.target))
+            except EpiserveError as exc:
+                out.append(exc)
         return out
+
+    def _plane(self, target: str) -> LocalChannel | None:
+        """This process's local-plane channel to ``target``, or None for gRPC."""
+        if self._pid != os.getpid():
+            self._take_channels()  # forked: drop the parent's channels and planes
+            self._local, self._pid = {}, os.getpid()
+        if target in self._local:
+            return self._local[target]
+        plane = pick_local(target, self.transport, self.token)
+        self._local[target] = plane
+        return plane
 
     def _start(self, call: Call) -> Any:
         channel = self._channel(call.target)

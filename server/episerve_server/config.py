@@ -22,7 +22,7 @@ PORTS = ("port", "metrics_port", "health_port")
 DURATIONS = ("grace_s", "rescan_s", "store_timeout_s", "max_connection_age_s",
              "max_connection_idle_s", "inject_latency_s", "log_summary_s")
 COUNTS = ("max_batch", "max_window", "max_concurrent_reads", "max_store_concurrency",
-          "max_keymap_entries", "max_streams_per_connection")
+          "max_keymap_entries", "max_streams_per_connection", "local_segments")
 PRELOAD_KINDS = ("off", "numeric")
 ZERO_OK = ("cache_bytes", "prefetch_bytes")  # sizes where 0 means off
 #: Connection timers gRPC takes in whole milliseconds (a C int): 0 turns one off; below a
@@ -106,6 +106,11 @@ class ServerConfig:
     # process on the daemon's address is a front and each worker serves a share of the
     # episodes (rpc/front.py, rpc/workers.py).
     workers: int = 0
+    # The local plane (rpc/local.py): shared-memory Reads on ``<unix>.local`` for clients
+    # of this host; the uids allowed besides the daemon's own; segments lent per connection.
+    local_plane: bool = True
+    local_uids: tuple[str, ...] = ()
+    local_segments: int = 4
 
     @property
     def tls(self) -> bool:
@@ -184,6 +189,9 @@ class ServerConfig:
             if not pattern.strip():
                 raise ValueError(f"allow: an empty pattern would match nothing, got {self.allow!r}")
         self._validate_workers()
+        for uid in self.local_uids:
+            if not uid.isdigit():
+                raise ValueError(f"local_uids must be numeric uids, got {uid!r}")
 
     def _validate_workers(self) -> None:
         value = self.workers
@@ -345,6 +353,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, help="read processes, each serving a share of the "
                    "episodes with cache-bytes/N of cache; 0: one per four usable cores, 1 "
                    "to 8 (default 0); 1: one process")
+    p.add_argument("--no-local-plane", dest="local_plane", action="store_const", const=False,
+                   help="with --unix: do not open the local shared-memory plane beside the "
+                   "socket (default: open it at PATH.local)")
+    p.add_argument("--local-uids", action="append", help="uids besides the daemon's own "
+                   "that may use the local plane (repeatable; the variable takes them "
+                   "comma-separated)")
+    p.add_argument("--local-segments", type=int, help="shared-memory segments lent to one "
+                   "local-plane connection at once; a Read waits for one to come back "
+                   "(default 4)")
     p.add_argument("--inject-latency-s", type=float, help=argparse.SUPPRESS)
     p.add_argument("--prefetch-bytes", help="decoded bytes in flight for Read prefetch "
                    "hints, at most half of --cache-bytes (default 256MiB); 0 ignores hints")

@@ -9,6 +9,8 @@ from typing import Any, overload
 import numpy as np
 import torch
 
+from episerve_client.data.shared import as_tensor
+
 
 @dataclass(slots=True)
 class SampleBatch(Sequence[dict[str, Any]]):
@@ -52,7 +54,7 @@ class SampleBatch(Sequence[dict[str, Any]]):
         return out
 
     def columns(self) -> dict[str, Any]:
-        out: dict[str, Any] = {k: torch.from_numpy(v) for k, v in self.arrays.items()}
+        out: dict[str, Any] = {k: as_tensor(v) for k, v in self.arrays.items()}
         out.update(self.objects)
         out["episode_hash"] = list(self.episode_hash)
         if isinstance(self.embodiment, np.ndarray):

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, get_worker_info
 
 from episerve_client._base import KeymapLike, load_keymap
 from episerve_client._probe import Survey, describe, key_stats, probe
@@ -26,12 +26,14 @@ from episerve_client.data.jpeg import (
     decode_column,
 )
 from episerve_client.data.manifest import Manifest
+from episerve_client.data.shared import adopt_segment
 from episerve_client.errors import (
     DataLossError,
     EpisodeNotFound,
     FailedPrecondition,
     InvalidArgument,
 )
+from episerve_client.local import TRANSPORTS
 
 DEFAULT_CONNECT_TIMEOUT_S = 15.0
 MASK_MODES = ("spec", "all")
@@ -67,6 +69,10 @@ class WindowDataset(Dataset[dict[str, Any]]):
       ``manifest`` given, rank 0 lists the daemon and every rank builds on rank 0's manifest
       (``torch.distributed.broadcast_object_list``: a collective, so every rank must build
       the dataset; with NCCL set the rank's CUDA device first). ``False`` lists per rank.
+    - ``transport``: how workers read (``Client``'s ``transport``): ``"grpc"`` (the
+      default, for now); ``"auto"`` uses the daemon's local shared-memory plane for a
+      unix-socket daemon of this host that offers it (no gRPC in the workers then), gRPC
+      otherwise; ``"local"`` forces the plane.
     """
 
     def __init__(self, target: str | Sequence[str], keymap: KeymapLike, *,
@@ -78,8 +84,10 @@ class WindowDataset(Dataset[dict[str, Any]]):
                  frames: str = "float32", masks: str = "spec",
                  manifest: Manifest | str | Path | None = None, on_broken: str = "skip",
                  sync_ranks: bool = True,
-                 max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES) -> None:
+                 max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES,
+                 transport: str = "grpc") -> None:
         _choice("frames", frames, FRAME_MODES)
+        _choice("transport", transport, TRANSPORTS)
         _choice("masks", masks, MASK_MODES)
         _choice("on_broken", on_broken, ON_BROKEN)
         if episodes is not None and manifest is not None:
@@ -92,6 +100,7 @@ class WindowDataset(Dataset[dict[str, Any]]):
         self.transforms = tuple(transforms)
         self.embodiment_ids = dict(embodiment_ids) if embodiment_ids is not None else None
         self.client_options = dict(client_options or {})
+        self.transport = transport
         self.frames, self.masks, self.on_broken = frames, masks, on_broken
         if isinstance(max_decoded_bytes, bool) or not isinstance(max_decoded_bytes, int) \
                 or max_decoded_bytes < 1:
@@ -217,7 +226,10 @@ class WindowDataset(Dataset[dict[str, Any]]):
     @property
     def client(self) -> Client:
         if self._client is None:
-            self._client = Client(self.target, **self.client_options)
+            self._client = Client(self.target, transport=self.transport,
+                                  **self.client_options)
+            if get_worker_info() is not None:  # batches go to the main process as handles
+                self._client.adopt_segment = adopt_segment
             # Building the dataset talked to the daemon: in every process (a DataLoader
             # worker too) a daemon that does not answer is restarting, so calls wait for
             # it until their deadline instead of failing as a wrong target would.

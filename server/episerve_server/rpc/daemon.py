@@ -85,6 +85,7 @@ class Daemon:
     extra_servers: list[Any]
     metrics: Any = None
     summary: RpcSummary | None = None
+    local: Any = None  # the local plane (rpc/local.py), with --unix unless turned off
 
     async def drain(self) -> None:
         """Health NOT_SERVING, refuse new reads, let in-flight reads finish, then stop."""
@@ -94,6 +95,8 @@ class Daemon:
         while self.service.inflight and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         await self.server.stop(max(0.1, deadline - time.monotonic()))
+        if self.local is not None:
+            await self.local.stop()
         for extra in self.extra_servers:
             await extra.stop(0)
         if self.metrics is not None:
@@ -127,11 +130,16 @@ async def start(config: ServerConfig, *, stats: Stats | None = None,
     introspection.add_reflection(server, (SERVICE_NAME,))
     assert episerve_pb2.DESCRIPTOR.services_by_name["EpiServe"]
     extra: list[Any] = []
+    plane = None
     try:
         address = _bind(server, config)
         if config.health_port:
             extra.append(await _health_server(config, health_servicer))
         await server.start()
+        if config.unix and config.local_plane:
+            from episerve_server.rpc.local import LocalPlane
+
+            plane = await LocalPlane.start(config, service)
     except StartupError:
         for s in (server, *extra):
             await s.stop(0)
@@ -141,7 +149,7 @@ async def start(config: ServerConfig, *, stats: Stats | None = None,
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return Daemon(config, server, health_servicer, service, address, extra, metrics,
-                  logging_interceptor.summary)
+                  logging_interceptor.summary, plane)
 
 
 def _bind(server: grpc.aio.Server, config: ServerConfig) -> str:

@@ -12,7 +12,7 @@ import logging
 import time
 import traceback
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
@@ -40,6 +40,7 @@ from episerve_proto.errors import (
 from episerve_server.config import ServerConfig
 from episerve_server.core import heap
 from episerve_server.core.keymap import Keymap
+from episerve_server.core.result import BatchResult
 from episerve_server.core.stats import Stats
 from episerve_server.plan.planner import Planner, ReadOptions
 from episerve_server.plan.statistics import MAX_KEYS, KeyStatsEngine
@@ -73,6 +74,7 @@ LOG_LINE_CHARS = 400
 
 # The service object is an ``EpiserveService`` or, with ``--workers N``, a ``FrontService``.
 Handler = Callable[[Any, bytes, grpc.aio.ServicerContext], Awaitable[bytes]]
+T = TypeVar("T")
 
 
 def error_metadata(exc: EpiserveError) -> tuple[tuple[str, str | bytes], ...]:
@@ -114,6 +116,17 @@ def _bug(exc: Exception, where: str) -> InternalError:
     )
 
 
+def answered(exc: Exception, where: str) -> EpiserveError:
+    """The error a failed request is answered with: a domain error as it is, anything else
+    as ``InternalError`` (logged with its traceback, as a bug). Its chain is released, so
+    nothing of the failed request outlives the answer; client mistakes are logged once."""
+    error = exc if isinstance(exc, EpiserveError) else _bug(exc, where)
+    release_chain(exc)
+    if error.code not in ("CANCELLED", "UNAVAILABLE", "RESOURCE_EXHAUSTED", "INTERNAL"):
+        log.warning("%s failed: %s %s", where, error.code, clipped(error.message))
+    return error
+
+
 def _rpc(fn: Handler) -> Handler:
     """Run a handler; map domain errors to their status, and anything else to a clear one.
 
@@ -126,19 +139,13 @@ def _rpc(fn: Handler) -> Handler:
                   context: grpc.aio.ServicerContext) -> bytes:
         try:
             return await fn(self, request, context)
-        except EpiserveError as exc:
-            error: EpiserveError = exc
-            release_chain(exc)
         except grpc.aio.AbortError:
             raise
         except Exception as exc:
-            error = _bug(exc, fn.__name__)
-            release_chain(exc)
+            error = answered(exc, fn.__name__)
         del request
         code, message = grpc.StatusCode[error.code], clipped(error.message)
         trailers = error_metadata(error)
-        if error.code not in ("CANCELLED", "UNAVAILABLE", "RESOURCE_EXHAUSTED", "INTERNAL"):
-            log.warning("%s failed: %s %s", fn.__name__, error.code, message)
         del error
         await context.abort(code, message, trailers)
         raise AssertionError("unreachable")  # abort raises
@@ -159,13 +166,16 @@ class EpiserveService:
         self.draining = False
         self.inflight = 0
         self.on_batch: Callable[[int], None] | None = None  # samples per successful Read
+        #: More GetStats counters (the local plane's connections and segments).
+        self.gauges: list[Callable[[], dict[str, int]]] = []
         self._last_scan = 0.0
         self._scan_lock = asyncio.Lock()
         self._registrations = asyncio.Semaphore(KEYMAP_REGISTRATIONS)
         self._heavy_parse = asyncio.Semaphore(1)
 
-    def handlers(self) -> grpc.GenericRpcHandler:
-        methods = {
+    def handlers_by_name(self) -> dict[str, Callable[[bytes, Any], Awaitable[bytes]]]:
+        """Every method of the contract, by name (the gRPC server and the local plane)."""
+        methods: dict[str, Callable[[bytes, Any], Awaitable[bytes]]] = {
             "ListEpisodes": self.list_episodes,
             "RegisterKeymap": self.register_keymap,
             "Read": self.read,
@@ -174,6 +184,10 @@ class EpiserveService:
             "GetTopology": self.get_topology,
         }
         assert tuple(methods) == METHODS  # every method of the contract is served
+        return methods
+
+    def handlers(self) -> grpc.GenericRpcHandler:
+        methods = self.handlers_by_name()
         return grpc.method_handlers_generic_handler(
             SERVICE_NAME,
             {name: grpc.unary_unary_rpc_method_handler(fn) for name, fn in methods.items()},
@@ -250,6 +264,8 @@ class EpiserveService:
         snapshot["keymap_registry_bytes"] = self.keymaps.nbytes
         snapshot["keymap_evictions"] = self.keymaps.evictions
         snapshot.update(self.key_stats.counters())
+        for gauge in self.gauges:
+            snapshot.update(gauge())
         return convert.encode_stats(snapshot)
 
     @_rpc
@@ -274,29 +290,8 @@ class EpiserveService:
 
     @_rpc
     async def read(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        if self.draining:
-            raise Unavailable("the daemon is shutting down; retry against another replica")
-        if self.inflight >= self.config.max_concurrent_reads:
-            raise Overloaded(
-                f"{self.inflight} reads in flight, the limit is "
-                f"{self.config.max_concurrent_reads}; back off and retry"
-            )
         peer = context.peer() or ""
-        self.buffers.check(peer)
-        self.inflight += 1
-        start = time.perf_counter_ns()
-        reserved: list[Callable[[object], None]] = []
-
-        def admit(nbytes: int) -> None:
-            reserved.append(self.buffers.reserve(peer, nbytes))
-
-        try:
-            data = await self._read(request, admit, peer)
-        finally:
-            self.inflight -= 1
-            for release in reserved:
-                release(None)
-        self.stats.read_ns += time.perf_counter_ns() - start
+        data = await self.serve_read(request, peer, self._encode)
         # gRPC holds the response until the client's window lets it out: count it till then.
         try:
             self.buffers.admit(peer, len(data))
@@ -307,7 +302,47 @@ class EpiserveService:
         context.add_done_callback(self.buffers.hold(peer, len(data)))
         return data
 
-    async def _read(self, request: bytes, admit: Callable[[int], None], peer: str = "") -> bytes:
+    @staticmethod
+    async def _encode(result: BatchResult) -> tuple[bytes, int]:
+        if result.nbytes >= OFFLOAD_ENCODE_BYTES:
+            data = await asyncio.to_thread(wire.encode_result, result)
+        else:
+            data = wire.encode_result(result)
+        return data, len(data)
+
+    async def serve_read(self, request: bytes, peer: str,
+                         encode: Callable[[BatchResult], Awaitable[tuple[T, int]]]) -> T:
+        """One Read, whatever carries it: admission (drain, concurrency, the peer's
+        buffers), parsing, the planner, then ``encode`` (which returns the answer and the
+        bytes it sends), the prefetch hint and the counters. The gRPC handler and the local
+        plane (``rpc/local.py``) differ only in ``encode``."""
+        if self.draining:
+            raise Unavailable("the daemon is shutting down; retry against another replica")
+        if self.inflight >= self.config.max_concurrent_reads:
+            raise Overloaded(
+                f"{self.inflight} reads in flight, the limit is "
+                f"{self.config.max_concurrent_reads}; back off and retry"
+            )
+        self.buffers.check(peer)
+        self.inflight += 1
+        start = time.perf_counter_ns()
+        reserved: list[Callable[[object], None]] = []
+
+        def admit(nbytes: int) -> None:
+            reserved.append(self.buffers.reserve(peer, nbytes))
+
+        try:
+            out = await self._read(request, admit, encode, peer)
+        finally:
+            self.inflight -= 1
+            for release in reserved:
+                release(None)
+        self.stats.read_ns += time.perf_counter_ns() - start
+        return out
+
+    async def _read(self, request: bytes, admit: Callable[[int], None],
+                    encode: Callable[[BatchResult], Awaitable[tuple[T, int]]],
+                    peer: str = "") -> T:
         arrived = time.monotonic()
         call = convert.parse_read(request, self.limits)
         del request
@@ -330,14 +365,11 @@ class EpiserveService:
                 raise
             release_chain(exc)
             result = await self.planner.read(keymap, call.samples, options)
-        if result.nbytes >= OFFLOAD_ENCODE_BYTES:
-            data = await asyncio.to_thread(wire.encode_result, result)
-        else:
-            data = wire.encode_result(result)
+        data, nbytes = await encode(result)
         del result
         self._hint(call, keymap, peer)
         self.stats.read_rpcs += 1
-        self.stats.bytes_sent += len(data)
+        self.stats.bytes_sent += nbytes
         if self.on_batch is not None:
             self.on_batch(len(call.samples))
         return data

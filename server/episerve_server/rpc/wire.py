@@ -12,7 +12,7 @@ Python call per value.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -118,23 +118,34 @@ def _message(field: int, parts: list[Buf]) -> list[Buf]:
     return _field(field, parts)
 
 
-def encode_result(result: BatchResult) -> bytes:
+def encode_result(result: BatchResult, sink: Callable[[Buf], None] | None = None) -> bytes:
+    """The response's bytes. With ``sink`` (the local plane), each bulk blob (every array,
+    image index and frame, in this order) goes to ``sink`` instead and its field is left
+    empty: the message is then only the batch's metadata."""
+
+    def bulk(field: int, blob: Buf) -> list[Buf]:
+        if sink is None:
+            return _field(field, [blob])
+        sink(blob)
+        return []
+
     parts: list[Buf] = [_strings(1, result.episodes)]
     parts += _packed_ints(2, result.frame_index)
     parts += _field(3, [_raw(result.fps.astype("<f4"))]) if len(result.fps) else []
     parts.append(_strings(4, result.embodiments))
     for name, arr in result.arrays.items():
         le = arr.astype(arr.dtype.newbyteorder("<"), copy=False)
-        parts += _message(5, [_header(5, name, le.dtype.str, arr.shape),
-                              *_field(4, [_raw(le)])])
+        parts += _message(5, [_header(5, name, le.dtype.str, arr.shape), *bulk(4, _raw(le))])
     for name, col in result.images.items():
         index = col.index.astype("<i4", copy=False)
         parts += _message(6, [_header(6, name, col.source, index.shape),
-                              *_field(4, [_raw(index)])])
+                              *bulk(4, _raw(index))])
     for key, frames in result.frames.items():
         body: list[Buf] = [*_string(1, key)]
         for frame in frames:
-            body += _field(2, [frame])
+            body += _field(2, [frame] if sink is None else [])
+            if sink is not None:
+                sink(frame)
         parts += _message(7, body)
     for name, per_sample in result.texts.items():
         body = [*_string(1, name)]

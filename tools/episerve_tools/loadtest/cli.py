@@ -12,6 +12,7 @@ from typing import Any
 
 from episerve_client.channel import TLS
 from episerve_client.errors import EpiserveError
+from episerve_client.local import TRANSPORTS
 from episerve_tools.loadtest.driver import (
     DEFAULT_BATCH,
     DEFAULT_CONCURRENCY,
@@ -57,6 +58,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="stop action windows at the end of their annotation span (SPEC rule 2)")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the sample order, for repeatable runs (default 0)")
+    p.add_argument("--transport", choices=TRANSPORTS, default="grpc",
+                   help="grpc (default): AsyncClients over gRPC; local: each client reads "
+                   "over the daemon's local shared-memory plane (unix-socket targets of "
+                   "this host), one thread per client; auto: local where offered")
     p.add_argument("--json", metavar="OUT", help="also write the figures to this JSON file")
     p.add_argument("--quiet", action="store_true", help="no progress line")
     p.add_argument("--token", default="", help="bearer token (loopback/unix only without TLS)")
@@ -90,7 +95,7 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
     grace = args.timeout_s + 2.0 if args.grace_s is None else args.grace_s
     return Plan(tuple(args.targets), keymap, args.concurrency, args.batch, args.duration,
                 args.requests, args.warmup, args.timeout_s, grace, args.time_limit_s,
-                args.seed, args.annotation_cutoff, options, not args.quiet)
+                args.seed, args.annotation_cutoff, options, not args.quiet, args.transport)
 
 
 def main(argv: Sequence[str] = ()) -> int:
@@ -104,7 +109,7 @@ def main(argv: Sequence[str] = ()) -> int:
     what = f"{args.requests} reads" if args.requests else f"{args.duration:g} s"
     print(f"episerve loadtest: {plan.concurrency} clients x batch {plan.batch}, {what} "
           f"(+{plan.warmup_s:g} s warm-up), keymap {Path(args.keymap).name}, "
-          f"against {', '.join(plan.targets)}", flush=True)
+          f"against {', '.join(plan.targets)} over {plan.transport}", flush=True)
     try:
         summary = asyncio.run(run(plan, args.episodes))
     except EpiserveError as exc:

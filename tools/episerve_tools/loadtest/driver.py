@@ -9,6 +9,9 @@ Model:
   replica routing. gRPC pools the connection to a target across the channels of one
   process, so the clients share one HTTP/2 connection per target. For more client CPU or
   more connections, run several loadtest processes.
+- ``--transport local``: each client is a blocking ``Client`` on the daemon's local
+  shared-memory plane, run in a thread of its own (the plane has no asyncio client);
+  listing and stats still go over gRPC.
 - A task is closed-loop: it sends one batch, waits for it, then sends the next. Each batch
   is ``--batch`` samples drawn uniformly over every frame of the chosen episodes, the way
   a shuffling sampler draws them.
@@ -29,9 +32,11 @@ flight are cancelled at the end plus ``--grace-s`` (with ``--requests``, at
 from __future__ import annotations
 
 import asyncio
+import functools
 import sys
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -39,8 +44,10 @@ from typing import Any
 
 import numpy as np
 
-from episerve_client._base import Call, Outcome
+from episerve_client._base import Call, Op, Outcome
 from episerve_client.aio import AsyncClient
+from episerve_client.client import Client
+from episerve_client.convert import ReadResult
 from episerve_client.errors import EpiserveError
 from episerve_tools.loadtest.report import (
     PROGRESS_EVERY_S,
@@ -99,6 +106,50 @@ class CountingClient(AsyncClient):
         return out
 
 
+class LocalCountingClient(Client):
+    """A blocking ``Client`` on the local plane that counts each Read attempt and its bytes."""
+
+    tally: Tally
+
+    def _execute(self, ops: list[Op]) -> list[Outcome]:
+        outs = super()._execute(ops)
+        for op, out in zip(ops, outs):
+            if isinstance(op, Call) and op.method == "Read":
+                if isinstance(out, ReadResult):
+                    self.tally.attempts["OK"] += 1
+                    self.tally.bytes += out.nbytes
+                elif isinstance(out, EpiserveError):
+                    self.tally.attempts[out.code] += 1
+        return outs
+
+
+class ThreadedClient:
+    """A ``LocalCountingClient`` driven from the event loop: each read runs in a thread of
+    ``pool`` (one per client, so the clients read concurrently)."""
+
+    def __init__(self, targets: tuple[str, ...], pool: ThreadPoolExecutor, transport: str,
+                 **options: Any) -> None:
+        self.inner = LocalCountingClient(targets, transport=transport, **options)
+        self.pool = pool
+
+    @property
+    def tally(self) -> Tally:
+        return self.inner.tally
+
+    @tally.setter
+    def tally(self, value: Tally) -> None:
+        self.inner.tally = value
+
+    async def read(self, *args: Any, **kw: Any) -> ReadResult:
+        loop = asyncio.get_running_loop()
+        result: ReadResult = await loop.run_in_executor(
+            self.pool, functools.partial(self.inner.read, *args, **kw))
+        return result
+
+    async def aclose(self) -> None:
+        self.inner.close()
+
+
 @dataclass(frozen=True, slots=True)
 class Plan:
     targets: tuple[str, ...]
@@ -115,6 +166,7 @@ class Plan:
     annotation_cutoff: bool
     client_options: dict[str, Any]
     progress: bool
+    transport: str = "grpc"
 
 
 class Budget:
@@ -130,7 +182,7 @@ class Budget:
         return True
 
 
-async def _client_loop(client: CountingClient, plan: Plan, sampler: Sampler,
+async def _client_loop(client: CountingClient | ThreadedClient, plan: Plan, sampler: Sampler,
                        rng: np.random.Generator, stop_at: float, budget: Budget) -> None:
     tally = client.tally
     while time.monotonic() < stop_at and budget.take():
@@ -150,8 +202,8 @@ async def _client_loop(client: CountingClient, plan: Plan, sampler: Sampler,
         tally.samples += len(result)
 
 
-async def _phase(plan: Plan, clients: list[CountingClient], sampler: Sampler,
-                 length_s: float, budget: Budget, hard_stop_s: float,
+async def _phase(plan: Plan, clients: Sequence[CountingClient | ThreadedClient],
+                 sampler: Sampler, length_s: float, budget: Budget, hard_stop_s: float,
                  label: str) -> tuple[Tally, float]:
     """Run every client until ``length_s`` passes or the budget is spent."""
     for c in clients:
@@ -198,8 +250,15 @@ async def _cache_counters(client: AsyncClient, targets: Sequence[str]) -> dict[s
 async def run(plan: Plan, episodes: str = "") -> dict[str, Any]:
     """Run the load test described by ``plan``; returns the summary (see ``summarize``)."""
     control = AsyncClient(plan.targets, **plan.client_options)
-    clients = [CountingClient(plan.targets, **plan.client_options)
-               for _ in range(plan.concurrency)]
+    pool = None
+    clients: list[CountingClient | ThreadedClient]
+    if plan.transport == "grpc":
+        clients = [CountingClient(plan.targets, **plan.client_options)
+                   for _ in range(plan.concurrency)]
+    else:
+        pool = ThreadPoolExecutor(plan.concurrency, thread_name_prefix="loadtest")
+        clients = [ThreadedClient(plan.targets, pool, plan.transport, **plan.client_options)
+                   for _ in range(plan.concurrency)]
     try:
         chosen = await _episodes(control, episodes)
         sampler = Sampler(chosen)
@@ -218,9 +277,11 @@ async def run(plan: Plan, episodes: str = "") -> dict[str, Any]:
         after = await _cache_counters(control, plan.targets)
     finally:
         await asyncio.gather(control.aclose(), *(c.aclose() for c in clients))
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
     summary = summarize(tally, elapsed, hit_rate(before, after))
     summary.update(targets=list(plan.targets), concurrency=plan.concurrency, batch=plan.batch,
-                   episodes=len(chosen))
+                   episodes=len(chosen), transport=plan.transport)
     return summary
 
 

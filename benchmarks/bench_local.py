@@ -1,0 +1,143 @@
+"""The local shared-memory plane against gRPC, side by side in one run, on one daemon.
+
+    python benchmarks/bench_local.py [--root data/bench] [--episodes 24] [--seconds 10]
+
+1. ``episerve loadtest --transport grpc|local``, 16 clients x batch 64 over the first 24
+   episodes, warm cache (one warm-up pass first), numeric mecka keymap and the full one
+   (camera bytes, not decoded), alternating transports round by round. Reported per 1,000
+   samples: the daemon's CPU (every thread, from /proc) and the loadtest process's own CPU
+   (its rusage at exit, less that of a run of a few reads: start-up and listing).
+2. The DataLoader benchmark of ``bench_client.py`` (2 workers, batch 64, the same indices
+   twice, the second pass warm): ``WindowDataset(transport="grpc")`` against
+   ``transport="local"``, numeric keymap and with the camera decoded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import numpy as np
+import yaml
+from bench_client import BATCH, Index, run
+from common import MECKA, NUMERIC_MECKA, ensure_dataset, table
+
+from episerve_client import WindowDataset, collate
+from episerve_tools.launch import DaemonProcess
+
+CLIENTS = 16
+EPISODES = 24
+TRANSPORTS = ("grpc", "local")
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds of every thread of ``pid`` so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def loadtest(target: str, keymap: Path, seconds: float, transport: str,
+             tmp: str) -> tuple[float, float]:
+    """(samples in all, the loadtest process's CPU seconds)."""
+    out = f"{tmp}/lt.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "episerve_tools.cli", "loadtest", target, "--episodes",
+         str(EPISODES), "-c", str(CLIENTS), "--batch", str(BATCH), "--duration", str(seconds),
+         "--warmup", "0", "--keymap", str(keymap), "--json", out, "--timeout-s", "120",
+         "--quiet", "--transport", transport], stdout=subprocess.DEVNULL)
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        raise RuntimeError(f"loadtest exited with {proc.returncode}")
+    report = json.loads(Path(out).read_text())
+    return float(report["samples_per_s"]) * float(report["elapsed_s"]), \
+        usage.ru_utime + usage.ru_stime
+
+
+def bench_loadtest(root: str, rounds: int, seconds: float, tmp: str) -> None:
+    rows = []
+    for label, km in (("numeric", NUMERIC_MECKA), ("with camera bytes", MECKA)):
+        keymap = Path(tmp) / "keymap.yaml"
+        keymap.write_text(yaml.safe_dump(km))
+        got: dict[str, list[tuple[float, float, float]]] = {t: [] for t in TRANSPORTS}
+        with DaemonProcess(root, "--cache-bytes", "8GiB", "--log-level", "WARNING",
+                           "--rescan-s", "0", unix=f"{tmp}/lt.sock") as d:
+            loadtest(d.target, keymap, seconds, "grpc", tmp)  # fill the cache
+            # A loadtest's start-up (imports, listing) costs CPU whatever it then reads:
+            # measured once per transport on a run of a few reads, and taken off.
+            start = {t: loadtest(d.target, keymap, 0.05, t, tmp) for t in TRANSPORTS}
+            for _ in range(rounds):
+                for transport in TRANSPORTS:
+                    before = cpu_s(d.pid)
+                    samples, client_cpu = loadtest(d.target, keymap, seconds, transport, tmp)
+                    daemon_cpu = cpu_s(d.pid) - before
+                    extra = samples - start[transport][0]
+                    got[transport].append((samples / seconds, daemon_cpu / samples * 1e6,
+                                           (client_cpu - start[transport][1]) / extra * 1e6))
+                    print(label, transport, got[transport][-1], flush=True)
+        med = {t: [float(np.median([m[k] for m in got[t]])) for k in range(3)]
+               for t in TRANSPORTS}
+        g, loc = med["grpc"], med["local"]
+        rows.append((label, f"{g[0]:,.0f}", f"{loc[0]:,.0f}", f"{g[1]:.1f}", f"{loc[1]:.1f}",
+                     f"{loc[1] / g[1]:.2f}x", f"{g[2]:.1f}", f"{loc[2]:.1f}",
+                     f"{loc[2] / g[2]:.2f}x"))
+    print(f"loadtest: {CLIENTS} clients x batch {BATCH}, first {EPISODES} episodes, warm, "
+          f"{seconds:g} s per run, median of {rounds} alternating runs; CPU in ms per 1,000 "
+          "samples")
+    print(table(rows, ("keymap", "gRPC samples/s", "local samples/s", "daemon CPU gRPC",
+                       "daemon CPU local", "ratio", "loadtest CPU gRPC",
+                       "loadtest CPU local", "ratio")))
+
+
+def bench_dataloader(root: str, episodes: list[tuple[str, int]], rounds: int, batches: int,
+                     tmp: str) -> None:
+    index = Index(episodes)
+    rng = np.random.default_rng(0)
+    indices = rng.permutation(len(index))[: (batches + 1) * BATCH].tolist()
+    rows = []
+    with DaemonProcess(root, "--log-level", "WARNING", "--cache-bytes", "8GiB",
+                       "--rescan-s", "0", unix=f"{tmp}/dl.sock") as d:
+        for label, km in (("numeric", NUMERIC_MECKA), ("camera decoded", MECKA)):
+            got: dict[str, list[float]] = {t: [] for t in TRANSPORTS}
+            for _ in range(rounds):
+                for transport in TRANSPORTS:
+                    _, warm, _ = run(WindowDataset(d.target, km, transport=transport),
+                                     indices, collate)
+                    got[transport].append(warm)
+                    print(label, transport, f"{warm:.0f}", flush=True)
+            g = float(np.median(got["grpc"]))
+            loc = float(np.median(got["local"]))
+            rows.append((label, f"{g:,.0f}", f"{loc:,.0f}", f"{loc / g:.2f}x"))
+    print(f"DataLoader: 2 workers, batch {BATCH}, {batches} batches, warm (second pass), "
+          f"median of {rounds} alternating rounds")
+    print(table(rows, ("keymap", "gRPC samples/s", "local samples/s", "ratio")))
+
+
+def main() -> None:
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--root", default="data/bench")
+    p.add_argument("--episodes", type=int, default=EPISODES)
+    p.add_argument("--seconds", type=float, default=10.0)
+    p.add_argument("--batches", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--only", choices=("loadtest", "dataloader"), default=None)
+    opts = p.parse_args()
+    episodes = ensure_dataset(opts.root, opts.episodes)
+    root = str(Path(opts.root).resolve())
+    with tempfile.TemporaryDirectory() as tmp:
+        if opts.only != "dataloader":
+            bench_loadtest(root, opts.rounds, opts.seconds, tmp)
+        if opts.only != "loadtest":
+            bench_dataloader(root, episodes, opts.rounds, opts.batches, tmp)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,558 @@
+"""The local plane: Reads for clients on this host over a unix socket and shared memory.
+
+The daemon listens on ``<--unix PATH>.local`` (``--no-local-plane`` turns it off). A
+connection is accepted only from a process of an allowed uid (``SO_PEERCRED``: the
+daemon's own, or ``--local-uids``), and its first frame must carry the daemon's token when
+it has one. A Read's request bytes are those of the gRPC path and go through the same
+``EpiserveService.serve_read`` (admission, parsing, the planner, hints, counters); only the
+encoding differs: the batch's blobs are written once, by the daemon, into a segment, and the
+answer is the metadata and a table of offsets (``episerve_proto.local``). The other methods
+run the gRPC handlers themselves, so every error is the same class, code and trailers.
+
+Segments are memfds (no name in any filesystem), sealed against shrinking, lent from a
+pool per connection: at most ``--local-segments`` at once. The client returns a segment
+(RELEASE) once nothing of its process refers to it; until then the daemon never writes it.
+When every segment is lent the next Read waits for a return (backpressure), up to
+``LEND_WAIT_S``, then answers ``Overloaded``. A connection that closes (a client that
+exits or is killed) frees all its segments at once: the daemon closes its descriptors and
+mappings, and the kernel frees the memory when the client's mappings are gone too.
+
+A Read may instead ask to keep its segment (``FLAG_KEEP``): the daemon makes a segment
+for that batch alone, sends the descriptor, closes its own side and forgets it; from then
+on it belongs to the client's processes (torch passes it on to the main process).
+DataLoader workers ask for this, and so does a client that still refers to every pooled
+segment. The daemon holds such a segment only while it writes and sends it, at most one
+per call in flight on the connection (``--local-segments`` + 1).
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import contextlib
+import hmac
+import itertools
+import logging
+import mmap
+import os
+import socket
+import stat
+import struct
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, cast
+
+import numpy as np
+
+from episerve_proto import local as lp
+from episerve_proto.contract import EPISODE_TRAILER, ERROR_TRAILER, KEY_TRAILER
+from episerve_proto.errors import (
+    EpiserveError,
+    Overloaded,
+    PermissionDenied,
+    ResponseTooLarge,
+    Unauthenticated,
+    Unavailable,
+    clipped,
+)
+from episerve_server.config import ServerConfig
+from episerve_server.core.result import BatchResult
+from episerve_server.rpc import wire
+from episerve_server.rpc.preflight import MAX_UNIX_PATH_BYTES, StartupError, claim_unix_socket
+from episerve_server.rpc.service import OFFLOAD_ENCODE_BYTES, EpiserveService, answered
+
+log = logging.getLogger(__name__)
+
+#: A Read waits this long for a lent segment to come back before it answers Overloaded.
+LEND_WAIT_S = 30.0
+#: A connection must send its HELLO within this.
+HELLO_S = 10.0
+#: The smallest segment made; larger ones are the next power of two of what a batch needs.
+MIN_SEGMENT_BYTES = 1 << 20
+_CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def local_path(unix: str) -> Path:
+    return Path(str(Path(unix).resolve()) + lp.LOCAL_SUFFIX)
+
+
+def bind_private_socket(path: Path, flag: str) -> socket.socket:
+    """A listening unix socket at ``path`` that only this uid can connect to.
+
+    Refused: a path that is a symlink or not a socket, a live socket, a folder owned by
+    another uid or writable by others without the sticky bit. A stale socket of ours is
+    replaced. The socket is made 0600 before it listens, so no connection ever reaches it
+    with wider permissions; bind itself fails if another process took the path meanwhile.
+    """
+    where = f"{flag} {str(path)!r}"
+    parent = path.parent
+    try:
+        pst = parent.lstat()
+    except OSError as exc:
+        raise StartupError(f"{where}: cannot check its folder ({exc.strerror})") from None
+    if stat.S_ISLNK(pst.st_mode) or not stat.S_ISDIR(pst.st_mode):
+        raise StartupError(f"{where}: its folder is not a plain directory")
+    if pst.st_uid not in (os.getuid(), 0):
+        raise StartupError(f"{where}: its folder belongs to uid {pst.st_uid}, not to this "
+                           f"daemon's uid {os.getuid()}")
+    if pst.st_mode & stat.S_IWOTH and not pst.st_mode & stat.S_ISVTX:
+        raise StartupError(f"{where}: its folder is writable by every user (and not sticky)")
+    with contextlib.suppress(FileNotFoundError):
+        st = path.lstat()
+        if stat.S_ISLNK(st.st_mode) or st.st_uid != os.getuid():
+            raise StartupError(f"{where}: the path is a symlink or belongs to another user; "
+                               "refusing to replace it")
+    claim_unix_socket(path)  # refuses files and live sockets, removes a stale socket
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(str(path))
+        os.chmod(path, 0o600, follow_symlinks=False)
+        sock.listen(128)
+    except OSError as exc:
+        sock.close()
+        raise StartupError(f"{where}: cannot listen ({exc.strerror})") from None
+    sock.setblocking(False)
+    return sock
+
+
+class ConnectionClosed(Exception):
+    pass
+
+
+@dataclass(eq=False)
+class Segment:
+    ident: int
+    size: int
+    fd: int
+    mm: mmap.mmap
+    view: np.ndarray
+    sent: bool = False  # the client has its descriptor
+
+    @classmethod
+    def make(cls, ident: int, size: int) -> Segment:
+        fd = os.memfd_create(f"episerve-{ident}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, size)
+            import fcntl
+
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+            mm = mmap.mmap(fd, size)
+        except OSError:
+            os.close(fd)
+            raise
+        return cls(ident, size, fd, mm, np.frombuffer(mm, np.uint8))
+
+    def close(self) -> None:
+        os.close(self.fd)
+        del self.view
+        with contextlib.suppress(BufferError):  # a copy still running: freed by refcount
+            self.mm.close()
+
+
+class SegmentPool:
+    """The segments of one connection: at most ``limit`` exist, each lent or free."""
+
+    def __init__(self, limit: int, on_change: Callable[[int, int], None]) -> None:
+        self.limit = limit
+        self.free: dict[int, Segment] = {}
+        self.lent: dict[int, Segment] = {}
+        self.retired: list[int] = []  # ids closed since the client last heard
+        self._changed = asyncio.Condition()
+        self._closed = False
+        self._ids = itertools.count(1)
+        self._on_change = on_change  # (segments delta, bytes delta), for the gauges
+
+    def __len__(self) -> int:
+        return len(self.free) + len(self.lent)
+
+    async def acquire(self, nbytes: int, wait_s: float = LEND_WAIT_S,
+                      keep: bool = False) -> Segment:
+        """A segment of at least ``nbytes``, lent until it comes back. ``keep``: one made
+        for this batch alone, at once (the client takes it over when it is sent)."""
+        if keep:
+            async with self._changed:
+                if self._closed:
+                    raise Unavailable("the local connection closed")
+                seg = Segment.make(next(self._ids), lp.aligned(max(nbytes, 1)))
+                self._on_change(1, seg.size)
+                self.lent[seg.ident] = seg
+                return seg
+        async with self._changed:
+            try:
+                await asyncio.wait_for(
+                    self._changed.wait_for(lambda: self._closed or bool(self.free)
+                                           or len(self) < self.limit), wait_s)
+            except TimeoutError:
+                raise Overloaded(
+                    f"the client holds all {self.limit} shared-memory segments of its "
+                    f"connection (--local-segments) for {wait_s:.0f}s; drop references to "
+                    "earlier batches (or copy what you keep)") from None
+            if self._closed:
+                raise Unavailable("the local connection closed")
+            fits = [s for s in self.free.values() if s.size >= nbytes]
+            if fits:
+                seg = min(fits, key=lambda s: s.size)
+                del self.free[seg.ident]
+            else:
+                if len(self) >= self.limit:  # every free one is too small: replace one
+                    self._retire(next(iter(self.free.values())))
+                seg = Segment.make(next(self._ids), _capacity(nbytes))
+                self._on_change(1, seg.size)
+            self.lent[seg.ident] = seg
+            return seg
+
+    async def give_back(self, ident: int) -> None:
+        async with self._changed:
+            seg = self.lent.pop(ident, None)
+            if seg is None:
+                return  # not lent (a careless client): nothing to do
+            if self._closed:
+                self._close_one(seg)
+            else:
+                self.free[seg.ident] = seg
+            self._changed.notify_all()
+
+    async def give_away(self, ident: int) -> None:
+        """A lent segment the client keeps: the daemon closes its side and forgets it."""
+        async with self._changed:
+            seg = self.lent.pop(ident, None)
+            if seg is not None:
+                self._close_one(seg)
+            self._changed.notify_all()
+
+    def _retire(self, seg: Segment) -> None:
+        del self.free[seg.ident]
+        if seg.sent:
+            self.retired.append(seg.ident)
+        self._close_one(seg)
+
+    def _close_one(self, seg: Segment) -> None:
+        seg.close()
+        self._on_change(-1, -seg.size)
+
+    async def close(self) -> None:
+        """Close every free segment now and every lent one as it comes back; wake waiters.
+        (A lent segment is in use only by a Read being answered; the client's hold ends
+        with the connection.)"""
+        async with self._changed:
+            self._closed = True
+            for seg in [*self.free.values(), *self.lent.values()]:
+                self._close_one(seg)
+            self.free.clear()
+            self.lent.clear()
+            self._changed.notify_all()
+
+
+def _capacity(nbytes: int) -> int:
+    if nbytes > lp.MAX_SEGMENT_BYTES:
+        raise ResponseTooLarge(f"the batch takes {nbytes} bytes, over the local plane's "
+                               f"segment limit of {lp.MAX_SEGMENT_BYTES}; split the batch")
+    size = max(MIN_SEGMENT_BYTES, 1 << max(0, nbytes - 1).bit_length())
+    return min(size, lp.aligned(lp.MAX_SEGMENT_BYTES))
+
+
+class LocalContext:
+    """What the gRPC handlers use of their context, for a call over the local plane: the
+    peer's name, and ``abort``, which raises the error's code, message and trailers."""
+
+    def __init__(self, peer: str) -> None:
+        self._peer = peer
+
+    def peer(self) -> str:
+        return self._peer
+
+    async def abort(self, code: Any, message: str,
+                    trailers: Sequence[tuple[str, str | bytes]]) -> None:
+        raise Aborted(str(code.name), message, dict(trailers))
+
+
+class Aborted(Exception):
+    def __init__(self, code: str, message: str, trailers: dict[str, str | bytes]) -> None:
+        super().__init__(message)
+        self.code, self.message, self.trailers = code, message, trailers
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else value
+
+
+@dataclass(eq=False)
+class Placed:
+    segment: Segment
+    blobs: list[tuple[int, int]]
+    meta: bytes
+
+
+@dataclass(eq=False)
+class Connection:
+    sock: socket.socket
+    peer: str
+    pool: SegmentPool
+    send_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    tasks: set[asyncio.Task[None]] = field(default_factory=set)
+
+
+class LocalPlane:
+    def __init__(self, config: ServerConfig, service: EpiserveService, path: Path,
+                 sock: socket.socket) -> None:
+        self.config, self.service, self.path, self._sock = config, service, path, sock
+        self._inode = os.stat(path).st_ino
+        self.uids = {os.getuid(), *(int(u) for u in config.local_uids)}
+        self.connections: set[Connection] = set()
+        self.segments = self.segment_bytes = 0
+        self.refused = 0
+        self._accept: asyncio.Task[None] | None = None
+        self._serving: set[asyncio.Task[None]] = set()
+        service.gauges.append(self.counters)
+
+    @classmethod
+    async def start(cls, config: ServerConfig, service: EpiserveService) -> LocalPlane | None:
+        """Listen beside ``--unix``; None (with a warning) when that path would be too long
+        for a socket address: clients then read over gRPC."""
+        path = local_path(config.unix)
+        if len(os.fsencode(path)) > MAX_UNIX_PATH_BYTES:
+            log.warning("local plane off: %r is longer than the %d bytes of a unix socket "
+                        "address (choose a shorter --unix path to have it)", str(path),
+                        MAX_UNIX_PATH_BYTES)
+            return None
+        plane = cls(config, service, path, bind_private_socket(path, "--unix (local plane)"))
+        plane._accept = asyncio.create_task(plane._accept_loop())
+        return plane
+
+    @property
+    def address(self) -> str:
+        return str(self.path)
+
+    def counters(self) -> dict[str, int]:
+        return {"local_connections": len(self.connections), "local_segments": self.segments,
+                "local_segment_bytes": self.segment_bytes, "local_refused": self.refused}
+
+    def _changed(self, segments: int, nbytes: int) -> None:
+        self.segments += segments
+        self.segment_bytes += nbytes
+
+    async def stop(self) -> None:
+        """Stop accepting, close every connection (their segments with them), unlink the
+        socket if it is still ours."""
+        if self._accept is not None:
+            self._accept.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._accept
+        self._sock.close()
+        for task in list(self._serving):
+            task.cancel()
+        for task in list(self._serving):
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        with contextlib.suppress(OSError):
+            if os.stat(self.path).st_ino == self._inode:
+                self.path.unlink()
+
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                sock, _ = await loop.sock_accept(self._sock)
+            except OSError as exc:  # out of descriptors, say: keep serving the others
+                log.warning("local plane: accept failed (%s)", exc.strerror)
+                await asyncio.sleep(0.1)
+                continue
+            task = asyncio.create_task(self._serve(sock))
+            self._serving.add(task)
+            task.add_done_callback(self._serving.discard)
+
+    async def _serve(self, sock: socket.socket) -> None:
+        sock.setblocking(False)
+        pid, uid, _ = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                   _CRED.size))
+        conn = Connection(sock, f"local:{pid}", SegmentPool(self.config.local_segments,
+                                                            self._changed))
+        try:
+            if uid not in self.uids:
+                self.refused += 1
+                raise PermissionDenied(f"uid {uid} may not use the local plane (allowed: "
+                                       f"{sorted(self.uids)}; see --local-uids)")
+            await asyncio.wait_for(self._hello(conn), HELLO_S)
+            self.connections.add(conn)
+            await self._frames(conn)
+        except EpiserveError as exc:
+            with contextlib.suppress(OSError, ConnectionClosed):
+                await self._send_error(conn, 0, exc)
+        except (ConnectionClosed, OSError, TimeoutError, lp.FrameError) as exc:
+            log.debug("local plane: connection of %s ends (%s)", conn.peer, exc)
+        finally:
+            self.connections.discard(conn)
+            for task in list(conn.tasks):
+                task.cancel()
+            await conn.pool.close()
+            sock.close()
+
+    async def _hello(self, conn: Connection) -> None:
+        head, body = await _recv_frame(conn.sock, lp.MAX_TOKEN_BYTES)
+        if head.kind != lp.HELLO:
+            raise lp.FrameError("the first frame must be HELLO")
+        if self.config.token and not hmac.compare_digest(body, self.config.token.encode()):
+            self.refused += 1
+            raise Unauthenticated("missing or wrong token for the local plane")
+        await self._send(conn, lp.frame(lp.WELCOME, conn.pool.limit))
+
+    async def _frames(self, conn: Connection) -> None:
+        calls = asyncio.Semaphore(conn.pool.limit + 1)  # a connection's calls in flight
+        while True:
+            head, body = await _recv_frame(conn.sock, lp.MAX_CALL_BODY)
+            if head.kind == lp.RELEASE:
+                await conn.pool.give_back(head.ident)
+            elif head.kind == lp.CALL:
+                method, payload = lp.parse_call(body)
+                if head.flags & lp.FLAG_KEEP and method != "Read":
+                    raise lp.FrameError(f"a {method} call cannot keep a segment")
+                await calls.acquire()
+                task = asyncio.create_task(self._call(conn, head.ident, method, payload,
+                                                      bool(head.flags & lp.FLAG_KEEP)))
+                conn.tasks.add(task)
+
+                def done(t: asyncio.Task[None]) -> None:
+                    conn.tasks.discard(t)
+                    calls.release()
+
+                task.add_done_callback(done)
+            else:
+                raise lp.FrameError(f"unexpected frame kind {head.kind} after HELLO")
+
+    async def _call(self, conn: Connection, ident: int, method: str, payload: bytes,
+                    keep: bool = False) -> None:
+        try:
+            if method == "Read":
+                await self._read(conn, ident, payload, keep)
+                return
+            handler = self.service.handlers_by_name()[method]
+            data = await handler(payload, cast(Any, LocalContext(conn.peer)))
+            await self._send(conn, lp.frame(lp.REPLY, ident, data))
+        except Aborted as exc:
+            t = exc.trailers
+            body = lp.error_body(exc.code, _text(t.get(ERROR_TRAILER, "")), exc.message,
+                                 _text(t.get(EPISODE_TRAILER, b"")),
+                                 _text(t.get(KEY_TRAILER, b"")))
+            await self._send_quietly(conn, lp.frame(lp.ERROR, ident, body))
+        except (OSError, ConnectionClosed):
+            pass  # the connection is gone; _serve frees what it held
+        except Exception as exc:
+            error = answered(exc, f"{method} (local plane)")
+            await self._send_quietly(conn, lp.frame(lp.ERROR, ident, _error_body(error)))
+
+    async def _read(self, conn: Connection, ident: int, payload: bytes, keep: bool) -> None:
+        try:
+            placed = await self.service.serve_read(payload, conn.peer,
+                                                   lambda r: self._place(conn, r, keep))
+        except Exception as exc:
+            error = answered(exc, "read (local plane)")
+            await self._send_quietly(conn, lp.frame(lp.ERROR, ident, _error_body(error)))
+            return
+        seg = placed.segment
+        body = lp.batch_body(seg.ident, seg.size, placed.blobs, placed.meta)
+        with_fd = keep or not seg.sent
+        try:
+            await self._send(conn, lp.frame(lp.BATCH, ident, body, lp.FLAG_FD if with_fd else 0),
+                             (seg.fd,) if with_fd else ())
+            seg.sent = True
+        except BaseException:
+            await conn.pool.give_back(seg.ident)
+            raise
+        if keep:
+            await conn.pool.give_away(seg.ident)
+
+    async def _place(self, conn: Connection, result: BatchResult,
+                     keep: bool) -> tuple[Placed, int]:
+        """Write the batch's blobs once into a segment lent to this connection."""
+        blobs: list[wire.Buf] = []
+        meta = wire.encode_result(result, blobs.append)
+        sizes = [memoryview(b).nbytes for b in blobs]
+        offsets, total = lp.layout(sizes)
+        if len(meta) + len(blobs) * lp.BLOB.size + 64 > lp.MAX_ANSWER_BODY:
+            raise ResponseTooLarge(f"the batch's metadata takes {len(meta)} bytes, over the "
+                                   f"local plane's limit of {lp.MAX_ANSWER_BODY}; split the "
+                                   "batch")
+        seg = await conn.pool.acquire(max(total, 1), keep=keep)
+        try:
+            if total >= OFFLOAD_ENCODE_BYTES:
+                await asyncio.to_thread(_copy, seg.view, offsets, blobs)
+            else:
+                _copy(seg.view, offsets, blobs)
+        except BaseException:
+            await conn.pool.give_back(seg.ident)
+            raise
+        await self._retired(conn)
+        return Placed(seg, list(zip(offsets, sizes, strict=True)), meta), total
+
+    async def _retired(self, conn: Connection) -> None:
+        while conn.pool.retired:
+            await self._send(conn, lp.frame(lp.RETIRE, conn.pool.retired.pop()))
+
+    async def _send_error(self, conn: Connection, ident: int, error: EpiserveError) -> None:
+        await self._send(conn, lp.frame(lp.ERROR, ident, _error_body(error)))
+
+    async def _send_quietly(self, conn: Connection, data: bytes) -> None:
+        with contextlib.suppress(OSError, ConnectionClosed):
+            await self._send(conn, data)
+
+    async def _send(self, conn: Connection, data: bytes, fds: Sequence[int] = ()) -> None:
+        loop = asyncio.get_running_loop()
+        async with conn.send_lock:
+            view = memoryview(data)
+            if fds:
+                rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
+                while True:
+                    try:
+                        sent = conn.sock.sendmsg([view], rights)
+                        break
+                    except BlockingIOError:
+                        await _writable(loop, conn.sock)
+                view = view[sent:]
+            if view:
+                await loop.sock_sendall(conn.sock, view)
+
+
+def _error_body(error: EpiserveError) -> bytes:
+    return lp.error_body(error.code, type(error).__name__, clipped(error.message),
+                         clipped(error.episode, 1024), clipped(error.key, 1024))
+
+
+def _copy(dst: np.ndarray, offsets: list[int], blobs: list[wire.Buf]) -> None:
+    for off, blob in zip(offsets, blobs, strict=True):
+        src = np.frombuffer(blob, np.uint8)
+        dst[off:off + src.size] = src
+
+
+async def _writable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+    ready: asyncio.Future[None] = loop.create_future()
+
+    def wake() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    loop.add_writer(sock.fileno(), wake)
+    try:
+        await ready
+    finally:
+        loop.remove_writer(sock.fileno())
+
+
+async def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    loop = asyncio.get_running_loop()
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = await loop.sock_recv_into(sock, view[got:])
+        if k == 0:
+            raise ConnectionClosed("the peer closed the connection")
+        got += k
+    return bytes(buf)
+
+
+async def _recv_frame(sock: socket.socket, max_body: int) -> tuple[lp.Head, bytes]:
+    head = lp.parse_head(await _recv_exact(sock, lp.HEAD_BYTES), lp.TO_DAEMON, max_body)
+    if head.flags & lp.FLAG_FD:
+        raise lp.FrameError("a client does not send descriptors")
+    body = await _recv_exact(sock, head.length) if head.length else b""
+    return head, body

@@ -1,0 +1,284 @@
+"""The local shared-memory plane against a real daemon on a unix socket: the same batches
+and errors as gRPC, segments lent and returned, the socket's guards, and the faults (a
+client or the daemon SIGKILLed mid-read)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from episerve_client import Client, errors
+from episerve_tools.launch import DaemonProcess
+from tests.support.keymaps import BATCH, KEYMAPS
+
+Start = Callable[..., DaemonProcess]
+NUMERIC = {k: v for k, v in KEYMAPS["mecka_keypoints_k4"].items()
+           if v["key_type"] != "camera_keys"}
+
+
+def _memfds(pid: int) -> int:
+    n = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            n += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/memfd:")
+        except OSError:
+            continue
+    return n
+
+
+def _socket_path(d: DaemonProcess) -> str:
+    return d.target.removeprefix("unix://")
+
+
+def test_local_batches_equal_grpc_batches(start_daemon: Start,
+                                          ramp_roots: dict[str, Path]) -> None:
+    d = start_daemon(ramp_roots["sharded"], unix=True)
+    with Client(d.target, transport="grpc") as g, Client(d.target, transport="local") as c:
+        for name in sorted(KEYMAPS):
+            cutoff = name == "annotations"
+            want = g.read(KEYMAPS[name], BATCH, annotation_cutoff=cutoff, all_masks=True)
+            got = c.read(KEYMAPS[name], BATCH, annotation_cutoff=cutoff, all_masks=True)
+            _same(got, want)
+        assert c.stats()["local_connections"] == 1
+
+
+def _same(got: Any, want: Any, views: bool = True) -> None:
+    assert got.episodes == want.episodes and got.embodiments == want.embodiments
+    np.testing.assert_array_equal(got.frame_index, want.frame_index)
+    np.testing.assert_array_equal(got.fps, want.fps)
+    assert got.arrays.keys() == want.arrays.keys()
+    bases = set()
+    for key, arr in want.arrays.items():
+        assert got.arrays[key].dtype == arr.dtype and got.arrays[key].shape == arr.shape
+        np.testing.assert_array_equal(got.arrays[key], arr, err_msg=key)
+        if views:
+            assert not got.arrays[key].flags.owndata  # a view of the segment
+            bases.add(id(got.arrays[key].base))
+    assert len(bases) <= 1  # every array of the batch views the one segment
+    assert got.frames == want.frames and got.texts == want.texts
+    for key, (source, index) in want.images.items():
+        assert got.images[key][0] == source
+        np.testing.assert_array_equal(got.images[key][1], index)
+    np.testing.assert_array_equal(got.total_frames, want.total_frames)
+
+
+def test_auto_picks_the_local_plane_for_a_unix_daemon(
+        start_daemon: Start, ramp_roots: dict[str, Path],
+        caplog: pytest.LogCaptureFixture) -> None:
+    d = start_daemon(ramp_roots["sharded"], unix=True)
+    tcp = start_daemon(ramp_roots["sharded"])
+    off = start_daemon(ramp_roots["sharded"], "--no-local-plane", unix=True)
+    assert os.path.exists(_socket_path(d) + ".local")
+    assert not os.path.exists(_socket_path(off) + ".local")
+    with caplog.at_level(logging.INFO, logger="episerve_client.local"):
+        for target in (d.target, tcp.target, off.target):
+            with Client(target) as c:
+                c.read(NUMERIC, BATCH[:4])
+                c.read(NUMERIC, BATCH[4:8])  # one line per target, not per call
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [
+        f"episerve: reads from {d.target} go over the local shared-memory plane "
+        f"({_socket_path(d)}.local)",
+        f"episerve: reads from {off.target} go over gRPC (no local plane at "
+        f"{_socket_path(off)}.local)"]
+    with Client(d.target) as c:
+        assert c.stats()["local_connections"] == 1  # every method goes over the plane: this one
+    with pytest.raises(errors.InvalidArgument, match="transport='local' needs unix"):
+        Client(tcp.target, transport="local")
+    with pytest.raises(errors.InvalidArgument, match="transport must be one of"):
+        Client(d.target, transport="shm")
+
+
+def test_held_batches_keep_their_bytes_and_the_pool_stays_bounded(
+        start_daemon: Start, ramp_roots: dict[str, Path]) -> None:
+    d = start_daemon(ramp_roots["sharded"], "--local-segments", "2", unix=True)
+    with Client(d.target, transport="local", timeout_s=10) as c:
+        held = [c.read(NUMERIC, BATCH[k:k + 4]) for k in range(0, 20, 4)]  # 5 > 2 segments
+        want = [{k: v.copy() for k, v in r.arrays.items()} for r in held]
+        more = [c.read(NUMERIC, BATCH[k:k + 4]) for k in range(4, 20, 4)]
+        for result, arrays in zip(held, want, strict=True):
+            for k, v in arrays.items():
+                np.testing.assert_array_equal(result.arrays[k], v)  # never overwritten
+        stats = c.stats()
+        # Two lent from the pool; the batches beyond them got segments of their own that
+        # the daemon gave away at once: it holds only its pool.
+        assert (stats["local_segments"], c._local[d.target].lent) == (2, 2)  # type: ignore[union-attr]
+        del held, more, result
+        for _ in range(6):  # every batch dropped at once: the pool turns over
+            c.read(NUMERIC, BATCH[:8])
+        assert c.stats()["local_segments"] == 2
+
+
+def test_errors_are_the_same_classes_as_over_grpc(start_daemon: Start,
+                                                  ramp_roots: dict[str, Path]) -> None:
+    d = start_daemon(ramp_roots["sharded"], unix=True)
+    cases: list[tuple[dict[str, Any], list[tuple[str, int]]]] = [
+        (NUMERIC, [("ep999z", 0)]),
+        (NUMERIC, [("ep000a", 10_000)]),
+        ({"x": {"zarr_key": "no.such.key", "key_type": "proprio_keys"}}, [("ep000a", 0)]),
+        ({"x": {"zarr_key": "obs_head_pose", "key_type": "proprio_keys", "horizon": 5000}},
+         [("ep000a", 0)]),
+    ]
+    with Client(d.target, transport="grpc") as g, Client(d.target, transport="local") as c:
+        for keymap, samples in cases:
+            with pytest.raises(errors.EpiserveError) as over_grpc:
+                g.read(keymap, samples)
+            with pytest.raises(errors.EpiserveError) as local:
+                c.read(keymap, samples)
+            assert type(local.value) is type(over_grpc.value)
+            assert local.value.message == over_grpc.value.message
+            assert (local.value.episode, local.value.key) == (over_grpc.value.episode,
+                                                              over_grpc.value.key)
+        c.read(NUMERIC, BATCH[:4])  # the connection serves on after errors
+
+
+def test_token_is_checked(start_daemon: Start, ramp_roots: dict[str, Path]) -> None:
+    d = start_daemon(ramp_roots["sharded"], unix=True, env={"EPISERVE_TOKEN": "s3cret"})
+    with Client(d.target, transport="local", token="wrong", plaintext_token_ok=True) as c, \
+            pytest.raises(errors.Unauthenticated, match="token"):
+        c.read(NUMERIC, BATCH[:2])
+    with Client(d.target, transport="local", token="s3cret", plaintext_token_ok=True) as c:
+        assert len(c.read(NUMERIC, BATCH[:2])) == 2
+
+
+def test_other_uids_are_refused(ramp_roots: dict[str, Path]) -> None:
+    """A process of a uid that is neither the daemon's nor in --local-uids is refused
+    (SO_PEERCRED), even when the socket's mode would let it connect."""
+    if os.getuid() != 0:
+        pytest.skip("needs root to run a client under another uid")
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="episerve-uid-"))
+    folder.chmod(0o755)
+    try:
+        with DaemonProcess(ramp_roots["sharded"], "--rescan-s", "0",
+                           unix=folder / "d.sock") as d:
+            os.chmod(_socket_path(d) + ".local", 0o666)
+            script = ("import os, sys\n"
+                      "from episerve_client import Client, errors\n"
+                      "c = Client(sys.argv[1], transport='local')\n"
+                      "os.setuid(65534)  # after the imports: nobody cannot read them\n"
+                      "try:\n    c.stats()\n"
+                      "except errors.PermissionDenied as e:\n    print('refused', e)\n")
+            out = subprocess.run([sys.executable, "-c", script, d.target], text=True,
+                                 capture_output=True, timeout=60, cwd="/")
+            assert "refused" in out.stdout, out.stderr
+            assert "uid 65534 may not use the local plane" in out.stdout
+            with Client(d.target, transport="local") as c:
+                assert c.stats()["local_refused"] == 1
+    finally:
+        for p in folder.iterdir():
+            p.unlink()
+        folder.rmdir()
+
+
+READER = """
+import sys
+from episerve_client import Client
+c = Client(sys.argv[1], transport="local", timeout_s=60)
+keymap = {keymap!r}
+c.read(keymap, [("ep003d", 0)])
+print("connected", flush=True)
+while True:
+    c.read(keymap, [("ep003d", f) for f in range(0, 250, 3)])
+"""
+
+
+def test_a_client_killed_mid_read_frees_its_segments_within_a_second(
+        start_daemon: Start, ramp_roots: dict[str, Path]) -> None:
+    d = start_daemon(ramp_roots["sharded"], "--inject-latency-s", "0.2", "--cache-bytes", "0",
+                     unix=True)
+    shm_before = set(os.listdir("/dev/shm"))
+    reader = subprocess.Popen([sys.executable, "-c", READER.format(keymap=KEYMAPS["offsets"]),
+                               d.target], stdout=subprocess.PIPE, text=True)
+    try:
+        assert reader.stdout is not None and reader.stdout.readline() == "connected\n"
+        with Client(d.target, transport="grpc") as g:
+            assert g.stats()["local_segments"] >= 1
+            time.sleep(0.1)  # the next read is in flight (each store request waits 0.2 s)
+            assert g.stats()["reads_in_flight"] == 1
+            reader.send_signal(signal.SIGKILL)
+            reader.wait(10)
+            killed = time.monotonic()
+            while time.monotonic() - killed < 1.0:
+                s = g.stats()
+                if s["local_connections"] == 0 and s["local_segments"] == 0:
+                    break
+                time.sleep(0.02)
+            assert (s["local_connections"], s["local_segments"], s["local_segment_bytes"]) \
+                == (0, 0, 0)
+        assert _memfds(d.pid) == 0  # every descriptor of the segments closed
+    finally:
+        reader.kill()
+        reader.wait()
+        if reader.stdout is not None:
+            reader.stdout.close()
+    assert set(os.listdir("/dev/shm")) == shm_before
+
+
+def test_a_daemon_killed_mid_read_is_unavailable_and_retried_after_restart(
+        start_daemon: Start, ramp_roots: dict[str, Path]) -> None:
+    d = start_daemon(ramp_roots["sharded"], "--inject-latency-s", "0.3", "--cache-bytes", "0",
+                     unix=True)
+    path = _socket_path(d)
+    shm_before = set(os.listdir("/dev/shm"))
+    with Client(d.target, transport="local", timeout_s=60) as c:
+        c.read(NUMERIC, BATCH[:2])
+        outcome: list[Any] = []
+
+        def read() -> None:
+            try:
+                outcome.append(c.read(NUMERIC, BATCH))
+            except Exception as exc:
+                outcome.append(exc)
+
+        thread = threading.Thread(target=read)
+        thread.start()
+        time.sleep(0.15)
+        os.kill(d.pid, signal.SIGKILL)  # mid-read: the store is still answering
+        d.proc.wait(10)
+        # The channel itself sees a typed, transient Unavailable (the retry loop's case).
+        plane = c._local[d.target]
+        assert plane is not None
+        with pytest.raises(errors.Unavailable) as down:
+            plane.call("GetTopology", b"", 1.0)
+        assert down.value.transient
+        again = DaemonProcess(ramp_roots["sharded"], "--rescan-s", "0", unix=path)
+        try:
+            thread.join(60)
+            assert not thread.is_alive()
+            [result] = outcome
+            assert not isinstance(result, Exception), result
+            assert len(result) == len(BATCH)
+        finally:
+            again.stop(timeout_s=15)
+    assert set(os.listdir("/dev/shm")) == shm_before
+    assert not os.path.exists(path + ".local")  # the restarted daemon removed its socket
+
+
+def test_workers_each_serve_their_own_local_plane(start_daemon: Start,
+                                                  ramp_roots: dict[str, Path]) -> None:
+    """--workers 2: each worker process listens on <its socket>.local; the client routes
+    each sample to its owner as over gRPC, and reads those over the worker's plane."""
+    d = start_daemon(ramp_roots["sharded"], "--workers", "2", unix=True)
+    with Client(d.target, transport="grpc") as g, Client(d.target) as c:
+        want = g.read(NUMERIC, BATCH)
+        got = c.read(NUMERIC, BATCH)
+        _same(got, want, views=False)  # two workers' parts, put back in order: a copy
+        workers = c.workers.of[d.target]
+        assert len(workers) == 2
+        for w in workers:
+            assert os.path.exists(w.removeprefix("unix://").removeprefix("unix:") + ".local")
+            assert c._local.get(w) is not None  # the worker's reads went over its plane
+        assert c._local.get(d.target) is None  # the front has no plane: gRPC

@@ -1,0 +1,401 @@
+"""The local plane's pure parts: framing, the client's checks of a hostile header, the
+daemon's segment pool (bounds, backpressure, reuse) and its socket's creation."""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import os
+import socket
+import stat
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from episerve_client.convert import read_result_local
+from episerve_client.errors import DataLossError
+from episerve_proto import local as lp
+from episerve_proto.errors import Overloaded
+from episerve_proto.v1 import episerve_pb2 as pb
+from episerve_server.core.result import BatchResult, ImageColumn
+from episerve_server.rpc import wire
+from episerve_server.rpc.local import SegmentPool, bind_private_socket
+from episerve_server.rpc.preflight import StartupError
+
+# -- framing ----------------------------------------------------------------------------
+
+
+def test_frame_round_trip() -> None:
+    data = lp.frame(lp.CALL, 7, lp.call_body("Read", b"xyz"))
+    head = lp.parse_head(data[:lp.HEAD_BYTES], lp.TO_DAEMON, lp.MAX_CALL_BODY)
+    assert (head.kind, head.ident, head.length, head.flags) == (lp.CALL, 7, 8, 0)
+    assert lp.parse_call(data[lp.HEAD_BYTES:]) == ("Read", b"xyz")
+
+
+@pytest.mark.parametrize(("data", "why"), [
+    (lp.frame(lp.BATCH, 1), "unexpected frame kind"),  # a client's kind, sent to the daemon
+    (lp.frame(99, 1), "unexpected frame kind"),
+    (lp.HEAD.pack(lp.CALL, 0x80, 0, 0, 1), "unknown flags"),
+    (lp.HEAD.pack(lp.CALL, 0, 3, 0, 1), "reserved"),
+    (lp.HEAD.pack(lp.CALL, 0, 0, lp.MAX_CALL_BODY + 1, 1), "over the limit"),
+])
+def test_bad_heads_are_refused(data: bytes, why: str) -> None:
+    with pytest.raises(lp.FrameError, match=why):
+        lp.parse_head(data[:lp.HEAD_BYTES], lp.TO_DAEMON, lp.MAX_CALL_BODY)
+
+
+@pytest.mark.parametrize("body", [b"", b"\x04Nope", b"\x10Read", b"\x00"])
+def test_calls_name_a_method_of_the_contract(body: bytes) -> None:
+    with pytest.raises(lp.FrameError):
+        lp.parse_call(body)
+
+
+def test_error_frames_round_trip_and_cut_short() -> None:
+    body = lp.error_body("NOT_FOUND", "EpisodeNotFound", "no episode 'x'", "x", "k")
+    assert lp.parse_error(body) == ("NOT_FOUND", "EpisodeNotFound", "no episode 'x'", "x", "k")
+    with pytest.raises(lp.FrameError, match="cut short"):
+        lp.parse_error(body[:-3])
+
+
+def test_layout_is_aligned_and_tight() -> None:
+    offsets, total = lp.layout([1, 64, 0, 65])
+    assert offsets == [0, 64, 128, 128] and total == 256
+
+
+# -- a hostile batch header: every offset and length checked before a view ---------------
+
+
+@pytest.mark.parametrize(("size", "blobs", "why"), [
+    (4096, [(4096, 1)], "outside the segment"),  # starts at the end
+    (4096, [(0, 4097)], "outside the segment"),  # longer than the segment
+    (4096, [(64, 2**64 - 32)], "outside the segment"),  # off + n wraps around in C
+    (4096, [(3, 8)], "not aligned"),
+    (0, [], "outside 1.."),
+    (lp.MAX_SEGMENT_BYTES + 1, [], "outside 1.."),  # a client never maps more
+])
+def test_batch_header_blobs_outside_the_segment_are_refused(
+        size: int, blobs: list[tuple[int, int]], why: str) -> None:
+    with pytest.raises(lp.FrameError, match=why):
+        lp.parse_batch(lp.batch_body(1, size, blobs, b""))
+
+
+def test_batch_header_table_longer_than_the_frame_is_refused() -> None:
+    body = lp.BATCH_HEAD.pack(1, 4096, 1000) + lp.BLOB.pack(0, 8)  # claims 1000, has one
+    with pytest.raises(lp.FrameError, match="does not fit"):
+        lp.parse_batch(body)
+
+
+def _batch() -> BatchResult:
+    return BatchResult(
+        episodes=["a", "b"], frame_index=np.array([0, 5]), fps=np.array([30, 15], np.float32),
+        embodiments=["e", "e"],
+        arrays={"x": np.arange(2 * 3 * 4, dtype=np.float32).reshape(2, 3, 4),
+                "x_is_pad": np.array([[True, False, False], [False, False, True]])},
+        images={"cam": ImageColumn("front", np.array([1, 0], np.int32))},
+        frames={"front": [b"\xff\xd8one", b"\xff\xd8second"]},
+        texts={"task": [["pick"], ["place", "x"]]})
+
+
+def _placed(result: BatchResult) -> tuple[bytes, list[tuple[int, int]], np.ndarray]:
+    """What the daemon writes: the metadata, the table and the segment."""
+    blobs: list[wire.Buf] = []
+    meta = wire.encode_result(result, blobs.append)
+    sizes = [memoryview(b).nbytes for b in blobs]
+    offsets, total = lp.layout(sizes)
+    segment = np.zeros(total, np.uint8)
+    for off, n, blob in zip(offsets, sizes, blobs, strict=True):
+        segment[off:off + n] = np.frombuffer(blob, np.uint8)
+    return meta, list(zip(offsets, sizes, strict=True)), segment
+
+
+def test_local_result_equals_the_grpc_result_and_views_the_segment() -> None:
+    from episerve_client.convert import read_result
+
+    result = _batch()
+    meta, table, segment = _placed(result)
+    got = read_result_local(meta, table, segment)
+    want = read_result(wire.encode_result(result))
+    for name, arr in want.arrays.items():
+        assert got.arrays[name].dtype == arr.dtype
+        np.testing.assert_array_equal(got.arrays[name], arr)
+        assert got.arrays[name].base is segment  # a view, not a copy
+    assert got.frames == want.frames and got.texts == want.texts
+    assert got.images["cam"][0] == "front"
+    np.testing.assert_array_equal(got.images["cam"][1], want.images["cam"][1])
+    assert got.episodes == want.episodes and got.embodiments == want.embodiments
+
+
+def _meta_with(mutate: str) -> tuple[bytes, list[tuple[int, int]], np.ndarray]:
+    meta, table, segment = _placed(_batch())
+    msg = pb.ReadResponse()
+    msg.ParseFromString(meta)
+    if mutate == "shape":
+        msg.arrays[0].shape[:] = [2, 3, 400]  # more bytes than the blob holds
+    elif mutate == "negative":
+        msg.arrays[0].shape[:] = [-2, 3, 4]
+    elif mutate == "object":
+        msg.arrays[0].dtype = "|O"
+    elif mutate == "index":
+        index = np.array([7, 0], "<i4")  # frame 7 of 2
+        off = table[2][0]
+        segment[off:off + 8] = np.frombuffer(index.tobytes(), np.uint8)
+    elif mutate == "count":
+        table = table[:-1]
+    return msg.SerializeToString(), table, segment
+
+
+@pytest.mark.parametrize("mutate", ["shape", "negative", "object", "index", "count"])
+def test_a_malicious_header_never_makes_a_bad_view(mutate: str) -> None:
+    meta, table, segment = _meta_with(mutate)
+    with pytest.raises(DataLossError):
+        read_result_local(meta, table, segment)
+
+
+# -- the daemon's pool: bounded, waits when full, reuses, frees ---------------------------
+
+
+class Gauge:
+    def __init__(self) -> None:
+        self.segments = self.nbytes = 0
+
+    def __call__(self, segments: int, nbytes: int) -> None:
+        self.segments += segments
+        self.nbytes += nbytes
+
+
+def _open_memfds(name: str = "episerve") -> int:
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += os.readlink(f"/proc/self/fd/{fd}").startswith(f"/memfd:{name}")
+        except FileNotFoundError:  # the listing's own descriptor
+            continue
+    return n
+
+
+def test_pool_is_bounded_waits_when_full_and_reuses() -> None:
+    async def run() -> None:
+        gauge = Gauge()
+        pool = SegmentPool(2, gauge)
+        a = await pool.acquire(100)
+        b = await pool.acquire(100)
+        assert gauge.segments == 2 and a.ident != b.ident
+        waiting = asyncio.create_task(pool.acquire(100))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()  # full: the third waits, the pool does not grow
+        await pool.give_back(a.ident)
+        c = await asyncio.wait_for(waiting, 1)
+        assert c is a and gauge.segments == 2  # the returned segment, reused
+        with pytest.raises(Overloaded, match="holds all 2"):
+            await pool.acquire(100, wait_s=0.05)
+        await pool.give_back(b.ident)
+        await pool.give_back(b.ident)  # twice, or an id never lent: nothing happens
+        await pool.give_back(12345)
+        assert len(pool) == 2
+        await pool.close()
+        assert gauge.segments == 0 and gauge.nbytes == 0
+
+    before = _open_memfds()
+    asyncio.run(run())
+    assert _open_memfds() == before  # every descriptor closed
+
+
+def test_pool_replaces_a_free_segment_too_small_for_the_batch() -> None:
+    async def run() -> None:
+        gauge = Gauge()
+        pool = SegmentPool(1, gauge)
+        small = await pool.acquire(10)
+        small.sent = True
+        await pool.give_back(small.ident)
+        big = await pool.acquire(5 << 20)
+        assert big.size >= 5 << 20 and big.ident != small.ident
+        assert pool.retired == [small.ident]  # the client is told to drop its mapping
+        assert gauge.segments == 1 and gauge.nbytes == big.size
+        await pool.close()
+
+    asyncio.run(run())
+
+
+def test_segments_are_sealed_against_shrinking() -> None:
+    import fcntl
+
+    async def run() -> None:
+        pool = SegmentPool(1, Gauge())
+        seg = await pool.acquire(10)
+        assert fcntl.fcntl(seg.fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK
+        with pytest.raises(PermissionError):
+            os.ftruncate(seg.fd, 0)
+        await pool.close()
+
+    asyncio.run(run())
+
+
+# -- the socket: 0600, never through a symlink or over another's file --------------------
+
+
+def test_private_socket_is_0600_and_replaces_only_a_stale_one(tmp_path: Path) -> None:
+    path = tmp_path / "d.sock.local"
+    sock = bind_private_socket(path, "--unix")
+    try:
+        assert stat.S_IMODE(path.lstat().st_mode) == 0o600
+        with pytest.raises(StartupError, match="another daemon is listening"):
+            bind_private_socket(path, "--unix")
+    finally:
+        sock.close()
+    again = bind_private_socket(path, "--unix")  # a stale socket of ours: replaced
+    again.close()
+
+
+def test_private_socket_refuses_symlinks_and_files(tmp_path: Path) -> None:
+    target = tmp_path / "elsewhere"
+    target.write_text("keep me")
+    link = tmp_path / "link.local"
+    link.symlink_to(target)
+    with pytest.raises(StartupError, match="symlink"):
+        bind_private_socket(link, "--unix")
+    plain = tmp_path / "file.local"
+    plain.write_text("x")
+    with pytest.raises(StartupError, match="not a socket"):
+        bind_private_socket(plain, "--unix")
+    assert target.read_text() == "keep me"
+    world = tmp_path / "world"
+    world.mkdir()
+    world.chmod(0o777)
+    with pytest.raises(StartupError, match="writable by every user"):
+        bind_private_socket(world / "d.local", "--unix")
+
+
+# -- the client against a hostile daemon: a real socket, crafted frames --------------------
+
+
+def _hostile(tmp_path: Path,
+             answer: Callable[[socket.socket], None]) -> tuple[str, threading.Thread]:
+    """A one-connection 'daemon' at tmp_path/d.sock.local: WELCOME, then ``answer``."""
+    path = tmp_path / "d.sock"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(path) + lp.LOCAL_SUFFIX)
+    server.listen(1)
+
+    def serve() -> None:
+        conn, _ = server.accept()
+        with conn:
+            conn.recv(lp.HEAD_BYTES + 64)  # HELLO
+            conn.sendall(lp.frame(lp.WELCOME, 2))
+            conn.recv(1 << 16)  # the CALL
+            answer(conn)
+            conn.recv(16)  # until the client hangs up
+        server.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return str(path), thread
+
+
+def _memfd(size: int, sealed: bool) -> int:
+    import fcntl
+
+    fd = os.memfd_create("hostile", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    if sealed:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+    return fd
+
+
+def _with_fd(conn: socket.socket, data: bytes, fd: int) -> None:
+    conn.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+    os.close(fd)
+
+
+def _batch_frame(size: int, flags: int = lp.FLAG_FD) -> bytes:
+    meta, table, _ = _placed(_batch())
+    return lp.frame(lp.BATCH, 1, lp.batch_body(1, size, table, meta), flags)
+
+
+HOSTILE: dict[str, Callable[[socket.socket], None]] = {
+    # a descriptor that could shrink under the client's views (SIGBUS): refused
+    "unsealed": lambda c: _with_fd(c, _batch_frame(1 << 16), _memfd(1 << 16, False)),
+    # a segment said to be larger than the file behind it
+    "short file": lambda c: _with_fd(c, _batch_frame(1 << 16), _memfd(4096, True)),
+    # a segment the client never received
+    "unknown segment": lambda c: c.sendall(_batch_frame(1 << 16, flags=0)),
+    # a body of 16 MiB + 1 announced: refused from the head, nothing allocated
+    "huge body": lambda c: c.sendall(lp.HEAD.pack(lp.BATCH, 0, 0, lp.MAX_ANSWER_BODY + 1, 1)),
+    # an answer to another call
+    "wrong id": lambda c: c.sendall(lp.frame(lp.REPLY, 99, b"")),
+    # a descriptor on a frame that carries none
+    "stray fd": lambda c: _with_fd(c, lp.frame(lp.REPLY, 1, b""), _memfd(4096, True)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_a_hostile_daemon_gets_a_typed_error_and_no_bad_view(case: str,
+                                                             tmp_path: Path) -> None:
+    from episerve_client.local import LocalChannel
+
+    path, server = _hostile(tmp_path, HOSTILE[case])
+    channel = LocalChannel(path, f"unix://{path}", "")
+    with pytest.raises(DataLossError):
+        channel.call("GetStats" if case in ("wrong id", "stray fd") else "Read", b"", 5.0)
+    channel.close()
+    server.join(5)  # its own copy of the descriptor closed too
+    assert _open_memfds("hostile") == 0  # every descriptor received was closed
+
+
+def test_a_good_batch_from_a_crafted_daemon_is_a_view(tmp_path: Path) -> None:
+    """The same crafted server, answering properly: the client maps the segment."""
+    from episerve_client.local import LocalChannel
+
+    def good(conn: socket.socket) -> None:
+        meta, table, segment = _placed(_batch())
+        fd = _memfd(1 << 16, True)
+        os.pwrite(fd, segment.tobytes(), 0)
+        _with_fd(conn, lp.frame(lp.BATCH, 1, lp.batch_body(1, 1 << 16, table, meta),
+                                lp.FLAG_FD), fd)
+
+    path, _ = _hostile(tmp_path, good)
+    channel = LocalChannel(path, f"unix://{path}", "")
+    result = channel.call("Read", b"", 5.0)
+    assert not isinstance(result, bytes)
+    np.testing.assert_array_equal(result.arrays["x"], _batch().arrays["x"])
+    assert channel.lent == 1
+    del result
+    assert channel.lent == 1 and len(channel._returned) == 1  # returned with the next call
+    channel.close()
+
+
+def test_local_plane_settings_from_flags_and_environment() -> None:
+    from episerve_server.config import ServerConfig
+
+    on = ServerConfig.from_args([], {})
+    assert on.local_plane and on.local_uids == () and on.local_segments == 4
+    off = ServerConfig.from_args(["--no-local-plane", "--local-uids", "1000",
+                                  "--local-uids", "1001", "--local-segments", "2"], {})
+    assert not off.local_plane and off.local_uids == ("1000", "1001")
+    assert off.local_segments == 2
+    env = ServerConfig.from_args([], {"EPISERVE_LOCAL_PLANE": "0",
+                                      "EPISERVE_LOCAL_UIDS": "7,8"})
+    assert not env.local_plane and env.local_uids == ("7", "8")
+    with pytest.raises(ValueError, match="local_uids must be numeric"):
+        ServerConfig.from_args(["--local-uids", "alice"], {})
+    with pytest.raises(ValueError, match="local_segments"):
+        ServerConfig.from_args(["--local-segments", "0"], {})
+
+
+def test_a_kept_segment_is_made_at_once_and_forgotten_when_given_away() -> None:
+    async def run() -> None:
+        gauge = Gauge()
+        pool = SegmentPool(1, gauge)
+        lent = await pool.acquire(100)
+        kept = await asyncio.wait_for(pool.acquire(100, keep=True), 1)  # the pool is full
+        assert kept.ident != lent.ident and gauge.segments == 2
+        await pool.give_away(kept.ident)
+        assert gauge.segments == 1 and kept.ident not in pool.lent
+        await pool.close()
+        assert gauge.segments == 0
+
+    before = _open_memfds()
+    asyncio.run(run())
+    assert _open_memfds() == before
