@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import posixpath
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
@@ -48,29 +49,21 @@ DEFAULT_TIMEOUT_S = 30.0
 MAX_FINGERPRINT_FILES = 65536
 
 
-_TRANSPORT_ERRORS: tuple[type[BaseException], ...] | None = None
-
-
 def transport_errors() -> tuple[type[BaseException], ...]:
     """The exceptions an object-store client raises when a connection fails (reset, refused,
     closed mid-answer): botocore's connection and HTTP-client errors and aiohttp's client
     errors. They are no ``OSError``, but mean the same as one: storage did not answer this
-    time. Looked up on first use, from the packages that are installed (the ``s3`` extra)."""
-    global _TRANSPORT_ERRORS
-    if _TRANSPORT_ERRORS is None:
-        found: list[type[BaseException]] = []
-        try:
-            from botocore import exceptions as boto
-            found += [boto.ConnectionError, boto.HTTPClientError]
-        except ImportError:
-            pass
-        try:
-            import aiohttp
-            found.append(aiohttp.ClientError)
-        except ImportError:
-            pass
-        _TRANSPORT_ERRORS = tuple(found)
-    return _TRANSPORT_ERRORS
+    time. Taken from the modules already imported (an object store imports them when it
+    opens; nothing can raise them otherwise), never importing anything: this runs on the
+    event loop, in an ``except`` clause, where importing botocore would stall it."""
+    found: list[type[BaseException]] = []
+    boto = sys.modules.get("botocore.exceptions")
+    if boto is not None:
+        found += [boto.ConnectionError, boto.HTTPClientError]
+    aiohttp = sys.modules.get("aiohttp")
+    if aiohttp is not None:
+        found.append(aiohttp.ClientError)
+    return tuple(found)
 
 
 def split_key(store_key: str) -> tuple[str, str]:
