@@ -5,7 +5,8 @@
 - ``PerKeyReader``: better. Arrays held open; within one sample, one read per distinct
   zarr key covering the union of that key's windows, then sliced.
 
-Both follow SPEC section 2 with plain loops, and return per-sample dicts of float32 arrays
+Both follow the window rules of docs/KEYMAP.md with plain loops, and return per-sample
+dicts of float32 arrays
 and raw JPEG bytes. The annotation cutoff is not used by the benchmark keymaps.
 """
 

@@ -217,7 +217,7 @@ class Expected:
         return self.outputs | masks
 
 
-#: The outputs the daemon adds besides ``<camera output>_mask`` (SPEC masks).
+#: The outputs the daemon adds besides ``<camera output>_mask`` (the default masks).
 MASK_OUTPUTS = ("action_pad_mask", "proprio_history_mask")
 #: The dtypes a response tensor may have, as the daemon writes them (numpy's ``dtype.str``):
 #: little-endian numbers and bools. Anything else (objects, strings, big-endian, an unknown

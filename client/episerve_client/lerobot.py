@@ -1,4 +1,4 @@
-"""LeRobot-style window descriptions as keymaps (SPEC rule 6, ``offsets_s``).
+"""LeRobot-style window descriptions as keymaps (keymap rule 6, ``offsets_s``).
 
 LeRobot describes the frames of a sample with ``delta_timestamps``: per feature, a list of
 offsets in seconds from the sample's frame. The same list is an ``offsets_s`` keymap entry;

@@ -1,1 +1,1 @@
-"""Two real processes on gloo: the rank-0 validation video (SPEC section 4)."""
+"""Two real processes on gloo: the rank-0 validation video."""

@@ -107,7 +107,7 @@ def requests(out: Path, rank: int) -> list[list[str]]:
 
 
 def check_video_run(out: Path, target: str) -> None:
-    """SPEC section 4, proven: both ranks finished, rank 0 alone read and wrote the video."""
+    """The rank-0 video rule, proven: both ranks finished, rank 0 alone read and wrote the video."""
     r0, r1 = (json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1))
     epochs = [str(e) for e in range(c.EPOCHS)]
     # The metric loader runs on both ranks, all-reduced: the same value everywhere.

@@ -1,4 +1,5 @@
-"""Plain torch DDP, two gloo processes with DataLoader workers, a real daemon (SPEC 4)."""
+"""Plain torch DDP, two gloo processes with DataLoader workers, a real daemon: the rank-0
+video gate."""
 
 from __future__ import annotations
 

@@ -38,7 +38,7 @@ def expected(root: Path, episode: str, frame: int, keymap: dict[str, Any],
 
 
 def _chw(jpeg: bytes) -> np.ndarray:
-    return decode_rgb(jpeg).transpose(2, 0, 1) / np.float32(255)  # SPEC: uint8 / float32(255)
+    return decode_rgb(jpeg).transpose(2, 0, 1) / np.float32(255)  # as documented
 
 
 def assert_batch_matches(batch: dict[str, Any], root: Path, keymap: dict[str, Any],

@@ -161,7 +161,7 @@ def load_corrupt(target: str) -> list[tuple[int, int, float]]:
 def test_an_undecodable_frame_is_still_retried_at_another_frame(
         frames_daemon: tuple[Path, DaemonProcess]) -> None:
     """A header that does not parse, and a header that parses over a truncated body: both
-    are undecodable frames, read again at another frame (SPEC), not a size mismatch."""
+    are undecodable frames, read again at another frame, not a size mismatch."""
     _, d = frames_daemon
     got = isolated(load_corrupt, d.target)
     frames = [f for f, _, _ in got]

@@ -66,7 +66,7 @@ KEYMAPS: dict[str, dict[str, dict[str, Any]]] = {
         "hist": e("left.obs_wrist_pose", "proprio_keys", history=6, history_stride=3),
         "cam_mem": e(CAMERA, "camera_keys", history=3, history_stride=40),
     },
-    # SPEC rule 6 (LeRobot's delta_timestamps): past, future, beyond both ends, duplicates,
+    # Keymap rule 6 (LeRobot's delta_timestamps): past, future, beyond both ends, duplicates,
     # ties of round() at 15 and 25 fps, and camera offsets next to an action chunk and a history
     "offsets": {
         "state": e("obs_head_pose", "proprio_keys", offsets_s=[-0.5, -0.1, -1 / 30, 0.0]),

@@ -1,4 +1,4 @@
-"""The per-entry reference reader: SPEC section 2 written out literally.
+"""The per-entry reference reader: the window rules of docs/KEYMAP.md written out literally.
 
 Everything else in the test suite that checks a read (the batch planner, the daemon, the client
 Dataset) is compared against :func:`oracle_sample`. It is deliberately naive:
@@ -56,12 +56,12 @@ class Span:
 
 
 def frames(x: float, fps: float) -> int:
-    """SPEC section 2: ``frames(x) = max(1, round(x * fps))`` with Python's built-in round."""
+    """docs/KEYMAP.md: ``frames(x) = max(1, round(x * fps))`` with Python's built-in round."""
     return max(1, round(x * fps))
 
 
 def entry_rule(spec: Mapping[str, Any]) -> int:
-    """The number of the first SPEC section 2 rule that matches this keymap entry."""
+    """The number of the first window rule (docs/KEYMAP.md) that matches this keymap entry."""
     key_type = spec["key_type"]
     if key_type not in KEY_TYPES:
         raise ValueError(f"unknown key_type {key_type!r}; expected one of {sorted(KEY_TYPES)}")
@@ -200,9 +200,9 @@ def oracle_sample(
     annotation_cutoff: bool = False,
     all_masks: bool = False,
 ) -> dict[str, Any]:
-    """Read one sample of ``<root>/<episode_hash>.zarr`` at ``frame``, entry by entry (SPEC §2).
+    """Read one sample of ``<root>/<episode_hash>.zarr`` at ``frame``, entry by entry.
 
-    With ``all_masks`` (SPEC "Masks", masks="all"), every windowed output (horizon, history,
+    With ``all_masks`` (masks="all"), every windowed output (horizon, history,
     offsets_s) also gets ``<output_key>_is_pad``, a bool array that is True where the row is
     padding, and the sample carries ``total_frames``.
     """
@@ -394,7 +394,7 @@ def row_runs(rows: Sequence[int]) -> list[tuple[int, int]]:
 
 
 def merge_intervals(intervals: Sequence[tuple[int, int]], chunk: int) -> list[tuple[int, int]]:
-    """SPEC section 3's merge rule, literally: sort the half-open intervals by (start, end)
+    """The merge rule, literally: sort the half-open intervals by (start, end)
     and fold one into the current group when ``start // chunk <= (group_end - 1) // chunk + 1``;
     the group's end becomes the larger end."""
     groups: list[list[int]] = []

@@ -1,7 +1,8 @@
-"""The per-entry oracle, checked rule by rule against hand-computed ramp rows (SPEC section 2).
+"""The per-entry oracle, checked rule by rule against hand-computed ramp rows (docs/KEYMAP.md).
 
-Every expectation here is written from the SPEC text and the ramp layout (``tests/ramp.py``),
-never from the oracle's own helpers, so that the oracle can be trusted as the reference.
+Every expectation here is written from the rules of docs/KEYMAP.md and the ramp layout
+(``tests/ramp.py``), never from the oracle's own helpers, so that the oracle can be
+trusted as the reference.
 """
 
 from __future__ import annotations

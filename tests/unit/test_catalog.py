@@ -83,7 +83,7 @@ def test_broken_episodes_are_listed_with_a_reason(catalog_served: Any) -> None:
 
 
 def test_broken_array_metadata_names_the_key(catalog_served: Any) -> None:
-    """SPEC 1.4: a broken store's error names the episode and the key."""
+    """A broken store's error names the episode and the key."""
     reason = catalog_served.catalog.broken_listing().get("arraymeta", "")
     assert "obs_head_pose" in reason, reason
     with pytest.raises((BrokenEpisodeError, KeymapError)) as info:

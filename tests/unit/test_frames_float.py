@@ -1,4 +1,4 @@
-"""Camera floats are exactly ``uint8 / float32(255)`` (SPEC section 2), for every value."""
+"""Camera floats are exactly ``uint8 / float32(255)`` (docs/KEYMAP.md), for every value."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ from episerve_client.data.batch import SampleBatch
 from episerve_client.data.frames import frames_to_float, lookup
 from episerve_client.data.jpeg import decode_column, to_chw
 
-WANT = np.arange(256, dtype=np.uint8) / np.float32(255)  # SPEC: uint8 / float32(255)
+WANT = np.arange(256, dtype=np.uint8) / np.float32(255)  # uint8 / float32(255), as documented
 
 
 @pytest.mark.parametrize("convert", [frames_to_float, lookup])

@@ -1,4 +1,4 @@
-"""Keymap parsing and validation (SPEC section 2): rules, masks and precise error messages."""
+"""Keymap parsing and validation (docs/KEYMAP.md): rules, masks and precise error messages."""
 
 from __future__ import annotations
 
@@ -227,7 +227,7 @@ def test_is_pad_names_are_reserved_only_for_windowed_outputs() -> None:
     assert len(km) == 4
 
 
-# -- strict keymaps: what the SPEC allows together -----------------------------------------------
+# -- strict keymaps: what may go together -----------------------------------------------
 
 @pytest.mark.parametrize("fields", [
     {"history": 4, "lag_s": 0.5},

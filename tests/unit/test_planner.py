@@ -1,8 +1,8 @@
 """The batch read planner against the per-entry oracle, its chunk accounting and its errors.
 
-SPEC section 2 (what a sample is) and section 3 (how a batch is read). Every value the
+docs/KEYMAP.md (what a sample is) and docs/ARCHITECTURE.md (how a batch is read). Every value the
 planner returns is compared with ``tests/oracle.py``, which reads entry by entry through
-zarr's plain API; the chunk counts are compared with windows computed from the SPEC rules.
+zarr's plain API; the chunk counts are compared with windows computed from the window rules.
 """
 
 from __future__ import annotations
@@ -215,7 +215,7 @@ def chunk_rows(root: Path, episode: str, key: str) -> int:
 
 
 def entry_rows(fields: dict[str, Any], i: int, total: int, fps: int) -> list[int]:
-    """The rows one entry reads at frame i, from the SPEC rules as the oracle spells them."""
+    """The rows one entry reads at frame i, from the window rules as the oracle spells them."""
     return list(oracle.entry_indices(fields, i, total, fps, None)[0])
 
 
@@ -261,7 +261,7 @@ def test_cache_off_fetches_exactly_the_touched_chunks(name: str, dataset: str,
 
 def literal_groups(root: Path, keymap: dict[str, dict[str, Any]],
                    samples: list[tuple[str, int]]) -> dict[tuple[str, str], list[tuple[int, int]]]:
-    """Per (episode, zarr key): SPEC section 3's merged groups, by the literal rule over
+    """Per (episode, zarr key): the merged groups of the merge rule, by the literal rule over
     every window of the batch (each window as its runs of consecutive rows)."""
     intervals: dict[tuple[str, str], list[tuple[int, int]]] = {}
     for h, i in samples:
@@ -403,7 +403,8 @@ def test_absent_chunks_make_no_metadata_hops_after_warm_up(
     """Rows 100..199 of ``x.sparse`` are all fill value, so zarr never wrote that chunk.
 
     Reading it is an ordinary read: after warm-up it must not ask the store about metadata
-    (SPEC 3.7) -- not even an ``exists`` on the group's zarr.json, which costs a HEAD
+    (an opened store makes none) -- not even an ``exists`` on the group's zarr.json, which
+    costs a HEAD
     request on object storage and which the counters do not see.
     """
     served = serve(extras_served[layout].root, 0)

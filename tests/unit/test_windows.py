@@ -1,4 +1,4 @@
-"""Window rules (SPEC section 2) and the merge rule (SPEC section 3), as pure functions."""
+"""Window rules (docs/KEYMAP.md) and the merge rule (docs/ARCHITECTURE.md), as pure functions."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def rows_of(s: KeySpec, frame: list[int], total: list[int] | int, fps: list[floa
     return w.rows, w.mask
 
 
-# -- the merge rule: the SPEC vectors ----------------------------------------------------------
+# -- the merge rule: the documented vectors --------------------------------------------------
 
 @pytest.mark.parametrize(("intervals", "chunk", "groups"), [
     ([(57, 61), (60, 160)], 100, [(57, 160)]),

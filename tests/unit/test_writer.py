@@ -1,4 +1,4 @@
-"""The episode writer round-trips through zarr's own API in every layout (SPEC section 1)."""
+"""The episode writer round-trips through zarr's own API in every layout (docs/FORMAT.md)."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ options:
 
 commands:
   serve ROOT          run the read daemon (episerve serve --help)
-  make-dataset OUT    write synthetic episodes in the SPEC layout
+  make-dataset OUT    write synthetic episodes in the documented episode layout
   demo                write a demo dataset, serve it, train-loop over it, report
   loadtest TARGET...  drive a running daemon and report throughput and latency
   stats TARGET        per-key statistics (mean, std, min, max, q01, q99) from a daemon
@@ -66,7 +66,8 @@ def _refuse(why: str) -> int:
 
 def _make_dataset_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="episerve make-dataset",
-                                description="Write synthetic episodes (SPEC section 1 layout).")
+                                description="Write synthetic episodes in the layout of "
+                                "docs/FORMAT.md.")
     p.add_argument("out", help="output folder (created; episodes of the same name are "
                    "overwritten)")
     p.add_argument("--episodes", type=int, default=DEMO_EPISODES,

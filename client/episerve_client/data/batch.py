@@ -1,4 +1,4 @@
-"""``SampleBatch``: a batch that is a sequence of SPEC sample dicts, stored columnar."""
+"""``SampleBatch``: a batch that is a sequence of sample dicts, stored columnar."""
 
 from __future__ import annotations
 

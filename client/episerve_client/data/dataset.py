@@ -1,4 +1,4 @@
-"""``WindowDataset``: SPEC section 2 samples from the daemon, one RPC per batch."""
+"""``WindowDataset``: keymap samples from the daemon, one RPC per batch."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ class WindowDataset(Dataset[dict[str, Any]]):
 
     - ``frames``: camera outputs as CHW ``"float32"`` in [0, 1] (the default) or ``"uint8"``
       (a quarter of the bytes between processes; ``to_float`` widens them on the device).
-    - ``masks``: SPEC's masks (``"spec"``), or also ``<output>_is_pad`` (bool, True where
+    - ``masks``: the default masks (``"spec"``), or also ``<output>_is_pad`` (bool, True where
       padded) for every windowed output and ``total_frames`` per sample (``"all"``).
     - ``manifest``: build on a pinned episode set (a ``Manifest`` or its JSON file); the
       index mapping never changes, and an episode of it the daemon no longer serves as
@@ -266,7 +266,7 @@ class WindowDataset(Dataset[dict[str, Any]]):
 
     def read_batch(self, samples: Sequence[tuple[str, int]], *,
                    prefetch: Sequence[tuple[str, int]] = ()) -> SampleBatch:
-        """One RPC for the batch; samples with an undecodable frame are retried (SPEC).
+        """One RPC for the batch; samples with an undecodable frame are retried (docs/KEYMAP.md).
 
         A frame whose JPEG header disagrees with its episode's declared ``features`` shape
         raises ``DeclaredSizeMismatch`` (a ``DataLossError``) at once, without decoding it

@@ -3,7 +3,7 @@
 ``WindowDataset(..., frames="uint8")`` sends CHW uint8 frames from the workers to the main
 process (a quarter of the bytes of float32); the training step turns them into float32 on
 the GPU. The values are those of ``frames="float32"`` bit for bit: exactly
-``uint8 / float32(255)`` (SPEC section 2). On the CPU that is torch's float32 division by the
+``uint8 / float32(255)`` (docs/KEYMAP.md). On the CPU that is torch's float32 division by the
 scalar 255 (tested on all 256 values); on any other device they are looked up in a 256-entry
 table computed with numpy, so no device kernel that divides by multiplying with the
 reciprocal (one ulp off on about half of the values) can change them.

@@ -17,7 +17,7 @@ import simplejpeg
 
 from episerve_proto.errors import DataLossError, shown
 
-# Camera values are ``uint8 / float32(255)`` (SPEC section 2): bit for bit what the EgoVerse
+# Camera values are ``uint8 / float32(255)`` (docs/KEYMAP.md): bit for bit what the EgoVerse
 # loader gives. Multiplying by ``float32(1 / 255)`` instead differs by one ulp on about half
 # of the 256 values.
 _DIVISOR = np.float32(255.0)

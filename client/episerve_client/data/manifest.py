@@ -2,9 +2,9 @@
 
 A dataset built from a manifest maps global index ``g`` to the same (episode, frame) for as
 long as the manifest lives, whatever the daemon picks up or drops meanwhile: ranks, workers
-and resumed runs that share a manifest share the index. Episodes are ordered by hash (SPEC
-"Global index"); ``digest`` is a short content hash of the whole list, cheap to compare
-between ranks or against a checkpoint.
+and resumed runs that share a manifest share the index. Episodes are ordered by hash;
+``digest`` is a short content hash of the whole list, cheap to compare between ranks or
+against a checkpoint.
 
 A manifest is checked when it is made and when its file is loaded: each ``total_frames`` in
 [1, ``MAX_EPISODE_FRAMES``] (10^8, the daemon's own bound), all of them together at most

@@ -44,7 +44,7 @@ from episerve_client.data.manifest import Manifest
 from episerve_client.errors import InvalidArgument
 
 FORMAT = "episerve.sampler/1"
-#: Rows per chunk neighbourhood for ``locality`` (the chunk length of SPEC section 1).
+#: Rows per chunk neighbourhood for ``locality`` (the usual 100-row chunk length).
 NEIGHBOURHOOD_ROWS = 100
 DEFAULT_LOOKAHEAD = 4
 

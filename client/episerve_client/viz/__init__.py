@@ -1,4 +1,4 @@
-"""Validation video on rank 0 only (SPEC section 4): the gate, the renderer, the mp4 writer.
+"""Validation video on rank 0 only: the gate, the renderer, the mp4 writer.
 
 Import from here: ``from episerve_client.viz import VizGatedLoader, PassRenderer, ...``. The
 Lightning adapter is ``episerve_client.viz.lightning`` (it needs the ``lightning`` extra).

@@ -1,4 +1,4 @@
-"""The gate in front of the validation video loader (SPEC section 4), its schedule and cap.
+"""The gate in front of the validation video loader (rank 0 only), its schedule and cap.
 
 ``VizGatedLoader`` wraps the video DataLoader. Closed, it yields nothing and never creates
 an iterator of the loader: no worker fork, no prefetch, no RPC. It is closed on every rank

@@ -1,4 +1,4 @@
-"""The keymap: what one sample is (SPEC section 2), parsed and validated from plain dicts.
+"""The keymap: what one sample is (docs/KEYMAP.md), parsed and validated from plain dicts.
 
 Parsing is strict (docs/KEYMAP.md): an unknown field, a field that does not apply to the
 entry's rule, or a value of the wrong type is a ``KeymapError`` naming the entry and the field.
@@ -35,7 +35,7 @@ _ALIASES = {"delta_timestamps": "offsets_s", "offsets": "offsets_s", "chunk_size
 
 
 class Rule(Enum):
-    """Which SPEC section 2 rule an entry lands in (the first matching rule wins; rule 6,
+    """Which window rule (docs/KEYMAP.md) an entry lands in (the first matching rule wins; rule 6,
     ``offsets_s``, is checked right after rule 1)."""
 
     ANNOTATION = 1
@@ -109,7 +109,7 @@ class KeySpec:
 @dataclass(frozen=True, slots=True)
 class Keymap:
     """A validated keymap. Entry order is the user's order; it only decides which entry
-    provides ``action_pad_mask`` and ``proprio_history_mask`` (SPEC: "the first ...")."""
+    provides ``action_pad_mask`` and ``proprio_history_mask`` (the first one in keymap order)."""
 
     entries: tuple[KeySpec, ...]
     # derived when made: the keys of windowed (not annotation) reads, and so on
@@ -232,13 +232,13 @@ def _hint(field: object) -> str:
     return did_you_mean(field, KEYMAP_FIELDS)
 
 
-#: Window fields that make no sense together with another one, and why (SPEC section 2).
+#: Window fields that make no sense together with another one, and why (docs/KEYMAP.md).
 _EXCLUSIVE: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("offsets_s", ("horizon", "history", "history_stride", "history_stride_s", "lag_s"),
-     "offsets_s lists every frame of the window itself (SPEC rule 6); put any lag or "
+     "offsets_s lists every frame of the window itself (keymap rule 6); put any lag or "
      "stride into the offsets"),
     ("horizon", ("history", "history_stride", "history_stride_s", "lag_s"),
-     "the entry is an action chunk (SPEC rule 2), which has no history, stride or lag; "
+     "the entry is an action chunk (keymap rule 2), which has no history, stride or lag; "
      "make a second entry for them"),
     ("history_stride_s", ("history_stride",),
      "the stride in seconds would win and history_stride would be ignored; keep one"),
@@ -255,7 +255,7 @@ def _check_applies(e: KeySpec, given: set[str], spec: Mapping[str, Any]) -> None
     if e.key_type == "annotation_keys":
         for field in sorted(given, key=KEYMAP_FIELDS.index):
             raise refuse(field, "to annotation_keys: an annotation entry is the texts of the "
-                                "spans at the sample's frame, not a window (SPEC rule 1); "
+                                "spans at the sample's frame, not a window (keymap rule 1); "
                                 "give only zarr_key and key_type")
     for field, others, why in _EXCLUSIVE:
         if field in given:
@@ -268,7 +268,7 @@ def _check_applies(e: KeySpec, given: set[str], spec: Mapping[str, Any]) -> None
     for field in ("history_stride", "history_stride_s"):
         if field in given and "history" not in given:
             raise refuse(field, "without 'history': a stride spaces the frames of a history "
-                                "window (SPEC rule 3)")
+                                "window (keymap rule 3)")
 
 
 def _count(name: str, spec: Mapping[str, Any], field: str, *, minimum: int) -> int | None:

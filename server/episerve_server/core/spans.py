@@ -1,4 +1,4 @@
-"""Annotation spans (SPEC section 2): parsing, texts at a frame, the action-chunk cutoff.
+"""Annotation spans (docs/KEYMAP.md): parsing, texts at a frame, the action-chunk cutoff.
 
 Elements come from a dataset nobody vetted, so parsing is bounded: at most ``MAX_SPANS``
 elements per array (the decoder already bounds each one by ``max_item_bytes``), JSON nested

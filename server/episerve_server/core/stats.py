@@ -1,4 +1,4 @@
-"""Counters that prove the read planner's claims (SPEC section 3).
+"""Counters that prove the read planner's claims (docs/ARCHITECTURE.md).
 
 One ``Stats`` object lives per daemon. Everything touching it runs on the event loop
 thread, so plain integers suffice.

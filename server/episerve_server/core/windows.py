@@ -1,4 +1,4 @@
-"""Window rules (SPEC section 2) and the chunk merge rule (SPEC section 3), vectorized.
+"""Window rules (docs/KEYMAP.md) and the chunk merge rule (docs/ARCHITECTURE.md), vectorized.
 
 A window is a (B, W) array of row indices, already clamped: padding is clamping, so a
 padded row is just a real row read again, and ``mask`` says which rows are real.

@@ -1,4 +1,4 @@
-"""The batch read planner (SPEC section 3).
+"""The batch read planner (docs/ARCHITECTURE.md).
 
 A batch is planned as a whole: every window of every sample is computed, windows are
 grouped by (episode, zarr key), the chunks they touch are looked up in the cache, the

@@ -1,4 +1,4 @@
-"""Loading an episode's annotation spans (SPEC section 1): read once, then kept.
+"""Loading an episode's annotation spans (docs/FORMAT.md): read once, then kept.
 
 Bounded like every other decode: at most ``MAX_SPANS`` elements, each at most
 ``max_item_bytes`` (the vlen decoder refuses larger ones), at most ``MAX_ANNOTATION_BYTES``

@@ -55,7 +55,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--time-limit-s", type=float, default=DEFAULT_TIME_LIMIT_S,
                    help="with --requests: stop after this long regardless")
     p.add_argument("--annotation-cutoff", action="store_true",
-                   help="stop action windows at the end of their annotation span (SPEC rule 2)")
+                   help="stop action windows at the end of their annotation span (keymap rule 2)")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the sample order, for repeatable runs (default 0)")
     p.add_argument("--transport", choices=TRANSPORTS, default="grpc",

@@ -1,4 +1,4 @@
-"""Write episode stores in the SPEC section 1 layout, for tests and benchmarks.
+"""Write episode stores in the layout of docs/FORMAT.md, for tests and benchmarks.
 
 ``write_episode`` writes one ``<episode_hash>.zarr`` group from in-memory arrays, in one of
 three layouts: ``sharded`` (zarr v3, one shard per array, 100-row inner chunks), ``unsharded``
