@@ -424,9 +424,11 @@ def test_the_registry_evicts_least_recently_used_under_its_byte_budget() -> None
 
 
 def test_response_buffers_count_until_released_per_peer_and_in_total() -> None:
+    from episerve_server.rpc.buffers import HELD_COPIES as K
     from episerve_server.rpc.buffers import ResponseBuffers
 
-    buffers = ResponseBuffers(max_bytes=100, max_per_peer=40)
+    # each unsent response is held K times (ours and gRPC's copy): limits in K-fold bytes
+    buffers = ResponseBuffers(max_bytes=100 * K, max_per_peer=40 * K)
     a, b = "ipv4:127.0.0.1:1000", "ipv4:127.0.0.1:2000"
     buffers.check(a)
     buffers.admit(a, 60)  # larger than the peer's limit, but it holds nothing: served alone
@@ -440,7 +442,7 @@ def test_response_buffers_count_until_released_per_peer_and_in_total() -> None:
         buffers.admit("unix:", 20)  # 90 + 20 > 100 in total
     release_a(None)
     release_a(None)  # released once only
-    assert buffers.total == 30 and buffers.by_peer == {b: 30}
+    assert buffers.total == 30 * K and buffers.by_peer == {b: 30 * K}
     buffers.check(a)
     release_b(None)
     assert buffers.total == 0 and buffers.by_peer == {}
@@ -455,16 +457,17 @@ def test_response_buffers_count_until_released_per_peer_and_in_total() -> None:
 def test_reads_arriving_together_are_refused_before_the_work() -> None:
     """A response's size is reserved as soon as the planner knows it, so of many reads
     that arrive at once only those that fit are built; a read's reservation ends with it."""
+    from episerve_server.rpc.buffers import HELD_COPIES as K
     from episerve_server.rpc.buffers import ResponseBuffers
 
-    buffers = ResponseBuffers(max_bytes=1000, max_per_peer=40)
+    buffers = ResponseBuffers(max_bytes=1000 * K, max_per_peer=40 * K)
     peer = "ipv4:127.0.0.1:1000"
     for _ in range(5):
         buffers.check(peer)  # nothing is held yet: every read passes the arrival check
     releases = [buffers.reserve(peer, 15), buffers.reserve(peer, 15)]
     with pytest.raises(Overloaded, match="--max-buffered-bytes-per-peer"):
         buffers.reserve(peer, 15)  # 45 > 40, and this peer already has reads in progress
-    assert buffers.by_peer == {peer: 30}
+    assert buffers.by_peer == {peer: 30 * K}
     for release in releases:
         release(None)
     assert buffers.total == 0 and buffers.by_peer == {}
@@ -475,24 +478,25 @@ def test_the_end_of_a_burst_of_held_responses_gives_the_heap_back_once() -> None
     """``on_drained`` runs when the bytes held fall to a quarter of a peak of 64 MiB or
     more (a stuck client let go), once per burst; small peaks never trigger it."""
     from episerve_server.rpc.buffers import DRAINED_PEAK_BYTES, ResponseBuffers
+    from episerve_server.rpc.buffers import HELD_COPIES as K
 
     drained: list[int] = []
     buffers = ResponseBuffers(max_bytes=1 << 30, max_per_peer=1 << 30,
                               on_drained=lambda: drained.append(buffers.total))
-    mb = 1 << 20
+    mb = (1 << 20) // K  # a response of this size is counted as 1 MiB (held K times)
     small = [buffers.hold("unix:", mb) for _ in range(8)]
     for release in small:
         release(None)
     assert drained == []  # an 8 MiB peak is no burst
-    burst = [buffers.hold("unix:", 8 * mb) for _ in range(DRAINED_PEAK_BYTES // (8 * mb))]
+    burst = [buffers.hold("unix:", 8 * mb) for _ in range(DRAINED_PEAK_BYTES // (8 << 20))]
     for release in burst[:5]:
         release(None)
     assert drained == []  # 24 of 64 MiB released: still more than a quarter held
     burst[5](None)
-    assert drained == [16 * mb]  # 16 MiB left: the burst is over
+    assert drained == [16 << 20]  # 16 MiB counted: the burst is over
     for release in burst[6:]:
         release(None)
-    assert drained == [16 * mb]  # once per burst
+    assert drained == [16 << 20]  # once per burst
 
 
 def test_heap_trim_runs_and_is_counted() -> None:
