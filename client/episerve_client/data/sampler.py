@@ -105,7 +105,8 @@ def _local_order(manifest: Manifest, rng: np.random.Generator, locality: int) ->
 
 
 MAX_SAMPLES = 1 << 31
-"""The most samples a sampler's epoch may hold: its order is 8 bytes a sample (16 GiB here)."""
+"""The most samples a mixture's epoch may be asked for (``num_samples``): its order is 8
+bytes a sample. A ``WindowSampler``'s epoch is its manifest, bounded when that is made."""
 MAX_EPOCH = (1 << 32) - 1
 
 
@@ -128,10 +129,7 @@ def _manifest_of(source: Manifest | HasManifest) -> Manifest:
                               f"(a WindowDataset), got {type(source).__name__!r}")
     if len(manifest) == 0:
         raise InvalidArgument("WindowSampler: the manifest holds no samples")
-    if len(manifest) > MAX_SAMPLES:
-        raise InvalidArgument(f"WindowSampler: the manifest holds {len(manifest)!r} samples, "
-                              f"more than the {MAX_SAMPLES} an epoch's order may hold")
-    return manifest
+    return manifest  # (bounded when it was made: contract.MAX_MANIFEST_FRAMES samples)
 
 
 def bounded(owner: str, name: str, value: object, high: int) -> int:
