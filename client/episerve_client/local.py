@@ -43,6 +43,7 @@ from episerve_client.errors import (
     DeadlineExceeded,
     EpiserveError,
     InvalidArgument,
+    PermissionDenied,
     Unavailable,
 )
 from episerve_proto import local as lp
@@ -80,6 +81,7 @@ def pick_local(target: str, transport: str, token: str) -> LocalChannel | None:
     if transport == "grpc" or path is None:
         return None
     if transport == "local" or offers_local(path):
+        trusted_local(path)
         if transport == "auto":
             log.info("episerve: reads from %s go over the local shared-memory plane (%s)",
                      target, local_socket(path))
@@ -91,6 +93,26 @@ def pick_local(target: str, transport: str, token: str) -> LocalChannel | None:
 
 def local_socket(path: str) -> str:
     return path + lp.LOCAL_SUFFIX
+
+
+def trusted_local(path: str) -> None:
+    """Refuse a local-plane socket that another local user could have put beside the daemon's
+    (in a shared folder such as /tmp, with the plane off or before the daemon started) to
+    collect the token and answer with rows of its own: it must not be a symlink and must be
+    owned by this process's uid or by the owner of the daemon's own socket. Checked before
+    anything is sent; nothing there is left to the connect (``Unavailable``)."""
+    sock = local_socket(path)
+    try:
+        st, daemon = os.lstat(sock), os.stat(path)
+    except OSError:
+        return
+    owners = {os.getuid(), daemon.st_uid}
+    if stat.S_ISLNK(st.st_mode) or st.st_uid not in owners:
+        raise PermissionDenied(
+            f"the local-plane socket {sock!r} is owned by uid {st.st_uid}"
+            f"{' and is a symlink' if stat.S_ISLNK(st.st_mode) else ''}; expected one of "
+            f"{sorted(owners)} (this process or the daemon's socket): refusing to send a "
+            "token or reads to it (another local user may have put it there)")
 
 
 def offers_local(path: str) -> bool:

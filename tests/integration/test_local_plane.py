@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -282,3 +283,30 @@ def test_workers_each_serve_their_own_local_plane(start_daemon: Start,
             assert os.path.exists(w.removeprefix("unix://").removeprefix("unix:") + ".local")
             assert c._local.get(w) is not None  # the worker's reads went over its plane
         assert c._local.get(d.target) is None  # the front has no plane: gRPC
+
+
+def test_a_local_socket_of_another_user_gets_no_token(start_daemon: Start,
+                                                      ramp_roots: dict[str, Path],
+                                                      tmp_path: Path) -> None:
+    """With the plane off, another user plants ``<socket>.local``: a client that would use
+    the plane refuses it (PermissionDenied naming it) before a token is sent."""
+    if os.getuid() != 0:
+        pytest.skip("needs root to make a socket owned by another uid")
+    d = start_daemon(ramp_roots["sharded"], "--no-local-plane", unix=True)
+    planted = _socket_path(d) + ".local"
+    trap = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        trap.bind(planted)
+        trap.listen(1)
+        os.chown(planted, 65534, 65534)
+        for transport in ("auto", "local"):
+            with Client(d.target, transport=transport, token="s3cret",
+                        plaintext_token_ok=True) as c, \
+                    pytest.raises(errors.PermissionDenied, match="owned by uid 65534"):
+                c.stats()
+        trap.settimeout(0.2)
+        with pytest.raises(TimeoutError):
+            trap.accept()  # nothing ever connected to it
+    finally:
+        trap.close()
+        os.unlink(planted)
