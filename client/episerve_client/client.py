@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Sequence
@@ -25,6 +26,9 @@ from episerve_client.convert import KeymapCheck, KeyStats, Listing, ReadResult
 from episerve_client.errors import EpiserveError, from_rpc_error
 from episerve_client.local import Adopt, LocalChannel, check_transport, pick_local
 from episerve_proto.contract import SERVICE_PATH
+
+#: Served by every episerve daemon and front; the probe of a target's first call.
+HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 
 
 class Client(BaseClient):
@@ -140,8 +144,12 @@ class Client(BaseClient):
         if len(calls) != len(ops):
             raise TypeError(f"a flow step mixes calls with sleeps: {ops!r}")
         planes = [self._plane(call.target) for call in calls]
-        futures = [self._start(call) if plane is None else None
-                   for call, plane in zip(calls, planes)]
+        # A target that cannot be reached fails the whole call here, before any is sent.
+        stubs = [self._stub(call) if plane is None else None
+                 for call, plane in zip(calls, planes)]
+        parallel = len(stubs) - stubs.count(None) > 1
+        futures = [self._send(stub, call, parallel) if stub is not None else None
+                   for call, stub in zip(calls, stubs)]
         out: list[Outcome] = []
         for call, plane, fut in zip(calls, planes, futures):
             try:
@@ -149,7 +157,7 @@ class Client(BaseClient):
                     out.append(plane.call(call.method, call.payload, call.timeout_s,
                                           self.adopt_segment))
                 elif fut is not None:
-                    out.append(fut.result())
+                    out.append(fut() if isinstance(fut, functools.partial) else fut.result())
                 self.answered.add(call.target)
             except grpc.RpcError as exc:
                 out.append(from_rpc_error(exc, call.target))
@@ -168,17 +176,35 @@ class Client(BaseClient):
         self._local[target] = plane
         return plane
 
-    def _start(self, call: Call) -> Any:
+    def _send(self, stub: Any, call: Call, parallel: bool) -> Any:
+        """A future for calls to several targets at once; else the call itself, to be made
+        in this thread (a future's helper thread inside gRPC ends only once answered)."""
+        options = {"timeout": max(call.timeout_s, 0.001), "metadata": self.metadata(),
+                   "wait_for_ready": self.waits_for_ready(call.target)}
+        if parallel:
+            return stub.future(call.payload, **options)
+        return functools.partial(stub, call.payload, **options)
+
+    def _stub(self, call: Call) -> Any:
         channel = self._channel(call.target)
         if self.must_connect(call.target):
-            ready = grpc.channel_ready_future(channel)
-            try:
-                ready.result(timeout=self.connect_wait_s(call))
-            except grpc.FutureTimeoutError:
-                ready.cancel()
+            self._connect(channel, call)
+        return channel.unary_unary(SERVICE_PATH + call.method)
+
+    def _connect(self, channel: grpc.Channel, call: Call) -> None:
+        """Waits, ``connect_timeout_s`` at most, for a first answer from ``call.target``.
+
+        A health check made in this thread, not ``grpc.channel_ready_future``: that one
+        leaves a polling thread inside gRPC for a moment after it is answered, and a
+        DataLoader that forks its workers then gives them a broken gRPC (seen as a worker
+        that dies at its first batch).
+        """
+        probe = channel.unary_unary(HEALTH_CHECK)
+        try:
+            probe(b"", timeout=self.connect_wait_s(call), metadata=self.metadata(),
+                  wait_for_ready=True)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise self.not_answering(call) from None
-            self.answered.add(call.target)
-        stub = channel.unary_unary(SERVICE_PATH + call.method)
-        return stub.future(call.payload, timeout=max(call.timeout_s, 0.001),
-                           metadata=self.metadata(),
-                           wait_for_ready=self.waits_for_ready(call.target))
+            # any other status came from a server: the target is there
+        self.answered.add(call.target)

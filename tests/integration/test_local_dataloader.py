@@ -91,15 +91,7 @@ def over_grpc(daemon: DaemonProcess) -> dict[str, Any]:
     return _run(daemon.target, "fork", "grpc", 0)
 
 
-SPAWN_ABORT = pytest.mark.xfail(
-    reason="spawn workers over the local plane still abort now and then at a 2-batch "
-           "teardown (terminate called without an active exception; 1-2 of 6 here) with no "
-           "gRPC call in the worker; the cause is not found yet (issue 21, part 1 overlaps)",
-    strict=False)
-
-
-@pytest.mark.parametrize("context", ["fork", "forkserver",
-                                     pytest.param("spawn", marks=SPAWN_ABORT)])
+@pytest.mark.parametrize("context", ["fork", "forkserver", "spawn"])
 def test_dataloader_over_the_local_plane(context: str, daemon: DaemonProcess,
                                          over_grpc: dict[str, Any]) -> None:
     got = _run(daemon.target, context, "auto", 3)

@@ -27,6 +27,7 @@ from episerve_client.data.jpeg import (
 )
 from episerve_client.data.manifest import Manifest
 from episerve_client.data.shared import adopt_segment
+from episerve_client.data.worker_exit import settle_feeders_at_exit
 from episerve_client.errors import (
     DataLossError,
     EpisodeNotFound,
@@ -230,6 +231,7 @@ class WindowDataset(Dataset[dict[str, Any]]):
                                   **self.client_options)
             if get_worker_info() is not None:  # batches go to the main process as handles
                 self._client.adopt_segment = adopt_segment
+                settle_feeders_at_exit()
             # Building the dataset talked to the daemon: in every process (a DataLoader
             # worker too) a daemon that does not answer is restarting, so calls wait for
             # it until their deadline instead of failing as a wrong target would.
