@@ -15,7 +15,7 @@ from episerve_client.data import worker_exit
 
 def _child_with_a_feeder_mid_tensor() -> None:
     import torch
-    import torch.multiprocessing  # noqa: F401  (registers the tensor reductions)
+    import torch.multiprocessing  # registers the tensor reductions
 
     worker_exit.settle_feeders_at_exit()
     worker_exit.settle_feeders_at_exit()  # once per process, however often it is asked
