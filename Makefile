@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[server,synth,client,video,s3,lightning,dev]'
+	$(PY) -m pip install --quiet -e '.[server,synth,client,video,s3,lightning,dev,bench]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -35,7 +35,10 @@ stress: $(STAMP)
 load: $(STAMP)
 	$(PY) -m pytest -m load tests/load
 
-bench: bench-core bench-daemon bench-client
+# Every benchmark on this commit, one after another: benchmarks/results/*.json, the charts and
+# docs/PERFORMANCE.md (BENCH_ARGS="--only node,local" for some).
+bench: $(STAMP)
+	$(PY) -m benchmarks $(BENCH_ARGS)
 
 bench-core: $(STAMP)
 	$(PY) benchmarks/bench_core.py

@@ -1,0 +1,214 @@
+"""Every benchmark, one commit, one run: ``make bench`` (``python -m benchmarks``).
+
+    python -m benchmarks [--only NAME,...] [--skip NAME,...] [--list] [--render]
+                         [--results benchmarks/results] [--docs docs/PERFORMANCE.md]
+
+Runs each benchmark of ``SUITE`` in a process of its own, one after another (never two at
+once: they measure CPU), shows its output as it goes, and keeps per benchmark
+``<results>/<name>.json``: the command, the commit (with ``+dirty`` for uncommitted
+changes), the machine, the load average before and after, the seconds it took, its output
+and the tables it printed. Then it draws the charts (``docs/charts/<chart>.png``) and writes
+``--docs`` from the results of every benchmark of the suite that has one, so a run with
+``--only`` refreshes those sections and keeps the others (each section names the commit and
+the time it ran on). ``--render`` redraws the page from the results already there.
+A benchmark that fails is recorded as failed, with the end of its output, and the run goes
+on; the exit code is 1 if any failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from report import Chart, draw, load, parse, render
+
+REPO = Path(__file__).resolve().parents[1]
+#: Seconds one benchmark may run before it is stopped and recorded as failed.
+TIMEOUT_S = 3600.0
+
+
+@dataclass(frozen=True)
+class Bench:
+    name: str
+    title: str
+    argv: tuple[str, ...]
+    about: str
+    charts: tuple[Chart, ...] = ()
+
+
+SUITE: tuple[Bench, ...] = (
+    Bench("core", "Read core, in process", ("benchmarks/bench_core.py",),
+          "The planner against the per-entry loader it replaced and a per-sample zarr reader, "
+          "in one process over `data/bench` (the mecka keymap: 10 windows over 6 keys)."),
+    Bench("daemon", "Daemon on loopback", ("benchmarks/bench_daemon.py",),
+          "One client reading batches of 64 from a daemon on loopback, warm cache: what the "
+          "RPC adds to the planner's own time."),
+    Bench("node", "Daemon CPU per 1,000 samples", ("benchmarks/bench_node.py",),
+          "`episerve loadtest` (16 clients, batch 64) against one daemon; the daemon's own CPU "
+          "from /proc. Warm: every chunk cached; miss: `--cache-bytes 0`. memcpy of the same "
+          "bytes is the physical floor; the gRPC echo server answering the same clients with "
+          "responses of the same size is gRPC's own cost.",
+          (Chart("node_cpu", "Daemon CPU per 1,000 samples", "ms of CPU",
+                 ("warm CPU ms/1k", "miss CPU ms/1k", "gRPC echo ms/1k", "memcpy ms/1k")),)),
+    Bench("local", "Local shared-memory plane against gRPC",
+          ("benchmarks/bench_local.py", "--seconds", "8", "--rounds", "2", "--batches", "15"),
+          "One daemon on a unix socket, the same clients over gRPC and over the local plane, "
+          "alternating round by round: the loadtest's daemon and client CPU per 1,000 samples, "
+          "and DataLoader samples/s (2 workers, batch 64, warm).",
+          (Chart("local_cpu", "CPU per 1,000 samples: gRPC against the local plane",
+                 "ms of CPU", ("daemon CPU gRPC", "daemon CPU local", "loadtest CPU gRPC",
+                               "loadtest CPU local")),
+           Chart("local_dataloader", "DataLoader samples/s: gRPC against the local plane",
+                 "samples/s", ("gRPC samples/s", "local samples/s"), table=1))),
+    Bench("client", "DataLoader", ("benchmarks/bench_client.py",),
+          "A real DataLoader (2 workers, batch 64) over the daemon against TensorStore and zarr "
+          "readers in the workers, the same random indices twice (the second pass warm).",
+          (Chart("client_dataloader", "DataLoader samples/s", "samples/s",
+                 ("samples/s first pass", "samples/s second pass"), label=1),)),
+    Bench("workers", "Every core: --workers 2 against one process",
+          ("benchmarks/bench_workers.py",),
+          "The same loads against `--workers 1` and `--workers 2`.",
+          (Chart("workers_throughput", "Throughput against load, --workers 1 and 2",
+                 "samples/s", ("--workers 1 samples/s", "--workers 2 samples/s")),)),
+    Bench("first_epoch", "First epoch against the second", ("benchmarks/bench_first_epoch.py",),
+          "A DataLoader over a fresh daemon: the first epoch (every chunk fetched) against the "
+          "second (warm), with local disk, added latency, prefetch hints and preload.",
+          (Chart("first_epoch", "First epoch against the second", "samples/s",
+                 ("epoch 1 samples/s", "epoch 2 samples/s")),)),
+    Bench("frames", "Frames as uint8", ("benchmarks/bench_frames.py",),
+          "The whole mecka keymap with the camera decoded in the workers: float32 frames "
+          "against uint8."),
+    Bench("locality", "Episode-local sampling", ("benchmarks/bench_locality.py",),
+          "Cold reads with a full shuffle against samplers that keep a batch to few episodes."),
+    Bench("offsets", "Offset windows", ("benchmarks/bench_offsets.py",),
+          "Warm reads of `offsets_s` windows against the same frames as plain windows."),
+    Bench("mixture", "Mixtures", ("benchmarks/bench_mixture.py",),
+          "A weighted mixture of two daemons against one dataset."),
+    Bench("s3", "Object store", ("benchmarks/bench_s3.py",),
+          "An S3 store (moto, with added latency) against local disk, cache off and warm."),
+    Bench("stats", "Dataset statistics", ("benchmarks/bench_stats.py", "--episodes", "400"),
+          "GetKeyStats over a synthetic root: the first pass, again, and after episodes were "
+          "added."),
+    Bench("dataset_build", "Building a WindowDataset",
+          ("benchmarks/bench_dataset_build.py", "--episodes", "400"),
+          "Construction of a `WindowDataset` over a large root."),
+    Bench("rescan", "Rescans and listing", ("benchmarks/bench_rescan.py", "--episodes", "800"),
+          "Reads while episodes are added and removed and the daemon rescans."),
+    Bench("memory", "Memory under churn",
+          ("benchmarks/bench_memory.py", "--copies", "2", "--cache", "1"),
+          "The daemon's RSS against its cache budget while the cache fills and evicts."),
+    Bench("front_limit", "The front's response limit", ("benchmarks/bench_front_limit.py",),
+          "Reads split over both workers of `--workers 2`, over and under "
+          "`--max-response-bytes`: the front's memory and health."),
+)
+
+
+def machine() -> dict[str, object]:
+    cpu = "unknown"
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            cpu = line.split(":", 1)[1].strip()
+            break
+    mem_kib = int(Path("/proc/meminfo").read_text().split()[1])
+    return {"cores": os.cpu_count(), "cpu": cpu, "memory_gib": round(mem_kib / 2**20, 1)}
+
+
+def commit() -> str:
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True,
+                              check=False).stdout.strip()
+
+    head = git("rev-parse", "--short=10", "HEAD") or "unknown"
+    return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def run_one(bench: Bench, results: Path, charts_dir: Path) -> dict[str, object]:
+    argv = [sys.executable, *bench.argv]
+    shown = " ".join(["python", *bench.argv])
+    print(f"\n=== {bench.name}: {shown}", flush=True)
+    load_before, started, t0 = os.getloadavg()[0], now(), time.monotonic()
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    out_lines: list[str] = []
+    assert proc.stdout is not None
+    try:
+        for line in proc.stdout:  # shown as it comes: a benchmark runs for minutes
+            out_lines.append(line)
+            print(f"  {line}", end="", flush=True)
+        err = proc.stderr.read() if proc.stderr else ""
+        code = proc.wait(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        err, code = f"stopped after {TIMEOUT_S:g} s", -9
+    stdout = "".join(out_lines)
+    tables = parse(stdout)
+    record: dict[str, object] = {
+        "name": bench.name, "title": bench.title, "about": bench.about, "command": shown,
+        "commit": commit(), "machine": machine(), "started": started, "finished": now(),
+        "seconds": round(time.monotonic() - t0, 1), "load_before": load_before,
+        "load_after": os.getloadavg()[0], "returncode": code, "stdout": stdout,
+        "stderr": err[-20_000:], "tables": [t.__dict__ for t in tables], "charts": [],
+    }
+    charts = []
+    for chart in bench.charts:
+        png = draw(chart, tables, charts_dir / f"{chart.name}.png")
+        if png is not None:
+            charts.append(str(png.relative_to(REPO)) if png.is_relative_to(REPO) else str(png))
+    record["charts"] = charts
+    results.mkdir(parents=True, exist_ok=True)
+    (results / f"{bench.name}.json").write_text(json.dumps(record, indent=1) + "\n")
+    state = "ok" if code == 0 else f"FAILED (exit {code})"
+    print(f"=== {bench.name}: {state} in {record['seconds']} s", flush=True)
+    return record
+
+
+def main(argv: list[str] | None = None, suite: Sequence[Bench] = SUITE) -> int:
+    names = tuple(b.name for b in suite)
+    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", default="", help="comma-separated benchmark names")
+    p.add_argument("--skip", default="", help="comma-separated benchmark names")
+    p.add_argument("--list", action="store_true", help="print the suite and exit")
+    p.add_argument("--render", action="store_true",
+                   help="only rewrite --docs from the results already kept")
+    p.add_argument("--results", type=Path, default=REPO / "benchmarks/results")
+    p.add_argument("--docs", type=Path, default=REPO / "docs/PERFORMANCE.md")
+    a = p.parse_args(argv)
+    only = [n for n in a.only.split(",") if n]
+    skip = {n for n in a.skip.split(",") if n}
+    unknown = [n for n in [*only, *skip] if n not in names]
+    if unknown:
+        p.error(f"no benchmark named {unknown[0]!r}; the suite: {', '.join(names)}")
+    if a.list:
+        for b in suite:
+            print(f"{b.name:14} python {' '.join(b.argv)}")
+        return 0
+    chosen = [b for b in suite if (not only or b.name in only) and b.name not in skip]
+    failed = 0
+    if not a.render:
+        for i, bench in enumerate(chosen, 1):
+            print(f"[{i}/{len(chosen)}]", end="")
+            failed += run_one(bench, a.results, a.docs.parent / "charts")["returncode"] != 0
+    runs = load(a.results, names)
+    a.docs.write_text(render(runs))
+    print(f"\nwrote {a.docs} from {len(runs)} results in {a.results}"
+          + (f"; {failed} benchmark(s) failed" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
