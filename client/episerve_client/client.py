@@ -36,15 +36,15 @@ class Client(BaseClient):
 
     Safe to build before a fork: no channel exists until the first call in a process.
 
-    ``transport``: ``"grpc"`` (the default, for now) always reads over gRPC; ``"auto"``
-    talks to a unix-socket daemon of this host over its local shared-memory plane when it
-    offers one (``<socket>.local``), and over gRPC otherwise, logging once per target
-    which; ``"local"`` forces the plane. Over
+    ``transport``: ``"auto"`` (the default) talks to a unix-socket daemon of this host over
+    its local shared-memory plane when it offers one (``<socket>.local``), and over gRPC
+    otherwise, logging once per target which; ``"grpc"`` always reads over gRPC;
+    ``"local"`` forces the plane. Over
     the local plane, a batch's arrays are views of shared memory that the daemon reuses
     only once nothing refers to them.
     """
 
-    def __init__(self, target: str | Sequence[str], *, transport: str = "grpc",
+    def __init__(self, target: str | Sequence[str], *, transport: str = "auto",
                  **options: Any) -> None:
         super().__init__(target, **options)
         self.transport = check_transport(transport, self.targets)
@@ -172,7 +172,7 @@ class Client(BaseClient):
             self._local, self._pid = {}, os.getpid()
         if target in self._local:
             return self._local[target]
-        plane = pick_local(target, self.transport, self.token)
+        plane = pick_local(target, self.transport, self.token, self.connect_timeout_s)
         self._local[target] = plane
         return plane
 

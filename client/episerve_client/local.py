@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from episerve_client import convert
-from episerve_client.channel import unix_path
+from episerve_client.channel import DEFAULT_CONNECT_TIMEOUT_S, unix_path
 from episerve_client.convert import ReadResult
 from episerve_client.errors import (
     DataLossError,
@@ -74,7 +74,8 @@ def check_transport(transport: str, targets: tuple[str, ...]) -> str:
     return transport
 
 
-def pick_local(target: str, transport: str, token: str) -> LocalChannel | None:
+def pick_local(target: str, transport: str, token: str,
+               connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S) -> LocalChannel | None:
     """The local-plane channel for ``target`` under ``transport``, or None for gRPC; with
     ``"auto"`` one INFO line says which was chosen and why."""
     path = unix_path(target)
@@ -85,7 +86,7 @@ def pick_local(target: str, transport: str, token: str) -> LocalChannel | None:
         if transport == "auto":
             log.info("episerve: reads from %s go over the local shared-memory plane (%s)",
                      target, local_socket(path))
-        return LocalChannel(path, target, token)
+        return LocalChannel(path, target, token, connect_timeout_s)
     log.info("episerve: reads from %s go over gRPC (no local plane at %s)", target,
              local_socket(path))
     return None
@@ -134,8 +135,10 @@ class _Segment:
 class LocalChannel:
     """Calls to one daemon's local plane, one at a time (a lock), from one process."""
 
-    def __init__(self, path: str, target: str, token: str) -> None:
+    def __init__(self, path: str, target: str, token: str,
+                 connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S) -> None:
         self.path, self.target, self.token = path, target, token
+        self.connect_timeout_s = connect_timeout_s
         self._sock: socket.socket | None = None
         self._closer: Callable[[], Any] = lambda: None
         self._segments: dict[int, _Segment] = {}
@@ -224,11 +227,22 @@ class LocalChannel:
         if self._sock is not None:
             return self._sock
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        # A daemon (or a --workers process) that accepts but does not welcome within the
+        # connect timeout is not serving: Unavailable, so the caller fails over or retries
+        # instead of waiting out the whole deadline.
+        welcome_by = min(deadline, time.monotonic() + self.connect_timeout_s)
         try:
-            sock.settimeout(_left(deadline))
+            sock.settimeout(_left(welcome_by))
             sock.connect(local_socket(self.path))
             sock.sendall(lp.frame(lp.HELLO, 0, self.token.encode()))
-            head, body, _ = self._recv(sock, deadline)
+            head, body, _ = self._recv(sock, welcome_by)
+        except TimeoutError:
+            sock.close()
+            if welcome_by >= deadline:
+                raise
+            raise Unavailable(f"the daemon's local plane at {self.path!r} did not welcome "
+                              f"this client within {self.connect_timeout_s:g}s",
+                              target=self.target) from None
         except BaseException:
             sock.close()
             raise

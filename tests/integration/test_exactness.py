@@ -95,7 +95,8 @@ def test_sigkill_and_restart_mid_epoch(transport: str, root: Path, clean: Run, t
         sup.close()
     assert_identical(clean, run, f"SIGKILL + restart ({transport})")
     assert len(sup.restarts) == 1
-    assert run.pause_s() >= 1.0  # the supervisor's restart delay at least
+    # the workers met the outage (batches prefetched before it may hide the pause itself)
+    assert run.retries > 0
 
 
 # -- the daemon paused --------------------------------------------------------------------

@@ -240,7 +240,8 @@ def test_a_client_that_never_reads_holds_little_and_not_for_long(
     d = slow_daemon
     payload = convert.read_request([("ep003d", f) for f in range(64)], keymap=WIDE)
     asked = 50
-    with Client(d.target, timeout_s=30) as good, HealthProbe(d.target) as probe:
+    with Client(d.target, timeout_s=30, transport="grpc") as good, \
+            HealthProbe(d.target) as probe:
         good.read(WIDE, [("ep003d", 0)])
         base = rss(d.pid)
         stalled = Stalled(d.target)

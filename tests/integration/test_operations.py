@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from episerve_client import Client
+from episerve_client.errors import FrameOutOfRange
 from episerve_server.config import ServerConfig
 from tests.support import ramp
 
@@ -189,19 +190,28 @@ def test_json_logs_carry_every_rpc_field_and_standard_tools_get_answers(
         for answer in out[1:]:
             assert answer.WhichOneof("message_response") == "file_descriptor_response"
     channel.close()
-    with Client(d.target) as client:
+    with Client(d.target, transport="grpc") as client:
         h = client.list_episodes().episodes[0].hash
         data = client.read(KEYPOINTS, [(h, 0), (h, 1), (h, 2)])
         assert len(data) == 3
+    with Client(d.target, transport="local") as client:  # accounted the same way
+        assert len(client.read(KEYPOINTS, [(h, 4), (h, 5)])) == 2
+        with pytest.raises(FrameOutOfRange):
+            client.read(KEYPOINTS, [(h, 10**6)])
     d.stop(timeout_s=15)
     records = [json.loads(line) for line in d.lines if line.startswith("{")]
     assert len(records) == len([line for line in d.lines if line.strip()]) - 1  # + "listening"
     assert all({"ts", "level", "logger", "msg"} <= set(r) for r in records)
     assert not [r for r in records if r["level"] in ("ERROR", "CRITICAL")], records
-    [read] = [r for r in records if r.get("method") == "/episerve.v1.EpiServe/Read"]
+    read, local, bad = [r for r in records if r.get("method") == "/episerve.v1.EpiServe/Read"]
     assert read["code"] == "OK" and read["batch"] == 3 and read["peer"].startswith("unix")
     assert read["bytes_sent"] > 3 * 4 * 63 and read["duration_ms"] > 0
     assert f"batch=3 sent={read['bytes_sent']}B" in read["msg"]
+    assert local["code"] == "OK" and local["batch"] == 2 and local["peer"].startswith("local:")
+    assert local["bytes_sent"] > 2 * 4 * 63 and local["request_id"].startswith("local-")
+    assert bad["code"] == "OUT_OF_RANGE" and bad["bytes_sent"] == 0
     [summary] = [r for r in records if "by_method" in r]  # written at the stop
-    assert summary["level"] == "INFO" and summary["by_method"]["Read"] == {"OK": 1}
-    assert summary["samples"] == 3 and summary["bytes_sent"] >= read["bytes_sent"]
+    assert summary["level"] == "INFO"
+    assert summary["by_method"]["Read"] == {"OK": 2, "OUT_OF_RANGE": 1}
+    assert summary["samples"] == 6
+    assert summary["bytes_sent"] >= read["bytes_sent"] + local["bytes_sent"]

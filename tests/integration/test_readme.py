@@ -95,7 +95,8 @@ def test_install_lines_name_real_extras() -> None:
 
 
 @pytest.mark.parametrize("path", ["docs/ARCHITECTURE.md", "docs/KEYMAP.md", "docs/FORMAT.md",
-                                  "docs/GUIDE.md", "docs/PERFORMANCE.md", "deploy/README.md"])
+                                  "docs/GUIDE.md", "docs/PERFORMANCE.md", "docs/RELIABILITY.md",
+                                  "deploy/README.md"])
 def test_linked_documents_exist(path: str) -> None:
     assert f"({path})" in README
     assert (REPO / path).is_file()

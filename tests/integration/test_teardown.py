@@ -3,7 +3,7 @@
 The stress runs go through ``tests/support/teardown.py`` in a process of their own, so that
 this test process's gRPC never meets a fork, and its counts come back as JSON with what the
 workers printed. The default suite runs a few rounds per start method; ``-m stress`` runs
-200 (CI runs that in a step of its own).
+200 per start method and transport (`make stress`).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def test_a_process_exiting_with_a_live_client_closes_it_first(
     done = _python(f"""
         import atexit
         from episerve_client import Client
-        client = Client({shared_daemons["unix"].target!r})
+        client = Client({shared_daemons["unix"].target!r}, transport="grpc")
         atexit.register(lambda: print("channels at exit:", len(client._channels)))
         client.stats()
         assert len(client._channels) == 1
@@ -59,7 +59,7 @@ def report_channels_at_exit(target: str, out: str) -> None:
     """A multiprocessing child's target: a client left open as its target returns."""
     import multiprocessing.util
 
-    client = Client(target)
+    client = Client(target, transport="grpc")
     client.stats()
 
     def report() -> None:
@@ -90,7 +90,7 @@ def test_a_multiprocessing_child_closes_its_clients_as_its_target_returns(
 def test_a_forked_child_opens_its_own_channel_and_never_touches_the_parents(
         shared_daemons: dict[str, DaemonProcess]) -> None:
     target = shared_daemons["unix"].target
-    with Client(target) as client:
+    with Client(target, transport="grpc") as client:
         client.stats()
         parent_channel = client._channels[target]
         pid = os.fork()
@@ -131,25 +131,37 @@ def stress(target: str, context: str, rounds: int, *flags: str) -> dict[str, Any
     return counts
 
 
+#: The workers' transport: the local plane of the unix-socket daemon, or gRPC.
+TRANSPORTS = ["auto", "grpc"]
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("context", ["spawn", "forkserver", "fork"])
 def test_loaders_dropped_mid_epoch_never_abort(
-        context: str, shared_daemons: dict[str, DaemonProcess]) -> None:
-    stress(shared_daemons["unix"].target, context, QUICK_ROUNDS[context], "--camera")
+        context: str, transport: str, shared_daemons: dict[str, DaemonProcess]) -> None:
+    stress(shared_daemons["unix"].target, context, QUICK_ROUNDS[context], "--camera",
+           "--transport", transport)
 
 
 @pytest.mark.slow
 def test_fork_workers_after_the_main_process_used_grpc_never_hang(
         shared_daemons: dict[str, DaemonProcess]) -> None:
-    stress(shared_daemons["unix"].target, "fork", QUICK_ROUNDS["fork"], "--grpc-first")
+    """The workers read over gRPC too: what gRPC's fork handlers must make safe."""
+    stress(shared_daemons["unix"].target, "fork", QUICK_ROUNDS["fork"], "--grpc-first",
+           "--transport", "grpc")
 
 
 @pytest.mark.stress
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("context", ["spawn", "forkserver", "fork"])
-def test_200_teardowns_each(context: str, shared_daemons: dict[str, DaemonProcess]) -> None:
-    stress(shared_daemons["unix"].target, context, STRESS_ROUNDS, "--camera")
+def test_200_teardowns_each(context: str, transport: str,
+                            shared_daemons: dict[str, DaemonProcess]) -> None:
+    stress(shared_daemons["unix"].target, context, STRESS_ROUNDS, "--camera",
+           "--transport", transport)
 
 
 @pytest.mark.stress
 def test_200_fork_starts_after_grpc(shared_daemons: dict[str, DaemonProcess]) -> None:
-    stress(shared_daemons["unix"].target, "fork", STRESS_ROUNDS, "--grpc-first")
+    stress(shared_daemons["unix"].target, "fork", STRESS_ROUNDS, "--grpc-first",
+           "--transport", "grpc")

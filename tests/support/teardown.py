@@ -1,12 +1,15 @@
 """DataLoader teardown and fork stress, in a process of its own:
 
     python -m tests.support.teardown TARGET CONTEXT ROUNDS [--grpc-first] [--camera]
+        [--transport auto|grpc|local]
 
 Each round starts a ``DataLoader`` over one ``WindowDataset`` with ``CONTEXT`` workers
 (``spawn``, ``forkserver`` or ``fork``), takes two batches and drops it mid-epoch (``del``,
 then ``gc``), as ``limit_val_batches``, early stopping or a ``break`` do. ``--grpc-first``
 has this process list, read and ask for stats through gRPC before every round, so that fork
-workers start from a process whose gRPC is running.
+workers start from a process whose gRPC is running. ``--transport`` is the workers'
+(``WindowDataset(transport=)``; ``auto``, the default, takes the local plane of a unix-socket
+daemon that offers one, and the workers then make no gRPC call).
 
 The last line of stdout is a JSON object: ``rounds``, ``hangs`` (a batch that did not come
 within ``HANG_S``, or a worker still alive after teardown), ``errors`` (any other exception,
@@ -60,11 +63,12 @@ def one_round(ds: WindowDataset, context: str, workers: int, batch: int) -> list
 
 
 def run(target: str, context: str, rounds: int, grpc_first: bool, camera: bool,
-        workers: int, batch: int) -> dict[str, Any]:
+        workers: int, batch: int, transport: str = "auto") -> dict[str, Any]:
     if context == "forkserver":
         multiprocessing.set_forkserver_preload(["torch", "episerve_client"])
-    ds = WindowDataset(target, WITH_CAMERA if camera else NUMERIC, frames="uint8")
-    client = Client(target) if grpc_first else None
+    ds = WindowDataset(target, WITH_CAMERA if camera else NUMERIC, frames="uint8",
+                       transport=transport)
+    client = Client(target, transport="grpc") if grpc_first else None
     out: dict[str, Any] = {"rounds": 0, "hangs": 0, "errors": 0, "bad_exits": [],
                            "first_error": ""}
     for _ in range(rounds):
@@ -99,8 +103,10 @@ def main() -> None:
     p.add_argument("--camera", action="store_true")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--transport", choices=["auto", "grpc", "local"], default="auto")
     a = p.parse_args()
-    result = run(a.target, a.context, a.rounds, a.grpc_first, a.camera, a.workers, a.batch)
+    result = run(a.target, a.context, a.rounds, a.grpc_first, a.camera, a.workers, a.batch,
+                 a.transport)
     sys.stdout.write(json.dumps(result) + "\n")
 
 

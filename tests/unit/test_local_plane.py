@@ -399,3 +399,29 @@ def test_a_kept_segment_is_made_at_once_and_forgotten_when_given_away() -> None:
     before = _open_memfds()
     asyncio.run(run())
     assert _open_memfds() == before
+
+
+# -- a plane that accepts but never welcomes ---------------------------------------------------
+
+
+def test_a_plane_that_never_welcomes_is_unavailable_after_the_connect_timeout(
+        tmp_path: Path) -> None:
+    """A daemon (or a ``--workers`` process) whose socket accepts connections while its loop
+    does not serve them: the client gives up after ``connect_timeout_s`` with a transient
+    ``Unavailable`` (so it fails over to the front or retries), not at the call's deadline."""
+    import time
+
+    from episerve_client.errors import Unavailable
+    from episerve_client.local import LocalChannel
+
+    path = tmp_path / "d.sock"
+    with socket.socket(socket.AF_UNIX) as daemon, socket.socket(socket.AF_UNIX) as plane:
+        daemon.bind(str(path))
+        plane.bind(str(path) + lp.LOCAL_SUFFIX)
+        plane.listen(8)  # the kernel accepts; nobody answers
+        channel = LocalChannel(str(path), f"unix://{path}", "", connect_timeout_s=0.3)
+        start = time.monotonic()
+        with pytest.raises(Unavailable, match=r"did not welcome this client within 0\.3s"):
+            channel.call("GetStats", b"", timeout_s=30)
+        assert time.monotonic() - start < 5
+        assert Unavailable.transient

@@ -70,10 +70,10 @@ class WindowDataset(Dataset[dict[str, Any]]):
       ``manifest`` given, rank 0 lists the daemon and every rank builds on rank 0's manifest
       (``torch.distributed.broadcast_object_list``: a collective, so every rank must build
       the dataset; with NCCL set the rank's CUDA device first). ``False`` lists per rank.
-    - ``transport``: how workers read (``Client``'s ``transport``): ``"grpc"`` (the
-      default, for now); ``"auto"`` uses the daemon's local shared-memory plane for a
-      unix-socket daemon of this host that offers it (no gRPC in the workers then), gRPC
-      otherwise; ``"local"`` forces the plane.
+    - ``transport``: how workers read (``Client``'s ``transport``): ``"auto"`` (the
+      default) uses the daemon's local shared-memory plane for a unix-socket daemon of this
+      host that offers it (no gRPC in the workers then), gRPC otherwise; ``"grpc"`` and
+      ``"local"`` force one.
     """
 
     def __init__(self, target: str | Sequence[str], keymap: KeymapLike, *,
@@ -86,7 +86,7 @@ class WindowDataset(Dataset[dict[str, Any]]):
                  manifest: Manifest | str | Path | None = None, on_broken: str = "skip",
                  sync_ranks: bool = True,
                  max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES,
-                 transport: str = "grpc") -> None:
+                 transport: str = "auto") -> None:
         _choice("frames", frames, FRAME_MODES)
         _choice("transport", transport, TRANSPORTS)
         _choice("masks", masks, MASK_MODES)

@@ -140,6 +140,8 @@ async def start(config: ServerConfig, *, stats: Stats | None = None,
             from episerve_server.rpc.local import LocalPlane
 
             plane = await LocalPlane.start(config, service)
+            if plane is not None:
+                plane.calls = logging_interceptor
     except StartupError:
         for s in (server, *extra):
             await s.stop(0)

@@ -135,22 +135,26 @@ class LoggingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 code = "CANCELLED"
                 raise
             finally:
-                seconds = time.perf_counter() - start
-                if self.observer is not None:
-                    self.observer.observe(method, code, seconds)
-                if method.startswith("/episerve.") and log.isEnabledFor(logging.INFO):
-                    batch = read_batch_size(request) if method.endswith("/Read") else 0
-                    _log_rpc(rid, method, code, seconds, context, batch, sent)
-                    self.summary.add(method, code, seconds, batch, sent)
+                self.finished(method, code, time.perf_counter() - start, request,
+                              rid=rid, peer=lambda: context.peer() or "-", sent=sent)
 
         return _wrap(handler, around)
 
+    def finished(self, method: str, code: str, seconds: float, request: Any, *, rid: str,
+                 peer: Callable[[], str], sent: int) -> None:
+        """Account one finished call, over gRPC or the local plane: the metrics, the DEBUG
+        line and the summary. ``peer`` is asked only when the line is written."""
+        if self.observer is not None:
+            self.observer.observe(method, code, seconds)
+        if method.startswith("/episerve.") and log.isEnabledFor(logging.INFO):
+            batch = read_batch_size(request) if method.endswith("/Read") else 0
+            if log.isEnabledFor(logging.DEBUG):
+                _log_rpc(rid, method, code, seconds, peer(), batch, sent)
+            self.summary.add(method, code, seconds, batch, sent)
 
-def _log_rpc(rid: str, method: str, code: str, seconds: float,
-             context: grpc.aio.ServicerContext, batch: int, sent: int) -> None:
-    if not log.isEnabledFor(logging.DEBUG):
-        return
-    peer = context.peer() or "-"
+
+def _log_rpc(rid: str, method: str, code: str, seconds: float, peer: str, batch: int,
+             sent: int) -> None:
     log.debug("rpc %s %s %s %.1fms peer=%s batch=%d sent=%dB", rid, method, code,
              seconds * 1e3, peer, batch, sent,
              extra={"request_id": rid, "method": method, "code": code,

@@ -38,6 +38,7 @@ import os
 import socket
 import stat
 import struct
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,7 +47,7 @@ from typing import Any, cast
 import numpy as np
 
 from episerve_proto import local as lp
-from episerve_proto.contract import EPISODE_TRAILER, ERROR_TRAILER, KEY_TRAILER
+from episerve_proto.contract import EPISODE_TRAILER, ERROR_TRAILER, KEY_TRAILER, SERVICE_PATH
 from episerve_proto.errors import (
     EpiserveError,
     Overloaded,
@@ -59,6 +60,7 @@ from episerve_proto.errors import (
 from episerve_server.config import ServerConfig
 from episerve_server.core.result import BatchResult
 from episerve_server.rpc import wire
+from episerve_server.rpc.interceptors import LoggingInterceptor
 from episerve_server.rpc.preflight import MAX_UNIX_PATH_BYTES, StartupError, claim_unix_socket
 from episerve_server.rpc.service import OFFLOAD_ENCODE_BYTES, EpiserveService, answered
 
@@ -291,6 +293,7 @@ class Connection:
     pool: SegmentPool
     send_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    serial: int = 0  # this plane's count of connections: names its calls in the logs
 
 
 class LocalPlane:
@@ -304,6 +307,10 @@ class LocalPlane:
         self.refused = 0
         self._accept: asyncio.Task[None] | None = None
         self._serving: set[asyncio.Task[None]] = set()
+        self._serials = itertools.count(1)
+        #: Accounts each finished call as the gRPC server's interceptor does (metrics, the
+        #: DEBUG line, the INFO summary); set by the daemon.
+        self.calls: LoggingInterceptor | None = None
         service.gauges.append(self.counters)
 
     @classmethod
@@ -367,7 +374,8 @@ class LocalPlane:
         pid, uid, _ = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
                                                    _CRED.size))
         conn = Connection(sock, f"local:{pid}", SegmentPool(self.config.local_segments,
-                                                            self._changed))
+                                                            self._changed),
+                          serial=next(self._serials))
         try:
             if uid not in self.uids:
                 self.refused += 1
@@ -422,33 +430,44 @@ class LocalPlane:
 
     async def _call(self, conn: Connection, ident: int, method: str, payload: bytes,
                     keep: bool = False) -> None:
+        start, code, sent = time.perf_counter(), "OK", 0
         try:
             if method == "Read":
-                await self._read(conn, ident, payload, keep)
+                code, sent = await self._read(conn, ident, payload, keep)
                 return
             handler = self.service.handlers_by_name()[method]
             data = await handler(payload, cast(Any, LocalContext(conn.peer)))
+            sent = len(data)
             await self._send(conn, lp.frame(lp.REPLY, ident, data))
         except Aborted as exc:
             t = exc.trailers
+            code = exc.code
             body = lp.error_body(exc.code, _text(t.get(ERROR_TRAILER, "")), exc.message,
                                  _text(t.get(EPISODE_TRAILER, b"")),
                                  _text(t.get(KEY_TRAILER, b"")))
             await self._send_quietly(conn, lp.frame(lp.ERROR, ident, body))
         except (OSError, ConnectionClosed):
-            pass  # the connection is gone; _serve frees what it held
+            code = "CANCELLED"  # the connection is gone; _serve frees what it held
         except Exception as exc:
             error = answered(exc, f"{method} (local plane)")
+            code = error.code
             await self._send_quietly(conn, lp.frame(lp.ERROR, ident, _error_body(error)))
+        finally:
+            if self.calls is not None:
+                self.calls.finished(SERVICE_PATH + method, code, time.perf_counter() - start,
+                                    payload, rid=f"local-{conn.serial}-{ident}",
+                                    peer=lambda: conn.peer, sent=sent)
 
-    async def _read(self, conn: Connection, ident: int, payload: bytes, keep: bool) -> None:
+    async def _read(self, conn: Connection, ident: int, payload: bytes,
+                    keep: bool) -> tuple[str, int]:
+        """Serves one Read; returns its status code's name and the bytes it sent."""
         try:
             placed = await self.service.serve_read(payload, conn.peer,
                                                    lambda r: self._place(conn, r, keep))
         except Exception as exc:
             error = answered(exc, "read (local plane)")
             await self._send_quietly(conn, lp.frame(lp.ERROR, ident, _error_body(error)))
-            return
+            return error.code, 0
         seg = placed.segment
         body = lp.batch_body(seg.ident, seg.size, placed.blobs, placed.meta)
         with_fd = keep or not seg.sent
@@ -461,6 +480,7 @@ class LocalPlane:
             raise
         if keep:
             await conn.pool.give_away(seg.ident)
+        return "OK", len(body) + sum(size for _, size in placed.blobs)
 
     async def _place(self, conn: Connection, result: BatchResult,
                      keep: bool) -> tuple[Placed, int]:
