@@ -34,7 +34,7 @@ from report import Chart, draw, load, parse, render
 
 REPO = Path(__file__).resolve().parents[1]
 #: Seconds one benchmark may run before it is stopped and recorded as failed.
-TIMEOUT_S = 3600.0
+TIMEOUT_S = 1200.0
 
 
 @dataclass(frozen=True)
