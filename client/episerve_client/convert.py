@@ -1,5 +1,9 @@
 """The client's only contact with the generated protobuf classes: requests to bytes,
-responses to plain dataclasses and numpy arrays."""
+responses to plain dataclasses and numpy arrays.
+
+One job, the client's codec (every request built and every answer checked against it),
+hence its length.
+"""
 
 from __future__ import annotations
 

@@ -36,7 +36,8 @@ RULES = [
     ("episerve_server.plan", {"grpc", "google", "grpc_health"}),
     ("episerve_client", {"episerve_server", "episerve_tools", "zarr"}),
 ]
-CLIENT_PROPER = ["_base", "_probe", "aio", "channel", "client", "convert", "errors"]
+CLIENT_PROPER = ["_base", "_ops", "_probe", "_routes", "aio", "channel", "client", "convert",
+                 "errors"]
 # (module prefix, inner modules it must never import)
 LAYERS = [
     ("episerve_server.core", ("episerve_server.storage", "episerve_server.plan",
@@ -44,6 +45,9 @@ LAYERS = [
     ("episerve_server.storage", ("episerve_server.plan", "episerve_server.rpc",
                                  "episerve_server.wiring")),
     ("episerve_server.plan", ("episerve_server.rpc", "episerve_server.wiring")),
+    # Inside rpc, the codec <- the handlers <- the process lifecycle.
+    ("episerve_server.rpc.wire", ("episerve_server.rpc.handlers", "episerve_server.rpc.process")),
+    ("episerve_server.rpc.handlers", ("episerve_server.rpc.process",)),
 ]
 
 
@@ -76,7 +80,7 @@ MODULES = modules()
 
 def test_the_walk_finds_every_layer() -> None:
     for prefix in ("episerve_server.core.keymap", "episerve_server.storage.readers.sharded",
-                   "episerve_server.plan.planner", "episerve_server.rpc.service",
+                   "episerve_server.plan.planner", "episerve_server.rpc.handlers.service",
                    "episerve_client.data.dataset", "episerve_client.viz.gate",
                    "episerve_tools.synth.writer", "episerve_proto.errors"):
         assert prefix in MODULES
@@ -121,7 +125,7 @@ def test_what_imports_really_load() -> None:
     below_rpc = [m for m in MODULES if m.startswith(("episerve_server.storage",
                                                      "episerve_server.plan"))]
     assert not {"grpc", "google", "torch"} & loaded(*below_rpc)
-    daemon = loaded("episerve_server.rpc.daemon", "episerve_server.rpc.metrics")
+    daemon = loaded("episerve_server.rpc.process.main")
     assert "grpc" in daemon and "torch" not in daemon
     client = loaded(*(f"episerve_client.{n}" for n in CLIENT_PROPER), "episerve_client")
     assert not {"torch", "zarr", "episerve_server", "episerve_tools"} & client
