@@ -225,7 +225,7 @@ class EpiserveService:
         """One Read, whatever carries it: admission (drain, concurrency, the peer's
         buffers), parsing, the planner, then ``encode`` (which returns the answer and the
         bytes it sends), the prefetch hint and the counters. The gRPC handler and the local
-        plane (``rpc/local.py``) differ only in ``encode``."""
+        plane (``rpc/handlers/local.py``) differ only in ``encode``."""
         if self.draining:
             raise Unavailable("the daemon is shutting down; retry against another replica")
         if self.inflight >= self.config.max_concurrent_reads:

@@ -1,6 +1,6 @@
 """The front of a ``--workers N`` daemon: one logical daemon on the daemon's address.
 
-The front reads nothing itself. It starts the workers (``rpc/workers.py``) and answers:
+The front reads nothing itself. It starts the workers (``rpc/process/workers.py``) and answers:
 
 - ``GetTopology``: the workers' addresses and the routing rule, so that a client sends each
   sample straight to the worker that owns its episode (``episerve_proto.routing``);
