@@ -32,6 +32,7 @@ from __future__ import annotations
 import array
 import asyncio
 import contextlib
+import fcntl
 import hmac
 import itertools
 import logging
@@ -97,8 +98,6 @@ class Segment:
         fd = os.memfd_create(f"episerve-{ident}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, size)
-            import fcntl
-
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
             mm = mmap.mmap(fd, size)
         except OSError:
