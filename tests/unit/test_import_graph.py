@@ -11,7 +11,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from tests.unit.test_boundaries import MODULES
+from tests.support.imports import MODULES
 
 #: A module longer than this must say in its docstring that it has one job.
 MAX_LINES = 400
