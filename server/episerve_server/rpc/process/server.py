@@ -94,7 +94,7 @@ class Server:
     server: grpc.aio.Server
     health: introspection.HealthServicer
     address: str
-    logging: LoggingInterceptor
+    interceptor: LoggingInterceptor
     extra: list[grpc.aio.Server] = field(default_factory=list)
     metrics: Metrics | None = None
     #: Run after the gRPC server stopped (the local plane).
@@ -131,7 +131,7 @@ class Server:
             await extra.stop(0)
         if self.metrics is not None:
             self.metrics.close()
-        self.logging.summary.flush()  # the RPCs of the last interval
+        self.interceptor.summary.flush()  # the RPCs of the last interval
 
 
 async def start(config: ServerConfig, servicer: Servicer, *,
