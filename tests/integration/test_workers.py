@@ -31,6 +31,7 @@ from episerve_proto.contract import SERVICE_PATH
 from episerve_proto.v1 import episerve_pb2 as pb
 from episerve_tools.launch import DaemonProcess
 from tests.support.daemons import sample_of
+from tests.support.introspect import assert_standard_tools_answer
 from tests.support.keymaps import BATCH, CASES, KEYMAPS
 from tests.support.served import assert_same_sample, oracle_of
 
@@ -181,26 +182,7 @@ def test_the_front_serves_health_and_reflection_as_one_process_does(
         workers2: dict[str, DaemonProcess]) -> None:
     """One serve path: the front has the single daemon's health (with ``List``) and both
     reflection versions, not a setup of its own."""
-    from grpc_reflection.v1alpha import reflection_pb2
-
-    with grpc.insecure_channel(workers2["tcp"].target) as ch:
-        listed = ch.unary_unary(
-            "/grpc.health.v1.Health/List",
-            request_serializer=health_pb2.HealthListRequest.SerializeToString,
-            response_deserializer=health_pb2.HealthListResponse.FromString)(
-            health_pb2.HealthListRequest(), timeout=10)
-        assert {k: v.status for k, v in listed.statuses.items()} == {
-            "": SERVING, "episerve.v1.EpiServe": SERVING}
-        for version in ("v1", "v1alpha"):
-            info = ch.stream_stream(
-                f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
-                request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
-                response_deserializer=reflection_pb2.ServerReflectionResponse.FromString)
-            [out] = list(info(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
-                              timeout=10))
-            names = {x.name for x in out.list_services_response.service}
-            assert {"episerve.v1.EpiServe", "grpc.health.v1.Health",
-                    "grpc.reflection.v1.ServerReflection"} <= names, version
+    assert_standard_tools_answer(workers2["tcp"].target)
 
 
 def test_register_keymap_reaches_every_worker(workers2: dict[str, DaemonProcess]) -> None:
