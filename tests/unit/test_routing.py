@@ -12,10 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from episerve_client import convert as client_convert
 from episerve_client import errors
 from episerve_client._base import BaseClient
 from episerve_client._ops import Call
-from episerve_client._routes import Router, WorkerRoutes, reachable
+from episerve_client._routes import Router, WorkerRoutes, merge_results, reachable
 from episerve_proto import routing
 from episerve_proto.v1 import episerve_pb2 as pb
 from episerve_server.config import ServerConfig
@@ -260,6 +261,37 @@ def test_merge_read_responses_puts_rows_back_in_request_order() -> None:
     [k] = merged.arrays
     values = np.frombuffer(k.data, "<f4").reshape(tuple(k.shape))
     assert values.tolist() == [[r, r + 0.5] for r in range(5)]
+
+
+def test_the_front_and_the_client_merge_parts_alike() -> None:
+    """One rule: the front's merge of its workers' answers and the client's merge of parsed
+    parts give the same batch, frames and their indexes included."""
+
+    def part(rows: list[int]) -> bytes:
+        values = np.array([[r, -r] for r in rows], "<f4")
+        msg = pb.ReadResponse(episodes=[f"e{r}" for r in rows], frame_index=rows,
+                              fps=[30.0] * len(rows), embodiments=["x"] * len(rows))
+        msg.arrays.add(name="k", dtype="<f4", shape=values.shape, data=values.tobytes())
+        index = np.arange(len(rows), dtype="<i4")[::-1].copy()  # each part's own frames
+        msg.images.add(name="cam", source="left.rgb", shape=index.shape, index=index.tobytes())
+        msg.frames.add(key="left.rgb", frames=[f"jpeg{r}".encode() for r in rows[::-1]])
+        col = msg.texts.add(name="say")
+        for r in rows:
+            col.samples.add(texts=[f"t{r}"])
+        return msg.SerializeToString()  # type: ignore[no-any-return]
+
+    parts = [([3, 0, 4], part([3, 0, 4])), ([1, 2], part([1, 2]))]
+    front = client_convert.read_result(forward.merge_read_responses(parts, 5))
+    client = merge_results([(idx, client_convert.read_result(data)) for idx, data in parts], 5)
+    for got in (front, client):
+        assert got.episodes == [f"e{r}" for r in range(5)]
+        assert got.frame_index.tolist() == list(range(5))
+        assert got.arrays["k"].tolist() == [[r, -r] for r in range(5)]
+        source, index = got.images["cam"]
+        # Part [3, 0, 4] sent its frames reversed (jpeg4, jpeg0, jpeg3) and index [2, 1, 0]:
+        # sample r's frame is jpeg{r} once merged.
+        assert [got.frames[source][i] for i in index] == [f"jpeg{r}".encode() for r in range(5)]
+        assert got.texts["say"] == [[f"t{r}"] for r in range(5)]
 
 
 def test_merge_stats_sums_counters_and_keeps_shared_gauges() -> None:
