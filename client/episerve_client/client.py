@@ -11,16 +11,8 @@ from typing import Any
 import grpc
 
 from episerve_client import convert
-from episerve_client._base import (
-    BaseClient,
-    Call,
-    Flow,
-    KeymapLike,
-    Op,
-    Outcome,
-    Sleep,
-    load_keymap,
-)
+from episerve_client._base import BaseClient, KeymapLike, load_keymap
+from episerve_client._ops import Call, Flow, Op, Outcome, Sleep
 from episerve_client.channel import CHANNEL_OPTIONS, close_at_exit
 from episerve_client.convert import KeymapCheck, KeyStats, Listing, ReadResult
 from episerve_client.errors import EpiserveError, from_rpc_error

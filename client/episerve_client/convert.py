@@ -1,5 +1,9 @@
 """The client's only contact with the generated protobuf classes: requests to bytes,
-responses to plain dataclasses and numpy arrays."""
+responses to plain dataclasses and numpy arrays.
+
+One job, the client's codec (every request built and every answer checked against it),
+hence its length.
+"""
 
 from __future__ import annotations
 
@@ -637,6 +641,11 @@ def topology(data: bytes) -> tuple[tuple[str, ...], str]:
     """A ``GetTopology`` answer: the workers' addresses and the routing rule's name."""
     msg = _parse(pb.Topology, data)
     return tuple(msg.workers), str(msg.routing)
+
+
+def local_plane_of(data: bytes) -> str:
+    """The local plane a ``GetTopology`` answer advertises ("" for none)."""
+    return str(_parse(pb.Topology, data).local_plane)
 
 
 #: dtypes an array of the local plane may have (what the daemon's outputs are).

@@ -12,6 +12,8 @@ descriptor must be a sealed (cannot shrink) regular file at least as large as th
 it claims to be, at most ``MAX_CLIENT_SEGMENTS`` are mapped, and every blob of a batch is
 checked against the segment's size, and every array's byte count against its dtype and
 shape, before any view is made.
+
+One job, the local plane's client transport, hence its length.
 """
 
 from __future__ import annotations

@@ -25,8 +25,9 @@
 
 Each class declares the name of its gRPC status code and whether it is transient. The
 daemon answers an error with ``code`` and names the class in the ``episerve-error`` trailer
-(``contract.ERROR_TRAILER``); the client maps the pair back with :func:`error_class`.  This
-module imports neither grpc nor protobuf, so the daemon's read core can raise these errors.
+(``contract.ERROR_TRAILER``); :func:`from_rpc_error` maps a failed call back to its class
+(the client's calls, and the front's calls to its workers). This module imports neither
+grpc nor protobuf, so the daemon's read core can raise these errors.
 Messages name the episode, the key and the value received; :func:`shown` cuts a long value
 (a 100 KB id) to its start and its length, so an answer about it still fits in the trailers.
 """
@@ -34,6 +35,8 @@ Messages name the episode, the key and the value received; :func:`shown` cuts a 
 from __future__ import annotations
 
 from typing import Any, ClassVar
+
+from episerve_proto.contract import EPISODE_TRAILER, ERROR_TRAILER, KEY_TRAILER
 
 #: Characters of a value kept by :func:`shown`.
 SHOWN_CHARS = 80
@@ -191,3 +194,43 @@ def error_class(code: str, name: str = "") -> type[EpiserveError]:
     if cls is not None and cls.code == code:
         return cls
     return BY_CODE.get(code, EpiserveError)
+
+
+#: Codes a call can end with before any daemon handler answered it.
+TRANSPORT_CODES = ("UNAVAILABLE", "DEADLINE_EXCEEDED")
+
+
+def from_rpc_error(exc: Any, target: str = "", *, unanswered: str = "") -> EpiserveError:
+    """The typed error for a failed call (a ``grpc.RpcError``: its ``code()``,
+    ``details()`` and ``trailing_metadata()``), as precise as the daemon's trailers say; the
+    message names the episode and the key.
+
+    ``target``: the address called, named in the message of an ``UNAVAILABLE`` or
+    ``DEADLINE_EXCEEDED`` call. ``unanswered``: when given, a call that ended
+    ``UNAVAILABLE`` or ``UNKNOWN`` without the daemon's error trailer (no handler answered)
+    is ``Unavailable`` with this message, the call's details after it in brackets.
+    """
+    code = exc.code() if hasattr(exc, "code") else None
+    name = str(getattr(code, "name", None) or "UNKNOWN")
+    details = (exc.details() if hasattr(exc, "details") else "") or str(code or name)
+    trailers = dict(_trailers(exc))
+    sent = str(trailers.get(ERROR_TRAILER, "") or "")
+    cls = error_class(name, sent)
+    message = details
+    if unanswered and name in ("UNAVAILABLE", "UNKNOWN") and not sent:
+        cls, message = Unavailable, f"{unanswered} ({details})"
+    elif target and name in TRANSPORT_CODES:
+        message = f"{details} (daemon at {target})"
+    return cls(message, episode=_text(trailers.get(EPISODE_TRAILER, b"")),
+               key=_text(trailers.get(KEY_TRAILER, b"")), target=target)
+
+
+def _trailers(exc: Any) -> list[tuple[str, Any]]:
+    try:
+        return list(exc.trailing_metadata() or ())
+    except Exception:
+        return []
+
+
+def _text(value: Any) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value or "")

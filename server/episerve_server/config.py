@@ -104,9 +104,9 @@ class ServerConfig:
     stats_cache_bytes: int = 512 * 2**20  # GetKeyStats: per (episode, key) parts and tails
     # Processes that read (``--workers``); 0: ``auto_workers()``. With more than one, the
     # process on the daemon's address is a front and each worker serves a share of the
-    # episodes (rpc/front.py, rpc/workers.py).
+    # episodes (rpc/process/front.py, rpc/process/workers.py).
     workers: int = 0
-    # The local plane (rpc/local.py): shared-memory Reads on ``<unix>.local`` for clients
+    # The local plane (rpc/handlers/local.py): shared-memory Reads on ``<unix>.local`` for clients
     # of this host; the uids allowed besides the daemon's own; segments lent per connection.
     local_plane: bool = True
     local_uids: tuple[str, ...] = ()

@@ -53,7 +53,7 @@ def build_read_core(config: ServerConfig, *, stats: Stats | None = None) -> Read
     dropped.append(planner.fetcher.forget_episode)  # no read joins a fetch of the old files
     # Hints: at most --prefetch-bytes in flight, and never more than half the cache; each
     # admitted as a read is (its estimated response within --max-response-bytes).
-    background = planner.background = Background(
+    background = Background(
         planner, budget_bytes=min(config.prefetch_bytes, config.cache_bytes // 2),
         response_limit=config.max_response_bytes)
     key_stats = KeyStatsEngine(catalog, planner, cache, config.stats_cache_bytes)

@@ -27,7 +27,7 @@ from episerve_proto.contract import (
     TOO_LARGE_ATTR,
     TOO_LARGE_BYTES_ATTR,
 )
-from episerve_server.rpc.service import LIST_PAGE_BYTES
+from episerve_server.rpc.handlers.service import LIST_PAGE_BYTES
 from episerve_tools.launch import DaemonProcess
 from tests.support import ramp
 

@@ -27,7 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from episerve_client import Client, convert, errors
 from episerve_proto.contract import SERVICE_PATH
-from episerve_server.rpc.buffers import HELD_COPIES
+from episerve_server.rpc.handlers.buffers import HELD_COPIES
 from episerve_tools.launch import DaemonProcess
 from episerve_tools.synth.writer import write_episode
 from tests.support import h2raw, ramp

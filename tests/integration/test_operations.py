@@ -18,6 +18,7 @@ from episerve_client import Client
 from episerve_client.errors import FrameOutOfRange
 from episerve_server.config import ServerConfig
 from tests.support import ramp
+from tests.support.introspect import assert_standard_tools_answer
 
 KEYPOINTS = {"k": {"zarr_key": "left.obs_keypoints", "key_type": "proprio_keys"}}
 
@@ -157,39 +158,9 @@ def test_json_logs_carry_every_rpc_field_and_standard_tools_get_answers(
         ramp_roots: dict[str, Path], start_daemon: Any) -> None:
     import json
 
-    import grpc
-    from grpc_health.v1 import health_pb2
-    from grpc_reflection.v1alpha import reflection_pb2
-
     d = start_daemon(ramp_roots["sharded"], "--log-format", "json", "--log-level", "DEBUG",
                      unix=True)
-    channel = grpc.insecure_channel(d.target)
-    listed = channel.unary_unary(
-        "/grpc.health.v1.Health/List",
-        request_serializer=health_pb2.HealthListRequest.SerializeToString,
-        response_deserializer=health_pb2.HealthListResponse.FromString)(
-        health_pb2.HealthListRequest(), timeout=10)
-    assert {k: v.status for k, v in listed.statuses.items()} == {
-        "": health_pb2.HealthCheckResponse.SERVING,
-        "episerve.v1.EpiServe": health_pb2.HealthCheckResponse.SERVING}
-    for version in ("v1", "v1alpha"):
-        info = channel.stream_stream(
-            f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
-            request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
-            response_deserializer=reflection_pb2.ServerReflectionResponse.FromString)
-        out = list(info(iter([
-            reflection_pb2.ServerReflectionRequest(list_services=""),
-            reflection_pb2.ServerReflectionRequest(file_containing_symbol="episerve.v1.EpiServe"),
-            reflection_pb2.ServerReflectionRequest(
-                file_containing_symbol="grpc.reflection.v1.ServerReflection"),
-        ]), timeout=10))
-        names = {s.name for s in out[0].list_services_response.service}
-        assert {"episerve.v1.EpiServe", "grpc.health.v1.Health",
-                "grpc.reflection.v1.ServerReflection",
-                "grpc.reflection.v1alpha.ServerReflection"} <= names, version
-        for answer in out[1:]:
-            assert answer.WhichOneof("message_response") == "file_descriptor_response"
-    channel.close()
+    assert_standard_tools_answer(d.target)
     with Client(d.target, transport="grpc") as client:
         h = client.list_episodes().episodes[0].hash
         data = client.read(KEYPOINTS, [(h, 0), (h, 1), (h, 2)])

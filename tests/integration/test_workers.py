@@ -31,6 +31,7 @@ from episerve_proto.contract import SERVICE_PATH
 from episerve_proto.v1 import episerve_pb2 as pb
 from episerve_tools.launch import DaemonProcess
 from tests.support.daemons import sample_of
+from tests.support.introspect import assert_standard_tools_answer
 from tests.support.keymaps import BATCH, CASES, KEYMAPS
 from tests.support.served import assert_same_sample, oracle_of
 
@@ -175,6 +176,13 @@ def test_health_stats_and_listing_are_one_daemons(workers2: dict[str, DaemonProc
         listing, reference = c.list_episodes(), single.list_episodes()
         assert [e.hash for e in listing.episodes] == [e.hash for e in reference.episodes]
         assert listing.episodes == reference.episodes
+
+
+def test_the_front_serves_health_and_reflection_as_one_process_does(
+        workers2: dict[str, DaemonProcess]) -> None:
+    """One serve path: the front has the single daemon's health (with ``List``) and both
+    reflection versions, not a setup of its own."""
+    assert_standard_tools_answer(workers2["tcp"].target)
 
 
 def test_register_keymap_reaches_every_worker(workers2: dict[str, DaemonProcess]) -> None:

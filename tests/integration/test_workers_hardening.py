@@ -188,7 +188,7 @@ def test_worker_sockets_of_another_uid_or_open_to_others_are_refused(tmp_path: P
     front socket's owner, and neither the socket nor its folder writable by others."""
     import socket
 
-    from episerve_client._base import reachable
+    from episerve_client._routes import reachable
 
     path = tmp_path / "0.sock"
     s = socket.socket(socket.AF_UNIX)

@@ -9,21 +9,14 @@
 
 from __future__ import annotations
 
-import ast
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-PACKAGES = {
-    "episerve_proto": REPO / "protos" / "episerve_proto",
-    "episerve_server": REPO / "server" / "episerve_server",
-    "episerve_client": REPO / "client" / "episerve_client",
-    "episerve_tools": REPO / "tools" / "episerve_tools",
-}
+from tests.support.imports import MODULES, imports_of
+
 # (module prefix, top-level imports it must never make)
 RULES = [
     ("episerve_proto.errors", {"grpc", "google", "episerve_server", "episerve_client",
@@ -36,7 +29,8 @@ RULES = [
     ("episerve_server.plan", {"grpc", "google", "grpc_health"}),
     ("episerve_client", {"episerve_server", "episerve_tools", "zarr"}),
 ]
-CLIENT_PROPER = ["_base", "_probe", "aio", "channel", "client", "convert", "errors"]
+CLIENT_PROPER = ["_base", "_ops", "_probe", "_routes", "aio", "channel", "client", "convert",
+                 "errors"]
 # (module prefix, inner modules it must never import)
 LAYERS = [
     ("episerve_server.core", ("episerve_server.storage", "episerve_server.plan",
@@ -44,39 +38,17 @@ LAYERS = [
     ("episerve_server.storage", ("episerve_server.plan", "episerve_server.rpc",
                                  "episerve_server.wiring")),
     ("episerve_server.plan", ("episerve_server.rpc", "episerve_server.wiring")),
+    # Inside rpc, the codec <- the handlers <- the process lifecycle.
+    ("episerve_server.rpc.wire", ("episerve_server.rpc.handlers", "episerve_server.rpc.process")),
+    ("episerve_server.rpc.handlers", ("episerve_server.rpc.process",)),
 ]
 
 
-def modules() -> dict[str, Path]:
-    found = {}
-    for name, root in PACKAGES.items():
-        for path in root.rglob("*.py"):
-            if "v1" in path.relative_to(root).parts:
-                continue  # generated
-            parts = [name, *path.relative_to(root).with_suffix("").parts]
-            if parts[-1] == "__init__":
-                parts.pop()
-            found[".".join(parts)] = path
-    return found
-
-
-def imports_of(path: Path) -> set[str]:
-    """Every module named by an import statement anywhere in the file (lazy ones too)."""
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            names.add(node.module)
-    return names
-
-
-MODULES = modules()
 
 
 def test_the_walk_finds_every_layer() -> None:
     for prefix in ("episerve_server.core.keymap", "episerve_server.storage.readers.sharded",
-                   "episerve_server.plan.planner", "episerve_server.rpc.service",
+                   "episerve_server.plan.planner", "episerve_server.rpc.handlers.service",
                    "episerve_client.data.dataset", "episerve_client.viz.gate",
                    "episerve_tools.synth.writer", "episerve_proto.errors"):
         assert prefix in MODULES
@@ -121,7 +93,7 @@ def test_what_imports_really_load() -> None:
     below_rpc = [m for m in MODULES if m.startswith(("episerve_server.storage",
                                                      "episerve_server.plan"))]
     assert not {"grpc", "google", "torch"} & loaded(*below_rpc)
-    daemon = loaded("episerve_server.rpc.daemon", "episerve_server.rpc.metrics")
+    daemon = loaded("episerve_server.rpc.process.main")
     assert "grpc" in daemon and "torch" not in daemon
     client = loaded(*(f"episerve_client.{n}" for n in CLIENT_PROPER), "episerve_client")
     assert not {"torch", "zarr", "episerve_server", "episerve_tools"} & client

@@ -10,13 +10,16 @@ import numpy as np
 import pytest
 
 from episerve_client import errors
-from episerve_client._base import BaseClient, Call, Router, Sleep, merge_results
+from episerve_client._base import BaseClient
+from episerve_client._ops import Call, Sleep
+from episerve_client._routes import Router, merge_results
 from episerve_client.channel import KEEPALIVE_TIME_MS, check_token_transport, is_local
 from episerve_client.convert import ReadResult
 from episerve_proto import errors as shared_errors
 from episerve_proto.contract import MIN_PING_INTERVAL_MS
-from episerve_server.rpc.daemon import SERVER_OPTIONS
-from episerve_server.rpc.service import error_metadata
+from episerve_server.rpc.handlers.status import error_metadata
+from episerve_server.rpc.process.server import SERVER_OPTIONS
+from episerve_server.rpc.process.workers import worker_error
 
 
 def test_keepalive_settings_agree() -> None:
@@ -120,6 +123,26 @@ def test_unknown_trailer_falls_back_to_the_code() -> None:
         .__class__ is errors.DataLossError
 
 
+def test_the_front_maps_a_workers_error_with_the_one_function() -> None:
+    """The front's calls to its workers and the client's calls share ``from_rpc_error``."""
+    assert errors.from_rpc_error is shared_errors.from_rpc_error
+    sent = shared_errors.ShortArrayError("short", episode="ep1", key="k")
+    err = worker_error(FakeRpcError(grpc.StatusCode.FAILED_PRECONDITION, "short",
+                                    error_metadata(sent)), 1)  # type: ignore[arg-type]
+    assert (type(err), err.episode, err.key, err.message) \
+        == (shared_errors.ShortArrayError, "ep1", "k", "short")
+    # No handler answered (a worker that died): Unavailable, naming the worker.
+    for code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN):
+        err = worker_error(FakeRpcError(code, "socket closed"), 2)  # type: ignore[arg-type]
+        assert type(err) is shared_errors.Unavailable
+        assert err.message == "worker 2 of the daemon is not answering (socket closed)"
+    # A worker that answered Unavailable itself keeps its own message.
+    draining = shared_errors.Unavailable("shutting down")
+    err = worker_error(FakeRpcError(grpc.StatusCode.UNAVAILABLE, "shutting down",
+                                    error_metadata(draining)), 0)  # type: ignore[arg-type]
+    assert err.message == "shutting down"
+
+
 def _result(episodes: list[str], frames: list[int], source: str) -> ReadResult:
     n = len(episodes)
     return ReadResult(
@@ -215,7 +238,7 @@ def test_error_trailers_fit_any_client_metadata_limit() -> None:
 def test_server_options_bound_requests_connections_and_streams() -> None:
     from episerve_proto.contract import MAX_REQUEST_BYTES
     from episerve_server.config import ServerConfig
-    from episerve_server.rpc.daemon import server_options
+    from episerve_server.rpc.process.server import server_options
 
     options = dict(server_options(ServerConfig()))
     assert options["grpc.max_receive_message_length"] == MAX_REQUEST_BYTES
@@ -257,7 +280,7 @@ def _serve_pages(flow: Any, serve: Any) -> Any:
 
 
 def test_the_client_follows_pages_into_one_listing() -> None:
-    from episerve_server.rpc.convert import PageRequest, encode_listing
+    from episerve_server.rpc.wire.convert import PageRequest, encode_listing
 
     episodes = _episodes([f"ep{k:03d}" for k in range(0, 40, 2)])
     broken = {"ep005": "unreadable", "ep999": "gone"}
@@ -276,7 +299,7 @@ def test_the_client_follows_pages_into_one_listing() -> None:
 
 
 def test_pages_stay_consistent_when_episodes_appear_between_them() -> None:
-    from episerve_server.rpc.convert import PageRequest, encode_listing
+    from episerve_server.rpc.wire.convert import PageRequest, encode_listing
 
     current = _episodes([f"ep{k:03d}" for k in range(0, 30, 3)])
     pages = 0
@@ -303,7 +326,7 @@ def test_one_episode_with_huge_attributes_is_listed_with_a_marker() -> None:
         TOO_LARGE_ATTR,
         TOO_LARGE_BYTES_ATTR,
     )
-    from episerve_server.rpc.convert import encode_listing
+    from episerve_server.rpc.wire.convert import encode_listing
 
     huge, fine = _episodes(["big"], MAX_LISTED_ATTRS_BYTES * 2) + _episodes(["small"])
     out = listing(encode_listing([huge, fine], {}))
@@ -327,7 +350,7 @@ def test_a_page_token_that_does_not_advance_is_data_loss() -> None:
 
 def test_a_listing_of_some_hashes_is_filtered_by_the_daemon_or_else_by_the_client() -> None:
     from episerve_proto.v1 import episerve_pb2 as pb
-    from episerve_server.rpc.convert import PageRequest, encode_listing
+    from episerve_server.rpc.wire.convert import PageRequest, encode_listing
 
     episodes = _episodes(["ep000", "ep001", "ep002"])
     broken = {"ep003": "unreadable", "ep004": "gone"}
@@ -360,7 +383,7 @@ def test_a_listing_of_some_hashes_is_filtered_by_the_daemon_or_else_by_the_clien
 def test_a_keymap_check_crosses_the_wire_with_its_groups() -> None:
     from episerve_client.convert import keymap_check, register_request
     from episerve_proto.v1 import episerve_pb2 as pb
-    from episerve_server.rpc.convert import encode_keymap_check, unchecked_register
+    from episerve_server.rpc.wire.convert import encode_keymap_check, unchecked_register
     from episerve_server.storage.keycheck import KeymapCheck, KeyProblem
 
     check = KeymapCheck(4, [KeyProblem("ep9", "output key 'a': the episode has no array 'x'",

@@ -390,7 +390,7 @@ def _pb_keymap(n: int, name: str = "o") -> Any:
 
 
 def test_the_rpc_layer_checks_entries_and_bytes_before_parsing() -> None:
-    from episerve_server.rpc.convert import Limits, keymap_from_pb
+    from episerve_server.rpc.wire.convert import Limits, keymap_from_pb
 
     limits = Limits(max_batch=10, max_keymap_entries=4, max_keymap_bytes=300)
     assert len(keymap_from_pb(_pb_keymap(4), limits)) == 4
@@ -404,7 +404,7 @@ def test_the_rpc_layer_checks_entries_and_bytes_before_parsing() -> None:
 
 
 def test_the_registry_evicts_least_recently_used_under_its_byte_budget() -> None:
-    from episerve_server.rpc.registry import KeymapRegistry, held_bytes
+    from episerve_server.rpc.handlers.registry import KeymapRegistry, held_bytes
 
     one = Keymap.parse({"a": entry()})
     cost = held_bytes(one, 40)
@@ -424,8 +424,8 @@ def test_the_registry_evicts_least_recently_used_under_its_byte_budget() -> None
 
 
 def test_response_buffers_count_until_released_per_peer_and_in_total() -> None:
-    from episerve_server.rpc.buffers import HELD_COPIES as K
-    from episerve_server.rpc.buffers import ResponseBuffers
+    from episerve_server.rpc.handlers.buffers import HELD_COPIES as K
+    from episerve_server.rpc.handlers.buffers import ResponseBuffers
 
     # each unsent response is held K times (ours and gRPC's copy): limits in K-fold bytes
     buffers = ResponseBuffers(max_bytes=100 * K, max_per_peer=40 * K)
@@ -457,8 +457,8 @@ def test_response_buffers_count_until_released_per_peer_and_in_total() -> None:
 def test_reads_arriving_together_are_refused_before_the_work() -> None:
     """A response's size is reserved as soon as the planner knows it, so of many reads
     that arrive at once only those that fit are built; a read's reservation ends with it."""
-    from episerve_server.rpc.buffers import HELD_COPIES as K
-    from episerve_server.rpc.buffers import ResponseBuffers
+    from episerve_server.rpc.handlers.buffers import HELD_COPIES as K
+    from episerve_server.rpc.handlers.buffers import ResponseBuffers
 
     buffers = ResponseBuffers(max_bytes=1000 * K, max_per_peer=40 * K)
     peer = "ipv4:127.0.0.1:1000"
@@ -477,8 +477,8 @@ def test_reads_arriving_together_are_refused_before_the_work() -> None:
 def test_the_end_of_a_burst_of_held_responses_gives_the_heap_back_once() -> None:
     """``on_drained`` runs when the bytes held fall to a quarter of a peak of 64 MiB or
     more (a stuck client let go), once per burst; small peaks never trigger it."""
-    from episerve_server.rpc.buffers import DRAINED_PEAK_BYTES, ResponseBuffers
-    from episerve_server.rpc.buffers import HELD_COPIES as K
+    from episerve_server.rpc.handlers.buffers import DRAINED_PEAK_BYTES, ResponseBuffers
+    from episerve_server.rpc.handlers.buffers import HELD_COPIES as K
 
     drained: list[int] = []
     buffers = ResponseBuffers(max_bytes=1 << 30, max_per_peer=1 << 30,

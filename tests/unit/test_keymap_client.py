@@ -13,7 +13,7 @@ from episerve_client.convert import ReadResult, keymap_message, read_request, re
 from episerve_client.errors import KeymapError
 from episerve_proto.v1 import episerve_pb2 as pb
 from episerve_server.core.keymap import Keymap, Rule
-from episerve_server.rpc.convert import Limits, keymap_from_pb, parse_read
+from episerve_server.rpc.wire.convert import Limits, keymap_from_pb, parse_read
 
 LIMITS = Limits(max_batch=64, max_keymap_entries=256, max_keymap_bytes=64 << 10)
 
@@ -95,7 +95,7 @@ def test_all_masks_travels_in_the_request_and_total_frames_back() -> None:
 
 
 def test_merged_results_keep_total_frames_in_request_order() -> None:
-    from episerve_client._base import merge_results
+    from episerve_client._routes import merge_results
 
     def part(eps: list[str], totals: list[int]) -> ReadResult:
         n = len(eps)

@@ -21,9 +21,9 @@ from episerve_proto import local as lp
 from episerve_proto.errors import Overloaded
 from episerve_proto.v1 import episerve_pb2 as pb
 from episerve_server.core.result import BatchResult, ImageColumn
-from episerve_server.rpc import wire
-from episerve_server.rpc.local import SegmentPool, bind_private_socket
-from episerve_server.rpc.preflight import StartupError
+from episerve_server.preflight import StartupError, bind_private_socket
+from episerve_server.rpc.handlers.local import SegmentPool
+from episerve_server.rpc.wire import encode
 
 # -- framing ----------------------------------------------------------------------------
 
@@ -101,8 +101,8 @@ def _batch() -> BatchResult:
 
 def _placed(result: BatchResult) -> tuple[bytes, list[tuple[int, int]], np.ndarray]:
     """What the daemon writes: the metadata, the table and the segment."""
-    blobs: list[wire.Buf] = []
-    meta = wire.encode_result(result, blobs.append)
+    blobs: list[encode.Buf] = []
+    meta = encode.encode_result(result, blobs.append)
     sizes = [memoryview(b).nbytes for b in blobs]
     offsets, total = lp.layout(sizes)
     segment = np.zeros(total, np.uint8)
@@ -117,7 +117,7 @@ def test_local_result_equals_the_grpc_result_and_views_the_segment() -> None:
     result = _batch()
     meta, table, segment = _placed(result)
     got = read_result_local(meta, table, segment)
-    want = read_result(wire.encode_result(result))
+    want = read_result(encode.encode_result(result))
     for name, arr in want.arrays.items():
         assert got.arrays[name].dtype == arr.dtype
         np.testing.assert_array_equal(got.arrays[name], arr)

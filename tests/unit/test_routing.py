@@ -12,12 +12,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from episerve_client import convert as client_convert
 from episerve_client import errors
-from episerve_client._base import BaseClient, Call, Router, WorkerRoutes, reachable
+from episerve_client._base import BaseClient
+from episerve_client._ops import Call
+from episerve_client._routes import Router, WorkerRoutes, merge_results, reachable
 from episerve_proto import routing
 from episerve_proto.v1 import episerve_pb2 as pb
 from episerve_server.config import ServerConfig
-from episerve_server.rpc import convert
+from episerve_server.rpc.wire import convert, forward
 
 EPISODES = [f"{i:016x}" for i in range(2000)]
 
@@ -67,6 +70,45 @@ def test_replica_router_ranks_with_the_same_score() -> None:
     for e in EPISODES[:200]:
         assert router.order(e) == routing.rank(targets, e)
         assert router.order(e)[0] == max(targets, key=lambda t: routing.score(t, e))
+
+
+# -- the fan-out rule, shared by the front and the client ---------------------------------------
+
+
+def test_split_groups_positions_by_owner_in_request_order() -> None:
+    episodes = ["a", "b", "a", "c", "b"]
+    assert routing.split(episodes, str.upper) == {"A": [0, 2], "B": [1, 4], "C": [3]}
+    assert routing.split(episodes, str.upper, [4, 3, 2]) == {"B": [4], "C": [3], "A": [2]}
+
+
+def test_merge_puts_each_kind_of_column_back_in_request_order() -> None:
+    merge = routing.Merge([[3, 0], [1], [2, 4]], 5)
+    assert merge.rows([["d", "a"], ["b"], ["c", "e"]]) == ["a", "b", "c", "d", "e"]
+    rows = merge.stack([np.array([[3, 3], [0, 0]]), np.array([[1, 1]]),
+                        np.array([[2, 2], [4, 4]])])
+    assert rows.tolist() == [[0, 0], [1, 1], [2, 2], [3, 3], [4, 4]]
+    # Each part indexes its own frame list; merged, they index the lists laid end to end.
+    frames = [["d", "a"], ["b"], ["c", "e"]]
+    index = merge.indexes([np.array([0, 1]), np.array([0]), np.array([0, 1])],
+                          [len(f) for f in frames])
+    flat = [f for part in frames for f in part]
+    assert [flat[i] for i in index] == ["a", "b", "c", "d", "e"]
+    assert index.dtype == np.int32
+
+
+def test_merge_refuses_parts_that_do_not_stack() -> None:
+    merge = routing.Merge([[0], [1]], 2)
+    with pytest.raises(ValueError, match="does not stack"):
+        merge.stack([np.zeros((1, 2), "<f4"), np.zeros((1, 3), "<f4")])
+    with pytest.raises(ValueError, match="does not stack"):
+        merge.stack([np.zeros((1, 2), "<f4"), np.zeros((1, 2), "<f8")])
+
+
+def test_the_owner_cache_is_the_rule_and_stays_bounded() -> None:
+    cache = routing.OwnerCache(limit=100)
+    assert [cache(e, 3) for e in EPISODES] == [routing.owner(e, 3) for e in EPISODES]
+    assert [cache(e, 5) for e in EPISODES[:50]] == [routing.owner(e, 5) for e in EPISODES[:50]]
+    assert len(cache) <= 100
 
 
 # -- the client's worker routes -------------------------------------------------------------
@@ -171,7 +213,7 @@ def test_split_read_keeps_every_field_and_sends_hints_to_their_owner() -> None:
     req.prefetch.episodes.extend(EPISODES[40:60])
     req.prefetch.frames.extend(range(20))
     limits = convert.Limits.of(ServerConfig())
-    parts = convert.split_read(req.SerializeToString(), lambda e: routing.owner(e, 2), limits)
+    parts = forward.split_read(req.SerializeToString(), lambda e: routing.owner(e, 2), limits)
     assert [w for w, _, _ in parts] == [0, 1]
     assert sorted(i for _, idx, _ in parts for i in idx) == list(range(40))
     for w, idx, data in parts:
@@ -188,17 +230,17 @@ def test_split_read_keeps_every_field_and_sends_hints_to_their_owner() -> None:
 def test_split_read_of_one_owner_forwards_the_request_as_it_is() -> None:
     data = pb.ReadRequest(keymap_id="km", episodes=["a", "b"], frames=[0, 1]).SerializeToString()
     limits = convert.Limits.of(ServerConfig())
-    assert convert.split_read(data, lambda e: 1, limits) == [(1, [0, 1], data)]
+    assert forward.split_read(data, lambda e: 1, limits) == [(1, [0, 1], data)]
 
 
 def test_the_fronts_limits_on_a_forwarded_read() -> None:
     req = pb.ReadRequest(keymap_id="km", episodes=["a"], frames=[3], all_masks=True)
-    assert convert.response_limit(req.SerializeToString(), 1000) == 1000  # 0: the daemon's
+    assert forward.response_limit(req.SerializeToString(), 1000) == 1000  # 0: the daemon's
     req.max_response_bytes = 200
-    assert convert.response_limit(req.SerializeToString(), 1000) == 200
-    assert convert.response_limit(req.SerializeToString(), 100) == 100
+    assert forward.response_limit(req.SerializeToString(), 1000) == 200
+    assert forward.response_limit(req.SerializeToString(), 100) == 100
     for share, want in ((500, 500), (0, 1)):  # never 0, which would mean "no limit"
-        sub = pb.ReadRequest.FromString(convert.limited_read(req.SerializeToString(), share))
+        sub = pb.ReadRequest.FromString(forward.limited_read(req.SerializeToString(), share))
         assert sub.max_response_bytes == want
         assert (sub.keymap_id, list(sub.episodes), list(sub.frames), sub.all_masks) \
             == ("km", ["a"], [3], True)
@@ -212,13 +254,44 @@ def test_merge_read_responses_puts_rows_back_in_request_order() -> None:
         msg.arrays.add(name="k", dtype="<f4", shape=values.shape, data=values.tobytes())
         return msg.SerializeToString()  # type: ignore[no-any-return]
 
-    merged = pb.ReadResponse.FromString(convert.merge_read_responses(
+    merged = pb.ReadResponse.FromString(forward.merge_read_responses(
         [([0, 2, 3], part([0, 2, 3])), ([1, 4], part([1, 4]))], 5))
     assert list(merged.frame_index) == [0, 1, 2, 3, 4]
     assert list(merged.episodes) == [f"e{r}" for r in range(5)]
     [k] = merged.arrays
     values = np.frombuffer(k.data, "<f4").reshape(tuple(k.shape))
     assert values.tolist() == [[r, r + 0.5] for r in range(5)]
+
+
+def test_the_front_and_the_client_merge_parts_alike() -> None:
+    """One rule: the front's merge of its workers' answers and the client's merge of parsed
+    parts give the same batch, frames and their indexes included."""
+
+    def part(rows: list[int]) -> bytes:
+        values = np.array([[r, -r] for r in rows], "<f4")
+        msg = pb.ReadResponse(episodes=[f"e{r}" for r in rows], frame_index=rows,
+                              fps=[30.0] * len(rows), embodiments=["x"] * len(rows))
+        msg.arrays.add(name="k", dtype="<f4", shape=values.shape, data=values.tobytes())
+        index = np.arange(len(rows), dtype="<i4")[::-1].copy()  # each part's own frames
+        msg.images.add(name="cam", source="left.rgb", shape=index.shape, index=index.tobytes())
+        msg.frames.add(key="left.rgb", frames=[f"jpeg{r}".encode() for r in rows[::-1]])
+        col = msg.texts.add(name="say")
+        for r in rows:
+            col.samples.add(texts=[f"t{r}"])
+        return msg.SerializeToString()  # type: ignore[no-any-return]
+
+    parts = [([3, 0, 4], part([3, 0, 4])), ([1, 2], part([1, 2]))]
+    front = client_convert.read_result(forward.merge_read_responses(parts, 5))
+    client = merge_results([(idx, client_convert.read_result(data)) for idx, data in parts], 5)
+    for got in (front, client):
+        assert got.episodes == [f"e{r}" for r in range(5)]
+        assert got.frame_index.tolist() == list(range(5))
+        assert got.arrays["k"].tolist() == [[r, -r] for r in range(5)]
+        source, index = got.images["cam"]
+        # Part [3, 0, 4] sent its frames reversed (jpeg4, jpeg0, jpeg3) and index [2, 1, 0]:
+        # sample r's frame is jpeg{r} once merged.
+        assert [got.frames[source][i] for i in index] == [f"jpeg{r}".encode() for r in range(5)]
+        assert got.texts["say"] == [[f"t{r}"] for r in range(5)]
 
 
 def test_merge_stats_sums_counters_and_keeps_shared_gauges() -> None:
@@ -230,7 +303,7 @@ def test_merge_stats_sums_counters_and_keeps_shared_gauges() -> None:
         return msg.SerializeToString()  # type: ignore[no-any-return]
 
     merged = pb.GetStatsResponse.FromString(
-        convert.merge_stats([reply(3, 10, 1), reply(4, 10, 2)], {"workers": 2}))
+        forward.merge_stats([reply(3, 10, 1), reply(4, 10, 2)], {"workers": 2}))
     assert dict(merged.counters) == {"read_rpcs": 7, "episodes_open": 10, "workers": 2}
     assert merged.episodes["e1"].read_rpcs == 3
 

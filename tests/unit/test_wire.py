@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from episerve_proto.v1 import episerve_pb2 as pb
 from episerve_server.core.result import BatchResult, ImageColumn
-from episerve_server.rpc import wire
+from episerve_server.rpc.wire import encode
 from tests.support.keymaps import BATCH, KEYMAPS
 
 
@@ -38,7 +38,7 @@ def test_planner_results_encode_like_the_generated_class(ramp_served: dict[Any, 
     served = ramp_served["sharded", True]
     for name in ("mecka_keypoints_k4", "camera_history", "annotations"):
         result = served.read(KEYMAPS[name], BATCH)
-        assert pb.ReadResponse.FromString(wire.encode_result(result)) == reference(result)
+        assert pb.ReadResponse.FromString(encode.encode_result(result)) == reference(result)
 
 
 def test_all_masks_results_encode_like_the_generated_class(ramp_served: dict[Any, Any]) -> None:
@@ -47,7 +47,7 @@ def test_all_masks_results_encode_like_the_generated_class(ramp_served: dict[Any
         result = served.read(KEYMAPS[name], BATCH, all_masks=True)
         assert result.total_frames is not None
         assert any(a.dtype == np.bool_ for a in result.arrays.values())
-        parsed = pb.ReadResponse.FromString(wire.encode_result(result))
+        parsed = pb.ReadResponse.FromString(encode.encode_result(result))
         assert parsed == reference(result)
         assert list(parsed.total_frames) == result.total_frames.tolist()
 
@@ -64,8 +64,8 @@ def test_default_responses_are_byte_for_byte_without_the_masks(
         stripped = dataclasses.replace(
             full, total_frames=None,
             arrays={k: v for k, v in full.arrays.items() if not k.endswith("_is_pad")})
-        assert wire.encode_result(stripped) == wire.encode_result(plain)
-        assert b"_is_pad" not in wire.encode_result(plain)
+        assert encode.encode_result(stripped) == encode.encode_result(plain)
+        assert b"_is_pad" not in encode.encode_result(plain)
 
 
 texts = st.lists(st.lists(st.text(max_size=20), max_size=3))
@@ -92,22 +92,22 @@ def test_random_results_encode_like_the_generated_class(b: int, w: int, names: l
     )
     if data.draw(st.booleans()):
         result.arrays["x_is_pad"] = rng.random((b, w)) < 0.5
-    assert pb.ReadResponse.FromString(wire.encode_result(result)) == reference(result)
+    assert pb.ReadResponse.FromString(encode.encode_result(result)) == reference(result)
 
 
 def test_varint_matches_protobuf() -> None:
     for n in (0, 1, 127, 128, 300, 2**31, 2**63 - 1, -1):
         msg = pb.ReadResponse(frame_index=[n])
-        assert msg.SerializeToString() == b"\x12" + wire.varint(len(wire.varint(n))) + \
-            wire.varint(n)
+        assert msg.SerializeToString() == b"\x12" + encode.varint(len(encode.varint(n))) + \
+            encode.varint(n)
 
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.one_of(st.integers(0, 300), st.integers(-2**63, 2**63 - 1)), max_size=40))
 def test_packed_varints_match_protobuf(values: list[int]) -> None:
     """The numpy varint encoder, one byte to ten (negatives), against protobuf's packing."""
-    body = wire.varints(np.array(values, np.int64))
-    assert body == b"".join(wire.varint(v) for v in values)
+    body = encode.varints(np.array(values, np.int64))
+    assert body == b"".join(encode.varint(v) for v in values)
     msg = pb.ReadResponse(frame_index=values)
     expect = msg.SerializeToString()
-    assert expect == (b"\x12" + wire.varint(len(body)) + body if values else b"")
+    assert expect == (b"\x12" + encode.varint(len(body)) + body if values else b"")

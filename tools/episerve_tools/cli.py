@@ -10,8 +10,7 @@ from importlib import metadata
 from pathlib import Path
 
 from episerve_server.config import DEFAULT_ROOT, ServerConfig, unknown_settings
-
-DEMO_EPISODES = 24
+from episerve_tools.synth.demo_root import DEMO_EPISODES, ensure_demo_dataset
 
 USAGE = """usage: episerve COMMAND [ARGS]
 
@@ -27,17 +26,6 @@ commands:
 """
 
 
-def ensure_demo_dataset(root: str | Path = DEFAULT_ROOT, episodes: int = DEMO_EPISODES) -> Path:
-    """Write the demo dataset under ``root`` unless it already holds episodes."""
-    path = Path(root)
-    if not any(path.glob("*.zarr")):
-        from episerve_tools.synth.writer import make_dataset
-
-        print(f"writing a demo dataset of {episodes} episodes to {path}", flush=True)
-        make_dataset(path, episodes=episodes, seed=0, min_frames=120, max_frames=400)
-    return path
-
-
 def _serve(argv: Sequence[str]) -> int:
     """Run the daemon. A setting it cannot run with is one line on stderr and exit code 2."""
     for name in unknown_settings(os.environ):
@@ -51,7 +39,8 @@ def _serve(argv: Sequence[str]) -> int:
         ensure_demo_dataset(config.root)
     elif "://" not in config.root and not Path(config.root).is_dir():
         return _refuse(f"dataset root {config.root!r} is not a folder")
-    from episerve_server.rpc.daemon import StartupError, run
+    from episerve_server.preflight import StartupError
+    from episerve_server.rpc.process.main import run
 
     try:
         return run(config)

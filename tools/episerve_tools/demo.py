@@ -20,6 +20,7 @@ from episerve_client.data.collation import collate
 from episerve_client.data.dataset import WindowDataset
 from episerve_client.viz.overlay import intrinsics, overlay
 from episerve_tools.launch import DaemonProcess
+from episerve_tools.synth.demo_root import DEMO_EPISODES, ensure_demo_dataset
 
 DEFAULT_KEYMAP = "mecka_keypoints_k4.yaml"
 
@@ -32,8 +33,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="episerve demo", description=__doc__)
     p.add_argument("--root", default="data/demo", help="dataset root (written if empty; "
                    "default data/demo)")
-    p.add_argument("--episodes", type=int, default=24,
-                   help="episodes to write when the root is empty (default 24)")
+    p.add_argument("--episodes", type=int, default=DEMO_EPISODES,
+                   help=f"episodes to write when the root is empty (default {DEMO_EPISODES})")
     p.add_argument("--batches", type=int, default=200,
                    help="batches to read in the train loop (default 200)")
     p.add_argument("--batch-size", type=int, default=32, help="samples per batch (default 32)")
@@ -53,8 +54,6 @@ def _args(argv: Sequence[str]) -> argparse.Namespace:
 
 def main(argv: Sequence[str] = ()) -> int:
     args = _args(argv)
-    from episerve_tools.cli import ensure_demo_dataset
-
     ensure_demo_dataset(args.root, args.episodes)
     with tempfile.TemporaryDirectory() as tmp, \
             DaemonProcess(args.root, "--log-level", "WARNING", unix=f"{tmp}/episerve.sock") as d:

@@ -299,9 +299,11 @@ class GetTopologyRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Topology(_message.Message):
-    __slots__ = ("workers", "routing")
+    __slots__ = ("workers", "routing", "local_plane")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     ROUTING_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_PLANE_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedScalarFieldContainer[str]
     routing: str
-    def __init__(self, workers: _Optional[_Iterable[str]] = ..., routing: _Optional[str] = ...) -> None: ...
+    local_plane: str
+    def __init__(self, workers: _Optional[_Iterable[str]] = ..., routing: _Optional[str] = ..., local_plane: _Optional[str] = ...) -> None: ...

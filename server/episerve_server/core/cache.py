@@ -9,6 +9,8 @@ to a slot with one array index. Frame bytes (lists of ``bytes``) stay in an orde
 Recency is one clock for both kinds: every hit and every store stamps its chunks, and
 eviction takes the least recently stamped chunks first, numeric or bytes, until the
 budget holds. The scalar ``get``/``put`` and the batched ``lookup``/``store`` share it.
+
+One job, the cache and its eviction, hence its length.
 """
 
 from __future__ import annotations

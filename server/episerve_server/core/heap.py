@@ -1,6 +1,6 @@
 """Giving the heap's free memory back to the system after a burst.
 
-The daemon serves blocks up to 4 MiB from glibc's heap (``rpc/daemon.tune_allocator``), so
+The daemon serves blocks up to 4 MiB from glibc's heap (``rpc/process/server.tune_allocator``), so
 a response's buffers are reused by the next batch instead of being faulted in again. After a
 burst of held responses (a slow or stuck client made the daemon keep up to
 ``--max-buffered-bytes`` of them), that memory would stay with the process; ``trim_soon``

@@ -13,6 +13,8 @@
   chunks go into the cache once, by the job, for every read that waits on it.
 - **Bounded.** At most ``limit`` store jobs hold a slot at once (``--max-store-concurrency``);
   each store call is bounded by the store's timeout; every decode by the array's metadata.
+
+One job, the miss path (single-flight, batching, bounds), hence its length.
 """
 
 from __future__ import annotations

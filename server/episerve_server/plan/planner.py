@@ -13,7 +13,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -39,9 +39,6 @@ from episerve_server.storage.annotations import load_spans
 from episerve_server.storage.catalog import Catalog, Episode
 from episerve_server.storage.readers import ChunkReader
 
-if TYPE_CHECKING:
-    from episerve_server.plan.background import Background
-
 MAX_CHECKED_KEYMAPS = 64
 # Gathers this large run in a worker thread (a few ms on the loop below it); smaller ones
 # run on the loop, where the thread hop would cost more than the copy.
@@ -65,7 +62,6 @@ class Planner:
         self.offload_bytes = offload_bytes
         self.fetcher = Fetcher(catalog, cache, stats, limit=fetch_limit,
                                offload_bytes=offload_bytes)
-        self.background: Background | None = None  # hints and preload (wiring sets it)
         # Per keymap: the episodes already checked against it (a keymap x episode check
         # runs once, not on every batch). Bounded; an episode reopened is checked again.
         self._checked: OrderedDict[Keymap, dict[str, Episode]] = OrderedDict()
@@ -78,7 +74,7 @@ class Planner:
         # refuse before building anything large
         out_bytes = _output_bytes(keymap, batch, options.all_masks)
         if options.max_response_bytes and out_bytes > options.max_response_bytes:
-            raise _too_big(out_bytes, options.max_response_bytes, len(samples))
+            raise too_big(out_bytes, options.max_response_bytes, len(samples))
         if options.admit is not None:
             options.admit(out_bytes)
         spans = await self._spans(keymap, batch, options)
@@ -104,7 +100,7 @@ class Planner:
             options.all_masks,
         )
         if options.max_response_bytes and result.nbytes > options.max_response_bytes:
-            raise _too_big(result.nbytes, options.max_response_bytes, len(samples))
+            raise too_big(result.nbytes, options.max_response_bytes, len(samples))
         for e in batch.episodes:
             self.stats.episodes[e.hash].read_rpcs += 1
         self.stats.samples_read += len(samples)
@@ -340,7 +336,7 @@ class _Budget:
     def add(self, nbytes: int) -> None:
         self.used += nbytes
         if self.limit and self.used > self.limit:
-            raise _too_big(self.used, self.limit, self.batch, at_least=True)
+            raise too_big(self.used, self.limit, self.batch, at_least=True)
 
 
 def _output_bytes(keymap: Keymap, batch: Batch, all_masks: bool = False) -> int:
@@ -393,7 +389,7 @@ def _key_rows(key: str, keymap: Keymap, batch: Batch,
     return np.concatenate(eps), np.concatenate(rows)
 
 
-def _too_big(nbytes: int, limit: int, batch: int, *, at_least: bool = False) -> ResponseTooLarge:
+def too_big(nbytes: int, limit: int, batch: int, *, at_least: bool = False) -> ResponseTooLarge:
     fit = max(1, batch * limit // max(nbytes, 1))
     size = f"at least {nbytes}" if at_least else f"{nbytes}"
     return ResponseTooLarge(

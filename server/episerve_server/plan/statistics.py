@@ -11,6 +11,8 @@ the set it grew from. So asking again after one episode was added computes that 
 
 An entry is valid for the reader it was computed from: an episode dropped, or reopened with
 other content, has new readers and is computed again.
+
+One job, ``GetKeyStats`` from the reads to the cached answers, hence its length.
 """
 
 from __future__ import annotations

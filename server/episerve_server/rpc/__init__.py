@@ -1,0 +1,11 @@
+"""The daemon's gRPC side, in three rooms that depend one way (wire <- handlers <- process):
+
+- ``wire``: the codec, bytes in and bytes out; the only modules that import the generated
+  classes (``convert``: requests and answers; ``encode``: Read responses without a message
+  object; ``forward``: a Read split for the workers and their answers merged back);
+- ``handlers``: what each RPC does (``service``; ``status``, errors to statuses;
+  ``buffers``, ``registry``; ``local``, the shared-memory plane);
+- ``process``: standing a server up and taking it down (``server``: the one serve path;
+  ``daemon``, ``front``, ``workers``, ``worker``, ``main``; ``interceptors``,
+  ``introspection``, ``metrics``, ``logs``).
+"""

@@ -8,6 +8,8 @@ cannot parse (deep JSON, absurd numbers), and values beyond the sane maxima of
 :mod:`~episerve_server.storage.readers.bounds` (``total_frames``, shapes, chunk sizes), so
 nothing later can overflow the planner's packed indices. A storage call that times out at
 open leaves the episode listed as broken with that reason, and the next scan tries again.
+
+One job, the catalog (scans, opening, change checks, drops), hence its length.
 """
 
 from __future__ import annotations

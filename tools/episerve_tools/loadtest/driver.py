@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from episerve_client._base import Call, Op, Outcome
+from episerve_client._ops import Call, Op, Outcome
 from episerve_client.aio import AsyncClient
 from episerve_client.client import Client
 from episerve_client.convert import ReadResult

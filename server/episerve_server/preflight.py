@@ -1,7 +1,10 @@
 """Checks made before the daemon opens anything, so an operator's mistake is one clear line
 (``StartupError``; the CLI prints it and exits 2) instead of a traceback or a daemon that
 silently does something else: a ``--unix`` path that is a file or another live daemon's
-socket, a port in use or not permitted, TLS files that cannot be read or are not PEM."""
+socket, a port in use or not permitted, TLS files that cannot be read or are not PEM.
+
+The daemon's private runtime paths (the workers' folder, the local plane's socket) are
+claimed here too, under one rule (``private_folder_refusal``)."""
 
 from __future__ import annotations
 
@@ -53,26 +56,32 @@ def claim_unix_socket(path: Path) -> None:
     if not stat.S_ISSOCK(mode):
         raise StartupError(f"{where}: the path exists and is not a socket; refusing to replace "
                            "it (remove it yourself, or choose another path)")
+    if not _listening(path, where):  # a leftover of a daemon that died
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        return
+    raise StartupError(f"{where}: another daemon is listening on this socket; stop it or "
+                       "choose another path")
+
+
+def _listening(path: Path, where: str) -> bool:
+    """Whether a process accepts connections on the unix socket at ``path`` (``False``:
+    nobody listens, or it is gone). One that accepts but does not answer is refused."""
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     probe.settimeout(1.0)
     try:
         probe.connect(str(path))
-    except ConnectionRefusedError:  # nobody listens: a leftover of a daemon that died
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-        return
-    except FileNotFoundError:
-        return
+    except (ConnectionRefusedError, FileNotFoundError):
+        return False
     except TimeoutError:
-        raise StartupError(f"{where}: a process holds this socket (it accepts but is slow to "
-                           "answer); stop it or choose another path") from None
+        raise StartupError(f"{where}: a process holds the socket {path.name!r} (it accepts "
+                           "but is slow to answer); stop it or choose another path") from None
     except OSError as exc:
-        raise StartupError(f"{where}: cannot check the existing socket ({exc.strerror})") \
-            from None
+        raise StartupError(f"{where}: cannot check the socket {path.name!r} "
+                           f"({exc.strerror or exc})") from None
     finally:
         probe.close()
-    raise StartupError(f"{where}: another daemon is listening on this socket; stop it or "
-                       "choose another path")
+    return True
 
 
 def check_port(host: str, port: int, flag: str) -> None:
@@ -120,6 +129,29 @@ def check_tls(config: ServerConfig) -> None:
                                f"certificates ({exc})") from None
 
 
+def private_folder_refusal(st: os.stat_result, *, shared: bool) -> str | None:
+    """Why a folder cannot hold this daemon's private sockets, or ``None``: the one rule for
+    its private runtime paths (the workers' folder, the local plane's socket).
+
+    The folder is a real folder, not a symlink, and no other user can put or replace
+    anything in it. A folder of the daemon's own (``shared=False``) belongs to its uid, with
+    no group or other permission bits. A ``shared`` folder that only receives the socket
+    (``/tmp``, a run directory) may also be root's, and is writable by others only with the
+    sticky bit (then nobody else can remove or rename what the daemon puts there).
+    """
+    uid = os.geteuid()
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        return "is not a plain directory"
+    if st.st_uid != uid and not (shared and st.st_uid == 0):
+        return f"belongs to uid {st.st_uid}, not to this daemon's uid {uid}"
+    mode = stat.S_IMODE(st.st_mode)
+    if not shared and mode & 0o077:
+        return f"has mode {mode:#o}, open to group or others"
+    if shared and mode & stat.S_IWOTH and not mode & stat.S_ISVTX:
+        return "is writable by every user (and not sticky)"
+    return None
+
+
 def claim_private_dir(folder: Path, flag: str) -> None:
     """Make ``folder`` a runtime folder only this daemon's user can touch: mode 0700.
 
@@ -147,15 +179,11 @@ def claim_private_dir(folder: Path, flag: str) -> None:
                            f"yourself, or choose another --unix path) ({exc.strerror})") \
             from None
     try:
-        st = os.fstat(fd)
-        if st.st_uid != os.geteuid():
-            raise StartupError(f"{where} belongs to uid {st.st_uid}, not to this daemon's "
-                               f"uid {os.geteuid()}; refusing to use it (another user may have "
-                               "made it: remove it, or choose another --unix path)")
-        if stat.S_IMODE(st.st_mode) & 0o077:
-            raise StartupError(f"{where} has mode {stat.S_IMODE(st.st_mode):#o}, open to "
-                               "group or others; refusing to use it (remove it, or chmod it "
-                               "0700)")
+        why = private_folder_refusal(os.fstat(fd), shared=False)
+        if why:
+            raise StartupError(f"{where} {why}; refusing to use it (another user may have "
+                               "made it, or may reach into it: remove it, or choose another "
+                               "--unix path)")
         for name in os.listdir(fd):
             _remove_stale(fd, folder / name, where)
     finally:
@@ -168,18 +196,43 @@ def _remove_stale(fd: int, path: Path, where: str) -> None:
     if not stat.S_ISSOCK(mode):
         raise StartupError(f"{where} holds {path.name!r}, which is not a worker socket; "
                            "refusing to remove it (remove it yourself)")
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    probe.settimeout(1.0)
-    try:
-        probe.connect(str(path))
-    except (ConnectionRefusedError, FileNotFoundError):
+    if not _listening(path, where):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path.name, dir_fd=fd)
         return
-    except OSError as exc:
-        raise StartupError(f"{where}: cannot check the socket {path.name!r} in it "
-                           f"({exc.strerror or exc})") from None
-    finally:
-        probe.close()
     raise StartupError(f"{where}: a process is listening on {path.name!r} in it (another "
                        "daemon's worker?); stop it or choose another --unix path")
+
+
+def bind_private_socket(path: Path, flag: str) -> socket.socket:
+    """A listening unix socket at ``path`` that only this uid can connect to.
+
+    Refused: a path that is a symlink or not a socket, a live socket, a folder owned by
+    another uid or writable by others without the sticky bit. A stale socket of ours is
+    replaced. The socket is made 0600 before it listens, so no connection ever reaches it
+    with wider permissions; bind itself fails if another process took the path meanwhile.
+    """
+    where = f"{flag} {str(path)!r}"
+    try:
+        pst = path.parent.lstat()
+    except OSError as exc:
+        raise StartupError(f"{where}: cannot check its folder ({exc.strerror})") from None
+    why = private_folder_refusal(pst, shared=True)
+    if why:
+        raise StartupError(f"{where}: its folder {why}")
+    with contextlib.suppress(FileNotFoundError):
+        st = path.lstat()
+        if stat.S_ISLNK(st.st_mode) or st.st_uid != os.geteuid():
+            raise StartupError(f"{where}: the path is a symlink or belongs to another user; "
+                               "refusing to replace it")
+    claim_unix_socket(path)  # refuses files and live sockets, removes a stale socket
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(str(path))
+        os.chmod(path, 0o600, follow_symlinks=False)
+        sock.listen(128)
+    except OSError as exc:
+        sock.close()
+        raise StartupError(f"{where}: cannot listen ({exc.strerror})") from None
+    sock.setblocking(False)
+    return sock

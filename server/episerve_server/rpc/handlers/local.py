@@ -23,6 +23,8 @@ on it belongs to the client's processes (torch passes it on to the main process)
 DataLoader workers ask for this, and so does a client that still refers to every pooled
 segment. The daemon holds such a segment only while it writes and sends it, at most one
 per call in flight on the connection (``--local-segments`` + 1).
+
+One job, the local plane's transport (frames, credentials, segments), hence its length.
 """
 
 from __future__ import annotations
@@ -30,19 +32,19 @@ from __future__ import annotations
 import array
 import asyncio
 import contextlib
+import fcntl
 import hmac
 import itertools
 import logging
 import mmap
 import os
 import socket
-import stat
 import struct
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import numpy as np
 
@@ -59,12 +61,19 @@ from episerve_proto.errors import (
 )
 from episerve_server.config import ServerConfig
 from episerve_server.core.result import BatchResult
-from episerve_server.rpc import wire
-from episerve_server.rpc.interceptors import LoggingInterceptor
-from episerve_server.rpc.preflight import MAX_UNIX_PATH_BYTES, StartupError, claim_unix_socket
-from episerve_server.rpc.service import OFFLOAD_ENCODE_BYTES, EpiserveService, answered
+from episerve_server.preflight import MAX_UNIX_PATH_BYTES, bind_private_socket
+from episerve_server.rpc.handlers.service import OFFLOAD_ENCODE_BYTES, EpiserveService
+from episerve_server.rpc.handlers.status import answered
+from episerve_server.rpc.wire import encode
 
 log = logging.getLogger(__name__)
+
+
+class CallLog(Protocol):
+    """Where a finished call is accounted (the gRPC server's logging interceptor)."""
+
+    def finished(self, method: str, code: str, seconds: float, request: Any, *, rid: str,
+                 peer: Callable[[], str], sent: int) -> None: ...
 
 #: A Read waits this long for a lent segment to come back before it answers Overloaded.
 LEND_WAIT_S = 30.0
@@ -77,45 +86,6 @@ _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 def local_path(unix: str) -> Path:
     return Path(str(Path(unix).resolve()) + lp.LOCAL_SUFFIX)
-
-
-def bind_private_socket(path: Path, flag: str) -> socket.socket:
-    """A listening unix socket at ``path`` that only this uid can connect to.
-
-    Refused: a path that is a symlink or not a socket, a live socket, a folder owned by
-    another uid or writable by others without the sticky bit. A stale socket of ours is
-    replaced. The socket is made 0600 before it listens, so no connection ever reaches it
-    with wider permissions; bind itself fails if another process took the path meanwhile.
-    """
-    where = f"{flag} {str(path)!r}"
-    parent = path.parent
-    try:
-        pst = parent.lstat()
-    except OSError as exc:
-        raise StartupError(f"{where}: cannot check its folder ({exc.strerror})") from None
-    if stat.S_ISLNK(pst.st_mode) or not stat.S_ISDIR(pst.st_mode):
-        raise StartupError(f"{where}: its folder is not a plain directory")
-    if pst.st_uid not in (os.getuid(), 0):
-        raise StartupError(f"{where}: its folder belongs to uid {pst.st_uid}, not to this "
-                           f"daemon's uid {os.getuid()}")
-    if pst.st_mode & stat.S_IWOTH and not pst.st_mode & stat.S_ISVTX:
-        raise StartupError(f"{where}: its folder is writable by every user (and not sticky)")
-    with contextlib.suppress(FileNotFoundError):
-        st = path.lstat()
-        if stat.S_ISLNK(st.st_mode) or st.st_uid != os.getuid():
-            raise StartupError(f"{where}: the path is a symlink or belongs to another user; "
-                               "refusing to replace it")
-    claim_unix_socket(path)  # refuses files and live sockets, removes a stale socket
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.bind(str(path))
-        os.chmod(path, 0o600, follow_symlinks=False)
-        sock.listen(128)
-    except OSError as exc:
-        sock.close()
-        raise StartupError(f"{where}: cannot listen ({exc.strerror})") from None
-    sock.setblocking(False)
-    return sock
 
 
 class ConnectionClosed(Exception):
@@ -136,8 +106,6 @@ class Segment:
         fd = os.memfd_create(f"episerve-{ident}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, size)
-            import fcntl
-
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
             mm = mmap.mmap(fd, size)
         except OSError:
@@ -310,7 +278,7 @@ class LocalPlane:
         self._serials = itertools.count(1)
         #: Accounts each finished call as the gRPC server's interceptor does (metrics, the
         #: DEBUG line, the INFO summary); set by the daemon.
-        self.calls: LoggingInterceptor | None = None
+        self.calls: CallLog | None = None
         service.gauges.append(self.counters)
 
     @classmethod
@@ -485,8 +453,8 @@ class LocalPlane:
     async def _place(self, conn: Connection, result: BatchResult,
                      keep: bool) -> tuple[Placed, int]:
         """Write the batch's blobs once into a segment lent to this connection."""
-        blobs: list[wire.Buf] = []
-        meta = wire.encode_result(result, blobs.append)
+        blobs: list[encode.Buf] = []
+        meta = encode.encode_result(result, blobs.append)
         sizes = [memoryview(b).nbytes for b in blobs]
         offsets, total = lp.layout(sizes)
         if len(meta) + len(blobs) * lp.BLOB.size + 64 > lp.MAX_ANSWER_BODY:
@@ -538,7 +506,7 @@ def _error_body(error: EpiserveError) -> bytes:
                          clipped(error.episode, 1024), clipped(error.key, 1024))
 
 
-def _copy(dst: np.ndarray, offsets: list[int], blobs: list[wire.Buf]) -> None:
+def _copy(dst: np.ndarray, offsets: list[int], blobs: list[encode.Buf]) -> None:
     for off, blob in zip(offsets, blobs, strict=True):
         src = np.frombuffer(blob, np.uint8)
         dst[off:off + src.size] = src

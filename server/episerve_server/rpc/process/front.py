@@ -1,6 +1,6 @@
 """The front of a ``--workers N`` daemon: one logical daemon on the daemon's address.
 
-The front reads nothing itself. It starts the workers (``rpc/workers.py``) and answers:
+The front reads nothing itself. It starts the workers (``rpc/process/workers.py``) and answers:
 
 - ``GetTopology``: the workers' addresses and the routing rule, so that a client sends each
   sample straight to the worker that owns its episode (``episerve_proto.routing``);
@@ -24,26 +24,27 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import signal
-import time
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from episerve_proto import routing
 from episerve_proto.contract import METHODS, SERVICE_NAME
 from episerve_proto.errors import Overloaded, ResponseTooLarge, Unavailable
+from episerve_server import preflight
 from episerve_server.config import ServerConfig
-from episerve_server.plan.planner import _too_big
-from episerve_server.rpc import convert, preflight
-from episerve_server.rpc.buffers import ResponseBuffers
-from episerve_server.rpc.interceptors import LoggingInterceptor, TokenInterceptor
-from episerve_server.rpc.service import OFFLOAD_ENCODE_BYTES, _rpc
-from episerve_server.rpc.workers import WorkerPool
+from episerve_server.plan.planner import too_big
+from episerve_server.rpc.handlers.buffers import ResponseBuffers
+from episerve_server.rpc.handlers.service import OFFLOAD_ENCODE_BYTES
+from episerve_server.rpc.handlers.status import rpc_method
+from episerve_server.rpc.process import server
+from episerve_server.rpc.process.metrics import PREFIX, counter_families
+from episerve_server.rpc.process.workers import WorkerPool
+from episerve_server.rpc.wire import convert, forward
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +68,8 @@ class FrontService:
         self.draining = False
         self.inflight = 0
         self.on_batch: Callable[[int], None] | None = None
-        self._owner = functools.lru_cache(maxsize=1 << 16)(
-            functools.partial(_owner, n=len(pool.workers)))
+        owners, n = routing.OwnerCache(), len(pool.workers)
+        self._owner: Callable[[str], int] = lambda episode: owners(episode, n)
         # Every keymap registered through the front (its unchecked request, least recently
         # registered first, under --max-registry-bytes), replayed to a restarted worker.
         self.registered: OrderedDict[bytes, None] = OrderedDict()
@@ -91,7 +92,7 @@ class FrontService:
         )
 
     async def counters(self) -> dict[str, int]:
-        return convert.stats_counters(await self._stats(5.0))
+        return forward.stats_counters(await self._stats(5.0))
 
     async def _stats(self, timeout_s: float, *, complete: bool = True) -> bytes:
         """The workers' counters summed; with ``complete=False``, over the workers that are
@@ -108,19 +109,19 @@ class FrontService:
                  "worker_hangs": self.pool.hangs_total,
                  "front_reads_in_flight": self.inflight,
                  "front_buffered_bytes": self.buffers.total}
-        return convert.merge_stats(replies, extra)
+        return forward.merge_stats(replies, extra)
 
-    @_rpc
+    @rpc_method
     async def get_topology(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         convert.parse_empty(request, "GetTopology")
         return convert.encode_topology(self.pool.addresses, routing.ROUTING)
 
-    @_rpc
+    @rpc_method
     async def get_stats(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         convert.parse_empty(request, "GetStats")
         return await self._stats(_timeout(context), complete=False)
 
-    @_rpc
+    @rpc_method
     async def register_keymap(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         """On every worker; the answer is worker 0's. Every worker opens every episode, so
         worker 0's check (``check_episodes``) covers all of them, from the same catalog that
@@ -147,7 +148,7 @@ class FrontService:
         it serves again: clients holding their ids never meet ``UnknownKeymap``."""
         await self.pool.replay(index, list(self.registered))
 
-    @_rpc
+    @rpc_method
     async def read(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         if self.draining:
             raise Unavailable("the daemon is shutting down; retry against another replica")
@@ -163,10 +164,10 @@ class FrontService:
             reserved.append(self.buffers.reserve(peer, nbytes))
 
         try:
-            parts = convert.split_read(request, self._owner, self.limits)
+            parts = forward.split_read(request, self._owner, self.limits)
             limit = self.config.max_response_bytes
             if len(parts) > 1:
-                limit = convert.response_limit(request, limit)
+                limit = forward.response_limit(request, limit)
             del request
             replies = await self._forward(parts, _timeout(context), limit, reserve)
             pieces = [(idx, data) for (_, idx, _), data in zip(parts, replies)]
@@ -175,9 +176,9 @@ class FrontService:
             if len(pieces) > 1:  # the merge's copies, beside the parts
                 reserve(MERGE_COPIES * sum(len(d) for _, d in pieces))
             if sum(len(d) for _, d in pieces) >= OFFLOAD_ENCODE_BYTES and len(pieces) > 1:
-                data = await asyncio.to_thread(convert.merge_read_responses, pieces, n)
+                data = await asyncio.to_thread(forward.merge_read_responses, pieces, n)
             else:
-                data = convert.merge_read_responses(pieces, n)
+                data = forward.merge_read_responses(pieces, n)
             del pieces
         finally:
             self.inflight -= 1
@@ -209,7 +210,7 @@ class FrontService:
         n = sum(len(idx) for _, idx, _ in parts)
         shares = [max(1, limit * len(idx) // n) for _, idx, _ in parts]
         first = await asyncio.gather(
-            *(self.pool.call(w, "Read", convert.limited_read(payload, share), timeout_s)
+            *(self.pool.call(w, "Read", forward.limited_read(payload, share), timeout_s)
               for (w, _, payload), share in zip(parts, shares)), return_exceptions=True)
         for got in first:
             if isinstance(got, BaseException) and not isinstance(got, ResponseTooLarge):
@@ -224,13 +225,13 @@ class FrontService:
             lower = total + sum(shares[j] + 1 for j in over if j >= k)
             left = limit - total
             if lower > limit:
-                raise _too_big(lower, limit, n, at_least=True)
+                raise too_big(lower, limit, n, at_least=True)
             w, _, payload = parts[k]
             try:
-                data = await self.pool.call(w, "Read", convert.limited_read(payload, left),
+                data = await self.pool.call(w, "Read", forward.limited_read(payload, left),
                                             timeout_s)
             except ResponseTooLarge:
-                raise _too_big(total + left + 1, limit, n, at_least=True) from None
+                raise too_big(total + left + 1, limit, n, at_least=True) from None
             total += len(data)
             reserve(len(data))
             first[k] = data
@@ -244,11 +245,7 @@ def _pass_through(front: FrontService, method: str) -> Callable[..., Any]:
                       context: grpc.aio.ServicerContext) -> bytes:
         return await self.pool.call(0, method, request, _timeout(context))
 
-    return functools.partial(_rpc(handler), front)
-
-
-def _owner(episode: str, n: int) -> int:
-    return routing.owner(episode, n)
+    return functools.partial(rpc_method(handler), front)
 
 
 def _timeout(context: grpc.aio.ServicerContext) -> float:
@@ -268,34 +265,22 @@ async def _all(calls: list[Coroutine[Any, Any, bytes]]) -> list[bytes]:
             t.cancel()
 
 
-class FrontCollector:
+class FrontCollector(Collector):
     """Prometheus series from the workers' summed counters, read at scrape time."""
 
     def __init__(self, front: FrontService, loop: asyncio.AbstractEventLoop) -> None:
         self.front, self.loop = front, loop
         self.last: dict[str, int] = {}  # while a worker restarts, the last complete sums
 
-    def collect(self) -> Iterator[Any]:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-        from episerve_server.core.stats import COUNTERS
-        from episerve_server.rpc.metrics import COUNTER_HELP, PREFIX
-
+    def collect(self) -> Iterator[Metric]:
         try:
             got = asyncio.run_coroutine_threadsafe(self.front.counters(), self.loop).result(5)
             self.last = got
         except Exception as exc:
             log.warning("metrics: the workers' counters are unavailable (%s)", exc)
             got = self.last
-        for name in COUNTERS:
-            if name == "read_ns":
-                yield CounterMetricFamily(f"{PREFIX}_read_seconds",
-                                          "Time spent serving successful Reads.",
-                                          value=got.get(name, 0) / 1e9)
-            else:
-                yield CounterMetricFamily(f"{PREFIX}_{name}",
-                                          COUNTER_HELP.get(name, f"Daemon counter {name}."),
-                                          value=got.get(name, 0))
+        yield from counter_families(lambda name: got.get(name, 0))
+        pool = self.front.pool
         gauges = (
             ("cache_bytes", "Bytes held by the chunk caches.", got.get("cache_bytes", 0)),
             ("cache_entries", "Chunks held by the chunk caches.", got.get("cache_entries", 0)),
@@ -306,22 +291,20 @@ class FrontCollector:
             ("reads_in_flight", "Read RPCs in progress.", got.get("reads_in_flight", 0)),
             ("draining", "1 while the daemon drains before stopping.",
              int(self.front.draining)),
-            ("workers", "Worker processes (--workers).", len(self.front.pool.workers)),
-            ("workers_ready", "Worker processes serving.",
-             sum(w.ready for w in self.front.pool.workers)),
+            ("workers", "Worker processes (--workers).", len(pool.workers)),
+            ("workers_ready", "Worker processes serving.", sum(w.ready for w in pool.workers)),
             ("worker_restarts", "Worker processes restarted after they exited.",
-             self.front.pool.restarts_total),
+             pool.restarts_total),
             ("workers_hung", "Worker processes running but missing their health checks.",
-             self.front.pool.hung),
+             pool.hung),
         )
         for name, text, value in gauges:
             yield GaugeMetricFamily(f"{PREFIX}_{name}", text, value=value)
 
 
 async def serve(config: ServerConfig, announce: Callable[[str], None]) -> int:
-    """Start the workers, then serve the front until SIGTERM/SIGINT; drain; stop."""
-    from episerve_server.rpc import daemon
-
+    """Start the workers, then serve the front until SIGTERM/SIGINT; drain; stop. Exit code
+    1 when the workers exited too often (``MAX_RESTARTS``)."""
     preflight.check(config)
     pool = WorkerPool.create(config)
     try:
@@ -330,40 +313,19 @@ async def serve(config: ServerConfig, announce: Callable[[str], None]) -> int:
         await pool.stop(0)
         raise
     front = FrontService(config, pool)
-    loop = asyncio.get_running_loop()
-    metrics = _metrics(config, front, loop)
-    interceptors: list[grpc.aio.ServerInterceptor] = [LoggingInterceptor(metrics)]
-    if config.token:
-        interceptors.append(TokenInterceptor(config.token))
-    server = grpc.aio.server(interceptors=interceptors, options=daemon.server_options(config))
-    server.add_generic_rpc_handlers((front.handlers(),))
-    servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    extra: list[Any] = []
     try:
-        address = daemon._bind(server, config)
-        if config.health_port:
-            extra.append(await daemon._health_server(config, servicer))
-        await server.start()
+        srv = await server.start(config, front,
+                                 collector=FrontCollector(front, asyncio.get_running_loop()))
     except BaseException:
-        for s in (server, *extra):
-            await s.stop(0)
-        if metrics is not None:
-            metrics.close()
         await pool.stop(0)
         raise
 
     async def set_health() -> None:
-        status = (health_pb2.HealthCheckResponse.SERVING if pool.all_ready and not front.draining
-                  else health_pb2.HealthCheckResponse.NOT_SERVING)
-        for name in ("", SERVICE_NAME):
-            await servicer.set(name, status)
+        await srv.set_serving(pool.all_ready and not front.draining)
 
     await set_health()
     counters = await front.counters()
-    announce(f"episerve listening on {address} ({len(pool.workers)} workers, "
+    announce(f"episerve listening on {srv.address} ({len(pool.workers)} workers, "
              f"{counters.get('episodes_open', 0)} episodes, "
              f"{counters.get('episodes_broken', 0)} broken)")
     stop = asyncio.Event()
@@ -374,39 +336,13 @@ async def serve(config: ServerConfig, announce: Callable[[str], None]) -> int:
         exit_code = 1
         stop.set()
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     watch = asyncio.create_task(pool.watch(set_health, give_up))
     probe = asyncio.create_task(pool.probe(set_health))
-    await stop.wait()
-    log.info("draining for up to %.1fs", config.grace_s)
-    front.draining = True
-    await servicer.enter_graceful_shutdown()
-    deadline = time.monotonic() + config.grace_s
-    stopping = asyncio.create_task(pool.stop(config.grace_s))
-    while front.inflight and time.monotonic() < deadline:
-        await asyncio.sleep(0.02)
-    await stopping
-    watch.cancel()
-    probe.cancel()
-    await server.stop(max(0.1, deadline - time.monotonic()))
-    for s in extra:
-        await s.stop(0)
-    if metrics is not None:
-        metrics.close()
-    log.info("stopped")
+
+    async def stop_workers() -> None:  # while the front's own reads finish
+        await pool.stop(config.grace_s)
+        watch.cancel()
+        probe.cancel()
+
+    await server.serve_until_stopped(srv, stop=stop, alongside=stop_workers)
     return exit_code
-
-
-def _metrics(config: ServerConfig, front: FrontService,
-             loop: asyncio.AbstractEventLoop) -> Any:
-    if not config.metrics_port:
-        return None
-    from episerve_server.rpc.metrics import Metrics
-
-    try:
-        return Metrics.start(config, front, FrontCollector(front, loop))  # type: ignore[arg-type]
-    except OSError as exc:
-        raise preflight.StartupError(
-            f"--metrics-port {config.metrics_port}: cannot listen on {config.metrics_host}:"
-            f"{config.metrics_port} ({exc.strerror})") from None

@@ -1,4 +1,5 @@
-"""The gRPC service: request bytes in, response bytes out, every error mapped to a status.
+"""The gRPC service: request bytes in, response bytes out, every error mapped to a status
+(``handlers/status``).
 
 Handlers take raw bytes (no generated deserializer), so a request that is not a valid
 message becomes INVALID_ARGUMENT here instead of an opaque INTERNAL inside grpc.
@@ -7,34 +8,21 @@ message becomes INVALID_ARGUMENT here instead of an opaque INTERNAL inside grpc.
 from __future__ import annotations
 
 import asyncio
-import functools
-import logging
 import time
-import traceback
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
 
 from episerve_proto import routing
-from episerve_proto.contract import (
-    EPISODE_TRAILER,
-    ERROR_TRAILER,
-    KEY_TRAILER,
-    MAX_NAME_CHARS,
-    METHODS,
-    SERVICE_NAME,
-)
+from episerve_proto.contract import METHODS, SERVICE_NAME
 from episerve_proto.errors import (
     DataLossError,
-    EpiserveError,
     EpisodeNotFound,
-    InternalError,
     LimitExceeded,
     Overloaded,
     Unavailable,
     UnknownKeymap,
-    clipped,
     shown,
 )
 from episerve_server.config import ServerConfig
@@ -42,15 +30,16 @@ from episerve_server.core import heap
 from episerve_server.core.keymap import Keymap
 from episerve_server.core.result import BatchResult
 from episerve_server.core.stats import Stats
+from episerve_server.plan.background import Background
 from episerve_server.plan.planner import Planner, ReadOptions
 from episerve_server.plan.statistics import MAX_KEYS, KeyStatsEngine
-from episerve_server.rpc import convert, wire
-from episerve_server.rpc.buffers import ResponseBuffers
-from episerve_server.rpc.registry import KeymapRegistry
+from episerve_server.rpc.handlers.buffers import ResponseBuffers
+from episerve_server.rpc.handlers.registry import KeymapRegistry
+from episerve_server.rpc.handlers.status import release_chain, rpc_method
+from episerve_server.rpc.wire import convert
+from episerve_server.rpc.wire.encode import encode_result
 from episerve_server.storage.catalog import Catalog
 from episerve_server.storage.keycheck import check_keymap, merged
-
-log = logging.getLogger(__name__)
 
 # Responses this large are encoded in a worker thread; below it the hop costs more than the
 # join (about 0.2 ms per MB).
@@ -69,94 +58,15 @@ OFFLOAD_PARSE_BYTES = 64 << 10
 #: small enough that encoding one page never keeps health waiting (measured: 16 MiB pages
 #: of 200 kB attributes delayed health by 260 ms; 4 MiB pages do not).
 LIST_PAGE_BYTES = 4 * 2**20
-#: Traceback lines longer than this are cut in the log.
-LOG_LINE_CHARS = 400
-
-# The service object is an ``EpiserveService`` or, with ``--workers N``, a ``FrontService``.
-Handler = Callable[[Any, bytes, grpc.aio.ServicerContext], Awaitable[bytes]]
 T = TypeVar("T")
-
-
-def error_metadata(exc: EpiserveError) -> tuple[tuple[str, str | bytes], ...]:
-    """The trailers of an error answer; the episode and key are cut to a name's length."""
-    return (
-        (ERROR_TRAILER, type(exc).__name__),
-        (EPISODE_TRAILER, clipped(exc.episode, MAX_NAME_CHARS * 4).encode()),
-        (KEY_TRAILER, clipped(exc.key, MAX_NAME_CHARS * 4).encode()),
-    )
-
-
-def release_chain(exc: BaseException | None) -> None:
-    """Break what keeps a failed request's memory alive once its error is answered.
-
-    A traceback holds every frame it passed through, and a planner frame holds the chunks
-    it decoded; an exception kept in a local of a frame on its own traceback is a reference
-    cycle that only the garbage collector would free. Clearing the traceback, the frames'
-    locals and the cause/context links (down the whole chain) frees it all by refcount.
-    """
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if exc.__traceback__ is not None:
-            traceback.clear_frames(exc.__traceback__)
-        exc.__traceback__ = None
-        nxt = exc.__cause__ or exc.__context__
-        exc.__cause__ = exc.__context__ = None
-        exc = nxt
-
-
-def _bug(exc: Exception, where: str) -> InternalError:
-    lines = traceback.format_exception(exc)
-    text = "".join(line if len(line) <= LOG_LINE_CHARS else clipped(line, LOG_LINE_CHARS) + "\n"
-                   for line in lines)
-    log.error("unexpected error in %s (a bug):\n%s", where, text.rstrip())
-    return InternalError(
-        f"the daemon could not serve this request ({type(exc).__name__}: {shown(str(exc))}); "
-        "this is a bug, please report it with the daemon's log"
-    )
-
-
-def answered(exc: Exception, where: str) -> EpiserveError:
-    """The error a failed request is answered with: a domain error as it is, anything else
-    as ``InternalError`` (logged with its traceback, as a bug). Its chain is released, so
-    nothing of the failed request outlives the answer; client mistakes are logged once."""
-    error = exc if isinstance(exc, EpiserveError) else _bug(exc, where)
-    release_chain(exc)
-    if error.code not in ("CANCELLED", "UNAVAILABLE", "RESOURCE_EXHAUSTED", "INTERNAL"):
-        log.warning("%s failed: %s %s", where, error.code, clipped(error.message))
-    return error
-
-
-def _rpc(fn: Handler) -> Handler:
-    """Run a handler; map domain errors to their status, and anything else to a clear one.
-
-    Messages and trailers are cut to sizes every client accepts, and the error's chain is
-    released before the answer goes out, so nothing of a failed request outlives it.
-    """
-
-    @functools.wraps(fn)
-    async def run(self: Any, request: bytes,
-                  context: grpc.aio.ServicerContext) -> bytes:
-        try:
-            return await fn(self, request, context)
-        except grpc.aio.AbortError:
-            raise
-        except Exception as exc:
-            error = answered(exc, fn.__name__)
-        del request
-        code, message = grpc.StatusCode[error.code], clipped(error.message)
-        trailers = error_metadata(error)
-        del error
-        await context.abort(code, message, trailers)
-        raise AssertionError("unreachable")  # abort raises
-
-    return run
 
 
 class EpiserveService:
     def __init__(self, config: ServerConfig, catalog: Catalog, planner: Planner,
-                 stats: Stats, *, key_stats: KeyStatsEngine | None = None) -> None:
+                 stats: Stats, *, key_stats: KeyStatsEngine | None = None,
+                 background: Background | None = None) -> None:
         self.config, self.catalog, self.planner, self.stats = config, catalog, planner, stats
+        self.background = background  # prefetch hints (none: hints are counted, not read)
         self.key_stats = key_stats if key_stats is not None else KeyStatsEngine(
             catalog, planner, planner.cache, config.stats_cache_bytes)
         self.keymaps = KeymapRegistry(config.max_registry_bytes)
@@ -165,6 +75,8 @@ class EpiserveService:
         self.limits = convert.Limits.of(config)
         self.draining = False
         self.inflight = 0
+        #: The local plane's socket once it listens (``GetTopology`` advertises it).
+        self.local_plane = ""
         self.on_batch: Callable[[int], None] | None = None  # samples per successful Read
         #: More GetStats counters (the local plane's connections and segments).
         self.gauges: list[Callable[[], dict[str, int]]] = []
@@ -206,7 +118,7 @@ class EpiserveService:
             self._last_scan = time.monotonic()
             await self.catalog.scan()
 
-    @_rpc
+    @rpc_method
     async def list_episodes(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         if len(request) > OFFLOAD_PARSE_BYTES:
             async with self._heavy_parse:
@@ -224,7 +136,7 @@ class EpiserveService:
         return await asyncio.to_thread(convert.encode_listing, healthy, broken, page,
                                        LIST_PAGE_BYTES)
 
-    @_rpc
+    @rpc_method
     async def register_keymap(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         # One registration at a time: parsing a keymap of 128 entries is ~10-30 ms of
         # Python, and 64 parsed back to back kept health waiting for all of them. A large
@@ -252,7 +164,7 @@ class EpiserveService:
             self.stats.keymap_checks += 1
         return convert.encode_keymap_check(kid, check)
 
-    @_rpc
+    @rpc_method
     async def get_stats(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         convert.parse_empty(request, "GetStats")
         snapshot = self.stats.snapshot()
@@ -268,7 +180,7 @@ class EpiserveService:
             snapshot.update(gauge())
         return convert.encode_stats(snapshot)
 
-    @_rpc
+    @rpc_method
     async def get_key_stats(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         arrived = time.monotonic()
         call = convert.parse_key_stats(request, MAX_KEYS)
@@ -282,13 +194,13 @@ class EpiserveService:
             results = await self.key_stats.compute(call.keys, call.episodes)
         return convert.encode_key_stats(results)
 
-    @_rpc
+    @rpc_method
     async def get_topology(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        """One process serves every episode: no workers to route to."""
+        """One process serves every episode: no workers to route to; and its local plane."""
         convert.parse_empty(request, "GetTopology")
-        return convert.encode_topology((), routing.ROUTING)
+        return convert.encode_topology((), routing.ROUTING, self.local_plane)
 
-    @_rpc
+    @rpc_method
     async def read(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         peer = context.peer() or ""
         data = await self.serve_read(request, peer, self._encode)
@@ -305,9 +217,9 @@ class EpiserveService:
     @staticmethod
     async def _encode(result: BatchResult) -> tuple[bytes, int]:
         if result.nbytes >= OFFLOAD_ENCODE_BYTES:
-            data = await asyncio.to_thread(wire.encode_result, result)
+            data = await asyncio.to_thread(encode_result, result)
         else:
-            data = wire.encode_result(result)
+            data = encode_result(result)
         return data, len(data)
 
     async def serve_read(self, request: bytes, peer: str,
@@ -315,7 +227,7 @@ class EpiserveService:
         """One Read, whatever carries it: admission (drain, concurrency, the peer's
         buffers), parsing, the planner, then ``encode`` (which returns the answer and the
         bytes it sends), the prefetch hint and the counters. The gRPC handler and the local
-        plane (``rpc/local.py``) differ only in ``encode``."""
+        plane (``rpc/handlers/local.py``) differ only in ``encode``."""
         if self.draining:
             raise Unavailable("the daemon is shutting down; retry against another replica")
         if self.inflight >= self.config.max_concurrent_reads:
@@ -379,9 +291,8 @@ class EpiserveService:
         if call.prefetch_refused:
             self.stats.prefetch_hinted_samples += call.prefetch_refused
             self.stats.prefetch_dropped += call.prefetch_refused
-        background = self.planner.background
-        if call.prefetch and background is not None:
-            background.hint(keymap, call.prefetch, peer)
+        if call.prefetch and self.background is not None:
+            self.background.hint(keymap, call.prefetch, peer)
 
     def _registered(self, kid: str) -> Keymap:
         keymap = self.keymaps.get(kid)

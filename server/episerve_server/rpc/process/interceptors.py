@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import grpc
 
-from episerve_server.rpc.convert import read_batch_size
+from episerve_server.rpc.wire.convert import read_batch_size
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,16 @@
-"""Daemon start-up, serving and drain: grpc.aio on uvloop, with health and reflection."""
+"""The one serve path: any servicer set (the single-process daemon, the ``--workers N``
+front, a worker) behind one gRPC server, started, served until a signal and drained here.
+
+- ``start``: one interceptor stack (the logging interceptor with its summary, the token
+  check), health (``NOT_SERVING`` until the caller says otherwise) and reflection, the
+  bind to ``--unix`` or ``--host``/``--port`` (with TLS), the plaintext ``--health-port``
+  server and the metrics; whatever started is stopped again if a later step fails.
+- ``Server.drain``: health ``NOT_SERVING``, new reads refused, the reads in flight given
+  ``--grace-s`` (``alongside`` runs meanwhile: the front stops its workers), then the
+  server, the extra servers, the metrics and the last log summary stop.
+- ``serve_until_stopped``: the signals that end serving, the tasks that run meanwhile, the
+  drain.
+"""
 
 from __future__ import annotations
 
@@ -8,13 +20,14 @@ import ctypes.util
 import logging
 import signal
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.registry import Collector
 
 from episerve_proto.contract import (
     MAX_MESSAGE_BYTES,
@@ -22,20 +35,14 @@ from episerve_proto.contract import (
     MIN_PING_INTERVAL_MS,
     SERVICE_NAME,
 )
-from episerve_proto.v1 import episerve_pb2
 from episerve_server.config import ServerConfig
-from episerve_server.core.collector import COLLECTOR
-from episerve_server.core.stats import Stats
-from episerve_server.rpc import introspection, logs, preflight
-from episerve_server.rpc.interceptors import LoggingInterceptor, RpcSummary, TokenInterceptor
-from episerve_server.rpc.preflight import StartupError
-from episerve_server.rpc.service import EpiserveService
-from episerve_server.wiring import build_read_core
+from episerve_server.preflight import StartupError
+from episerve_server.rpc.handlers.servicer import Servicer
+from episerve_server.rpc.process import introspection
+from episerve_server.rpc.process.interceptors import LoggingInterceptor, TokenInterceptor
+from episerve_server.rpc.process.metrics import Metrics
 
 log = logging.getLogger(__name__)
-
-__all__ = ["SERVER_OPTIONS", "Daemon", "StartupError", "run", "serve", "server_options",
-           "start"]
 
 # Keepalive: the server accepts pings every 10 s or more, the client pings every 30 s
 # (episerve_client.channel), so no call ever ends in too_many_pings. The server pings every
@@ -53,6 +60,9 @@ SERVER_OPTIONS = (
     ("grpc.server_handshake_timeout_ms", 20_000),
     ("grpc.so_reuseport", 0),
 )
+#: How often drain looks whether the reads in flight have finished.
+DRAIN_POLL_S = 0.02
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 def server_options(config: ServerConfig) -> tuple[tuple[str, int], ...]:
@@ -76,85 +86,105 @@ def server_options(config: ServerConfig) -> tuple[tuple[str, int], ...]:
 
 
 @dataclass(slots=True)
-class Daemon:
-    config: ServerConfig
-    server: grpc.aio.Server
-    health: health.aio.HealthServicer
-    service: EpiserveService
-    address: str
-    extra_servers: list[Any]
-    metrics: Any = None
-    summary: RpcSummary | None = None
-    local: Any = None  # the local plane (rpc/local.py), with --unix unless turned off
+class Server:
+    """A started server: the gRPC server and everything that stops with it."""
 
-    async def drain(self) -> None:
+    config: ServerConfig
+    servicer: Servicer
+    server: grpc.aio.Server
+    health: introspection.HealthServicer
+    address: str
+    interceptor: LoggingInterceptor
+    extra: list[grpc.aio.Server] = field(default_factory=list)
+    metrics: Metrics | None = None
+    #: Run after the gRPC server stopped (the local plane).
+    on_stop: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+
+    async def set_serving(self, serving: bool) -> None:
+        status = (health_pb2.HealthCheckResponse.SERVING if serving
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)
+
+    async def drain(self, alongside: Awaitable[None] | None = None) -> None:
         """Health NOT_SERVING, refuse new reads, let in-flight reads finish, then stop."""
-        self.service.draining = True
+        self.servicer.draining = True
         await self.health.enter_graceful_shutdown()
         deadline = time.monotonic() + self.config.grace_s
-        while self.service.inflight and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
+        beside = asyncio.ensure_future(alongside) if alongside is not None else None
+        while self.servicer.inflight and time.monotonic() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+        if beside is not None:
+            await beside
         await self.server.stop(max(0.1, deadline - time.monotonic()))
-        if self.local is not None:
-            await self.local.stop()
-        for extra in self.extra_servers:
+        await self._close()
+
+    async def abort(self) -> None:
+        """Stop at once (a start-up step after ``start`` failed)."""
+        await self.server.stop(0)
+        await self._close()
+
+    async def _close(self) -> None:
+        for stop in self.on_stop:
+            await stop()
+        for extra in self.extra:
             await extra.stop(0)
         if self.metrics is not None:
             self.metrics.close()
-        if self.summary is not None:  # the RPCs of the last interval
-            self.summary.flush()
+        self.interceptor.summary.flush()  # the RPCs of the last interval
 
 
-async def start(config: ServerConfig, *, stats: Stats | None = None,
-                owns: Callable[[str], bool] | None = None) -> Daemon:
-    """Check the settings (``StartupError``), open the root, bind, serve. ``owns`` narrows
-    ``--preload`` to the episodes this process serves (a worker of ``--workers N``)."""
-    preflight.check(config)
-    core = build_read_core(config, stats=stats)
-    with COLLECTOR.paused():  # full passes over a growing catalog cost ~1.8 s of a 12 s scan
-        await core.catalog.scan()
-    # The catalog is long-lived: keep the collector from walking it (core/collector.py).
-    COLLECTOR.install(asyncio.get_running_loop())
-    service = EpiserveService(config, core.catalog, core.planner, core.stats,
-                              key_stats=core.key_stats)
-    if config.preload == "numeric":  # in the background: health and reads never wait for it
-        core.background.start_preload(owns)
-    metrics = _metrics(config, service)
-    logging_interceptor = LoggingInterceptor(metrics, summary_s=config.log_summary_s)
-    interceptors: list[grpc.aio.ServerInterceptor] = [logging_interceptor]
+async def start(config: ServerConfig, servicer: Servicer, *,
+                collector: Collector | None = None) -> Server:
+    """Serve ``servicer``'s handlers on the configured address; health ``NOT_SERVING``
+    until ``Server.set_serving(True)``. ``collector``: the metrics' series (default: the
+    servicer's own counters). ``StartupError`` for an address or port it cannot use."""
+    metrics = start_metrics(config, servicer, collector)
+    logger = LoggingInterceptor(metrics, summary_s=config.log_summary_s)
+    interceptors: list[grpc.aio.ServerInterceptor] = [logger]
     if config.token:
         interceptors.append(TokenInterceptor(config.token))
     server = grpc.aio.server(interceptors=interceptors, options=server_options(config))
-    server.add_generic_rpc_handlers((service.handlers(),))
-    health_servicer = introspection.add_health(server)
+    server.add_generic_rpc_handlers((servicer.handlers(),))
+    health = introspection.add_health(server)
     introspection.add_reflection(server, (SERVICE_NAME,))
-    assert episerve_pb2.DESCRIPTOR.services_by_name["EpiServe"]
-    extra: list[Any] = []
-    plane = None
+    extra: list[grpc.aio.Server] = []
     try:
-        address = _bind(server, config)
+        address = bind(server, config)
         if config.health_port:
-            extra.append(await _health_server(config, health_servicer))
+            extra.append(await health_server(config, health))
         await server.start()
-        if config.unix and config.local_plane:
-            from episerve_server.rpc.local import LocalPlane
-
-            plane = await LocalPlane.start(config, service)
-            if plane is not None:
-                plane.calls = logging_interceptor
-    except StartupError:
+    except BaseException:
         for s in (server, *extra):
             await s.stop(0)
         if metrics is not None:
             metrics.close()
         raise
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return Daemon(config, server, health_servicer, service, address, extra, metrics,
-                  logging_interceptor.summary, plane)
+    await health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+    return Server(config, servicer, server, health, address, logger, extra, metrics)
 
 
-def _bind(server: grpc.aio.Server, config: ServerConfig) -> str:
+async def serve_until_stopped(server: Server, *, tasks: Sequence[Coroutine[Any, Any, Any]] = (),
+                              stop: asyncio.Event | None = None,
+                              signals: Sequence[signal.Signals] = STOP_SIGNALS,
+                              alongside: Callable[[], Awaitable[None]] | None = None) -> None:
+    """Serve until one of ``signals`` (or ``stop`` is set); run ``tasks`` until then; drain
+    (``alongside()`` runs during the drain)."""
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in signals:
+        loop.add_signal_handler(sig, stop.set)
+    running = [asyncio.create_task(t) for t in tasks]
+    await stop.wait()
+    log.info("draining for up to %.1fs", server.config.grace_s)
+    for task in running:
+        task.cancel()
+    await server.drain(alongside() if alongside is not None else None)
+    log.info("stopped")
+
+
+def bind(server: grpc.aio.Server, config: ServerConfig) -> str:
+    """Listen on ``--unix`` or ``--host``/``--port``; the address clients dial."""
     if config.unix:
         path = Path(config.unix).resolve()  # preflight removed a stale socket, refused others
         _add_port(server, config, f"unix:{path}", f"--unix {str(path)!r}")
@@ -179,7 +209,7 @@ def _add_port(server: grpc.aio.Server, config: ServerConfig, where: str, flag: s
                            f"an address of this host: {exc})") from None
 
 
-async def _health_server(config: ServerConfig, servicer: Any) -> grpc.aio.Server:
+async def health_server(config: ServerConfig, servicer: Any) -> grpc.aio.Server:
     """Plaintext health only, for Kubernetes probes when the main port speaks TLS."""
     server = grpc.aio.server(options=SERVER_OPTIONS)
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
@@ -193,50 +223,17 @@ async def _health_server(config: ServerConfig, servicer: Any) -> grpc.aio.Server
     return server
 
 
-def _metrics(config: ServerConfig, service: EpiserveService) -> Any:
+def start_metrics(config: ServerConfig, servicer: Servicer,
+                  collector: Collector | None = None) -> Metrics | None:
+    """The Prometheus endpoint of ``--metrics-port`` (none without it)."""
     if not config.metrics_port:
         return None
-    from episerve_server.rpc.metrics import Metrics
-
     try:
-        return Metrics.start(config, service)
+        return Metrics.start(config, servicer, collector)
     except OSError as exc:
         raise StartupError(f"--metrics-port {config.metrics_port}: cannot listen on "
                            f"{config.metrics_host}:{config.metrics_port} ({exc.strerror})") \
             from None
-
-
-async def serve(config: ServerConfig, *, announce: Callable[[str], None] = print) -> int:
-    if config.worker_count > 1:  # a front and N worker processes (rpc/front.py)
-        from episerve_server.rpc import front
-
-        return await front.serve(config, announce)
-    daemon = await start(config)
-    catalog = daemon.service.catalog
-    announce(f"episerve listening on {daemon.address} "
-             f"({len(catalog.healthy())} episodes, {len(catalog.broken_listing())} broken)")
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    rescans = asyncio.create_task(_rescan_loop(daemon.service, config.rescan_s))
-    await stop.wait()
-    log.info("draining for up to %.1fs", config.grace_s)
-    rescans.cancel()
-    await daemon.drain()
-    log.info("stopped")
-    return 0
-
-
-async def _rescan_loop(service: EpiserveService, every_s: float) -> None:
-    if every_s <= 0:
-        return
-    while True:
-        await asyncio.sleep(every_s)
-        try:
-            await service.rescan()
-        except Exception:
-            log.exception("rescan of the root failed; will retry")
 
 
 def tune_allocator() -> None:
@@ -266,11 +263,3 @@ def tune_allocator() -> None:
 
 MMAP_THRESHOLD = 4 << 20
 TRIM_THRESHOLD = 64 << 20
-
-
-def run(config: ServerConfig) -> int:
-    tune_allocator()
-    logs.configure(config.log_level, config.log_format)
-    import uvloop
-
-    return uvloop.run(serve(config, announce=lambda line: print(line, flush=True)))

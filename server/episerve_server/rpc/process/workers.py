@@ -1,4 +1,5 @@
-"""The worker processes of a ``--workers N`` daemon: start, watch, restart, stop.
+"""The worker processes of a ``--workers N`` daemon, seen from the front: start, watch,
+restart, stop (``rpc/process/worker`` is what runs inside each one).
 
 Each worker is a full read daemon (its own catalog, cache of ``cache_bytes / N``, planner)
 in its own interpreter, on a unix socket in a private runtime folder. Every worker opens
@@ -34,11 +35,10 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2
 
-from episerve_proto import routing
-from episerve_proto.contract import EPISODE_TRAILER, ERROR_TRAILER, KEY_TRAILER, SERVICE_PATH
-from episerve_proto.errors import EpiserveError, Unavailable, error_class
+from episerve_proto.contract import MAX_MESSAGE_BYTES, SERVICE_PATH
+from episerve_proto.errors import EpiserveError, Unavailable, from_rpc_error
 from episerve_server.config import ServerConfig
-from episerve_server.rpc.preflight import StartupError, claim_private_dir
+from episerve_server.preflight import StartupError, claim_private_dir
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +61,8 @@ REPLAY_TIMEOUT_S = 10.0
 #: The longest unix socket path (sun_path, less its NUL).
 MAX_SOCKET_PATH = 107
 WORKER_CHANNEL_OPTIONS = (
-    ("grpc.max_receive_message_length", 256 * 2**20),
-    ("grpc.max_send_message_length", 256 * 2**20),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.enable_retries", 0),
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
@@ -112,7 +112,7 @@ class Worker:
         return f"unix://{self.socket}"
 
     def spawn(self) -> None:
-        code = "from episerve_server.rpc.workers import main; main()"
+        code = "from episerve_server.rpc.process.worker import main; main()"
         self.process = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE)
         assert self.process.stdin is not None
         self.process.stdin.write(pickle.dumps((self.config, self.index, self.count,
@@ -325,58 +325,4 @@ class WorkerPool:
 
 def worker_error(exc: grpc.aio.AioRpcError, index: int) -> EpiserveError:
     """A worker's error answer as the class it raised, with its episode and key."""
-    trailers = {k: v for k, v in (exc.trailing_metadata() or ())}
-    code = exc.code().name
-    cls = error_class(code, str(trailers.get(ERROR_TRAILER, "")))
-
-    def text(value: Any) -> str:
-        return value.decode(errors="replace") if isinstance(value, bytes) else str(value or "")
-
-    message = exc.details() or code
-    if code in ("UNAVAILABLE", "UNKNOWN") and not trailers.get(ERROR_TRAILER):
-        cls, message = Unavailable, f"worker {index} of the daemon is not answering ({message})"
-    return cls(message, episode=text(trailers.get(EPISODE_TRAILER)),
-               key=text(trailers.get(KEY_TRAILER)))
-
-
-# -- inside a worker ----------------------------------------------------------------------
-
-
-def main() -> None:
-    """A worker's entry point: settings from stdin, then serve until told to stop."""
-    config, index, count, front_pid = pickle.loads(sys.stdin.buffer.read())
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the front, which decides
-    os.umask(0o077)  # its socket: for the daemon's user alone, like the folder it is in
-    from episerve_server.rpc import daemon
-
-    daemon.tune_allocator()
-    logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
-                        format=f"%(asctime)s %(levelname)s worker-{index} %(name)s %(message)s")
-    import uvloop
-
-    try:
-        raise SystemExit(uvloop.run(_serve(config, index, count, front_pid)))
-    except StartupError as exc:
-        print(f"episerve serve: worker {index}: {exc}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
-
-
-async def _serve(config: ServerConfig, index: int, count: int, front_pid: int) -> int:
-    from episerve_server.rpc.daemon import _rescan_loop, start
-
-    # Every worker opens every episode; --preload fills this worker's cache with its own.
-    d = await start(config, owns=lambda episode: routing.owner(episode, count) == index)
-    log.info("worker %d (pid %d) serving on unix://%s (%d episodes)", index, os.getpid(),
-             config.unix, len(d.service.catalog.healthy()))
-    stop = asyncio.Event()
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
-    rescans = asyncio.create_task(_rescan_loop(d.service, config.rescan_s))
-    while not stop.is_set():
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), 1.0)
-        if os.getppid() != front_pid:
-            log.warning("worker %d: the front process is gone; stopping", index)
-            break
-    rescans.cancel()
-    await d.drain()
-    return 0
+    return from_rpc_error(exc, unanswered=f"worker {index} of the daemon is not answering")

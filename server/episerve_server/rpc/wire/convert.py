@@ -1,4 +1,6 @@
-"""The server's only contact with the generated protobuf classes: bytes in, bytes out.
+"""Requests and answers of every RPC, as bytes in and bytes out (``rpc/wire``, with
+``encode`` and ``forward``, is the only part of the daemon that imports the generated
+protobuf classes).
 
 Every size a request can choose is checked here, before anything is built from it: the
 number of samples, the keymap's entries and bytes, and the length of every name.
@@ -78,7 +80,7 @@ class PageRequest:
     hashes: frozenset[str] | None = None  # only these episodes; None: every one
 
 
-def _parse(message: Message, data: bytes, what: str) -> Any:
+def parse_message(message: Message, data: bytes, what: str) -> Any:
     try:
         message.ParseFromString(data)
     except (DecodeError, RuntimeError, ValueError) as exc:
@@ -88,7 +90,7 @@ def _parse(message: Message, data: bytes, what: str) -> Any:
 
 
 def parse_empty(data: bytes, what: str) -> None:
-    _parse(pb.GetStatsRequest(), data, what)
+    parse_message(pb.GetStatsRequest(), data, what)
 
 
 def parse_list(data: bytes) -> PageRequest:
@@ -98,7 +100,7 @@ def parse_list(data: bytes) -> PageRequest:
             f"hashes: a ListEpisodes request of {len(data)} bytes, over the limit of "
             f"{MAX_LIST_FILTER_BYTES} bytes of episode ids (and {MAX_LIST_HASHES} ids) per "
             "request; list them in several requests")
-    req = _parse(pb.ListEpisodesRequest(), data, "ListEpisodes")
+    req = parse_message(pb.ListEpisodesRequest(), data, "ListEpisodes")
     if len(req.page_token) > MAX_NAME_CHARS:
         raise InvalidArgument(
             f"page_token {shown(req.page_token)} is {len(req.page_token)} characters long, "
@@ -137,7 +139,7 @@ class RegisterCall:
 
 
 def parse_register(data: bytes, limits: Limits) -> RegisterCall:
-    req = _parse(pb.RegisterKeymapRequest(), data, "RegisterKeymap")
+    req = parse_message(pb.RegisterKeymapRequest(), data, "RegisterKeymap")
     return RegisterCall(keymap_from_pb(req.keymap, limits, "keymap"), req.keymap.ByteSize(),
                         req.check_episodes)
 
@@ -157,7 +159,7 @@ def unchecked_register(data: bytes) -> bytes:
 
 
 def parse_read(data: bytes, limits: Limits) -> ReadCall:
-    req = _parse(pb.ReadRequest(), data, "Read")
+    req = parse_message(pb.ReadRequest(), data, "Read")
     if len(req.episodes) != len(req.frames):
         raise InvalidArgument(
             f"episodes and frames must pair up: got {len(req.episodes)} episodes "
@@ -342,7 +344,7 @@ class KeyStatsCall:
 
 def parse_key_stats(data: bytes, max_keys: int) -> KeyStatsCall:
     """Keys and episodes of a ``GetKeyStats``; counts and name lengths checked first."""
-    req = _parse(pb.KeyStatsRequest(), data, "GetKeyStats")
+    req = parse_message(pb.KeyStatsRequest(), data, "GetKeyStats")
     if len(req.keys) > max_keys:
         raise LimitExceeded(f"{len(req.keys)} keys asked for, over the limit of {max_keys}; "
                             "ask for fewer keys at a time")
@@ -367,129 +369,11 @@ def encode_key_stats(results: Sequence[KeyStats]) -> bytes:
             mean=_tensor("mean", r.mean), std=_tensor("std", r.std), min=_tensor("min", r.min),
             max=_tensor("max", r.max), q01=_tensor("q01", r.q01), q99=_tensor("q99", r.q99)))
     return msg.SerializeToString()  # type: ignore[no-any-return]
-# -- topology and forwarding (``--workers N``: rpc/front.py) ---------------------------------
-
-#: Counters that every worker reports for the whole daemon (each one sees every episode and
-#: every keymap registered through the front): the front reports their largest value, not
-#: their sum.
-SHARED_GAUGES = frozenset({"episodes_open", "episodes_broken", "keymaps_registered",
-                           "keymap_registry_bytes"})
 
 
-def encode_topology(workers: Sequence[str], routing: str) -> bytes:
-    return pb.Topology(workers=list(workers), routing=routing).SerializeToString()  # type: ignore[no-any-return]
+# -- topology ---------------------------------------------------------------------------------
 
 
-def split_read(data: bytes, owner: Any, limits: Limits) -> list[tuple[int, list[int], bytes]]:
-    """A Read for the front to forward: ``(worker, sample positions, request)`` per worker
-    that owns some of its samples. Every other field (keymap, options, prefetch hints) is
-    copied; prefetch hints go to the worker that owns their episode."""
-    req = _parse(pb.ReadRequest(), data, "Read")
-    if len(req.episodes) != len(req.frames) or len(req.episodes) > limits.max_batch:
-        return [(0, list(range(len(req.episodes))), data)]  # the worker says what is wrong
-    groups: dict[int, list[int]] = {}
-    for i, episode in enumerate(req.episodes):
-        groups.setdefault(owner(episode), []).append(i)
-    if len(groups) <= 1:
-        return [(next(iter(groups), 0), list(range(len(req.episodes))), data)]
-    hints: dict[int, list[int]] = {}
-    for j, episode in enumerate(req.prefetch.episodes[:len(req.prefetch.frames)]):
-        hints.setdefault(owner(episode), []).append(j)
-    out = []
-    for worker, idx in sorted(groups.items()):
-        sub = pb.ReadRequest()
-        sub.CopyFrom(req)
-        del sub.episodes[:], sub.frames[:]
-        sub.episodes.extend(req.episodes[i] for i in idx)
-        sub.frames.extend(req.frames[i] for i in idx)
-        sub.ClearField("prefetch")
-        for j in hints.get(worker, []):
-            sub.prefetch.episodes.append(req.prefetch.episodes[j])
-            sub.prefetch.frames.append(req.prefetch.frames[j])
-        out.append((worker, idx, sub.SerializeToString()))
-    return out
-
-
-def response_limit(data: bytes, limit: int) -> int:
-    """The byte limit of a Read's whole answer: the daemon's, or the request's if lower."""
-    req = _parse(pb.ReadRequest(), data, "Read")
-    return min(limit, req.max_response_bytes) if req.max_response_bytes > 0 else limit
-
-
-def limited_read(data: bytes, max_response_bytes: int) -> bytes:
-    """A forwarded Read with a response limit of its own (at least 1 byte: 0 means none)."""
-    req = _parse(pb.ReadRequest(), data, "Read")
-    req.max_response_bytes = max(1, max_response_bytes)
-    return req.SerializeToString()  # type: ignore[no-any-return]
-
-
-def merge_read_responses(parts: Sequence[tuple[list[int], bytes]], n: int) -> bytes:
-    """Per-worker ``ReadResponse`` bytes back in request order, as one response."""
-    if len(parts) == 1:
-        return parts[0][1]
-    msgs = [pb.ReadResponse.FromString(data) for _, data in parts]
-    order = np.empty(n, np.int64)
-    pos = 0
-    for idx, _ in parts:
-        order[idx] = np.arange(pos, pos + len(idx))
-        pos += len(idx)
-
-    def each(values: list[Sequence[Any]]) -> list[Any]:
-        flat = [v for vs in values for v in vs]
-        return [flat[k] for k in order] if flat else []
-
-    out = pb.ReadResponse()
-    for name in ("episodes", "frame_index", "fps", "embodiments", "total_frames"):
-        getattr(out, name).extend(each([getattr(m, name) for m in msgs]))
-    for k, first in enumerate(msgs[0].arrays):
-        # Each part's rows go straight to their places: one copy of the array, not three.
-        merged: np.ndarray | None = None
-        for (idx, _), m in zip(parts, msgs):
-            rows = np.frombuffer(m.arrays[k].data, dtype=first.dtype).reshape(
-                tuple(m.arrays[k].shape))
-            if merged is None:
-                merged = np.empty((n, *rows.shape[1:]), rows.dtype)
-            merged[idx] = rows
-            del rows
-            m.arrays[k].ClearField("data")  # the part's copy is no longer needed
-        assert merged is not None
-        out.arrays.add(name=first.name, dtype=first.dtype, shape=merged.shape,
-                       data=merged.tobytes())
-        del merged
-    offsets = {src.key: np.cumsum([0] + [len(m.frames[s].frames) for m in msgs])
-               for s, src in enumerate(msgs[0].frames)}
-    for k, first in enumerate(msgs[0].images):
-        off = offsets.get(first.source, np.zeros(len(msgs) + 1, np.int64))
-        index = np.concatenate([np.frombuffer(m.images[k].index, dtype="<i4").reshape(
-            tuple(m.images[k].shape)) + int(off[p]) for p, m in enumerate(msgs)])[order]
-        out.images.add(name=first.name, source=first.source, shape=index.shape,
-                       index=index.astype("<i4").tobytes())
-    for s, src in enumerate(msgs[0].frames):
-        out.frames.add(key=src.key, frames=[f for m in msgs for f in m.frames[s].frames])
-    for k, first in enumerate(msgs[0].texts):
-        col = out.texts.add(name=first.name)
-        col.samples.extend(each([m.texts[k].samples for m in msgs]))
-    return out.SerializeToString()  # type: ignore[no-any-return]
-
-
-def merge_stats(responses: Sequence[bytes], extra: dict[str, int]) -> bytes:
-    """Workers' ``GetStatsResponse``s as one daemon's: counters and per-episode counters
-    summed (``SHARED_GAUGES``: the largest), plus ``extra``."""
-    out = pb.GetStatsResponse()
-    for data in responses:
-        msg = pb.GetStatsResponse.FromString(data)
-        for name, value in msg.counters.items():
-            if name in SHARED_GAUGES:
-                out.counters[name] = max(out.counters[name], value)
-            else:
-                out.counters[name] += value
-        for ep, c in msg.episodes.items():
-            out.episodes[ep].chunks_fetched += c.chunks_fetched
-            out.episodes[ep].read_rpcs += c.read_rpcs
-    for name, value in extra.items():
-        out.counters[name] = value
-    return out.SerializeToString()  # type: ignore[no-any-return]
-
-
-def stats_counters(data: bytes) -> dict[str, int]:
-    return dict(pb.GetStatsResponse.FromString(data).counters)
+def encode_topology(workers: Sequence[str], routing: str, local_plane: str = "") -> bytes:
+    return pb.Topology(workers=list(workers), routing=routing,  # type: ignore[no-any-return]
+                       local_plane=local_plane).SerializeToString()

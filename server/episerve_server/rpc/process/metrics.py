@@ -13,9 +13,9 @@ catalog's episodes) is copied in a single C call, never iterated in Python.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from importlib import metadata
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from prometheus_client import (
     CollectorRegistry,
@@ -35,9 +35,10 @@ from prometheus_client.registry import Collector
 
 from episerve_server.config import ServerConfig
 from episerve_server.core.stats import COUNTERS
+from episerve_server.rpc.handlers.servicer import Servicer
 
 if TYPE_CHECKING:
-    from episerve_server.rpc.service import EpiserveService
+    from episerve_server.rpc.handlers.service import EpiserveService
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,20 @@ COUNTER_HELP = {
 }
 
 
+def counter_families(value: Callable[[str], float]) -> Iterator[Metric]:
+    """A series for each ``Stats`` counter, ``value(name)`` its value now (``read_ns`` in
+    seconds)."""
+    for name in COUNTERS:
+        if name == "read_ns":
+            yield CounterMetricFamily(f"{PREFIX}_read_seconds",
+                                      "Time spent serving successful Reads.",
+                                      value=value(name) / 1e9)
+        else:
+            yield CounterMetricFamily(f"{PREFIX}_{name}",
+                                      COUNTER_HELP.get(name, f"Daemon counter {name}."),
+                                      value=value(name))
+
+
 class StatsCollector(Collector):
     """Exports ``service.stats`` and the catalog as they are at scrape time."""
 
@@ -82,15 +97,7 @@ class StatsCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         service, stats = self.service, self.service.stats
-        for name in COUNTERS:
-            if name == "read_ns":
-                yield CounterMetricFamily(
-                    f"{PREFIX}_read_seconds", "Time spent serving successful Reads.",
-                    value=stats.read_ns / 1e9)
-                continue
-            yield CounterMetricFamily(
-                f"{PREFIX}_{name}", COUNTER_HELP.get(name, f"Daemon counter {name}."),
-                value=getattr(stats, name))
+        yield from counter_families(lambda name: getattr(stats, name))
         open_, broken = _episode_counts(service)
         gauges = (
             ("cache_bytes", "Bytes held by the chunk cache.", stats.cache_bytes),
@@ -119,7 +126,9 @@ def _episode_counts(service: EpiserveService) -> tuple[int, int]:
 class Metrics:
     """The daemon's Prometheus registry; ``observe`` is fed by the logging interceptor."""
 
-    def __init__(self, service: EpiserveService, collector: Collector | None = None) -> None:
+    def __init__(self, service: Servicer, collector: Collector | None = None) -> None:
+        """``collector``: the series read at scrape time (default: ``service``'s own
+        counters, for an ``EpiserveService``)."""
         self.service = service
         self.registry = CollectorRegistry()
         self.rpcs = Counter(
@@ -131,14 +140,15 @@ class Metrics:
         self.batch_samples = Histogram(
             f"{PREFIX}_read_batch_samples", "Samples per successful Read.",
             buckets=BATCH_SAMPLES_BUCKETS, registry=self.registry)
-        self.registry.register(collector or StatsCollector(service))
+        self.registry.register(
+            collector or StatsCollector(cast("EpiserveService", service)))
         self.registry.register(_InfoCollector(service.config))
         ProcessCollector(registry=self.registry)
         service.on_batch = self.batch_samples.observe
         self._http: Any = None
 
     @classmethod
-    def start(cls, config: ServerConfig, service: EpiserveService,
+    def start(cls, config: ServerConfig, service: Servicer,
               collector: Collector | None = None) -> Metrics:
         """Serve ``/metrics`` on ``config.metrics_host:config.metrics_port`` (loopback by
         default: the endpoint has no auth, so exposing it is the operator's choice)."""

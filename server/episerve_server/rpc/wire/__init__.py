@@ -1,0 +1,1 @@
+"""The codec: request bytes to checked values, results to response bytes."""
