@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from episerve_client import Client, errors
+from episerve_client import Client, convert, errors
 from episerve_tools.launch import DaemonProcess
 from tests.support.keymaps import BATCH, KEYMAPS
 
@@ -95,6 +95,12 @@ def test_auto_picks_the_local_plane_for_a_unix_daemon(
         f"{_socket_path(off)}.local)"]
     with Client(d.target, transport="auto") as c:
         assert c.stats()["local_connections"] == 1  # every method goes over the plane: this one
+    # GetTopology advertises each daemon's plane, over either transport
+    for target, plane in ((d.target, _socket_path(d) + ".local"), (tcp.target, ""),
+                          (off.target, "")):
+        with Client(target, transport="grpc") as c:
+            answer = c._run(c.unary_flow("GetTopology", b"", target, 10))
+        assert convert.local_plane_of(answer) == plane, target
     with pytest.raises(errors.InvalidArgument, match="transport='local' needs unix"):
         Client(tcp.target, transport="local")
     with pytest.raises(errors.InvalidArgument, match="transport must be one of"):
