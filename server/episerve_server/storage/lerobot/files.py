@@ -40,16 +40,13 @@ class FileProblem(Exception):
 
 
 class _Open:
-    def __init__(self, handle: BinaryIO, obj: Any) -> None:
-        self.handle, self.obj, self.lock = handle, obj, threading.Lock()
+    def __init__(self, obj: Any) -> None:
+        self.obj, self.lock = obj, threading.Lock()
 
     def close(self) -> None:
-        try:
-            close = getattr(self.obj, "close", None)
-            if close is not None:
-                close()
-        finally:
-            self.handle.close()
+        close = getattr(self.obj, "close", None)
+        if close is not None:
+            close()
 
 
 class OpenFiles:
@@ -86,12 +83,10 @@ class OpenFiles:
             if found is not None:
                 table.move_to_end(path)
                 return found
-        handle = self.store.open_sync(path, cap)
-        try:
-            opened = _Open(handle, make(handle))
-        except BaseException:
-            handle.close()
-            raise
+        # Checked on the descriptor opened; the library then opens that same file through
+        # /proc/self/fd (its own descriptor, native reads) and the checked one is closed.
+        with self.store.open_sync(path, cap) as handle:
+            opened = _Open(make(handle))
         with self._guard:
             table[path] = opened
             while len(table) > limit:
@@ -109,7 +104,7 @@ class OpenFiles:
 
         def make(handle: BinaryIO) -> Any:
             try:
-                return av.open(handle, mode="r")
+                return av.open(_reopened(handle), mode="r")
             except av.FFmpegError as exc:
                 raise FileProblem(f"is not a video container PyAV can open ({exc})") from exc
 
@@ -155,6 +150,11 @@ class OpenFiles:
         return {c: table.column(c).to_pylist() for c in table.column_names}
 
 
+def _reopened(handle: BinaryIO) -> str:
+    """A path that opens the very file ``handle`` has open, wherever it was moved since."""
+    return f"/proc/self/fd/{handle.fileno()}"
+
+
 def _parquet_file(handle: BinaryIO) -> pq.ParquetFile:
     handle.seek(0, 2)
     size = handle.tell()
@@ -167,9 +167,8 @@ def _parquet_file(handle: BinaryIO) -> pq.ParquetFile:
     if length > min(MAX_FOOTER_BYTES, size - 12):
         raise FileProblem(f"declares a footer of {length} bytes, over the bound of "
                           f"{min(MAX_FOOTER_BYTES, size - 12)}")
-    handle.seek(0)
     try:
-        return pq.ParquetFile(handle)
+        return pq.ParquetFile(pa.OSFile(_reopened(handle)))
     except (pa.ArrowException, OSError, ValueError) as exc:
         raise FileProblem(f"is not a readable parquet file ({exc})") from exc
 
