@@ -28,7 +28,8 @@ T = TypeVar("T")
 #: Open files kept per kind; the least recently used is closed past this.
 MAX_OPEN_PARQUET = 32
 MAX_OPEN_VIDEOS = 16
-MAX_PARQUET_BYTES = 4 << 30  # one parquet file on disk (read in row groups, never whole)
+MAX_PARQUET_BYTES = 4 << 30  # one parquet data file on disk (read in row groups, never whole)
+MAX_META_PARQUET_BYTES = 256 << 20  # meta/episodes and meta/tasks files (read whole)
 MAX_VIDEO_BYTES = 64 << 30  # one mp4 file on disk (decoded in GOPs, never whole)
 MAX_FOOTER_BYTES = 16 << 20  # a parquet footer (its schema and row-group index)
 MAX_READ_BYTES = 512 << 20  # the decoded column of the row groups one read touches
@@ -95,9 +96,8 @@ class OpenFiles:
                     old.close()
         return opened
 
-    def parquet(self, path: str) -> _Open:
-        return self._get(self._parquet, MAX_OPEN_PARQUET, path, _parquet_file,
-                         MAX_PARQUET_BYTES)
+    def parquet(self, path: str, cap: int = MAX_PARQUET_BYTES) -> _Open:
+        return self._get(self._parquet, MAX_OPEN_PARQUET, path, _parquet_file, cap)
 
     def video(self, path: str) -> _Open:
         import av
@@ -139,8 +139,8 @@ class OpenFiles:
         return _to_float(values, stop - start, shape, column)
 
     def rows(self, path: str, columns: list[str], max_rows: int) -> dict[str, list[Any]]:
-        """The given columns of a whole (small) parquet file, as Python lists."""
-        opened = self.parquet(path)
+        """The given columns of a whole (small) metadata parquet file, as Python lists."""
+        opened = self.parquet(path, MAX_META_PARQUET_BYTES)
         with opened.lock:
             pf: pq.ParquetFile = opened.obj
             if pf.metadata.num_rows > max_rows:

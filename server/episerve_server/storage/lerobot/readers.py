@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 
 from episerve_proto import rawframe
 from episerve_server.core.cache import Chunk
@@ -52,6 +53,8 @@ class _LeRobotReader(ChunkReader):
             raise self.loss(str(exc)) from exc
         except FileNotFoundError as exc:
             raise self.loss(f"file {exc.filename!r} is missing") from exc
+        except (OSError, pa.ArrowException) as exc:  # a corrupt page or row group
+            raise self.loss(f"read failed ({type(exc).__name__}: {str(exc)[:300]})") from exc
 
     def _rows(self, first: int, last: int) -> tuple[int, int]:
         c = self.info.chunk_rows
