@@ -206,3 +206,21 @@ def test_a_parquet_footer_larger_than_the_bound_is_refused_before_parsing(
     broken = served.catalog.broken_listing()
     assert set(broken) == {"episode_000002"}
     assert "footer" in broken["episode_000002"]
+
+
+def test_a_corrupt_row_group_is_data_loss_naming_episode_and_key(
+        small: Path, serve: Callable[..., Served]) -> None:
+    path = small / "data/chunk-000/file-001.parquet"
+    data = bytearray(path.read_bytes())
+    meta = pq.ParquetFile(path).metadata
+    column = meta.row_group(0).column(0)  # observation.state of the first rows
+    start = column.dictionary_page_offset if column.has_dictionary_page \
+        else column.data_page_offset
+    data[start: start + column.total_compressed_size] = b"\xff" * column.total_compressed_size
+    path.write_bytes(bytes(data))
+    served = serve(small)
+    with pytest.raises(DataLossError) as info:
+        served.read({"s": KEYMAP["observation.state"]}, [("episode_000002", 0)])
+    assert "'episode_000002'" in str(info.value) and "'observation.state'" in str(info.value)
+    result = served.read({"a": KEYMAP["action"]}, [("episode_000002", 0)])  # other columns
+    assert result.arrays["a"][0, 0].tolist() == lr.action_value(2, 0).tolist()
