@@ -93,13 +93,12 @@ def test_each_frame_is_decoded_once_and_cached_for_every_reader(
     """Overlapping windows of one batch decode each needed frame once (chunks of 8 frames);
     a second batch over the same frames decodes none."""
     served = serve(root, cache_bytes=64 << 20)
-    files = served.catalog.lerobot.files  # type: ignore[union-attr]
     keymap = {"top": KEYMAP["top"]}
     batch = [("episode_000002", f) for f in range(1, 16)]  # windows overlap: frames 0..15
     served.read(keymap, batch)
-    assert files.frames_decoded == 16  # two chunks of 8 frames, each decoded once
+    assert served.stats.video_frames_decoded == 16  # two chunks of 8 frames, each decoded once
     served.read(keymap, batch[::-1])
-    assert files.frames_decoded == 16
+    assert served.stats.video_frames_decoded == 16
 
 
 def test_a_timestamp_without_a_frame_names_episode_key_and_time(

@@ -59,7 +59,6 @@ class OpenFiles:
         self._parquet: OrderedDict[str, _Open] = OrderedDict()
         self._videos: OrderedDict[str, _Open] = OrderedDict()
         self._guard = threading.Lock()
-        self.frames_decoded = 0  # video frames decoded (converted to RGB), for the counters
 
     async def run(self, work: Callable[[], T]) -> T:
         if self._pool is None:

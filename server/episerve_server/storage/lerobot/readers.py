@@ -20,6 +20,7 @@ import pyarrow as pa
 from episerve_proto import rawframe
 from episerve_server.core.cache import Chunk
 from episerve_server.core.spans import MAX_SPANS
+from episerve_server.core.stats import Stats
 from episerve_server.storage.lerobot.files import FileProblem, OpenFiles
 from episerve_server.storage.lerobot.meta import MAX_TASK_BYTES, Feature, VideoSpan
 from episerve_server.storage.readers import ArrayInfo, ChunkReader, Decoder, Raw
@@ -127,15 +128,17 @@ class VideoReader(_LeRobotReader):
     ``from_s + r / fps`` in the mp4 file, if one is strictly within ``tolerance_s``."""
 
     def __init__(self, episode: str, feature: Feature, files: OpenFiles, span: VideoSpan,
-                 length: int, fps: float, tolerance_s: float) -> None:
+                 length: int, fps: float, tolerance_s: float, stats: Stats) -> None:
         h, w, _ = feature.shape
         super().__init__(ArrayInfo(episode, feature.name, length, VIDEO_CHUNK_ROWS, (), True,
                                    1, rawframe.HEADER_BYTES + h * w * 3), files)
         self.span, self.fps, self.tolerance_s, self.size = span, fps, tolerance_s, (h, w)
+        self.stats = stats
 
     async def _fetch(self, first: int, last: int) -> list[Raw | Chunk]:
         start, stop = self._rows(first, last)
-        frames = await self.files.run(lambda: self._decode(start, stop))
+        frames, decoded = await self.files.run(lambda: self._decode(start, stop))
+        self.stats.video_frames_decoded += decoded  # (on the loop, as every counter)
         c = self.info.chunk_rows
         out: list[Raw | Chunk] = []
         for k in range(last - first + 1):
@@ -143,8 +146,9 @@ class VideoReader(_LeRobotReader):
             out.append(part + [b""] * (c - len(part)))
         return out
 
-    def _decode(self, start: int, stop: int) -> list[bytes]:
-        """Frames [start, stop): one seek to the keyframe before the first, one pass."""
+    def _decode(self, start: int, stop: int) -> tuple[list[bytes], int]:
+        """Frames [start, stop): one seek to the keyframe before the first, one pass; and
+        how many frames were converted to RGB."""
         targets = [self.span.from_s + r / self.fps for r in range(start, stop)]
         opened = self.files.video(self.span.path)
         with opened.lock:
@@ -159,7 +163,7 @@ class VideoReader(_LeRobotReader):
                                 f"{self.tolerance_s!r} of timestamp {t!r} s in "
                                 f"{self.span.path!r} ({near})")
             out.append(best[1])
-        return out
+        return out, len(found)
 
     def _scan(self, container: Any, targets: list[float]) -> list[tuple[float, bytes]]:
         import av
@@ -194,6 +198,5 @@ class VideoReader(_LeRobotReader):
         if (frame.height, frame.width) != (h, w):
             raise FileProblem(f"{self.span.path!r}: a frame is {frame.height}x{frame.width} "
                               f"(HxW), but info.json declares {h}x{w}")
-        self.files.frames_decoded += 1
         rgb = frame.to_ndarray(format="rgb24")
         return rawframe.pack(h, w, rgb.tobytes())

@@ -187,7 +187,7 @@ class LeRobotSource:
                 opened.problems[key] = f"video file {span.path!r} is missing"
                 continue
             opened.readers[key] = VideoReader(name, feature, self.files, span, meta.length,
-                                              info.fps, self.tolerance_s)
+                                              info.fps, self.tolerance_s, self.store.stats)
             features[key] = {"dtype": "video", "shape": list(feature.shape)}
         if TASK_INDEX in columns:
             opened.readers[TASK_KEY] = TaskReader(name, self.files, meta.data_path, row0,
