@@ -13,11 +13,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from episerve_client.convert import KeyStats
 from episerve_client.errors import KeymapError
 from episerve_proto.contract import did_you_mean
 from episerve_proto.errors import shown
 
-__all__ = ["keymap_from_delta_timestamps", "keymap_from_lerobot"]
+__all__ = ["keymap_from_delta_timestamps", "keymap_from_lerobot", "lerobot_stats"]
 
 #: Numeric dtypes of LeRobot features the daemon serves (strings and images are not).
 _NUMERIC = frozenset({"float16", "float32", "float64", "int8", "int16", "int32", "int64",
@@ -151,3 +152,16 @@ def _info(root_or_info: str | os.PathLike[str] | Mapping[str, Any]) -> Mapping[s
     if not isinstance(info, Mapping):
         raise KeymapError(f"{str(path)!r} must hold a JSON object, got {shown(info)}")
     return info
+
+
+def lerobot_stats(stats: Mapping[str, KeyStats]) -> dict[str, dict[str, list[Any]]]:
+    """The daemon's statistics (``WindowDataset.stats()``) in the shape of a LeRobot
+    dataset's ``meta/stats.json``: per feature, ``min``, ``max``, ``mean``, ``std``
+    (population), ``q01`` and ``q99`` as nested lists of the feature's shape, and ``count``
+    as ``[rows]``. Video features have no statistics here."""
+    out: dict[str, dict[str, list[Any]]] = {}
+    for name, s in stats.items():
+        out[name] = {"min": s.min.tolist(), "max": s.max.tolist(), "mean": s.mean.tolist(),
+                     "std": s.std.tolist(), "count": [s.count], "q01": s.q01.tolist(),
+                     "q99": s.q99.tolist()}
+    return out

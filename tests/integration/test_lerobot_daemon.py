@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from episerve_client import WindowDataset, collate, keymap_from_lerobot
+from episerve_client import WindowDataset, collate, keymap_from_lerobot, lerobot_stats
 from episerve_tools.launch import DaemonProcess
 from tests.support import lerobot as lr
 from tests.support.daemons import isolated
@@ -94,3 +94,19 @@ def check(root: Path, frames: str, got: dict[str, Any]) -> None:
                               wrist.transpose(2, 0, 1) if frames == "uint8"
                               else wrist.transpose(2, 0, 1) / np.float32(255))
         assert out["task"][b] == [layout.tasks[lr.task_of(layout, ep, frame)]]
+
+
+def test_statistics_in_lerobots_stats_json_shape(root: Path, tmp_path: Path) -> None:
+    """The daemon's statistics over a LeRobot root's numeric features, as stats.json has
+    them, equal numpy's over every frame's true values."""
+    layout = lr.Layout()
+    state = np.stack([lr.state_value(e, f) for e, n in enumerate(layout.lengths)
+                      for f in range(n)]).astype(np.float64)
+    with DaemonProcess(root, "--rescan-s", "0", unix=tmp_path / "d.sock") as d:
+        ds = WindowDataset(d.target, keymap_from_lerobot(root, features=["observation.state"]))
+        got = lerobot_stats(ds.stats())["observation.state"]
+    assert got["count"] == [len(state)]
+    assert got["min"] == state.min(0).tolist() and got["max"] == state.max(0).tolist()
+    assert np.allclose(got["mean"], state.mean(0), rtol=1e-12)
+    assert np.allclose(got["std"], state.std(0), rtol=1e-9)
+    assert np.allclose(got["q01"], np.quantile(state, 0.01, axis=0), rtol=1e-9)
