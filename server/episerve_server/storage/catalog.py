@@ -269,14 +269,14 @@ class Catalog:
         return out
 
     async def _list(self) -> set[str]:
-        if not self._detected:
+        entries = [entry.rstrip("/") async for entry in self.store.list_dir("")]
+        if not self._detected and "meta" in entries:  # maybe a LeRobot root: look once
             self._detected = True
             self.lerobot = await _lerobot_source(self.store, self.video_tolerance_s)
         if self.lerobot is not None:
             return {n for n in await self.lerobot.names() if self.allowed(n)}
         names = set()
-        async for entry in self.store.list_dir(""):
-            entry = entry.rstrip("/")
+        for entry in entries:
             if not entry.endswith(SUFFIX):
                 continue
             name = entry[: -len(SUFFIX)]
