@@ -18,6 +18,7 @@ import pytest
 
 from episerve_proto import rawframe
 from episerve_proto.errors import BrokenEpisodeError, DataLossError
+from episerve_server.storage.lerobot import files
 from tests.support import lerobot as lr
 from tests.support.served import Served
 
@@ -223,3 +224,23 @@ def test_a_corrupt_row_group_is_data_loss_naming_episode_and_key(
     assert "'episode_000002'" in str(info.value) and "'observation.state'" in str(info.value)
     result = served.read({"a": KEYMAP["action"]}, [("episode_000002", 0)])  # other columns
     assert result.arrays["a"][0, 0].tolist() == lr.action_value(2, 0).tolist()
+
+
+def test_rows_holding_more_values_than_declared_are_refused_from_the_footer(
+        small: Path, serve: Callable[..., Served], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A row of ``observation.state`` holding 1M values instead of 3, with the read bound
+    at 1 MiB (512 MiB by default): the read is refused from the footer's sizes, before
+    the row group is decoded."""
+    monkeypatch.setattr(files, "MAX_READ_BYTES", 1 << 20)
+    path = small / "data/chunk-000/file-001.parquet"
+    table = pq.read_table(path)
+    rows = table.column("observation.state").to_pylist()
+    rows[0] = [0.5] * 1_000_000
+    col = table.schema.get_field_index("observation.state")
+    pq.write_table(table.set_column(col, "observation.state",
+                                    pa.array(rows, pa.list_(pa.float32()))), path,
+                   row_group_size=8)
+    served = serve(small)
+    with pytest.raises(DataLossError) as info:
+        served.read({"s": KEYMAP["observation.state"]}, [("episode_000002", 0)])
+    assert "'episode_000002'" in str(info.value) and "more than 1048576" in str(info.value)

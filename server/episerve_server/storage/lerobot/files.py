@@ -126,13 +126,15 @@ class OpenFiles:
         with opened.lock:
             pf: pq.ParquetFile = opened.obj
             groups, first = _groups(pf.metadata, start, stop)
-            per_row = 8 * math.prod(shape) if shape else 8
-            held = sum(pf.metadata.row_group(g).num_rows for g in groups) * per_row
-            if held > MAX_READ_BYTES:
-                raise FileProblem(f"rows {start}..{stop} lie in row groups of {held} bytes "
-                                  f"decoded, more than {MAX_READ_BYTES}")
             if pf.schema_arrow.get_field_index(column) < 0:
                 raise FileProblem(f"has no column {column!r}")
+            per_row = 8 * math.prod(shape) if shape else 8
+            held = sum(pf.metadata.row_group(g).num_rows for g in groups) * per_row
+            stored = _stored_bytes(pf.metadata, groups, column)
+            if max(held, stored) > MAX_READ_BYTES:
+                raise FileProblem(f"rows {start}..{stop} lie in row groups of "
+                                  f"{max(held, stored)} bytes of {column!r} decoded, more "
+                                  f"than {MAX_READ_BYTES}")
             table = pf.read_row_groups(groups, columns=[column], use_threads=False)
         values = table.column(0).slice(start - first, stop - start)
         return _to_float(values, stop - start, shape, column)
@@ -170,6 +172,22 @@ def _parquet_file(handle: BinaryIO) -> pq.ParquetFile:
         return pq.ParquetFile(pa.OSFile(_reopened(handle)))
     except (pa.ArrowException, OSError, ValueError) as exc:
         raise FileProblem(f"is not a readable parquet file ({exc})") from exc
+
+
+def _stored_bytes(meta: pq.FileMetaData, groups: list[int], column: str) -> int:
+    """What ``column``'s chunks of ``groups`` decode to at most, from the footer's value
+    counts (8 bytes a value): a row holding more values than its feature's shape shows
+    here, before anything is read, whatever the encoding (a dictionary of one value
+    takes a few bytes stored, and any number decoded)."""
+    total = 0
+    for g in groups:
+        rg = meta.row_group(g)
+        for c in range(rg.num_columns):
+            chunk = rg.column(c)
+            path = chunk.path_in_schema  # "observation.state.list.element" for a list
+            if path == column or path.startswith(column + "."):  # (may over-count: safe)
+                total += 8 * max(0, int(chunk.num_values))
+    return total
 
 
 def _groups(meta: pq.FileMetaData, start: int, stop: int) -> tuple[list[int], int]:
