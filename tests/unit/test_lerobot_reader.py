@@ -244,3 +244,24 @@ def test_rows_holding_more_values_than_declared_are_refused_from_the_footer(
     with pytest.raises(DataLossError) as info:
         served.read({"s": KEYMAP["observation.state"]}, [("episode_000002", 0)])
     assert "'episode_000002'" in str(info.value) and "more than 1048576" in str(info.value)
+
+
+def test_a_missing_or_garbage_video_fails_only_its_key(
+        tmp_path: Path, serve: Callable[..., Served]) -> None:
+    root = lr.write(tmp_path / "ds", lr.Layout(lengths=(5, 4, 6)))
+    top, wrist = (root / lr.VIDEO_PATH.format(video_key=cam, chunk_index=0, file_index=1)
+                  for cam in lr.Layout.cameras)
+    top.unlink()
+    wrist.write_bytes(b"\0not an mp4" * 100)
+    served = serve(root)
+    assert "video file 'videos/observation.images.top/chunk-000/file-001.mp4' is missing" \
+        in served.catalog.broken_listing()["episode_000002"]
+    with pytest.raises(BrokenEpisodeError, match=r"observation\.images\.top"):
+        served.read({"top": KEYMAP["top"]}, [("episode_000002", 0)])
+    with pytest.raises(DataLossError) as info:
+        served.read({"wrist": KEYMAP["wrist"]}, [("episode_000002", 0)])
+    assert "'observation.images.wrist'" in str(info.value)
+    assert "not a video container" in str(info.value)
+    result = served.read({"s": KEYMAP["observation.state"]}, [("episode_000002", 1)])
+    assert result.arrays["s"][0, -1].tolist() == lr.state_value(2, 1).tolist()
+    assert served.read({"top": KEYMAP["top"]}, [("episode_000000", 1)]).frames  # file-000
