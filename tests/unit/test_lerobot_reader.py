@@ -265,3 +265,15 @@ def test_a_missing_or_garbage_video_fails_only_its_key(
     result = served.read({"s": KEYMAP["observation.state"]}, [("episode_000002", 1)])
     assert result.arrays["s"][0, -1].tolist() == lr.state_value(2, 1).tolist()
     assert served.read({"top": KEYMAP["top"]}, [("episode_000000", 1)]).frames  # file-000
+
+
+def test_a_corrupt_episodes_file_serves_nothing_and_says_why(
+        small: Path, serve: Callable[..., Served]) -> None:
+    path = small / "meta/episodes/chunk-000/file-000.parquet"
+    data = bytearray(path.read_bytes())
+    data[4: len(data) - 8] = b"\x17" * (len(data) - 12)  # magic and footer length kept
+    path.write_bytes(bytes(data))
+    served = serve(small)
+    assert not served.catalog.episodes
+    problem = served.catalog.lerobot.problem  # type: ignore[union-attr]
+    assert "meta/episodes/chunk-000/file-000.parquet" in problem

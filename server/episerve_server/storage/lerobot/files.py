@@ -10,11 +10,12 @@ is made. One lock per open file: pyarrow and PyAV objects are not shared between
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import struct
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, BinaryIO, TypeVar
 
@@ -85,7 +86,7 @@ class OpenFiles:
                 return found
         # Checked on the descriptor opened; the library then opens that same file through
         # /proc/self/fd (its own descriptor, native reads) and the checked one is closed.
-        with self.store.open_sync(path, cap) as handle:
+        with self.store.open_sync(path, cap) as handle, _about(path):
             opened = _Open(make(handle))
         with self._guard:
             table[path] = opened
@@ -123,7 +124,7 @@ class OpenFiles:
         """Rows [start, stop) of ``column`` as float32 ``(stop - start, *shape)``, reading
         only the row groups they lie in."""
         opened = self.parquet(path)
-        with opened.lock:
+        with opened.lock, _about(path):
             pf: pq.ParquetFile = opened.obj
             groups, first = _groups(pf.metadata, start, stop)
             if pf.schema_arrow.get_field_index(column) < 0:
@@ -137,18 +138,33 @@ class OpenFiles:
                                   f"than {MAX_READ_BYTES}")
             table = pf.read_row_groups(groups, columns=[column], use_threads=False)
         values = table.column(0).slice(start - first, stop - start)
-        return _to_float(values, stop - start, shape, column)
+        with _about(path):
+            return _to_float(values, stop - start, shape, column)
 
     def rows(self, path: str, columns: list[str], max_rows: int) -> dict[str, list[Any]]:
         """The given columns of a whole (small) metadata parquet file, as Python lists."""
         opened = self.parquet(path, MAX_META_PARQUET_BYTES)
-        with opened.lock:
+        with opened.lock, _about(path):
             pf: pq.ParquetFile = opened.obj
             if pf.metadata.num_rows > max_rows:
                 raise FileProblem(f"holds {pf.metadata.num_rows} rows, more than {max_rows}")
             names = set(pf.schema_arrow.names)
             table = pf.read(columns=[c for c in columns if c in names], use_threads=False)
         return {c: table.column(c).to_pylist() for c in table.column_names}
+
+
+@contextlib.contextmanager
+def _about(path: str) -> Iterator[None]:
+    """Problems of reading ``path`` as ``FileProblem`` naming it (a missing file stays
+    ``FileNotFoundError``)."""
+    try:
+        yield
+    except FileProblem as exc:
+        if str(exc).startswith(repr(path)):
+            raise
+        raise FileProblem(f"{path!r} {exc}") from exc
+    except pa.ArrowException as exc:
+        raise FileProblem(f"{path!r} cannot be read ({str(exc)[:300]})") from exc
 
 
 def _reopened(handle: BinaryIO) -> str:

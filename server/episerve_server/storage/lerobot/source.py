@@ -17,6 +17,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+import pyarrow as pa
 from zarr.core.buffer import default_buffer_prototype
 
 from episerve_server.storage.lerobot.files import FileProblem, OpenFiles
@@ -87,7 +88,7 @@ class LeRobotSource:
             self._loaded = True
             try:
                 await self._load()
-            except (MetaError, FileProblem, Refused, FileNotFoundError) as exc:
+            except (MetaError, FileProblem, Refused, OSError, pa.ArrowException) as exc:
                 self.problem = _why(exc)
                 self.episodes = {}
             if self.problem:
@@ -206,7 +207,7 @@ class LeRobotSource:
                 lambda: self.files.shape_of(path)))
         try:
             return await asyncio.shield(fut)
-        except (FileProblem, Refused, FileNotFoundError) as exc:
+        except (FileProblem, Refused, OSError, pa.ArrowException) as exc:
             raise MetaError(f"data file {path!r}: {_why(exc)}") from exc
 
 
@@ -215,4 +216,6 @@ def _why(exc: BaseException) -> str:
         return f"file {exc.key!r} refused: {exc.why}"
     if isinstance(exc, FileNotFoundError):
         return f"file {exc.filename or str(exc)!r} is missing"
+    if isinstance(exc, OSError):
+        return f"file {exc.filename!r} cannot be read ({exc.strerror or exc})"
     return str(exc)
