@@ -18,9 +18,12 @@ import pytest
 
 from episerve_proto import rawframe
 from episerve_proto.errors import BrokenEpisodeError, DataLossError
+from episerve_server.config import ServerConfig
+from episerve_server.core.keymap import Keymap
 from episerve_server.storage.lerobot import files
+from episerve_server.wiring import build_read_core
 from tests.support import lerobot as lr
-from tests.support.served import Served
+from tests.support.served import LoopRunner, Served
 
 OFFSETS = {"observation.state": [-0.2, -0.1, 0.0], "action": [0.0, 0.1, 0.2, 0.3, 0.4],
            "observation.images.top": [-0.1, 0.0], "observation.images.wrist": [0.0]}
@@ -103,7 +106,7 @@ def test_each_frame_is_decoded_once_and_cached_for_every_reader(
 
 
 def test_a_timestamp_without_a_frame_names_episode_key_and_time(
-        tmp_path: Path, serve: Callable[..., Served]) -> None:
+        tmp_path: Path, serve: Callable[..., Served], run: LoopRunner) -> None:
     root = lr.write(tmp_path / "ds", lr.Layout(lengths=(6, 6), cameras=lr.Layout.cameras[:1]))
     path = root / "meta/episodes/chunk-000/file-000.parquet"
     table = pq.read_table(path)
@@ -120,6 +123,14 @@ def test_a_timestamp_without_a_frame_names_episode_key_and_time(
     assert "tolerance_s=0.0001" in text and "timestamp 0.63 s" in text
     assert "nearest frame is at 0.7 s" in text
     assert served.read({"s": KEYMAP["observation.state"]}, [("episode_000001", 2)])
+    # --video-tolerance-s 0.05: the frame 0.03 s off is within it, and served
+    core = build_read_core(ServerConfig.from_args(
+        [str(root), "--video-tolerance-s", "0.05"], {}))
+    run(core.catalog.scan())
+    wide = run(core.planner.read(Keymap.parse({"top": KEYMAP["top"]}), [("episode_000001", 2)]))
+    assert len(wide.frames["observation.images.top"]) == 2
+    with pytest.raises(ValueError, match="video_tolerance_s must be in"):
+        ServerConfig.from_args([str(root), "--video-tolerance-s", "0"], {})
 
 
 def rewrite_info(root: Path, edit: Callable[[dict[str, Any]], None]) -> None:
