@@ -8,7 +8,11 @@ from episerve_client.aio import AsyncClient
 from episerve_client.channel import TLS
 from episerve_client.client import Client
 from episerve_client.convert import EpisodeInfo, KeyStats, Listing, ReadResult
-from episerve_client.lerobot import keymap_from_delta_timestamps
+from episerve_client.lerobot import (
+    keymap_from_delta_timestamps,
+    keymap_from_lerobot,
+    lerobot_stats,
+)
 
 __all__ = [
     "TLS",
@@ -28,6 +32,8 @@ __all__ = [
     "WindowSampler",
     "collate",
     "keymap_from_delta_timestamps",
+    "keymap_from_lerobot",
+    "lerobot_stats",
     "to_float",
 ]
 

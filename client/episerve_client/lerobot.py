@@ -7,14 +7,25 @@ with ``masks="all"`` each such output also gets ``<name>_is_pad``, LeRobot's nam
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import json
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
+from episerve_client.convert import KeyStats
 from episerve_client.errors import KeymapError
 from episerve_proto.contract import did_you_mean
 from episerve_proto.errors import shown
 
-__all__ = ["keymap_from_delta_timestamps"]
+__all__ = ["keymap_from_delta_timestamps", "keymap_from_lerobot", "lerobot_stats"]
+
+#: Numeric dtypes of LeRobot features the daemon serves (strings and images are not).
+_NUMERIC = frozenset({"float16", "float32", "float64", "int8", "int16", "int32", "int64",
+                      "uint8", "uint16", "uint32", "uint64", "bool"})
+#: The key under which the daemon serves a LeRobot episode's task texts.
+TASK_KEY = "task"
+_MAX_INFO_BYTES = 1 << 20
 
 
 def keymap_from_delta_timestamps(
@@ -69,3 +80,88 @@ def _offsets(name: str, value: Any, zarr_key: str) -> list[float]:
                 f"delta_timestamps[{shown(name)}][{k}] must be a number of seconds, "
                 f"got {shown(o)}", key=zarr_key)
     return [float(o) for o in value]
+
+
+def keymap_from_lerobot(
+    root_or_info: str | os.PathLike[str] | Mapping[str, Any],
+    delta_timestamps: Mapping[str, Sequence[float]] | None = None,
+    *,
+    features: Iterable[str] | None = None,
+) -> dict[str, dict[str, Any]]:
+    """The keymap of a LeRobot v3 dataset, from its own ``meta/info.json``.
+
+    ``root_or_info`` is the dataset's root folder or its parsed ``info.json``;
+    ``delta_timestamps`` is the dict given to ``LeRobotDataset``. Every output is named as
+    the feature is, as ``LeRobotDataset.__getitem__`` names it: video features are
+    ``camera_keys``, features whose name starts with ``action`` are ``action_keys``, every
+    other numeric feature is ``proprio_keys``, and ``task`` is the task text
+    (``annotation_keys``). ``features`` limits the outputs to those named (default: every
+    numeric and video feature, and ``task``).
+
+    >>> km = keymap_from_lerobot(
+    ...     {"fps": 10, "features": {"action": {"dtype": "float32", "shape": [2]},
+    ...                              "observation.images.top": {"dtype": "video",
+    ...                                                         "shape": [48, 64, 3]}}},
+    ...     {"action": [0.0, 0.1]})
+    >>> km["action"], km["observation.images.top"]["key_type"], km["task"]["key_type"]
+    ({'zarr_key': 'action', 'key_type': 'action_keys', 'offsets_s': [0.0, 0.1]}, \
+'camera_keys', 'annotation_keys')
+    """
+    info = _info(root_or_info)
+    declared = info.get("features")
+    if not isinstance(declared, Mapping):
+        raise KeymapError(f"the dataset's info.json has no 'features' mapping, got "
+                          f"{shown(declared)}")
+    keys: dict[str, tuple[str, str]] = {}
+    for name, spec in declared.items():
+        dtype = spec.get("dtype") if isinstance(spec, Mapping) else None
+        if dtype == "video":
+            keys[name] = (name, "camera_keys")
+        elif dtype in _NUMERIC:
+            keys[name] = (name, "action_keys" if name.startswith("action") else "proprio_keys")
+    keys[TASK_KEY] = (TASK_KEY, "annotation_keys")
+    if features is not None:
+        wanted = list(features)
+        for name in wanted:
+            if name not in keys:
+                raise KeymapError(f"features names {shown(name)}, which the dataset does not "
+                                  f"serve{did_you_mean(str(name), list(keys))}")
+        keys = {n: keys[n] for n in wanted}
+    delta = dict(delta_timestamps or {})
+    if TASK_KEY in delta:
+        raise KeymapError("delta_timestamps may not window 'task' (a text at the frame)",
+                          key=TASK_KEY)
+    return keymap_from_delta_timestamps(delta, keys)
+
+
+def _info(root_or_info: str | os.PathLike[str] | Mapping[str, Any]) -> Mapping[str, Any]:
+    if isinstance(root_or_info, Mapping):
+        return root_or_info
+    path = Path(root_or_info) / "meta" / "info.json"
+    try:
+        with path.open("rb") as f:
+            data = f.read(_MAX_INFO_BYTES + 1)
+    except OSError as exc:
+        raise KeymapError(f"cannot read {str(path)!r}: {exc}") from exc
+    if len(data) > _MAX_INFO_BYTES:
+        raise KeymapError(f"{str(path)!r} is over {_MAX_INFO_BYTES} bytes")
+    try:
+        info = json.loads(data)
+    except (ValueError, RecursionError) as exc:
+        raise KeymapError(f"{str(path)!r} is not JSON ({type(exc).__name__})") from exc
+    if not isinstance(info, Mapping):
+        raise KeymapError(f"{str(path)!r} must hold a JSON object, got {shown(info)}")
+    return info
+
+
+def lerobot_stats(stats: Mapping[str, KeyStats]) -> dict[str, dict[str, list[Any]]]:
+    """The daemon's statistics (``WindowDataset.stats()``) in the shape of a LeRobot
+    dataset's ``meta/stats.json``: per feature, ``min``, ``max``, ``mean``, ``std``
+    (population), ``q01`` and ``q99`` as nested lists of the feature's shape, and ``count``
+    as ``[rows]``. Video features have no statistics here."""
+    out: dict[str, dict[str, list[Any]]] = {}
+    for name, s in stats.items():
+        out[name] = {"min": s.min.tolist(), "max": s.max.tolist(), "mean": s.mean.tolist(),
+                     "std": s.std.tolist(), "count": [s.count], "q01": s.q01.tolist(),
+                     "q99": s.q99.tolist()}
+    return out

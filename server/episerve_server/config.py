@@ -102,6 +102,9 @@ class ServerConfig:
     prefetch_bytes: int = 256 * 2**20
     preload: str = "off"  # "numeric": fetch every numeric array into the cache at start-up
     stats_cache_bytes: int = 512 * 2**20  # GetKeyStats: per (episode, key) parts and tails
+    # LeRobot datasets: a video frame is served when a decoded frame lies strictly closer
+    # than this to its timestamp (LeRobot's own tolerance_s default).
+    video_tolerance_s: float = 1e-4
     # Processes that read (``--workers``); 0: ``auto_workers()``. With more than one, the
     # process on the daemon's address is a front and each worker serves a share of the
     # episodes (rpc/process/front.py, rpc/process/workers.py).
@@ -167,6 +170,9 @@ class ServerConfig:
             if not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name} must be a finite number of seconds >= 0, "
                                  f"got {value!r}")
+        if not 0 < self.video_tolerance_s <= 1:
+            raise ValueError(f"video_tolerance_s must be in (0, 1] seconds, got "
+                             f"{self.video_tolerance_s!r}")
         if self.store_timeout_s <= 0:
             raise ValueError(f"store_timeout_s must be > 0 seconds, got {self.store_timeout_s!r}")
         low, high = CONNECTION_TIMER_RANGE_S
@@ -371,6 +377,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--stats-cache-bytes", help="GetKeyStats keeps each (episode, key)'s "
                    "moments and values, and the percentile tails of recent episode sets, "
                    "under this budget, least recently used first (default 512MiB)")
+    p.add_argument("--video-tolerance-s", type=float, help="LeRobot datasets: serve a "
+                   "video frame only when a decoded frame is strictly closer than this to "
+                   "its timestamp, else DATA_LOSS naming episode, key and timestamp "
+                   "(default 1e-4, LeRobot's tolerance_s)")
     defaults = {f.name: f.default for f in fields(ServerConfig)}
     for action in p._actions:  # every flag names its default and the variable it also reads
         if action.dest != "help" and action.help not in (None, argparse.SUPPRESS):

@@ -48,7 +48,8 @@ def build_read_core(config: ServerConfig, *, stats: Stats | None = None) -> Read
             forget(episode)
 
     catalog = Catalog(store, allow=config.allow, on_drop=on_drop,
-                      max_item_bytes=config.max_item_bytes)
+                      max_item_bytes=config.max_item_bytes,
+                      video_tolerance_s=config.video_tolerance_s)
     planner = Planner(catalog, cache, stats, fetch_limit=config.max_store_concurrency)
     dropped.append(planner.fetcher.forget_episode)  # no read joins a fetch of the old files
     # Hints: at most --prefetch-bytes in flight, and never more than half the cache; each

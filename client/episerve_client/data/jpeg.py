@@ -1,4 +1,5 @@
 """JPEG frames to CHW float32 in [0, 1] (or CHW uint8), decoding each distinct frame once.
+Raw frames (video frames the daemon decoded) take the same path without a decode.
 
 Every frame's header is read before the frame is decoded: its size must be the one the
 episode's ``features`` declare for the camera key (``[H, W, 3]``), so a dataset whose frames
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import simplejpeg
 
+from episerve_proto import rawframe
 from episerve_proto.errors import DataLossError, shown
 
 # Camera values are ``uint8 / float32(255)`` (docs/KEYMAP.md): bit for bit what the EgoVerse
@@ -109,7 +111,11 @@ class FrameCheck:
 
 
 def header_size(data: bytes) -> Size | None:
-    """``(H, W)`` from a JPEG header, without decoding; None when the header does not parse."""
+    """``(H, W)`` from a JPEG header (or a raw frame's, :mod:`episerve_proto.rawframe`),
+    without decoding; None when the header does not parse."""
+    raw = rawframe.size_of(data)
+    if raw is not None:
+        return raw
     try:
         height, width, _, _ = simplejpeg.decode_jpeg_header(data)
     except (ValueError, RuntimeError, TypeError):
@@ -118,7 +124,12 @@ def header_size(data: bytes) -> Size | None:
 
 
 def decode_rgb(data: bytes) -> np.ndarray:
-    """One JPEG to an HxWx3 uint8 array; ``FrameDecodeError`` when it is not a valid JPEG."""
+    """One JPEG to an HxWx3 uint8 array; ``FrameDecodeError`` when it is not a valid JPEG.
+    A raw frame (a video frame the daemon decoded) is viewed as it is, not decoded."""
+    raw = rawframe.size_of(data)
+    if raw is not None:
+        pixels = np.frombuffer(data, np.uint8, offset=rawframe.HEADER_BYTES)
+        return pixels.reshape(raw[0], raw[1], 3)
     try:
         img: np.ndarray = simplejpeg.decode_jpeg(data, colorspace="RGB")
     except (ValueError, RuntimeError, TypeError) as exc:

@@ -37,6 +37,8 @@ COUNTERS = (
     # the catalog
     "episodes_reopened",
     "change_checks",
+    # LeRobot roots: video frames decoded (and converted to RGB) by the daemon
+    "video_frames_decoded",
 )
 
 
@@ -77,6 +79,7 @@ class Stats:
     # metadata documents, read again by a rescan): not metadata_requests, which count what
     # opening and reading need
     change_checks: int = 0
+    video_frames_decoded: int = 0
     cache_bytes: int = 0
     cache_entries: int = 0
     episodes: defaultdict[str, EpisodeCounters] = field(

@@ -27,7 +27,7 @@ import unicodedata
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zarr.api.asynchronous as zasync
 from zarr import AsyncArray
@@ -45,6 +45,9 @@ from episerve_server.core.spans import Span
 from episerve_server.storage.readers import ChunkReader, build_reader
 from episerve_server.storage.readers.bounds import DEFAULT_MAX_ITEM_BYTES, MAX_ROWS
 from episerve_server.storage.store import METADATA_NAMES, CountingStore, Refused
+
+if TYPE_CHECKING:
+    from episerve_server.storage.lerobot.source import LeRobotSource
 
 log = logging.getLogger(__name__)
 
@@ -119,8 +122,13 @@ class Catalog:
 
     def __init__(self, store: CountingStore, *, allow: Iterable[str] = (),
                  open_limit: int = 32, on_drop: Callable[[str], None] | None = None,
-                 max_item_bytes: int = DEFAULT_MAX_ITEM_BYTES) -> None:
+                 max_item_bytes: int = DEFAULT_MAX_ITEM_BYTES,
+                 video_tolerance_s: float = 1e-4) -> None:
         self.store = store
+        self.video_tolerance_s = video_tolerance_s
+        #: A LeRobot v3 root (``meta/info.json``) is served through this; None: zarr.
+        self.lerobot: LeRobotSource | None = None
+        self._detected = False
         self.allow = tuple(allow)
         self.open_limit = open_limit
         self.on_drop = on_drop
@@ -190,7 +198,7 @@ class Catalog:
             limit = self.open_limit if first else min(self.open_limit, RESCAN_OPEN_LIMIT)
             with COLLECTOR.opening(len(added)) if added and not first else nullcontext():
                 outcomes = await _open_many(self.store, added, limit, self.max_item_bytes,
-                                            not first)
+                                            not first, self.lerobot)
                 for name, outcome in zip(added, outcomes):
                     self._opened(name, outcome, reopen=name in changed)
                     await asyncio.sleep(0)  # adding one is ~0.1-0.5 ms: serve between them
@@ -204,7 +212,7 @@ class Catalog:
         """The known episodes whose files changed since they were opened (at most once per
         ``CHANGE_CHECK_S``; a few at a time, the loop served between them)."""
         now = time.monotonic()
-        if now - self._changes_at < CHANGE_CHECK_S:
+        if self.lerobot is not None or now - self._changes_at < CHANGE_CHECK_S:
             return set()
         self._changes_at = now
         names = sorted(set(self.episodes) | (set(self.broken) - self._retry))
@@ -229,7 +237,8 @@ class Catalog:
         was opened, and if so reopen it (its cache entries dropped). Checked at most once
         per ``every_s`` per episode."""
         episode = self.episodes.get(name)
-        if episode is None or time.monotonic() - episode.checked_at < every_s:
+        if episode is None or self.lerobot is not None \
+                or time.monotonic() - episode.checked_at < every_s:
             return False
         episode.checked_at = time.monotonic()
         fp = await self._fingerprint(name)
@@ -262,9 +271,14 @@ class Catalog:
         return out
 
     async def _list(self) -> set[str]:
+        entries = [entry.rstrip("/") async for entry in self.store.list_dir("")]
+        if not self._detected and "meta" in entries:  # maybe a LeRobot root: look once
+            self._detected = True
+            self.lerobot = await _lerobot_source(self.store, self.video_tolerance_s)
+        if self.lerobot is not None:
+            return {n for n in await self.lerobot.names() if self.allowed(n)}
         names = set()
-        async for entry in self.store.list_dir(""):
-            entry = entry.rstrip("/")
+        for entry in entries:
             if not entry.endswith(SUFFIX):
                 continue
             name = entry[: -len(SUFFIX)]
@@ -312,8 +326,37 @@ class Catalog:
             log.warning("episode %s has problems: %s", name, episode.reason())
 
 
+async def _lerobot_source(store: CountingStore, tolerance_s: float) -> LeRobotSource | None:
+    """The LeRobot source of a local root holding ``meta/info.json``, else None (zarr)."""
+    from episerve_server.storage.lerobot.meta import INFO_PATH
+    from episerve_server.storage.lerobot.source import LeRobotSource
+
+    local = store.local_root()
+    if not await store.exists(INFO_PATH):
+        return None
+    if local is None:
+        log.error("%s found, but LeRobot datasets are served from a local folder only; "
+                  "serving the root as zarr", INFO_PATH)
+        return None
+    log.info("serving a LeRobot v3 dataset (%s found)", INFO_PATH)
+    return LeRobotSource(store, local, tolerance_s=tolerance_s)
+
+
+async def _open_lerobot(source: LeRobotSource, name: str) -> Episode:
+    from episerve_server.storage.lerobot.meta import MetaError
+
+    try:
+        opened = await source.open(name)
+    except MetaError as exc:
+        raise BrokenEpisodeError(str(exc), episode=name) from exc
+    episode = Episode(name, opened.total_frames, opened.fps, opened.embodiment, opened.attrs,
+                      opened.readers, opened.problems, content_hash=opened.content_hash)
+    return episode
+
+
 async def _open_many(store: CountingStore, names: list[str], limit: int,
                      max_item_bytes: int, serving: bool,
+                     lerobot: LeRobotSource | None = None,
                      ) -> list[tuple[str, Episode | BaseException]]:
     """Each episode's fingerprint (taken before it is opened, so a write during the open is
     seen by the next scan) and the episode opened, or the ``BrokenEpisodeError`` /
@@ -323,6 +366,11 @@ async def _open_many(store: CountingStore, names: list[str], limit: int,
     async def one(name: str) -> tuple[str, Episode | BaseException]:
         async with sem:
             fingerprint, sizes = "", ""
+            if lerobot is not None:
+                try:
+                    return "", await _open_lerobot(lerobot, name)
+                except (BrokenEpisodeError, Unavailable) as exc:
+                    return "", exc
             try:
                 # a metadata document the store refuses: the open below says so
                 with contextlib.suppress(Refused):

@@ -32,7 +32,7 @@ import posixpath
 import stat
 from collections.abc import AsyncIterator, Iterable, Sequence
 from pathlib import Path
-from typing import Any, Self, TypeAlias
+from typing import Any, BinaryIO, Self, TypeAlias
 
 from zarr.abc.store import ByteRequest, OffsetByteRequest, RangeByteRequest, SuffixByteRequest
 from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
@@ -137,6 +137,23 @@ class ConfinedLocalStore(LocalStore):
             return self._read_fd(key, fd, byte_range, cap)
         finally:
             os.close(fd)
+
+    def open_sync(self, key: str, cap: int) -> BinaryIO:
+        """``key`` opened for reading by a library that reads files itself (pyarrow, PyAV):
+        a regular file inside the root of at most ``cap`` bytes, checked on the file
+        opened, as every other read is. ``FileNotFoundError`` if there is no such file."""
+        path = os.path.join(self.root, key)
+        real = self._real_path(path)
+        if not self.inside(real):
+            raise OutsideRoot(key, f"resolves outside the dataset root {self.real_root!r}")
+        fd = os.open(path, _FLAGS)
+        try:
+            self._check_fd(key, fd, cap)
+            os.set_blocking(fd, True)
+            return os.fdopen(fd, "rb")
+        except BaseException:
+            os.close(fd)
+            raise
 
     async def get_many(self, requests: Sequence[ByteGet]) -> list[bytes | None]:
         """Many ranged reads in one worker thread: each file is opened (and checked) once,

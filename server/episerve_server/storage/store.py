@@ -210,6 +210,10 @@ class CountingStore(WrapperStore[Store]):
             asyncio.to_thread(lambda: [local.fingerprint_sync(f, MAX_FINGERPRINT_FILES)
                                        for f in names])))
 
+    def local_root(self) -> ConfinedLocalStore | None:
+        """The confined local store underneath, or None for an object store."""
+        return self._local()
+
     def _local(self) -> ConfinedLocalStore | None:
         inner = self._store
         while isinstance(inner, LatencyStore):

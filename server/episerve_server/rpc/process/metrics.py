@@ -72,6 +72,7 @@ COUNTER_HELP = {
     "keymap_checks": "RegisterKeymap calls that checked the keymap against every episode.",
     "episodes_reopened": "Episodes reopened because their files were rewritten in place.",
     "change_checks": "Store requests made to see whether an episode was rewritten.",
+    "video_frames_decoded": "Video frames of LeRobot datasets decoded by the daemon.",
 }
 
 

@@ -1,0 +1,240 @@
+"""The open files of a LeRobot dataset: parquet files and mp4 containers, kept open (a
+bounded LRU each), read in a small pool of worker threads, never on the event loop.
+
+Every file is opened through the confined store (a regular file whose real path is under
+the root, within a size cap). A parquet file's footer length is checked before pyarrow
+parses it, and a read's decoded size is checked from the row groups' row counts before it
+is made. One lock per open file: pyarrow and PyAV objects are not shared between threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import struct
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, BinaryIO, TypeVar
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from episerve_server.storage.local import ConfinedLocalStore
+
+T = TypeVar("T")
+#: Open files kept per kind; the least recently used is closed past this.
+MAX_OPEN_PARQUET = 32
+MAX_OPEN_VIDEOS = 16
+MAX_PARQUET_BYTES = 4 << 30  # one parquet data file on disk (read in row groups, never whole)
+MAX_META_PARQUET_BYTES = 256 << 20  # meta/episodes and meta/tasks files (read whole)
+MAX_VIDEO_BYTES = 64 << 30  # one mp4 file on disk (decoded in GOPs, never whole)
+MAX_FOOTER_BYTES = 16 << 20  # a parquet footer (its schema and row-group index)
+MAX_READ_BYTES = 512 << 20  # the decoded column of the row groups one read touches
+DECODE_THREADS = 2
+
+
+class FileProblem(Exception):
+    """A file that cannot be read as what it should be; the message says why."""
+
+
+class _Open:
+    def __init__(self, obj: Any) -> None:
+        self.obj, self.lock = obj, threading.Lock()
+
+    def close(self) -> None:
+        close = getattr(self.obj, "close", None)
+        if close is not None:
+            close()
+
+
+class OpenFiles:
+    """Open parquet files and video containers of one root, and the pool reading them."""
+
+    def __init__(self, store: ConfinedLocalStore) -> None:
+        self.store = store
+        self._pool: ThreadPoolExecutor | None = None
+        self._parquet: OrderedDict[str, _Open] = OrderedDict()
+        self._videos: OrderedDict[str, _Open] = OrderedDict()
+        self._guard = threading.Lock()
+
+    async def run(self, work: Callable[[], T]) -> T:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(DECODE_THREADS, thread_name_prefix="lerobot")
+        return await asyncio.get_running_loop().run_in_executor(self._pool, work)
+
+    def close(self) -> None:
+        with self._guard:
+            for table in (self._parquet, self._videos):
+                while table:
+                    table.popitem()[1].close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None
+
+    # -- opening (worker threads) -------------------------------------------------------
+
+    def _get(self, table: OrderedDict[str, _Open], limit: int, path: str,
+             make: Callable[[BinaryIO], Any], cap: int) -> _Open:
+        with self._guard:
+            found = table.get(path)
+            if found is not None:
+                table.move_to_end(path)
+                return found
+        # Checked on the descriptor opened; the library then opens that same file through
+        # /proc/self/fd (its own descriptor, native reads) and the checked one is closed.
+        with self.store.open_sync(path, cap) as handle, _about(path):
+            opened = _Open(make(handle))
+        with self._guard:
+            table[path] = opened
+            while len(table) > limit:
+                _, old = table.popitem(last=False)
+                with old.lock:  # not while another thread reads it
+                    old.close()
+        return opened
+
+    def parquet(self, path: str, cap: int = MAX_PARQUET_BYTES) -> _Open:
+        return self._get(self._parquet, MAX_OPEN_PARQUET, path, _parquet_file, cap)
+
+    def video(self, path: str) -> _Open:
+        import av
+
+        def make(handle: BinaryIO) -> Any:
+            try:
+                return av.open(_reopened(handle), mode="r")
+            except av.FFmpegError as exc:
+                raise FileProblem(f"is not a video container PyAV can open ({exc})") from exc
+
+        return self._get(self._videos, MAX_OPEN_VIDEOS, path, make, MAX_VIDEO_BYTES)
+
+    # -- reading (worker threads) -------------------------------------------------------
+
+    def shape_of(self, path: str) -> tuple[int, frozenset[str]]:
+        """A parquet file's row count and column names (from its footer)."""
+        opened = self.parquet(path)
+        with opened.lock:
+            pf: pq.ParquetFile = opened.obj
+            return int(pf.metadata.num_rows), frozenset(pf.schema_arrow.names)
+
+    def column(self, path: str, column: str, start: int, stop: int,
+               shape: tuple[int, ...]) -> np.ndarray:
+        """Rows [start, stop) of ``column`` as float32 ``(stop - start, *shape)``, reading
+        only the row groups they lie in."""
+        opened = self.parquet(path)
+        with opened.lock, _about(path):
+            pf: pq.ParquetFile = opened.obj
+            groups, first = _groups(pf.metadata, start, stop)
+            if pf.schema_arrow.get_field_index(column) < 0:
+                raise FileProblem(f"has no column {column!r}")
+            per_row = 8 * math.prod(shape) if shape else 8
+            held = sum(pf.metadata.row_group(g).num_rows for g in groups) * per_row
+            stored = _stored_bytes(pf.metadata, groups, column)
+            if max(held, stored) > MAX_READ_BYTES:
+                raise FileProblem(f"rows {start}..{stop} lie in row groups of "
+                                  f"{max(held, stored)} bytes of {column!r} decoded, more "
+                                  f"than {MAX_READ_BYTES}")
+            table = pf.read_row_groups(groups, columns=[column], use_threads=False)
+        values = table.column(0).slice(start - first, stop - start)
+        with _about(path):
+            return _to_float(values, stop - start, shape, column)
+
+    def rows(self, path: str, columns: list[str], max_rows: int) -> dict[str, list[Any]]:
+        """The given columns of a whole (small) metadata parquet file, as Python lists."""
+        opened = self.parquet(path, MAX_META_PARQUET_BYTES)
+        with opened.lock, _about(path):
+            pf: pq.ParquetFile = opened.obj
+            if pf.metadata.num_rows > max_rows:
+                raise FileProblem(f"holds {pf.metadata.num_rows} rows, more than {max_rows}")
+            names = set(pf.schema_arrow.names)
+            table = pf.read(columns=[c for c in columns if c in names], use_threads=False)
+        return {c: table.column(c).to_pylist() for c in table.column_names}
+
+
+@contextlib.contextmanager
+def _about(path: str) -> Iterator[None]:
+    """Problems of reading ``path`` as ``FileProblem`` naming it (a missing file stays
+    ``FileNotFoundError``)."""
+    try:
+        yield
+    except FileProblem as exc:
+        if str(exc).startswith(repr(path)):
+            raise
+        raise FileProblem(f"{path!r} {exc}") from exc
+    except pa.ArrowException as exc:
+        raise FileProblem(f"{path!r} cannot be read ({str(exc)[:300]})") from exc
+
+
+def _reopened(handle: BinaryIO) -> str:
+    """A path that opens the very file ``handle`` has open, wherever it was moved since."""
+    return f"/proc/self/fd/{handle.fileno()}"
+
+
+def _parquet_file(handle: BinaryIO) -> pq.ParquetFile:
+    handle.seek(0, 2)
+    size = handle.tell()
+    if size < 12:
+        raise FileProblem(f"is {size} bytes, too short for a parquet file")
+    handle.seek(size - 8)
+    length, magic = struct.unpack("<I4s", handle.read(8))
+    if magic != b"PAR1":
+        raise FileProblem("is not a parquet file (no PAR1 trailer)")
+    if length > min(MAX_FOOTER_BYTES, size - 12):
+        raise FileProblem(f"declares a footer of {length} bytes, over the bound of "
+                          f"{min(MAX_FOOTER_BYTES, size - 12)}")
+    try:
+        return pq.ParquetFile(pa.OSFile(_reopened(handle)))
+    except (pa.ArrowException, OSError, ValueError) as exc:
+        raise FileProblem(f"is not a readable parquet file ({exc})") from exc
+
+
+def _stored_bytes(meta: pq.FileMetaData, groups: list[int], column: str) -> int:
+    """What ``column``'s chunks of ``groups`` decode to at most, from the footer's value
+    counts (8 bytes a value): a row holding more values than its feature's shape shows
+    here, before anything is read, whatever the encoding (a dictionary of one value
+    takes a few bytes stored, and any number decoded)."""
+    total = 0
+    for g in groups:
+        rg = meta.row_group(g)
+        for c in range(rg.num_columns):
+            chunk = rg.column(c)
+            path = chunk.path_in_schema  # "observation.state.list.element" for a list
+            if path == column or path.startswith(column + "."):  # (may over-count: safe)
+                total += 8 * max(0, int(chunk.num_values))
+    return total
+
+
+def _groups(meta: pq.FileMetaData, start: int, stop: int) -> tuple[list[int], int]:
+    """The row groups holding rows [start, stop), and the first row of the first one."""
+    groups, first, at = [], -1, 0
+    for g in range(meta.num_row_groups):
+        n = meta.row_group(g).num_rows
+        if at < stop and at + n > start:
+            groups.append(g)
+            first = at if first < 0 else first
+        at += n
+    if at < stop or not groups:
+        raise FileProblem(f"holds {at} rows; rows {start}..{stop} were asked for")
+    return groups, first
+
+
+def _to_float(values: pa.ChunkedArray, n: int, shape: tuple[int, ...],
+              column: str) -> np.ndarray:
+    arr = values.combine_chunks()
+    if arr.null_count:
+        raise FileProblem(f"column {column!r} holds {arr.null_count} nulls in the rows read")
+    while pa.types.is_list(arr.type) or pa.types.is_fixed_size_list(arr.type) \
+            or pa.types.is_large_list(arr.type):
+        arr = arr.flatten()
+        if arr.null_count:
+            raise FileProblem(f"column {column!r} holds nulls in the rows read")
+    if not (pa.types.is_integer(arr.type) or pa.types.is_floating(arr.type)
+            or pa.types.is_boolean(arr.type)):
+        raise FileProblem(f"column {column!r} holds {arr.type}, not numbers")
+    want = n * math.prod(shape)
+    if len(arr) != want:
+        raise FileProblem(f"column {column!r} holds {len(arr)} values in {n} rows, expected "
+                          f"{want} (shape {list(shape)} per row)")
+    return np.asarray(arr.to_numpy(zero_copy_only=False), dtype=np.float32).reshape(n, *shape)

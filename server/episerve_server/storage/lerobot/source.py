@@ -1,0 +1,221 @@
+"""A LeRobot v3 dataset root as a source of catalog episodes.
+
+The catalog asks a root with ``meta/info.json`` for its episode names (``episode_<index:06d>``)
+and opens each through :meth:`LeRobotSource.open`: the episode's row of ``meta/episodes``
+checked, its data file's row count checked against the rows the episode claims, each
+numeric feature a :class:`ParquetReader`, each video feature a :class:`VideoReader`, and the
+tasks a :class:`TaskReader` under the key ``task``. A problem of one episode's metadata makes
+that episode broken (listed with its reason), never the dataset.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+from zarr.core.buffer import default_buffer_prototype
+
+from episerve_server.storage.lerobot.files import FileProblem, OpenFiles
+from episerve_server.storage.lerobot.meta import (
+    DEFAULT_TOLERANCE_S,
+    EPISODES_DIR,
+    INFO_PATH,
+    MAX_EPISODES,
+    MAX_FILES,
+    MAX_TASK_BYTES,
+    MAX_TASKS,
+    TASKS_PATH,
+    EpisodeMeta,
+    Info,
+    MetaError,
+    episode_columns,
+    episode_name,
+    episode_of,
+    file_offsets,
+    parse_info,
+    safe_path,
+)
+from episerve_server.storage.lerobot.readers import (
+    TASK_INDEX,
+    TASK_KEY,
+    ParquetReader,
+    TaskReader,
+    VideoReader,
+)
+from episerve_server.storage.local import ConfinedLocalStore
+from episerve_server.storage.readers import ChunkReader
+from episerve_server.storage.store import CountingStore, Refused
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Opened:
+    """What the catalog makes an ``Episode`` of."""
+
+    total_frames: int
+    fps: float
+    embodiment: str
+    attrs: dict[str, Any]
+    readers: dict[str, ChunkReader]
+    problems: dict[str, str] = field(default_factory=dict)
+    content_hash: str = ""
+
+
+class LeRobotSource:
+    """The episodes of one LeRobot v3 root (a local folder), loaded once at the first scan."""
+
+    def __init__(self, store: CountingStore, local: ConfinedLocalStore, *,
+                 tolerance_s: float = DEFAULT_TOLERANCE_S) -> None:
+        self.store = store
+        self.files = OpenFiles(local)
+        self.tolerance_s = tolerance_s
+        self.info: Info | None = None
+        self.problem = ""  # why the dataset as a whole cannot be served
+        self.episodes: dict[str, EpisodeMeta | str] = {}  # name -> metadata, or why broken
+        self.tasks: dict[int, str] = {}
+        self._offsets: dict[str, int] = {}
+        self._data: dict[str, asyncio.Future[tuple[int, frozenset[str]]]] = {}
+        self._loaded = False
+
+    async def names(self) -> set[str]:
+        if not self._loaded:
+            self._loaded = True
+            try:
+                await self._load()
+            except (MetaError, FileProblem, Refused, OSError, pa.ArrowException) as exc:
+                self.problem = _why(exc)
+                self.episodes = {}
+            if self.problem:
+                log.error("LeRobot dataset cannot be served: %s", self.problem)
+        return set(self.episodes)
+
+    async def _load(self) -> None:
+        cap = self.store.max_metadata_bytes
+        buf = await self.store.get(INFO_PATH, default_buffer_prototype(), max_bytes=cap)
+        if buf is None:
+            raise MetaError(f"{INFO_PATH} is missing")
+        info = self.info = parse_info(buf.to_bytes())
+        self.tasks = await self._tasks()
+        rows: list[dict[str, Any]] = []
+        for path in await self._episode_files():
+            got = await self.files.run(lambda p=path: self.files.rows(  # type: ignore[misc]
+                p, episode_columns(info), MAX_EPISODES - len(rows)))
+            n = len(next(iter(got.values()), []))
+            rows.extend({c: got[c][k] for c in got} for k in range(n))
+        good: list[EpisodeMeta] = []
+        for k, row in enumerate(rows):
+            index = row.get("episode_index")
+            name = episode_name(index) if isinstance(index, int) and 0 <= index < 10**8 \
+                else f"episode_row_{k:06d}"
+            try:
+                meta = episode_of(row, info)
+            except MetaError as exc:
+                self.episodes[name] = f"meta/episodes row of {name}: {exc}"
+                continue
+            if name in self.episodes:
+                self.episodes[name] = f"meta/episodes lists {name} more than once"
+                continue
+            self.episodes[name] = meta
+            good.append(meta)
+        self._offsets = file_offsets(good)
+
+    async def _episode_files(self) -> list[str]:
+        paths = []
+        async for chunk in self.store.list_dir(EPISODES_DIR):
+            if chunk.startswith("chunk-"):
+                async for name in self.store.list_dir(f"{EPISODES_DIR}/{chunk}"):
+                    if name.startswith("file-") and name.endswith(".parquet"):
+                        paths.append(safe_path(f"{EPISODES_DIR}/{chunk}/{name}"))
+                    if len(paths) > MAX_FILES:
+                        raise MetaError(f"{EPISODES_DIR} holds more than {MAX_FILES} files")
+        if not paths:
+            raise MetaError(f"{EPISODES_DIR} holds no chunk-*/file-*.parquet")
+        return sorted(paths)
+
+    async def _tasks(self) -> dict[int, str]:
+        try:
+            got = await self.files.run(lambda: self.files.rows(
+                TASKS_PATH, ["task_index", "task", "__index_level_0__"], MAX_TASKS))
+        except FileNotFoundError:
+            return {}
+        texts = got.get("task", got.get("__index_level_0__"))
+        if texts is None or "task_index" not in got:
+            raise MetaError(f"{TASKS_PATH} must have columns 'task_index' and 'task' (or a "
+                            "task index)")
+        out = {}
+        for index, text in zip(got["task_index"], texts):
+            if not isinstance(index, int) or not isinstance(text, str) \
+                    or len(text.encode()) > MAX_TASK_BYTES:
+                raise MetaError(f"{TASKS_PATH}: task {index!r} must be an int index and a "
+                                f"text of at most {MAX_TASK_BYTES} bytes")
+            out[index] = text
+        return out
+
+    async def open(self, name: str) -> Opened:
+        """One episode; ``MetaError`` or a file problem says why it cannot be served."""
+        info = self.info
+        meta = self.episodes.get(name)
+        if info is None or meta is None:
+            raise MetaError(f"{name!r} is not listed in {EPISODES_DIR}")
+        if isinstance(meta, str):
+            raise MetaError(meta)
+        rows, columns = await self._data_file(meta.data_path)
+        row0 = meta.from_index - self._offsets[meta.data_path]
+        if row0 + meta.length > rows:
+            raise MetaError(f"rows {row0}..{row0 + meta.length} of {meta.data_path!r} were "
+                            f"asked for (dataset_from_index={meta.from_index}, "
+                            f"length={meta.length}), but it holds {rows}")
+        opened = Opened(meta.length, info.fps, info.robot_type, {}, {})
+        features: dict[str, Any] = {}
+        for key, feature in info.features.items():
+            if feature.kind != "numeric":
+                continue
+            if key not in columns:
+                opened.problems[key] = f"{meta.data_path!r} has no column {key!r}"
+                continue
+            opened.readers[key] = ParquetReader(name, feature, self.files, meta.data_path,
+                                                row0, meta.length)
+            features[key] = {"dtype": feature.dtype, "shape": list(feature.shape)}
+        for key, span in meta.videos:
+            feature = info.features[key]
+            if not await self.store.exists(span.path):
+                opened.problems[key] = f"video file {span.path!r} is missing"
+                continue
+            opened.readers[key] = VideoReader(name, feature, self.files, span, meta.length,
+                                              info.fps, self.tolerance_s, self.store.stats)
+            features[key] = {"dtype": "video", "shape": list(feature.shape)}
+        if TASK_INDEX in columns:
+            opened.readers[TASK_KEY] = TaskReader(name, self.files, meta.data_path, row0,
+                                                  meta.length, self.tasks)
+        opened.attrs = {"features": features, "lerobot_episode_index": meta.index}
+        digest = hashlib.sha256(json.dumps(
+            [repr(meta), info.raw_features, rows], sort_keys=True, default=str).encode())
+        opened.content_hash = digest.hexdigest()[:16]
+        return opened
+
+    async def _data_file(self, path: str) -> tuple[int, frozenset[str]]:
+        """A data file's row count and columns, read once (concurrent opens share it)."""
+        fut = self._data.get(path)
+        if fut is None:
+            fut = self._data[path] = asyncio.ensure_future(self.files.run(
+                lambda: self.files.shape_of(path)))
+        try:
+            return await asyncio.shield(fut)
+        except (FileProblem, Refused, OSError, pa.ArrowException) as exc:
+            raise MetaError(f"data file {path!r}: {_why(exc)}") from exc
+
+
+def _why(exc: BaseException) -> str:
+    if isinstance(exc, Refused):
+        return f"file {exc.key!r} refused: {exc.why}"
+    if isinstance(exc, FileNotFoundError):
+        return f"file {exc.filename or str(exc)!r} is missing"
+    if isinstance(exc, OSError):
+        return f"file {exc.filename!r} cannot be read ({exc.strerror or exc})"
+    return str(exc)

@@ -1,0 +1,290 @@
+"""LeRobot v3 roots through the catalog and planner the daemon uses (in process): numeric
+features, video frames, task texts, LeRobot's window and padding rule, the tolerance rule,
+and broken or hostile metadata."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from episerve_proto import rawframe
+from episerve_proto.errors import BrokenEpisodeError, DataLossError
+from episerve_server.config import ServerConfig
+from episerve_server.core.keymap import Keymap
+from episerve_server.storage.lerobot import files
+from episerve_server.wiring import build_read_core
+from tests.support import lerobot as lr
+from tests.support.served import LoopRunner, Served
+
+OFFSETS = {"observation.state": [-0.2, -0.1, 0.0], "action": [0.0, 0.1, 0.2, 0.3, 0.4],
+           "observation.images.top": [-0.1, 0.0], "observation.images.wrist": [0.0]}
+KEYMAP = {
+    "observation.state": {"zarr_key": "observation.state", "key_type": "proprio_keys",
+                          "offsets_s": OFFSETS["observation.state"]},
+    "action": {"zarr_key": "action", "key_type": "action_keys",
+               "offsets_s": OFFSETS["action"]},
+    "top": {"zarr_key": "observation.images.top", "key_type": "camera_keys",
+            "offsets_s": OFFSETS["observation.images.top"]},
+    "wrist": {"zarr_key": "observation.images.wrist", "key_type": "camera_keys",
+              "offsets_s": OFFSETS["observation.images.wrist"]},
+    "task": {"zarr_key": "task", "key_type": "annotation_keys"},
+}
+LAYOUT = lr.Layout(frame_tasks={2: [0] * 8 + [1] * 12})
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return lr.write(tmp_path_factory.mktemp("lerobot") / "ds", LAYOUT)
+
+
+def samples() -> list[tuple[str, int]]:
+    return [(f"episode_{e:06d}", f) for e, n in enumerate(LAYOUT.lengths) for f in range(n)]
+
+
+def lerobot_rows(length: int, frame: int, offsets: list[float]) -> tuple[list[int], list[bool]]:
+    """LeRobot's rule: frame + round(o * fps), clamped into the episode; padded outside."""
+    raw = [frame + round(o * lr.FPS) for o in offsets]
+    return [min(max(r, 0), length - 1) for r in raw], [not 0 <= r < length for r in raw]
+
+
+def frame_of(result: Any, name: str, b: int, k: int) -> np.ndarray:
+    column = result.images[name]
+    data = result.frames[column.source][int(column.index[b, k])]
+    size = rawframe.size_of(data)
+    assert size is not None
+    return np.frombuffer(data, np.uint8, offset=rawframe.HEADER_BYTES).reshape(*size, 3)
+
+
+def test_every_sample_matches_lerobots_rule_and_pyav(root: Path,
+                                                     serve: Callable[..., Served]) -> None:
+    """Numbers bit-exact, ``_is_pad`` as LeRobot computes it, task texts per frame (episode
+    2 changes task at frame 8), and every frame equal to PyAV's own decode of the file."""
+    served = serve(root, cache_bytes=64 << 20)
+    assert served.catalog.broken_listing() == {}
+    everything = samples()
+    result = served.read(KEYMAP, everything, all_masks=True)
+    truth = {(cam, f): lr.decoded_frames(root / lr.VIDEO_PATH.format(
+        video_key=cam, chunk_index=0, file_index=f)) for cam in LAYOUT.cameras for f in (0, 1)}
+    for b, (name, frame) in enumerate(everything):
+        ep = int(name.split("_")[1])
+        length, file = LAYOUT.lengths[ep], ep // LAYOUT.per_file
+        start_s = sum(LAYOUT.lengths[e] for e in range(file * 2, ep)) / lr.FPS
+        for out, value in (("observation.state", lr.state_value), ("action", lr.action_value)):
+            rows, pad = lerobot_rows(length, frame, OFFSETS[out])
+            want = np.stack([value(ep, r) for r in rows])
+            assert np.array_equal(result.arrays[out][b].view(np.uint32), want.view(np.uint32))
+            assert result.arrays[f"{out}_is_pad"][b].tolist() == pad, (name, frame, out)
+        for out, cam in (("top", LAYOUT.cameras[0]), ("wrist", LAYOUT.cameras[1])):
+            rows, pad = lerobot_rows(length, frame, OFFSETS[cam])
+            assert result.arrays[f"{out}_is_pad"][b].tolist() == pad
+            for k, r in enumerate(rows):
+                want = truth[cam, file][round(start_s + r / lr.FPS, 6)]
+                assert np.array_equal(frame_of(result, out, b, k), want), (name, frame, cam, r)
+        assert result.texts["task"][b] == [LAYOUT.tasks[lr.task_of(LAYOUT, ep, frame)]]
+
+
+def test_each_frame_is_decoded_once_and_cached_for_every_reader(
+        root: Path, serve: Callable[..., Served]) -> None:
+    """Overlapping windows of one batch decode each needed frame once (chunks of 8 frames);
+    a second batch over the same frames decodes none."""
+    served = serve(root, cache_bytes=64 << 20)
+    keymap = {"top": KEYMAP["top"]}
+    batch = [("episode_000002", f) for f in range(1, 16)]  # windows overlap: frames 0..15
+    served.read(keymap, batch)
+    assert served.stats.video_frames_decoded == 16  # two chunks of 8 frames, each decoded once
+    served.read(keymap, batch[::-1])
+    assert served.stats.video_frames_decoded == 16
+
+
+def test_a_timestamp_without_a_frame_names_episode_key_and_time(
+        tmp_path: Path, serve: Callable[..., Served], run: LoopRunner) -> None:
+    root = lr.write(tmp_path / "ds", lr.Layout(lengths=(6, 6), cameras=lr.Layout.cameras[:1]))
+    path = root / "meta/episodes/chunk-000/file-000.parquet"
+    table = pq.read_table(path)
+    col = "videos/observation.images.top/from_timestamp"
+    shifted = [t + 0.03 for t in table.column(col).to_pylist()]
+    pq.write_table(table.set_column(table.schema.get_field_index(col), col,
+                                    pa.array(shifted)), path)
+    served = serve(root)
+    with pytest.raises(DataLossError) as info:
+        served.read({"top": KEYMAP["top"]}, [("episode_000001", 2)])
+    text = str(info.value)
+    assert "'episode_000001'" in text and "'observation.images.top'" in text
+    # the read decodes frames 0..5 of the episode together: the first is 0.6 + 0.03 s
+    assert "tolerance_s=0.0001" in text and "timestamp 0.63 s" in text
+    assert "nearest frame is at 0.7 s" in text
+    assert served.read({"s": KEYMAP["observation.state"]}, [("episode_000001", 2)])
+    # --video-tolerance-s 0.05: the frame 0.03 s off is within it, and served
+    core = build_read_core(ServerConfig.from_args(
+        [str(root), "--video-tolerance-s", "0.05"], {}))
+    run(core.catalog.scan())
+    wide = run(core.planner.read(Keymap.parse({"top": KEYMAP["top"]}), [("episode_000001", 2)]))
+    assert len(wide.frames["observation.images.top"]) == 2
+    with pytest.raises(ValueError, match="video_tolerance_s must be in"):
+        ServerConfig.from_args([str(root), "--video-tolerance-s", "0"], {})
+
+
+def rewrite_info(root: Path, edit: Callable[[dict[str, Any]], None]) -> None:
+    doc = json.loads((root / "meta/info.json").read_text())
+    edit(doc)
+    (root / "meta/info.json").write_text(json.dumps(doc))
+
+
+def edit_episodes(root: Path, edit: Callable[[list[dict[str, Any]]], None]) -> None:
+    path = root / "meta/episodes/chunk-000/file-000.parquet"
+    rows = pq.read_table(path).to_pylist()
+    edit(rows)
+    pq.write_table(pa.Table.from_pylist(rows), path)
+
+
+@pytest.fixture
+def small(tmp_path: Path) -> Path:
+    return lr.write(tmp_path / "ds", lr.Layout(lengths=(5, 4, 6), cameras=()))
+
+
+def test_inconsistent_episode_rows_break_only_their_episode(
+        small: Path, serve: Callable[..., Served]) -> None:
+    def edit(rows: list[dict[str, Any]]) -> None:
+        rows[1]["length"] = 9  # dataset_to_index - dataset_from_index is 4
+        rows[2]["dataset_to_index"] += 40
+        rows[2]["length"] += 40  # consistent, but the data file holds fewer rows
+
+    edit_episodes(small, edit)
+    served = serve(small)
+    broken = served.catalog.broken_listing()
+    assert set(broken) == {"episode_000001", "episode_000002"}
+    assert "'length' is 9" in broken["episode_000001"]
+    assert "'data/chunk-000/file-001.parquet'" in broken["episode_000002"]
+    assert "holds 6" in broken["episode_000002"]
+    with pytest.raises(BrokenEpisodeError, match="episode_000001"):
+        served.read({"s": KEYMAP["observation.state"]}, [("episode_000001", 0)])
+    result = served.read({"s": KEYMAP["observation.state"]}, [("episode_000000", 4)])
+    assert result.arrays["s"][0, -1].tolist() == lr.state_value(0, 4).tolist()
+
+
+@pytest.mark.parametrize(("template", "why"), [
+    ("../outside/file-{file_index:03d}.parquet", "not a plain relative path"),
+    ("/etc/file-{file_index:03d}.parquet", "not a plain relative path"),
+    ("data/{chunk_index.__class__}/x.parquet", "may name only"),
+])
+def test_paths_leaving_the_root_are_refused(small: Path, serve: Callable[..., Served],
+                                            template: str, why: str) -> None:
+    rewrite_info(small, lambda d: d.update(data_path=template))
+    served = serve(small)
+    listing = served.catalog.broken_listing()
+    lerobot = served.catalog.lerobot
+    assert lerobot is not None
+    assert why in (lerobot.problem + " ".join(listing.values()))
+    assert not served.catalog.episodes
+
+
+def test_a_data_file_linked_outside_the_root_is_refused(
+        small: Path, tmp_path: Path, serve: Callable[..., Served]) -> None:
+    target = tmp_path / "elsewhere.parquet"
+    shutil.move(small / "data/chunk-000/file-000.parquet", target)
+    os.symlink(target, small / "data/chunk-000/file-000.parquet")
+    served = serve(small)
+    broken = served.catalog.broken_listing()
+    assert set(broken) == {"episode_000000", "episode_000001"}  # the two in file-000
+    assert "outside" in broken["episode_000000"]
+    assert "episode_000002" in served.catalog.episodes
+
+
+def test_a_root_of_another_version_serves_nothing_and_says_why(
+        small: Path, serve: Callable[..., Served]) -> None:
+    rewrite_info(small, lambda d: d.update(codebase_version="v2.1"))
+    served = serve(small)
+    assert not served.catalog.episodes
+    assert "'v2.1'" in served.catalog.lerobot.problem  # type: ignore[union-attr]
+
+
+def test_a_parquet_footer_larger_than_the_bound_is_refused_before_parsing(
+        small: Path, serve: Callable[..., Served]) -> None:
+    path = small / "data/chunk-000/file-001.parquet"
+    data = bytearray(path.read_bytes())
+    data[-8:-4] = (2**31).to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+    served = serve(small)
+    broken = served.catalog.broken_listing()
+    assert set(broken) == {"episode_000002"}
+    assert "footer" in broken["episode_000002"]
+
+
+def test_a_corrupt_row_group_is_data_loss_naming_episode_and_key(
+        small: Path, serve: Callable[..., Served]) -> None:
+    path = small / "data/chunk-000/file-001.parquet"
+    data = bytearray(path.read_bytes())
+    meta = pq.ParquetFile(path).metadata
+    column = meta.row_group(0).column(0)  # observation.state of the first rows
+    start = column.dictionary_page_offset if column.has_dictionary_page \
+        else column.data_page_offset
+    data[start: start + column.total_compressed_size] = b"\xff" * column.total_compressed_size
+    path.write_bytes(bytes(data))
+    served = serve(small)
+    with pytest.raises(DataLossError) as info:
+        served.read({"s": KEYMAP["observation.state"]}, [("episode_000002", 0)])
+    assert "'episode_000002'" in str(info.value) and "'observation.state'" in str(info.value)
+    result = served.read({"a": KEYMAP["action"]}, [("episode_000002", 0)])  # other columns
+    assert result.arrays["a"][0, 0].tolist() == lr.action_value(2, 0).tolist()
+
+
+def test_rows_holding_more_values_than_declared_are_refused_from_the_footer(
+        small: Path, serve: Callable[..., Served], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A row of ``observation.state`` holding 1M values instead of 3, with the read bound
+    at 1 MiB (512 MiB by default): the read is refused from the footer's sizes, before
+    the row group is decoded."""
+    monkeypatch.setattr(files, "MAX_READ_BYTES", 1 << 20)
+    path = small / "data/chunk-000/file-001.parquet"
+    table = pq.read_table(path)
+    rows = table.column("observation.state").to_pylist()
+    rows[0] = [0.5] * 1_000_000
+    col = table.schema.get_field_index("observation.state")
+    pq.write_table(table.set_column(col, "observation.state",
+                                    pa.array(rows, pa.list_(pa.float32()))), path,
+                   row_group_size=8)
+    served = serve(small)
+    with pytest.raises(DataLossError) as info:
+        served.read({"s": KEYMAP["observation.state"]}, [("episode_000002", 0)])
+    assert "'episode_000002'" in str(info.value) and "more than 1048576" in str(info.value)
+
+
+def test_a_missing_or_garbage_video_fails_only_its_key(
+        tmp_path: Path, serve: Callable[..., Served]) -> None:
+    root = lr.write(tmp_path / "ds", lr.Layout(lengths=(5, 4, 6)))
+    top, wrist = (root / lr.VIDEO_PATH.format(video_key=cam, chunk_index=0, file_index=1)
+                  for cam in lr.Layout.cameras)
+    top.unlink()
+    wrist.write_bytes(b"\0not an mp4" * 100)
+    served = serve(root)
+    assert "video file 'videos/observation.images.top/chunk-000/file-001.mp4' is missing" \
+        in served.catalog.broken_listing()["episode_000002"]
+    with pytest.raises(BrokenEpisodeError, match=r"observation\.images\.top"):
+        served.read({"top": KEYMAP["top"]}, [("episode_000002", 0)])
+    with pytest.raises(DataLossError) as info:
+        served.read({"wrist": KEYMAP["wrist"]}, [("episode_000002", 0)])
+    assert "'observation.images.wrist'" in str(info.value)
+    assert "not a video container" in str(info.value)
+    result = served.read({"s": KEYMAP["observation.state"]}, [("episode_000002", 1)])
+    assert result.arrays["s"][0, -1].tolist() == lr.state_value(2, 1).tolist()
+    assert served.read({"top": KEYMAP["top"]}, [("episode_000000", 1)]).frames  # file-000
+
+
+def test_a_corrupt_episodes_file_serves_nothing_and_says_why(
+        small: Path, serve: Callable[..., Served]) -> None:
+    path = small / "meta/episodes/chunk-000/file-000.parquet"
+    data = bytearray(path.read_bytes())
+    data[4: len(data) - 8] = b"\x17" * (len(data) - 12)  # magic and footer length kept
+    path.write_bytes(bytes(data))
+    served = serve(small)
+    assert not served.catalog.episodes
+    problem = served.catalog.lerobot.problem  # type: ignore[union-attr]
+    assert "meta/episodes/chunk-000/file-000.parquet" in problem

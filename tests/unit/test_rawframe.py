@@ -1,0 +1,50 @@
+"""Raw frames (video frames the daemon decoded) on the client's frame path: taken as they
+are, checked against the declared size, and a truncated one is never misread."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from episerve_client.data.jpeg import (
+    DeclaredSizeMismatch,
+    FrameCheck,
+    decode_column,
+    header_size,
+)
+from episerve_proto import rawframe
+
+
+def frame(h: int, w: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
+
+
+def test_raw_frames_come_through_bit_for_bit_in_both_modes() -> None:
+    imgs = [frame(4, 6, s) for s in range(3)]
+    frames = [rawframe.pack(4, 6, img.tobytes()) for img in imgs]
+    index = np.array([[0, 1], [2, 2]])
+    as_uint8, failed = decode_column(frames, index, dtype=np.uint8)
+    assert not failed and as_uint8 is not None and as_uint8.shape == (2, 2, 3, 4, 6)
+    assert np.array_equal(as_uint8[0, 1], imgs[1].transpose(2, 0, 1))
+    as_float, _ = decode_column(frames, index)
+    assert as_float is not None
+    assert np.array_equal(as_float[1, 0], imgs[2].transpose(2, 0, 1) / np.float32(255))
+
+
+def test_a_truncated_raw_frame_is_undecodable_not_misread() -> None:
+    img = frame(4, 6, 0)
+    data = rawframe.pack(4, 6, img.tobytes())
+    assert header_size(data) == (4, 6)
+    assert rawframe.size_of(data[:-1]) is None and header_size(data[:-1]) is None
+    out, failed = decode_column([data, data[:-1]], np.array([0, 1]), dtype=np.uint8)
+    assert out is not None and np.array_equal(out[0], img.transpose(2, 0, 1))
+    assert failed == {1}
+    with pytest.raises(ValueError, match="expected 72"):
+        rawframe.pack(4, 6, b"\0" * 71)
+
+
+def test_a_raw_frame_of_another_size_than_declared_is_refused() -> None:
+    data = rawframe.pack(4, 6, frame(4, 6, 0).tobytes())
+    check = FrameCheck("cam", ["episode_000000"], [3], {"episode_000000": (8, 6)})
+    with pytest.raises(DeclaredSizeMismatch, match="episode_000000"):
+        decode_column([data], np.array([0]), check)
