@@ -17,7 +17,6 @@ broken reader must fail (``tests/support/test_readers.py`` checks that every tes
 from __future__ import annotations
 
 import errno
-import math
 import shutil
 import tempfile
 import warnings
@@ -163,7 +162,8 @@ class ReaderTests:
 
     @staticmethod
     def n_chunks(reader: ChunkReader) -> int:
-        return math.ceil(reader.info.rows / reader.info.chunk_rows)
+        rows: int = reader.info.rows
+        return -(-rows // reader.info.chunk_rows)
 
     def assert_rows(self, reader: ChunkReader, got: list[Chunk], first: int) -> None:
         """``got`` (chunks from ``first`` on) holds the rows zarr reads, in order."""
@@ -171,8 +171,8 @@ class ReaderTests:
         start = first * c
         want = self.expected(reader.info.name)[start:start + len(got) * c]
         if reader.info.is_bytes:
-            rows = [bytes(b) for chunk in got for b in chunk][:len(want)]
-            assert rows == [bytes(b) for b in want], reader.info.name
+            items = [bytes(b) for chunk in got for b in chunk][:len(want)]
+            assert items == [bytes(b) for b in want], reader.info.name
         else:
             rows = np.concatenate([np.asarray(chunk) for chunk in got])[:len(want)]
             assert rows.dtype == np.float32 and rows.shape == want.shape, reader.info.name
@@ -272,10 +272,10 @@ class ReaderTests:
         # means); the fallback reports it as the chunk's loss, with the OSError as cause.
         with pytest.raises((OSError, DataLossError)) as info:
             self.chunks(readers[key], 0, 0)
-        failure = info.value
+        failure: BaseException | None = info.value
         if isinstance(failure, DataLossError):
             assert (failure.episode, failure.key) == (EPISODE, key), failure
-            failure = failure.__cause__  # type: ignore[assignment]
+            failure = failure.__cause__
         assert isinstance(failure, OSError), info.value
         assert failure.errno == errno.EIO and key in str(failure.filename)
         write_orders(control, [])
