@@ -37,13 +37,13 @@ from episerve_server.storage.readers.base import decode_chunk
 from episerve_server.storage.store import CountingStore, open_root
 from tests.support import ramp
 from tests.support.faultstore import FaultStore, write_orders
-from tests.support.served import LoopRunner
+from tests.support.served import LAYOUTS, LoopRunner
 
 EPISODE = "ep"
 ROWS = 257  # chunks of 100 rows: two full, one full of fill, and a short last one
 SPARSE = "x.sparse"
 FALLBACK = "x.fallback"
-READER_LAYOUTS = ("sharded", "unsharded", "v2", "fallback")
+READER_LAYOUTS = (*LAYOUTS, "fallback")  # the episode layouts, and one without a fast path
 
 
 def sparse_values() -> np.ndarray:

@@ -32,7 +32,7 @@ FAULTS = {
     "test_a_corrupt_chunk_is_data_loss_naming_the_episode_and_the_key": "corruption is fill",
     "test_a_failed_store_read_is_an_error_never_the_fill_value": "store errors are fill",
 }
-LAYOUTS: dict[str, type[ChunkReader]] = {"sharded": ShardedReader, "unsharded": KeyedReader,
+READERS: dict[str, type[ChunkReader]] = {"sharded": ShardedReader, "unsharded": KeyedReader,
                                          "fallback": FallbackReader}
 OTHER = {ShardedReader: KeyedReader, KeyedReader: ShardedReader, FallbackReader: KeyedReader}
 
@@ -93,7 +93,7 @@ class Broken(ChunkReader):
 
 
 def broken_suite(layout: str, fault: str | None) -> type[ReaderTests]:
-    reader_class = LAYOUTS[layout]
+    reader_class = READERS[layout]
     if fault == "picks another reader":
         reader_class = OTHER[reader_class]
 
@@ -110,7 +110,7 @@ def broken_suite(layout: str, fault: str | None) -> type[ReaderTests]:
     return Suite
 
 
-@pytest.fixture(scope="module", params=sorted(LAYOUTS))
+@pytest.fixture(scope="module", params=sorted(READERS))
 def suites(request: pytest.FixtureRequest) -> Iterator[dict[str | None, ReaderTests]]:
     layout: str = request.param
     made: dict[str | None, ReaderTests] = {}
@@ -143,7 +143,7 @@ def test_the_suite_passes_a_faithful_wrapper_and_fails_the_fault(
     layout = suites[None].layout
     assert outcome(suites[None], test) == "passed"
     fault = FAULTS[test]
-    if fault == "plan splits in reverse" and not LAYOUTS[layout].batched:
+    if fault == "plan splits in reverse" and not READERS[layout].batched:
         return  # the fallback plans nothing: the test checks it says so
     assert outcome(suites[fault], test) == "failed", (layout, test, fault)
 
