@@ -30,9 +30,9 @@ from episerve_client.errors import (
     BrokenEpisodeError,
     DeadlineExceeded,
     EpiserveError,
+    FailedPrecondition,
     KeymapError,
 )
-from episerve_proto.contract import declared_frame_size, missing_array_reason
 
 #: Seconds a probe may take beyond the caller's timeout (process start, teardown).
 SLACK_S = 30.0
@@ -150,14 +150,17 @@ def _check(target: Any, keymap: dict[str, Any], timeout_s: float,
     """The brief listing, then the daemon's check of the keymap against its episodes.
 
     In that order: the listing's first page rescans the root, so every episode it lists is
-    one the check (on the same catalog) has seen. A daemon that does not know the check
-    (``checked`` False) is checked here against its full listing, as before it existed.
+    one the check (on the same catalog) has seen. The check is the daemon's alone: a daemon
+    that does not know it (``checked`` False) is refused, not checked a second way here.
     """
     with Client(target, **options) as client:
         listing = client.list_episodes(timeout_s=timeout_s, brief=True)
         check = client.check_keymap(keymap, timeout_s=timeout_s)
-        if not check.checked:
-            return survey_of(keymap, client.list_episodes(timeout_s=timeout_s))
+    if not check.checked:
+        raise FailedPrecondition(
+            f"the daemon at {target!r} did not check the keymap against its episodes "
+            "(RegisterKeymap with check_episodes): it is older than this client; upgrade it",
+            target=str(target))
     missing = {h: Problem(h, reason, key) for h, reason, key in check.problems}
     return Survey(listing.episodes, listing.broken, missing, check.frame_sizes)
 
@@ -199,15 +202,14 @@ class Problem:
 @dataclass(frozen=True, slots=True)
 class Survey:
     """What building a dataset learns from the daemon: the episodes it serves (brief
-    entries: hash, ``total_frames``, ``content_hash``; full ones from a daemon without the
-    keymap check), the broken ones with their reason, the served episodes that lack one of
-    the keymap's zarr keys, and per camera zarr key the frame size each episode declares."""
+    entries: hash, ``total_frames``, ``content_hash``), the broken ones with their reason,
+    the served episodes that lack one of the keymap's zarr keys, and per camera zarr key
+    the frame size each episode declares."""
 
     episodes: list[EpisodeInfo]
     broken: dict[str, str]
     missing: dict[str, Problem]  # the first zarr key of the keymap each episode lacks
     frame_sizes: dict[str, dict[str, tuple[int, int]]]  # zarr key -> episode -> (H, W)
-    full: bool = False  # ``episodes`` are full listing entries
 
     def problems(self, hashes: Sequence[str] | None = None) -> dict[str, Problem]:
         """The problem of each episode (all of ``hashes``, or every one listed, broken ones
@@ -225,28 +227,6 @@ class Survey:
             elif h in listed and h in self.missing:
                 out[h] = self.missing[h]
         return out
-
-
-def survey_of(keymap: Mapping[str, Any], listing: Listing) -> Survey:
-    """The daemon's keymap check, done here from a full listing (its arrays and features):
-    for a daemon that answers ``RegisterKeymap`` without it."""
-    keys = [(str(name), str(spec.get("zarr_key"))) for name, spec in keymap.items()]
-    framed = list(dict.fromkeys(str(spec.get("zarr_key")) for spec in keymap.values()
-                                if spec.get("key_type") != "annotation_keys"))
-    missing: dict[str, Problem] = {}
-    sizes: dict[str, dict[str, tuple[int, int]]] = {}
-    for e in listing.episodes:
-        have = set(e.arrays)
-        lacking = next(((n, z) for n, z in keys if z not in have), None)
-        if lacking is not None:
-            missing[e.hash] = Problem(e.hash, missing_array_reason(*lacking, have),
-                                      lacking[1])
-            continue
-        for key in framed:
-            size = declared_frame_size(e.features, key)
-            if size is not None:
-                sizes.setdefault(key, {})[e.hash] = size
-    return Survey(listing.episodes, listing.broken, missing, sizes, full=True)
 
 
 def main() -> None:

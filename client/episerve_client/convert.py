@@ -17,10 +17,9 @@ from typing import Any
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from episerve_client.errors import DataLossError, KeymapError
+from episerve_client.errors import DataLossError
 from episerve_proto.contract import (
     IS_PAD_SUFFIX,
-    KEYMAP_FIELDS,
     LIST_FIELDS,
     MAX_EPISODE_FRAMES,
     MAX_MESSAGE_BYTES,
@@ -28,9 +27,9 @@ from episerve_proto.contract import (
     MAX_RESPONSE_FRAMES,
     MAX_RESPONSE_TEXTS,
     WINDOW_FIELDS,
-    did_you_mean,
 )
 from episerve_proto.errors import shown
+from episerve_proto.keyspec import checked_entry
 from episerve_proto.v1 import episerve_pb2 as pb
 
 
@@ -96,54 +95,26 @@ class ReadResult:
 
 
 def keymap_message(keymap: Mapping[str, Mapping[str, Any]]) -> Any:
-    """The keymap as sent. The daemon validates it (``Keymap.parse``); here only what the
-    message cannot carry is refused: unknown fields, values of the wrong type, an empty
-    ``offsets_s``. Nothing is dropped or coerced on the way."""
+    """The keymap as sent. Each entry is checked first by the code the daemon runs on it
+    (:func:`episerve_proto.keyspec.checked_entry`), so a mistake is answered here in the
+    daemon's words; what only the daemon can judge (the number of entries against its
+    limit, reserved output names) is left to it. Nothing is dropped or coerced on the way."""
     msg = pb.Keymap()
     for name, spec in keymap.items():
-        if not isinstance(spec, Mapping):
-            raise KeymapError(
-                f"output key {shown(name)}: the spec must be a mapping, got {shown(spec)}")
-        for key in spec:
-            if key not in KEYMAP_FIELDS:
-                hint = did_you_mean(key, KEYMAP_FIELDS) if isinstance(key, str) else ""
-                zarr_key = spec.get("zarr_key")
-                raise KeymapError(
-                    f"output key {shown(name)}: unknown field {shown(key)}{hint} "
-                    f"(the fields are {', '.join(KEYMAP_FIELDS)})",
-                    key=zarr_key if isinstance(zarr_key, str) else "")
-        entry = msg.entries.add(name=str(name))
-        for opt in ("zarr_key", "key_type", *WINDOW_FIELDS, *LIST_FIELDS):
-            value = spec.get(opt)
+        if isinstance(spec, Mapping):  # numpy offsets (``np.arange(4) / 30``) as a list
+            spec = {f: v.tolist() if isinstance(v, np.ndarray) else v for f, v in spec.items()}
+        fields = checked_entry(name, spec)
+        entry = msg.entries.add(name=fields.name, zarr_key=fields.zarr_key,
+                                key_type=fields.key_type)
+        for opt in WINDOW_FIELDS:
+            value = getattr(fields, opt)
             if value is not None:
-                _set_field(entry, str(name), opt, value)
+                setattr(entry, opt, value)
+        for opt in LIST_FIELDS:
+            value = getattr(fields, opt)
+            if value is not None:
+                getattr(entry, opt).extend(value)
     return msg
-
-
-def _set_field(entry: Any, name: str, opt: str, value: Any) -> None:
-    def bad(expected: str) -> KeymapError:
-        return KeymapError(f"output key {shown(name)}: {opt} must be {expected}, got "
-                           f"{shown(value)}", key=str(entry.zarr_key))
-
-    if opt in LIST_FIELDS:
-        if isinstance(value, np.ndarray):
-            value = value.tolist()
-        if not isinstance(value, list | tuple) or not value:
-            raise bad("a non-empty list of offsets in seconds (omit it for a single frame)")
-        if any(isinstance(v, bool) for v in value):
-            raise bad("a list of numbers of seconds")
-        try:
-            getattr(entry, opt).extend(value)
-        except (TypeError, ValueError):
-            raise bad("a list of numbers of seconds") from None
-        return
-    if isinstance(value, bool) or (opt in ("zarr_key", "key_type") and not isinstance(value, str)):
-        raise bad("a string" if opt in ("zarr_key", "key_type") else "a number")
-    try:
-        setattr(entry, opt, value)
-    except (TypeError, ValueError):
-        raise bad("an integer" if opt in ("horizon", "history", "history_stride")
-                  else "a number of seconds") from None
 
 
 def register_request(keymap: Mapping[str, Mapping[str, Any]],

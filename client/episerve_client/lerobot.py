@@ -15,8 +15,15 @@ from typing import Any
 
 from episerve_client.convert import KeyStats
 from episerve_client.errors import KeymapError
-from episerve_proto.contract import did_you_mean
+from episerve_proto.contract import (
+    ACTION_KEYS,
+    ANNOTATION_KEYS,
+    CAMERA_KEYS,
+    PROPRIO_KEYS,
+    did_you_mean,
+)
 from episerve_proto.errors import shown
+from episerve_proto.keyspec import checked_entry
 
 __all__ = ["keymap_from_delta_timestamps", "keymap_from_lerobot", "lerobot_stats"]
 
@@ -38,7 +45,8 @@ def keymap_from_delta_timestamps(
     ``delta_timestamps`` becomes an ``offsets_s`` window, shape (len(offsets), *feature); a
     name without one is the sample's own frame, as in LeRobot. Offsets are rounded to the
     nearest frame of each episode (``round(o * fps)``, ties to even) and clamped into the
-    episode; the daemon checks the values (finite, at most 3600 s, at most 4096 per key).
+    episode. Each entry is checked as the daemon checks it (finite offsets, at most 3600 s,
+    at most 4096 per key), and an error names the output key.
 
     >>> keymap_from_delta_timestamps(
     ...     {"action": [0.0, 0.1]},
@@ -62,24 +70,19 @@ def keymap_from_delta_timestamps(
         zarr_key, key_type = pair
         entry: dict[str, Any] = {"zarr_key": zarr_key, "key_type": key_type}
         if name in delta_timestamps:
-            entry["offsets_s"] = _offsets(name, delta_timestamps[name], zarr_key)
+            entry["offsets_s"] = _offsets(str(name), entry, delta_timestamps[name])
         out[str(name)] = entry
     return out
 
 
-def _offsets(name: str, value: Any, zarr_key: str) -> list[float]:
+def _offsets(name: str, entry: dict[str, Any], value: Any) -> list[float]:
+    """``value`` as the entry's ``offsets_s``, checked by the keymap's own entry check (so
+    an error reads as it would from the daemon, naming the output key and the offset)."""
     if hasattr(value, "tolist"):  # a numpy array or a tensor
         value = value.tolist()
-    if isinstance(value, str | bytes) or not isinstance(value, Sequence) or not value:
-        raise KeymapError(
-            f"delta_timestamps[{shown(name)}] must be a non-empty list of offsets in seconds, "
-            f"got {shown(value)}", key=zarr_key)
-    for k, o in enumerate(value):
-        if isinstance(o, bool) or not isinstance(o, int | float):
-            raise KeymapError(
-                f"delta_timestamps[{shown(name)}][{k}] must be a number of seconds, "
-                f"got {shown(o)}", key=zarr_key)
-    return [float(o) for o in value]
+    fields = checked_entry(name, {**entry, "offsets_s": list(value) if isinstance(
+        value, tuple) else value})
+    return list(fields.offsets_s or ())
 
 
 def keymap_from_lerobot(
@@ -116,10 +119,10 @@ def keymap_from_lerobot(
     for name, spec in declared.items():
         dtype = spec.get("dtype") if isinstance(spec, Mapping) else None
         if dtype == "video":
-            keys[name] = (name, "camera_keys")
+            keys[name] = (name, CAMERA_KEYS)
         elif dtype in _NUMERIC:
-            keys[name] = (name, "action_keys" if name.startswith("action") else "proprio_keys")
-    keys[TASK_KEY] = (TASK_KEY, "annotation_keys")
+            keys[name] = (name, ACTION_KEYS if name.startswith("action") else PROPRIO_KEYS)
+    keys[TASK_KEY] = (TASK_KEY, ANNOTATION_KEYS)
     if features is not None:
         wanted = list(features)
         for name in wanted:

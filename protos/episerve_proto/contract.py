@@ -7,8 +7,8 @@ descriptor of ``episerve/v1/episerve.proto``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Mapping
+from types import MappingProxyType
 
 PACKAGE = "episerve.v1"
 SERVICE_NAME = f"{PACKAGE}.EpiServe"
@@ -32,6 +32,17 @@ LIST_FIELDS = KEYMAP_FIELDS[7:]
 #: output, and ``total_frames`` per sample.
 IS_PAD_SUFFIX = "_is_pad"
 TOTAL_FRAMES = "total_frames"
+#: The values of ``key_type``: which window rules an entry can take (docs/KEYMAP.md).
+KEY_TYPES = ("camera_keys", "proprio_keys", "action_keys", "annotation_keys", "metadata_keys")
+CAMERA_KEYS, PROPRIO_KEYS, ACTION_KEYS, ANNOTATION_KEYS, METADATA_KEYS = KEY_TYPES
+#: Field names users of other loaders reach for, and the field that does that job here.
+FIELD_ALIASES: Mapping[str, str] = MappingProxyType({
+    "delta_timestamps": "offsets_s", "offsets": "offsets_s", "chunk_size": "horizon",
+    "n_obs_steps": "history", "key": "zarr_key", "type": "key_type"})
+#: The longest window (``horizon``, ``history``, entries of ``offsets_s``) and stride.
+MAX_WINDOW = 4096
+#: The largest offset (``offsets_s``), lag or stride, in seconds.
+MAX_SECONDS = 3600.0
 
 
 def did_you_mean(word: str, choices: tuple[str, ...] | list[str]) -> str:
@@ -41,26 +52,6 @@ def did_you_mean(word: str, choices: tuple[str, ...] | list[str]) -> str:
     close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
     return f"; did you mean {close[0]!r}?" if close else ""
 
-
-def missing_array_reason(output_key: str, zarr_key: str, arrays: Iterable[str] = ()) -> str:
-    """Why an episode cannot serve a keymap entry whose zarr key it lacks, with the nearest
-    of the episode's ``arrays`` as a "did you mean": the daemon's ``RegisterKeymap`` check
-    and the client's (against a full listing) say it alike."""
-    return (f"output key {output_key!r}: the episode has no array {zarr_key!r}"
-            f"{did_you_mean(zarr_key, sorted(arrays))}")
-
-
-def declared_frame_size(features: Mapping[str, Any], key: str) -> tuple[int, int] | None:
-    """``(H, W)`` of a ``{dtype: jpeg, shape: [H, W, 3]}`` entry of an episode's ``features``;
-    None when the key declares no shape of three positive ints. The daemon reports it per
-    episode (``RegisterKeymapResponse.frame_sizes``); the client checks frames against it."""
-    spec = features.get(key)
-    shape = spec.get("shape") if isinstance(spec, Mapping) else None
-    if not isinstance(shape, list | tuple) or len(shape) != 3:
-        return None
-    if not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in shape):
-        return None
-    return int(shape[0]), int(shape[1])
 
 #: The largest message either side sends or receives.
 MAX_MESSAGE_BYTES = 256 * 2**20

@@ -19,13 +19,14 @@ import pytest
 from torch.utils.data import DataLoader
 
 from episerve_client import BrokenEpisodesWarning, Client, WindowDataset, collate, errors
-from episerve_client._probe import survey_of
 from episerve_proto import routing
+from episerve_proto.v1 import episerve_pb2 as pb
 from episerve_tools.launch import DaemonProcess
 from episerve_tools.synth.writer import write_episode
 from tests.support import ramp
 from tests.support.crafted import edit_attrs
 from tests.support.daemons import isolated
+from tests.support.fake import FakeDaemon, brief_listing
 from tests.support.keymaps import KEYMAPS
 
 CAMERA = ramp.CAMERA_KEY
@@ -70,18 +71,12 @@ def test_the_check_names_missing_keys_and_frame_sizes(daemon: DaemonProcess) -> 
     with Client(daemon.target) as client:
         listing = client.list_episodes(brief=True)
         check = client.check_keymap(MECKA)
-        full = client.list_episodes()
     assert check.checked and check.keymap_id == client.register_keymap(MECKA)
     assert sorted(listing.broken) == ["ep008short", "ep009junk"]
     assert check.episodes_checked == len(listing.episodes) == 8  # the healthy ones
     assert check.problems == (("ep005nokeys", NO_CAMERA_REASON, CAMERA),)
     assert check.frame_sizes == {CAMERA: {
         **dict.fromkeys(SMALL, (24, 32)), "ep004wide": (48, 64), "ep007lies": (24, 32)}}
-    # The same answers as the client's own check of the full listing (older daemons).
-    local = survey_of(MECKA, full)
-    assert {h: (p.reason, p.key) for h, p in local.missing.items()} == {
-        h: (reason, key) for h, reason, key in check.problems}
-    assert local.frame_sizes == check.frame_sizes
 
 
 def test_the_check_reports_only_jpeg_keys_and_first_missing_key(
@@ -105,19 +100,40 @@ def test_a_misspelt_zarr_key_is_answered_with_the_nearest_array(daemon: DaemonPr
     typo = {"kp": {"zarr_key": "left.obs_keypoint", "key_type": "proprio_keys"}}
     with Client(daemon.target) as client:
         check = client.check_keymap(typo)
-        full = client.list_episodes()
     reasons = {h: reason for h, reason, _ in check.problems}
     assert reasons["ep003d"] == ("output key 'kp': the episode has no array "
                                  "'left.obs_keypoint'; did you mean 'left.obs_keypoints'?")
     assert "did you mean" not in reasons["ep005nokeys"]  # nothing near among its arrays
-    local = survey_of(typo, full)  # the client's own check says the same
-    assert {h: p.reason for h, p in local.missing.items()} == reasons
     with pytest.raises(errors.KeymapError, match=r"did you mean 'left.obs_keypoints'\?") as info:
         WindowDataset(daemon.target, typo)
     # a key no episode has is the keymap's mistake, not one episode's
     assert str(info.value).startswith(f"no episode of the {len(reasons)} the daemon serves "
                                       "has the keymap's zarr key 'left.obs_keypoint'"), info
     assert info.value.key == "left.obs_keypoint"
+
+
+@pytest.mark.parametrize(("alias", "field", "value"), [
+    ("chunk_size", "horizon", 16), ("delta_timestamps", "offsets_s", [0.0, 0.1]),
+    ("n_obs_steps", "history", 2), ("key", "zarr_key", "obs_head_pose")])
+def test_a_dataset_names_the_field_another_loader_calls_alias(
+        daemon: DaemonProcess, alias: str, field: str, value: Any) -> None:
+    spec = {"zarr_key": "obs_head_pose", "key_type": "action_keys", alias: value}
+    with pytest.raises(errors.KeymapError,
+                       match=f"output key 'act': unknown field '{alias}'; did you mean "
+                             f"'{field}'\\?") as info:
+        WindowDataset(daemon.target, {"act": spec})
+    assert info.value.key == "obs_head_pose"
+
+
+def test_a_daemon_that_does_not_check_keymaps_is_refused(tmp_path: Path) -> None:
+    """The keymap is checked against the episodes by the daemon only; an answer without
+    the check is an error naming the daemon, not a second check made here."""
+    unchecked = pb.RegisterKeymapResponse(keymap_id="km-old").SerializeToString()
+    script = {"ListEpisodes": [brief_listing({"ep0": 10})], "RegisterKeymap": [unchecked]}
+    with FakeDaemon(tmp_path / "old.sock", script) as fake, \
+            pytest.raises(errors.FailedPrecondition, match="did not check the keymap") as info:
+        WindowDataset(fake.target, MECKA)
+    assert fake.target in str(info.value)
 
 
 def build_and_count(target: str) -> dict[str, Any]:

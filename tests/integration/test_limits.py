@@ -27,12 +27,33 @@ from episerve_proto.contract import (
     TOO_LARGE_ATTR,
     TOO_LARGE_BYTES_ATTR,
 )
+from episerve_proto.v1 import episerve_pb2 as pb
 from episerve_server.rpc.handlers.service import LIST_PAGE_BYTES
 from episerve_tools.launch import DaemonProcess
 from tests.support import ramp
 
 KEYPOINTS = {"k": {"zarr_key": "left.obs_keypoints", "key_type": "proprio_keys"}}
 HUGE = 100_000  # characters of a hostile name
+
+
+def _pb_keymap(keymap: dict[str, dict[str, Any]]) -> Any:
+    msg = pb.Keymap()
+    for name, spec in keymap.items():
+        msg.entries.add(name=name, **spec)
+    return msg
+
+
+def raw_register(keymap: dict[str, dict[str, Any]]) -> bytes:
+    """A RegisterKeymap request built by hand: the client would refuse a hostile keymap
+    before sending, and what is tested here is the daemon's refusal."""
+    msg = pb.RegisterKeymapRequest(keymap=_pb_keymap(keymap))
+    return msg.SerializeToString()  # type: ignore[no-any-return]
+
+
+def raw_read(samples: list[tuple[str, int]], keymap: dict[str, dict[str, Any]]) -> bytes:
+    msg = pb.ReadRequest(episodes=[h for h, _ in samples], frames=[f for _, f in samples],
+                         keymap=_pb_keymap(keymap))
+    return msg.SerializeToString()  # type: ignore[no-any-return]
 ENTRIES, KEYMAP_BYTES, REGISTRY_BYTES = 8, 2048, 16384
 
 
@@ -99,9 +120,9 @@ def test_a_keymap_over_its_byte_limit_is_refused(how: str, limited: DaemonProces
     keymap = _keymap(ENTRIES - 1, name="x" * 250)  # 7 entries of ~280 bytes
     keymap["long"] = {"zarr_key": "q" * HUGE, "key_type": "proprio_keys"}
     if how == "register":
-        err = _refused(limited, "RegisterKeymap", convert.register_request(keymap))
+        err = _refused(limited, "RegisterKeymap", raw_register(keymap))
     else:
-        err = _refused(limited, "Read", convert.read_request([("ep000a", 0)], keymap=keymap))
+        err = _refused(limited, "Read", raw_read([("ep000a", 0)], keymap))
     assert isinstance(err, errors.LimitExceeded)
     assert f"limit of {KEYMAP_BYTES}" in str(err) and "--max-keymap-bytes" in str(err)
     _still_serving(limited)
@@ -119,12 +140,12 @@ NAME_CASES = [
      errors.InvalidArgument, "keymap_id", HUGE),
     ("page token", "ListEpisodes", convert.list_request(LONG), errors.InvalidArgument,
      "page_token", HUGE),
-    ("output key", "RegisterKeymap", convert.register_request({KM_LONG: KEYPOINTS["k"]}),
+    ("output key", "RegisterKeymap", raw_register({KM_LONG: KEYPOINTS["k"]}),
      errors.KeymapError, "entries[0].name", IN_KEYMAP),
-    ("zarr key", "Read", convert.read_request(
-        [("ep000a", 0)], keymap={"k": {"zarr_key": KM_LONG, "key_type": "proprio_keys"}}),
+    ("zarr key", "Read", raw_read(
+        [("ep000a", 0)], {"k": {"zarr_key": KM_LONG, "key_type": "proprio_keys"}}),
      errors.KeymapError, "entries[0].zarr_key", IN_KEYMAP),
-    ("key type", "RegisterKeymap", convert.register_request(
+    ("key type", "RegisterKeymap", raw_register(
         {"k": {"zarr_key": "obs_head_pose", "key_type": KM_LONG}}),
      errors.KeymapError, "entries[0].key_type", IN_KEYMAP),
 ]
@@ -149,7 +170,10 @@ def test_names_at_the_limit_are_fine_and_just_over_are_not(limited: DaemonProces
     name = "n" * MAX_NAME_CHARS
     with Client(limited.target) as c:
         c.register_keymap({name: KEYPOINTS["k"]})
-        with pytest.raises(errors.KeymapError, match=r"entries\[0\]\.name"):
+        # refused before sending, in the words of the daemon's own entry check
+        with pytest.raises(errors.KeymapError,
+                           match=f"is {MAX_NAME_CHARS + 1} characters long, over the limit "
+                                 f"of {MAX_NAME_CHARS}"):
             c.register_keymap({name + "n": KEYPOINTS["k"]})
         with pytest.raises(errors.InvalidEpisodeId):  # not a name the catalog could hold
             c.read(KEYPOINTS, [("e" * MAX_NAME_CHARS, 0)])

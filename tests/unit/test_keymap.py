@@ -384,9 +384,14 @@ def test_bad_values_are_echoed_cut_short() -> None:
 
 
 def _pb_keymap(n: int, name: str = "o") -> Any:
-    from episerve_client.convert import keymap_message
+    """The message built by hand: the client would refuse an over-long name before sending,
+    and what is checked here is the daemon's own refusal."""
+    from episerve_proto.v1 import episerve_pb2 as pb
 
-    return keymap_message({f"{name}{k}": entry() for k in range(n)})
+    msg = pb.Keymap()
+    for k in range(n):
+        msg.entries.add(name=f"{name}{k}", **entry())
+    return msg
 
 
 def test_the_rpc_layer_checks_entries_and_bytes_before_parsing() -> None:

@@ -13,8 +13,10 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from episerve_proto.contract import ANNOTATION_KEYS, CAMERA_KEYS
+
 #: Key types whose arrays are not numbers: no statistics for them.
-NON_NUMERIC = ("camera_keys", "annotation_keys")
+NON_NUMERIC = (CAMERA_KEYS, ANNOTATION_KEYS)
 
 
 def numeric_keys(keymap: dict[str, dict[str, Any]]) -> list[str]:

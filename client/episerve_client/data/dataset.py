@@ -35,6 +35,7 @@ from episerve_client.errors import (
     InvalidArgument,
 )
 from episerve_client.local import TRANSPORTS
+from episerve_proto.contract import ACTION_KEYS, CAMERA_KEYS, PROPRIO_KEYS
 
 DEFAULT_CONNECT_TIMEOUT_S = 15.0
 MASK_MODES = ("spec", "all")
@@ -110,10 +111,8 @@ class WindowDataset(Dataset[dict[str, Any]]):
         self.max_decoded_bytes = max_decoded_bytes
         self._client: Client | None = None
         self._timeout_s = connect_timeout_s
-        # Filled by the probe: the frame size each episode declares per camera zarr key, and
-        # whether its entries are full ones (a daemon without the keymap check).
+        # Filled by the probe: the frame size each episode declares per camera zarr key.
         self._sizes: dict[str, dict[str, tuple[int, int]]] = {}
-        self._full_from = False
         self._full: list[EpisodeInfo] | None = None  # ``episodes``, once asked for
         self._brief = self._choose(episodes, as_manifest(manifest), sync_ranks)
         self.manifest = Manifest(tuple((e.hash, e.total_frames) for e in self._brief))
@@ -121,7 +120,7 @@ class WindowDataset(Dataset[dict[str, Any]]):
         self._sizes = {key: {h: size for h, size in by_episode.items() if h in self._lengths}
                        for key, by_episode in self._sizes.items()}
         self.camera_keys = {
-            name for name, spec in self.keymap.items() if spec.get("key_type") == "camera_keys"
+            name for name, spec in self.keymap.items() if spec.get("key_type") == CAMERA_KEYS
         }
         self._rng = random.Random()
 
@@ -149,7 +148,6 @@ class WindowDataset(Dataset[dict[str, Any]]):
         survey = probe(self.target, self.keymap, timeout_s=self._timeout_s,
                        client_options=self.client_options)
         self._sizes = survey.frame_sizes
-        self._full_from = survey.full
         return survey
 
     @property
@@ -164,10 +162,7 @@ class WindowDataset(Dataset[dict[str, Any]]):
         naming it.
         """
         if self._full is None:
-            if self._full_from:
-                self._full = list(self._brief)
-            else:
-                self._full = self._describe()
+            self._full = self._describe()
         return self._full
 
     def _describe(self) -> list[EpisodeInfo]:
@@ -251,7 +246,7 @@ class WindowDataset(Dataset[dict[str, Any]]):
         """
         if keys is None:
             keys = [name for name, spec in self.keymap.items()
-                    if spec.get("key_type") in ("proprio_keys", "action_keys")]
+                    if spec.get("key_type") in (PROPRIO_KEYS, ACTION_KEYS)]
         if isinstance(keys, str) or not keys:
             raise InvalidArgument(f"keys must be a non-empty list of output keys, got {keys!r}")
         unknown = [k for k in keys if k not in self.keymap]

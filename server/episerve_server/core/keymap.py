@@ -2,36 +2,31 @@
 
 Parsing is strict (docs/KEYMAP.md): an unknown field, a field that does not apply to the
 entry's rule, or a value of the wrong type is a ``KeymapError`` naming the entry and the field.
+Each entry is checked by :func:`episerve_proto.keyspec.checked_entry`, the code the client
+runs before sending, so both sides say the same; the checks of the keymap as a whole (its
+size, reserved output names) are the daemon's alone.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
 from episerve_proto.contract import (
+    ACTION_KEYS,
+    ANNOTATION_KEYS,
+    CAMERA_KEYS,
     IS_PAD_SUFFIX,
-    KEYMAP_FIELDS,
-    MAX_NAME_CHARS,
     TOTAL_FRAMES,
-    did_you_mean,
 )
 from episerve_proto.errors import KeymapError, LimitExceeded, shown
+from episerve_proto.keyspec import checked_entry
 
-KEY_TYPES = ("camera_keys", "proprio_keys", "action_keys", "annotation_keys", "metadata_keys")
-_FIELDS = frozenset(KEYMAP_FIELDS)
-MAX_WINDOW = 4096
-#: The largest offset (``offsets_s``), lag or stride, in seconds.
-MAX_SECONDS = 3600.0
 #: Entries of one keymap (the daemon's ``--max-keymap-entries`` default).
 MAX_ENTRIES = 256
-#: Names users from other loaders reach for, and the field that does the job here.
-_ALIASES = {"delta_timestamps": "offsets_s", "offsets": "offsets_s", "chunk_size": "horizon",
-            "n_obs_steps": "history", "key": "zarr_key", "type": "key_type"}
 
 
 class Rule(Enum):
@@ -73,13 +68,13 @@ class KeySpec:
                            rule in (Rule.HORIZON, Rule.HISTORY, Rule.OFFSETS))
 
     def _rule(self) -> Rule:
-        if self.key_type == "annotation_keys":
+        if self.key_type == ANNOTATION_KEYS:
             return Rule.ANNOTATION
         if self.offsets_s is not None:
             return Rule.OFFSETS
         if self.horizon is not None:
             return Rule.HORIZON
-        if self.history is not None and (self.history > 1 or self.key_type == "camera_keys"):
+        if self.history is not None and (self.history > 1 or self.key_type == CAMERA_KEYS):
             return Rule.HISTORY
         if self.lag_s is not None:
             return Rule.LAG
@@ -125,11 +120,11 @@ class Keymap:
         object.__setattr__(self, "annotation_keys", frozenset(
             e.zarr_key for e in entries if e.rule is Rule.ANNOTATION))
         object.__setattr__(self, "action_mask_entry", next(
-            (e for e in entries if e.key_type == "action_keys" and e.rule is Rule.HORIZON),
+            (e for e in entries if e.key_type == ACTION_KEYS and e.rule is Rule.HORIZON),
             None))
         object.__setattr__(self, "proprio_mask_entry", next(
             (e for e in entries
-             if e.key_type != "camera_keys" and e.rule is Rule.HISTORY and (e.history or 0) > 1),
+             if e.key_type != CAMERA_KEYS and e.rule is Rule.HISTORY and (e.history or 0) > 1),
             None))
 
     def __iter__(self) -> Iterator[KeySpec]:
@@ -167,158 +162,15 @@ def _reserved_names(entries: tuple[KeySpec, ...]) -> dict[str, str]:
     names[TOTAL_FRAMES] = "a sample field with masks='all'"
     names["action_pad_mask"] = names["proprio_history_mask"] = "a shared mask"
     for e in entries:
-        if e.key_type == "camera_keys":
+        if e.key_type == CAMERA_KEYS:
             names[f"{e.name}_mask"] = f"the mask of camera output {e.name!r}"
         if e.time_axis:
             names[f"{e.name}{IS_PAD_SUFFIX}"] = f"the masks='all' mask of output {e.name!r}"
     return names
 
 
-def _check_length(what: str, value: str, key: str = "") -> None:
-    if len(value) > MAX_NAME_CHARS:
-        raise KeymapError(
-            f"{what} {shown(value)} is {len(value)} characters long, over the limit of "
-            f"{MAX_NAME_CHARS}", key=key)
-
-
 def _parse_entry(name: object, spec: object) -> KeySpec:
-    if not isinstance(name, str) or not name:
-        raise KeymapError(f"output keys are non-empty strings, got {shown(name)}")
-    _check_length("output key (entry name)", name)
-    if not isinstance(spec, Mapping):
-        raise KeymapError(
-            f"output key {shown(name)}: the spec must be a mapping, got {shown(spec)}")
-    for field in spec:
-        if field not in _FIELDS:
-            key = spec.get("zarr_key")
-            raise KeymapError(
-                f"output key {shown(name)}: unknown field {shown(field)}{_hint(field)} "
-                f"(the fields are {', '.join(KEYMAP_FIELDS)})",
-                key=key if isinstance(key, str) else "")
-    zarr_key = spec.get("zarr_key")
-    if isinstance(zarr_key, str):
-        _check_length(f"output key {shown(name)}: zarr_key", zarr_key)
-    if not isinstance(zarr_key, str) or not zarr_key or "/" in zarr_key or zarr_key in {".", ".."}:
-        raise KeymapError(
-            f"output key {shown(name)}: zarr_key must be an array name, got {shown(zarr_key)}")
-    key_type = spec.get("key_type")
-    if isinstance(key_type, str):
-        _check_length(f"output key {shown(name)}: key_type", key_type, zarr_key)
-    if key_type not in KEY_TYPES:
-        hint = did_you_mean(key_type, KEY_TYPES) if isinstance(key_type, str) else ""
-        raise KeymapError(
-            f"output key {shown(name)}: key_type {shown(key_type)} is not one of "
-            f"{KEY_TYPES!r}{hint}", key=zarr_key)
-    out = KeySpec(
-        name=name,
-        zarr_key=zarr_key,
-        key_type=key_type,
-        horizon=_count(name, spec, "horizon", minimum=1),
-        history=_count(name, spec, "history", minimum=1),
-        history_stride=_count(name, spec, "history_stride", minimum=1) or 1,
-        history_stride_s=_seconds(name, spec, "history_stride_s"),
-        lag_s=_seconds(name, spec, "lag_s"),
-        offsets_s=_offsets(name, spec),
-    )
-    _check_applies(out, {f for f in KEYMAP_FIELDS[2:] if spec.get(f) is not None}, spec)
-    return out
-
-
-def _hint(field: object) -> str:
-    if not isinstance(field, str):
-        return ""
-    if field in _ALIASES:
-        return f"; did you mean {_ALIASES[field]!r}?"
-    return did_you_mean(field, KEYMAP_FIELDS)
-
-
-#: Window fields that make no sense together with another one, and why (docs/KEYMAP.md).
-_EXCLUSIVE: tuple[tuple[str, tuple[str, ...], str], ...] = (
-    ("offsets_s", ("horizon", "history", "history_stride", "history_stride_s", "lag_s"),
-     "offsets_s lists every frame of the window itself (keymap rule 6); put any lag or "
-     "stride into the offsets"),
-    ("horizon", ("history", "history_stride", "history_stride_s", "lag_s"),
-     "the entry is an action chunk (keymap rule 2), which has no history, stride or lag; "
-     "make a second entry for them"),
-    ("history_stride_s", ("history_stride",),
-     "the stride in seconds would win and history_stride would be ignored; keep one"),
-)
-
-
-def _check_applies(e: KeySpec, given: set[str], spec: Mapping[str, Any]) -> None:
-    """Every window field given must change the entry's window: anything else is refused."""
-    def refuse(field: str, why: str) -> KeymapError:
-        return KeymapError(
-            f"output key {shown(e.name)}: field {field!r} (= {shown(spec[field])}) does not "
-            f"apply {why}", key=e.zarr_key)
-
-    if e.key_type == "annotation_keys":
-        for field in sorted(given, key=KEYMAP_FIELDS.index):
-            raise refuse(field, "to annotation_keys: an annotation entry is the texts of the "
-                                "spans at the sample's frame, not a window (keymap rule 1); "
-                                "give only zarr_key and key_type")
-    for field, others, why in _EXCLUSIVE:
-        if field in given:
-            for other in others:
-                if other in given:
-                    raise refuse(other, f"together with {field!r}: {why}")
-    if "horizon" in given and e.key_type == "camera_keys":
-        raise refuse("horizon", "to camera_keys: a horizon is an action chunk; give a camera "
-                                "window as history (past frames) or offsets_s (any frames)")
-    for field in ("history_stride", "history_stride_s"):
-        if field in given and "history" not in given:
-            raise refuse(field, "without 'history': a stride spaces the frames of a history "
-                                "window (keymap rule 3)")
-
-
-def _count(name: str, spec: Mapping[str, Any], field: str, *, minimum: int) -> int | None:
-    value = spec.get(field)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise KeymapError(
-            f"output key {shown(name)}: {field} must be an integer, got {shown(value)}")
-    if not minimum <= value <= MAX_WINDOW:
-        raise KeymapError(
-            f"output key {shown(name)}: {field} must be in [{minimum}, {MAX_WINDOW}], got {value!r}"
-        )
-    return value
-
-
-def _seconds(name: str, spec: Mapping[str, Any], field: str) -> float | None:
-    value = spec.get(field)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise KeymapError(
-            f"output key {shown(name)}: {field} must be a number of seconds, got {shown(value)}"
-        )
-    if not math.isfinite(value) or not 0 < value <= MAX_SECONDS:
-        raise KeymapError(
-            f"output key {shown(name)}: {field} must be in (0, {MAX_SECONDS:g}] seconds "
-            f"(omit it for none), got {value!r}"
-        )
-    return float(value)
-
-
-def _offsets(name: str, spec: Mapping[str, Any]) -> tuple[float, ...] | None:
-    """``offsets_s``: 1 to ``MAX_WINDOW`` finite offsets in seconds, each within
-    ``MAX_SECONDS`` of the sample's frame, either sign, in the order given."""
-    value = spec.get("offsets_s")
-    if value is None:
-        return None
-    if not isinstance(value, list | tuple):
-        raise KeymapError(
-            f"output key {shown(name)}: offsets_s must be a list of offsets in seconds, "
-            f"got {shown(value)}")
-    if not 1 <= len(value) <= MAX_WINDOW:
-        raise KeymapError(
-            f"output key {shown(name)}: offsets_s must hold 1 to {MAX_WINDOW} offsets, got "
-            f"{len(value)}" + (" (omit it for a single frame)" if not value else ""))
-    for k, o in enumerate(value):
-        if isinstance(o, bool) or not isinstance(o, int | float) or not math.isfinite(o) \
-                or abs(o) > MAX_SECONDS:
-            raise KeymapError(
-                f"output key {shown(name)}: offsets_s[{k}] must be a finite number of seconds "
-                f"in [-{MAX_SECONDS:g}, {MAX_SECONDS:g}], got {shown(o)}")
-    return tuple(float(o) for o in value)
+    f = checked_entry(name, spec)
+    return KeySpec(name=f.name, zarr_key=f.zarr_key, key_type=f.key_type, horizon=f.horizon,
+                   history=f.history, history_stride=f.history_stride or 1,
+                   history_stride_s=f.history_stride_s, lag_s=f.lag_s, offsets_s=f.offsets_s)

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from episerve_proto.contract import IS_PAD_SUFFIX
+from episerve_proto.contract import CAMERA_KEYS, IS_PAD_SUFFIX
 from episerve_server.core.cache import Chunk
 from episerve_server.core.keymap import Keymap, KeySpec, Rule
 from episerve_server.core.result import BatchResult, ImageColumn
@@ -191,7 +191,7 @@ def _masks(keymap: Keymap, windows: dict[str, Window], arrays: dict[str, np.ndar
     if proprio is not None:
         arrays["proprio_history_mask"] = windows[proprio.name].mask.astype(np.float32)  # type: ignore[union-attr]
     for e in keymap:
-        if e.key_type == "camera_keys" and e.rule is Rule.HISTORY:
+        if e.key_type == CAMERA_KEYS and e.rule is Rule.HISTORY:
             arrays[f"{e.name}_mask"] = windows[e.name].mask.astype(np.float32)  # type: ignore[union-attr]
 
 

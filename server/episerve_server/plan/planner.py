@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from episerve_proto.contract import ACTION_KEYS
 from episerve_proto.errors import (
     BrokenEpisodeError,
     DataLossError,
@@ -184,7 +185,7 @@ class Planner:
         for e in keymap:
             if e.rule is Rule.ANNOTATION:
                 continue
-            use_cut = cut if e.key_type == "action_keys" else None
+            use_cut = cut if e.key_type == ACTION_KEYS else None
             out[e.name] = window(e, batch.frame, batch.total, batch.fps, use_cut)
         return out
 

@@ -35,6 +35,7 @@ from episerve_proto.errors import (
     ShortArrayError,
     shown,
 )
+from episerve_proto.keyspec import too_long
 from episerve_server.core.cache import ChunkCache
 from episerve_server.core.keystats import (
     KeyStats,
@@ -418,9 +419,9 @@ def _checked_keys(keys: Sequence[str]) -> list[str]:
         raise LimitExceeded(f"{len(keys)} keys asked for, over the limit of {MAX_KEYS}")
     seen: set[str] = set()
     for key in keys:
-        if len(key) > MAX_NAME_CHARS:
-            raise InvalidArgument(f"key {shown(key)} is {len(key)} characters long, over the "
-                                  f"limit of {MAX_NAME_CHARS}", key=key[:MAX_NAME_CHARS])
+        why = too_long("key", key)
+        if why is not None:
+            raise InvalidArgument(why, key=key[:MAX_NAME_CHARS])
         if key in seen:
             raise InvalidArgument(f"key {key!r} is listed twice", key=key)
         seen.add(key)

@@ -5,14 +5,18 @@ every episode's arrays and features: whether it lacks one of the keymap's zarr k
 first missing one, in keymap order, as the client's own check named it), and, for each JPEG
 zarr key of the keymap, the frame size the episode's ``features`` declare, grouped by size.
 Broken episodes are not checked: the listing already names them with their reason.
+
+This is the only check of a keymap against episodes: building a ``WindowDataset`` asks
+for it through ``RegisterKeymap`` and refuses a daemon that does not make it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from episerve_proto.contract import declared_frame_size, missing_array_reason
+from episerve_proto.contract import did_you_mean
 from episerve_server.core.keymap import Keymap, Rule
 from episerve_server.storage.catalog import Episode
 
@@ -64,3 +68,23 @@ def check_keymap(keymap: Keymap, episodes: Sequence[Episode]) -> KeymapCheck:
             if size is not None:
                 sizes.setdefault((key, *size), []).append(ep.hash)
     return KeymapCheck(len(episodes), problems, sizes)
+
+
+def missing_array_reason(output_key: str, zarr_key: str, arrays: Iterable[str] = ()) -> str:
+    """Why an episode cannot serve a keymap entry whose zarr key it lacks, with the nearest
+    of the episode's ``arrays`` as a "did you mean"."""
+    return (f"output key {output_key!r}: the episode has no array {zarr_key!r}"
+            f"{did_you_mean(zarr_key, sorted(arrays))}")
+
+
+def declared_frame_size(features: Mapping[str, Any], key: str) -> tuple[int, int] | None:
+    """``(H, W)`` of a ``{dtype: jpeg, shape: [H, W, 3]}`` entry of an episode's ``features``;
+    None when the key declares no shape of three positive ints. Reported per episode
+    (``RegisterKeymapResponse.frame_sizes``); the client checks frames against it."""
+    spec = features.get(key)
+    shape = spec.get("shape") if isinstance(spec, Mapping) else None
+    if not isinstance(shape, list | tuple) or len(shape) != 3:
+        return None
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in shape):
+        return None
+    return int(shape[0]), int(shape[1])

@@ -128,7 +128,8 @@ def _feature(name: object, spec: object) -> Feature | None:
     if not isinstance(name, str) or not name or len(name) > 200 or "/" in name:
         raise MetaError(f"{INFO_PATH}: feature name {_shown(name)} must be a plain string")
     if not isinstance(spec, dict):
-        raise MetaError(f"{INFO_PATH}: feature {name!r} must be a mapping, got {_shown(spec)}")
+        raise MetaError(f"{INFO_PATH}: feature {name!r} is not an object of dtype and shape "
+                        f"({_shown(spec)})")
     dtype, shape = spec.get("dtype"), spec.get("shape")
     if dtype not in NUMERIC_DTYPES and dtype != "video":
         return None

@@ -60,7 +60,9 @@ class FallbackReader(ChunkReader):
         self.on_read()
         try:
             rows = await self.array.getitem(slice(first * c, (last + 1) * c))
-        except EpiserveError:
+        except (EpiserveError, OSError, TimeoutError):
+            # A failed store read goes up as the fast paths let it, for the fetcher to
+            # judge (an I/O error of the medium is data loss; anything else is transient).
             raise
         except Exception as exc:
             raise DataLossError(
