@@ -32,6 +32,9 @@ _NUMERIC = frozenset({"float16", "float32", "float64", "int8", "int16", "int32",
                       "uint8", "uint16", "uint32", "uint64", "bool"})
 #: The key under which the daemon serves a LeRobot episode's task texts.
 TASK_KEY = "task"
+#: LeRobot's own bookkeeping columns: left out unless ``features`` names them (each sample
+#: already carries ``frame_index`` and ``episode_hash``, names a keymap may not take).
+BOOKKEEPING = frozenset({"timestamp", "frame_index", "episode_index", "index", "task_index"})
 _MAX_INFO_BYTES = 1 << 20
 
 
@@ -99,7 +102,8 @@ def keymap_from_lerobot(
     ``camera_keys``, features whose name starts with ``action`` are ``action_keys``, every
     other numeric feature is ``proprio_keys``, and ``task`` is the task text
     (``annotation_keys``). ``features`` limits the outputs to those named (default: every
-    numeric and video feature, and ``task``).
+    numeric and video feature but LeRobot's bookkeeping columns ``BOOKKEEPING``, and
+    ``task``).
 
     >>> km = keymap_from_lerobot(
     ...     {"fps": 10, "features": {"action": {"dtype": "float32", "shape": [2]},
@@ -123,7 +127,9 @@ def keymap_from_lerobot(
         elif dtype in _NUMERIC:
             keys[name] = (name, ACTION_KEYS if name.startswith("action") else PROPRIO_KEYS)
     keys[TASK_KEY] = (TASK_KEY, ANNOTATION_KEYS)
-    if features is not None:
+    if features is None:
+        keys = {n: k for n, k in keys.items() if n not in BOOKKEEPING}
+    else:
         wanted = list(features)
         for name in wanted:
             if name not in keys:

@@ -23,6 +23,10 @@ def test_the_keymap_follows_the_datasets_features(tmp_path: Path) -> None:
     assert km["observation.state"] == {"zarr_key": "observation.state",
                                        "key_type": "proprio_keys"}
     assert km["task"] == {"zarr_key": "task", "key_type": "annotation_keys"}
+    # LeRobot's bookkeeping columns (timestamp, frame_index, ...) are left out: a keymap may
+    # not name an output frame_index, and each sample carries its own
+    assert set(km) == {"action", "observation.images.top", "observation.images.wrist",
+                       "observation.state", "task"}
     assert set(keymap_from_lerobot(root, features=["action", "task"])) == {"action", "task"}
 
 
