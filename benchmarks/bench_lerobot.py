@@ -32,6 +32,9 @@ from torch.utils.data import DataLoader, Dataset
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from common import table
 
 from episerve_client import Client, WindowDataset, collate, keymap_from_lerobot
 from episerve_tools.launch import DaemonProcess
@@ -138,12 +141,10 @@ def main() -> None:
     a = p.parse_args()
     h, w = (int(x) for x in a.size.split("x"))
     rng = np.random.default_rng(0)
-    print(f"{a.episodes} episodes x {a.length} frames, {h}x{w} h264 (keyframe every 2), "
-          f"{WORKERS} workers, batch {BATCH}, 2 obs frames, 16 actions, episerve frames "
-          f"{a.frames}")
-    print(f"{'cameras':>8} {'pass':>5} {'episerve/s':>11} {'baseline/s':>11} {'ratio':>6} "
-          f"{'decoded/sample':>15}")
-    label = ""
+    caption = (f"{a.episodes} episodes x {a.length} frames, {h}x{w} h264 (keyframe every "
+               f"2), {WORKERS} workers, batch {BATCH}, 2 obs frames, 16 actions, episerve "
+               f"frames {a.frames}")
+    label, rows = "", []
     with tempfile.TemporaryDirectory() as tmp:
         for n_cams in (1, 2):
             cams = CAMERAS[:n_cams]
@@ -166,8 +167,12 @@ def main() -> None:
                         decoded = c.stats().get("video_frames_decoded", 0) - before
                     theirs_s = run(theirs, order, None)
                     per = decoded / len(order)
-                    print(f"{n_cams:>8} {pass_:>5} {ours_s:>11.0f} {theirs_s:>11.0f} "
-                          f"{ours_s / theirs_s:>5.1f}x {per:>15.2f}")
+                    rows.append((f"{n_cams} {pass_}", f"{ours_s:.0f}", f"{theirs_s:.0f}",
+                                 f"{ours_s / theirs_s:.1f}x", f"{per:.2f}"))
+                    print(*rows[-1], flush=True)
+    print(caption)
+    print(table(rows, ("cameras, pass", "episerve samples/s", "baseline samples/s", "ratio",
+                       "frames decoded per sample")))
     print(f"baseline: {label}")
 
 

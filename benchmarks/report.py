@@ -140,8 +140,10 @@ def load(results: Path, names: Sequence[str]) -> list[dict[str, Any]]:
     return out
 
 
-def render(runs: Sequence[dict[str, Any]], charts_dir: str = "charts") -> str:
-    """``docs/PERFORMANCE.md`` for ``runs`` (one results dict per benchmark)."""
+def render(runs: Sequence[dict[str, Any]], charts_dir: str = "charts",
+           missing: Sequence[str] = ()) -> str:
+    """``docs/PERFORMANCE.md`` for ``runs`` (one results dict per benchmark); ``missing``
+    names the benchmarks of the suite that have no results yet."""
     commits = sorted({r["commit"] for r in runs})
     machine = runs[0]["machine"] if runs else {}
     out = ["# Performance", "",
@@ -161,6 +163,8 @@ def render(runs: Sequence[dict[str, Any]], charts_dir: str = "charts") -> str:
         out.append(f"| [{r['title']}](#{_anchor(r['title'])}) | {state} | "
                    f"{r['seconds']:.0f} | {r['load_before']:.2f} / {r['load_after']:.2f} |")
     out.append("")
+    if missing:
+        out += [f"Not run yet: {', '.join(missing)} (`python -m benchmarks --only ...`).", ""]
     for r in runs:
         out += [f"## {r['title']}", "", r["about"], "",
                 f"`{r['command']}` (ran {r['started']}, {r['seconds']:.0f} s, load average "

@@ -93,6 +93,8 @@ def test_the_runner_keeps_a_run_and_writes_the_page(tmp_path: Path) -> None:
     assert "## A fake benchmark" in page and "| a | 1.5 |" in page and "- target: met" in page
     assert "![A fake benchmark](charts/fake_ms.png)" in page
     assert "**failed** (exit 1)" in page and "no dataset here" in page
+    assert "Not run yet" not in page  # both ran
+    assert "Not run yet: B, C" in report.render([], missing=["B", "C"])
 
 
 def test_an_unknown_benchmark_name_is_refused_naming_the_suite() -> None:
