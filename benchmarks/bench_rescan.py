@@ -36,8 +36,12 @@ from episerve_tools.launch import DaemonProcess
 def replicate(base: Path, root: Path, n: int) -> None:
     """``n`` episodes under ``root``, hard-linked from the episodes of ``base``."""
     sources = sorted(base.glob("*.zarr"))
-    if not sources:
-        raise SystemExit(f"no episodes under {base}: write them with episerve make-dataset")
+    if not sources:  # the base of the docstring, written once
+        from episerve_tools.synth.writer import make_dataset
+
+        print(f"writing the base episodes under {base}", flush=True)
+        make_dataset(base, episodes=100, min_frames=30, max_frames=60, seed=1)
+        sources = sorted(base.glob("*.zarr"))
     root.mkdir(parents=True, exist_ok=True)
     for k in range(n):
         src = sources[k % len(sources)]
