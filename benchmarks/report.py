@@ -43,6 +43,15 @@ def number(cell: str) -> float | None:
     return float(m.group().replace(",", "")) if m else None
 
 
+def progress(line: str) -> bool:
+    """A benchmark's progress line (a printed tuple or dict, or words and a number), which
+    is neither a table's caption nor one of its notes."""
+    text = line.strip()
+    if text.startswith(("(", "{", "[")):
+        return True
+    return not any(c in text for c in ":;,") and bool(re.search(r"\d[\d.]*x?$", text))
+
+
 def _cells(line: str) -> list[str]:
     return [c.strip() for c in line.strip().strip("|").split("|")]
 
@@ -60,7 +69,10 @@ def parse(stdout: str) -> list[Table]:
             j = i + 2
             while j < len(lines) and lines[j].startswith("|"):
                 j += 1
-            caption = lines[i - 1].strip() if i > 0 and not lines[i - 1].startswith("|") else ""
+            k = i - 1
+            while k >= 0 and lines[k].strip() and progress(lines[k]):
+                k -= 1
+            caption = lines[k].strip() if k >= 0 and not lines[k].startswith("|") else ""
             tables.append(Table(caption, _cells(lines[i]), [_cells(x) for x in lines[i + 2:j]]))
             starts.append(j)
             i = j
@@ -69,8 +81,11 @@ def parse(stdout: str) -> list[Table]:
     for n, (t, end) in enumerate(zip(tables, starts, strict=True)):
         stop = len(lines)
         if n + 1 < len(tables):  # the next table's caption is not a note of this one
-            stop = _header_line(lines, end, tables[n + 1]) - (1 if tables[n + 1].caption else 0)
-        t.notes = [x.strip() for x in lines[end:stop] if x.strip()]
+            stop = _header_line(lines, end, tables[n + 1])
+        t.notes = [x.strip() for x in lines[end:stop]
+                   if x.strip() and not progress(x) and x.strip() != tables[n + 1].caption
+                   ] if n + 1 < len(tables) else [x.strip() for x in lines[end:stop]
+                                                  if x.strip() and not progress(x)]
     return tables
 
 
@@ -167,13 +182,14 @@ def render(runs: Sequence[dict[str, Any]], charts_dir: str = "charts",
         out += [f"Not run yet: {', '.join(missing)} (`python -m benchmarks --only ...`).", ""]
     for r in runs:
         out += [f"## {r['title']}", "", r["about"], "",
-                f"`{r['command']}` (ran {r['started']}, {r['seconds']:.0f} s, load average "
-                f"{r['load_before']:.2f} before, {r['load_after']:.2f} after)", ""]
+                f"`{r['command']}` (commit `{r['commit']}`, ran {r['started']}, "
+                f"{r['seconds']:.0f} s, load average {r['load_before']:.2f} before, "
+                f"{r['load_after']:.2f} after)", ""]
         if r["returncode"] != 0:
             out += [f"It failed with exit code {r['returncode']}; the end of its output:", "",
                     "```", *r["stdout"].splitlines()[-15:], *r["stderr"].splitlines()[-15:],
                     "```", ""]
-        for t in (Table(**t) for t in r["tables"]):
+        for t in parse(r["stdout"]):  # parsed again: the parser may have learnt since
             if t.caption:
                 out += [t.caption, ""]
             out += [t.markdown(), ""]

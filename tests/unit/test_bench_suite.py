@@ -27,7 +27,10 @@ STDOUT = "\n".join([
     table([("numeric", "1,200", "0.41x"), ("camera", "900.5", "0.38x")],
           ("keymap", "samples/s", "ratio")),
     "target: local at most 0.5x: met",
+    "{'per round': ['1/2']}",  # progress dumps: neither notes nor captions
     "DataLoader: 2 workers",
+    "('numeric', 'local', '12')",
+    "numeric local 5336",
     table([("numeric", "10", "20")], ("keymap", "gRPC samples/s", "local samples/s")),
     "",
 ])
