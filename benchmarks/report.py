@@ -162,16 +162,17 @@ def render(runs: Sequence[dict[str, Any]], charts_dir: str = "charts",
     commits = sorted({r["commit"] for r in runs})
     machine = runs[0]["machine"] if runs else {}
     out = ["# Performance", "",
-           "Every figure on this page comes from one run of `make bench` (`python -m "
-           "benchmarks`), which runs each benchmark below in turn, keeps what it printed in "
-           "`benchmarks/results/<name>.json` and draws the charts. Figures of earlier runs are "
-           "in the CHANGELOG.", "",
+           "Every figure on this page comes from `make bench` (`python -m benchmarks`), which "
+           "runs each benchmark below in turn, keeps what it printed in "
+           "`benchmarks/results/<name>.json` and draws the charts; `--only` re-runs some, so "
+           "each section names the commit and the time it ran on. One run per table; figures "
+           "of earlier runs are in the CHANGELOG.", "",
            f"- commit: {', '.join(f'`{c}`' for c in commits) or 'none'}",
            f"- machine: {machine.get('cores', '?')} cores ({machine.get('cpu', '?')}), "
            f"{machine.get('memory_gib', '?')} GiB; other work may share it, so each "
            "benchmark gives the load average before and after it ran",
-           f"- run: {runs[0]['started'] if runs else '-'} to "
-           f"{runs[-1]['finished'] if runs else '-'}", ""]
+           f"- run: {min(r['started'] for r in runs) if runs else '-'} to "
+           f"{max(r['finished'] for r in runs) if runs else '-'}", ""]
     out += ["| benchmark | result | seconds | load before / after |", "|---|---|---|---|"]
     for r in runs:
         state = "ok" if r["returncode"] == 0 else f"**failed** (exit {r['returncode']})"

@@ -43,11 +43,6 @@ def load_all(target: str, root: str) -> dict[str, Any]:
     return runs
 
 
-def pad_rule(length: int, frame: int, offsets: list[float]) -> tuple[list[int], list[bool]]:
-    raw = [frame + round(o * lr.FPS) for o in offsets]
-    return [min(max(r, 0), length - 1) for r in raw], [not 0 <= r < length for r in raw]
-
-
 def test_a_lerobot_root_reads_through_window_dataset(root: Path, tmp_path: Path) -> None:
     """Numbers and ``_is_pad`` by LeRobot's rule, frames equal to PyAV's decode (uint8, and
     float32 as ``uint8 / 255``), two cameras, tasks, several episodes per file."""
@@ -67,18 +62,15 @@ def check(root: Path, frames: str, got: dict[str, Any]) -> None:
             merged.setdefault(k, []).append(v)
     out = {k: np.concatenate(v) if isinstance(v[0], np.ndarray) else [x for p in v for x in p]
            for k, v in merged.items()}
-    truth = {(cam, f): lr.decoded_frames(root / lr.VIDEO_PATH.format(
-        video_key=cam, chunk_index=0, file_index=f)) for cam in layout.cameras for f in (0, 1)}
+    truth = lr.videos(root, layout)
     for b, (name, frame) in enumerate(located):
-        ep = int(name.split("_")[1])
-        length, file = layout.lengths[ep], ep // layout.per_file
-        start_s = sum(layout.lengths[e] for e in range(file * 2, ep)) / lr.FPS
+        ep, length, file, start_s = lr.place(layout, name)
         for key, value in (("observation.state", lr.state_value), ("action", lr.action_value)):
-            rows, pad = pad_rule(length, frame, DELTA[key])
+            rows, pad = lr.window(length, frame, DELTA[key])
             want = np.stack([value(ep, r) for r in rows])
             assert np.array_equal(out[key][b], want), (name, frame, key)
             assert out[f"{key}_is_pad"][b].tolist() == pad, (name, frame, key)
-        rows, pad = pad_rule(length, frame, DELTA["observation.images.top"])
+        rows, pad = lr.window(length, frame, DELTA["observation.images.top"])
         assert out["observation.images.top_is_pad"][b].tolist() == pad
         for k, r in enumerate(rows):
             want = truth[layout.cameras[0], file][round(start_s + r / lr.FPS, 6)]

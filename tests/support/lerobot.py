@@ -177,3 +177,26 @@ def decoded_frames(path: Path) -> dict[float, np.ndarray]:
     with av.open(str(path)) as container:
         return {round(float(f.time), 6): f.to_ndarray(format="rgb24")
                 for f in container.decode(container.streams.video[0])}
+
+
+# -- what a sample must hold (LeRobot's own rule, written out) --------------------------------
+
+def window(length: int, frame: int, offsets: Sequence[float]) -> tuple[list[int], list[bool]]:
+    """LeRobot's rule: frame + round(o * fps), clamped into the episode; padded outside."""
+    raw = [frame + round(o * FPS) for o in offsets]
+    return [min(max(r, 0), length - 1) for r in raw], [not 0 <= r < length for r in raw]
+
+
+def place(layout: Layout, name: str) -> tuple[int, int, int, float]:
+    """Episode ``name``'s index, length, data/video file, and start time in that file."""
+    ep = int(name.split("_")[1])
+    file = ep // layout.per_file
+    start_s = sum(layout.lengths[e] for e in range(file * layout.per_file, ep)) / FPS
+    return ep, layout.lengths[ep], file, start_s
+
+
+def videos(root: Path, layout: Layout) -> dict[tuple[str, int], dict[float, np.ndarray]]:
+    """Every camera's decoded frames per video file, by timestamp."""
+    files = range((len(layout.lengths) + layout.per_file - 1) // layout.per_file)
+    return {(cam, f): decoded_frames(root / VIDEO_PATH.format(
+        video_key=cam, chunk_index=0, file_index=f)) for cam in layout.cameras for f in files}

@@ -50,12 +50,6 @@ def samples() -> list[tuple[str, int]]:
     return [(f"episode_{e:06d}", f) for e, n in enumerate(LAYOUT.lengths) for f in range(n)]
 
 
-def lerobot_rows(length: int, frame: int, offsets: list[float]) -> tuple[list[int], list[bool]]:
-    """LeRobot's rule: frame + round(o * fps), clamped into the episode; padded outside."""
-    raw = [frame + round(o * lr.FPS) for o in offsets]
-    return [min(max(r, 0), length - 1) for r in raw], [not 0 <= r < length for r in raw]
-
-
 def frame_of(result: Any, name: str, b: int, k: int) -> np.ndarray:
     column = result.images[name]
     data = result.frames[column.source][int(column.index[b, k])]
@@ -72,19 +66,16 @@ def test_every_sample_matches_lerobots_rule_and_pyav(root: Path,
     assert served.catalog.broken_listing() == {}
     everything = samples()
     result = served.read(KEYMAP, everything, all_masks=True)
-    truth = {(cam, f): lr.decoded_frames(root / lr.VIDEO_PATH.format(
-        video_key=cam, chunk_index=0, file_index=f)) for cam in LAYOUT.cameras for f in (0, 1)}
+    truth = lr.videos(root, LAYOUT)
     for b, (name, frame) in enumerate(everything):
-        ep = int(name.split("_")[1])
-        length, file = LAYOUT.lengths[ep], ep // LAYOUT.per_file
-        start_s = sum(LAYOUT.lengths[e] for e in range(file * 2, ep)) / lr.FPS
+        ep, length, file, start_s = lr.place(LAYOUT, name)
         for out, value in (("observation.state", lr.state_value), ("action", lr.action_value)):
-            rows, pad = lerobot_rows(length, frame, OFFSETS[out])
+            rows, pad = lr.window(length, frame, OFFSETS[out])
             want = np.stack([value(ep, r) for r in rows])
             assert np.array_equal(result.arrays[out][b].view(np.uint32), want.view(np.uint32))
             assert result.arrays[f"{out}_is_pad"][b].tolist() == pad, (name, frame, out)
         for out, cam in (("top", LAYOUT.cameras[0]), ("wrist", LAYOUT.cameras[1])):
-            rows, pad = lerobot_rows(length, frame, OFFSETS[cam])
+            rows, pad = lr.window(length, frame, OFFSETS[cam])
             assert result.arrays[f"{out}_is_pad"][b].tolist() == pad
             for k, r in enumerate(rows):
                 want = truth[cam, file][round(start_s + r / lr.FPS, 6)]
