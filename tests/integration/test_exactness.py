@@ -91,14 +91,15 @@ def test_sigkill_and_restart_mid_epoch(transport: str, root: Path, clean: Run, t
             sup.wait_restarts(1)
 
         run = run_epoch(sup.target, tmp_path / "out", EPOCH, inject=inject, rng=rng)
+        with Client(sup.target, transport="grpc", timeout_s=30) as client:
+            served_after = client.stats()["read_rpcs"]  # by the restarted daemon alone
     finally:
         sup.close()
     assert_identical(clean, run, f"SIGKILL + restart ({transport})")
     assert len(sup.restarts) == 1
-    # The workers met the outage: over gRPC a call waits through the restart itself
-    # (wait_for_ready), a pause of the restart delay at least; over the local plane it is
-    # retried with backoff, and batches prefetched before the fault may hide the pause.
-    assert run.retries > 0 or run.pause_s() >= 1.0, (run.retries, run.pause_s())
+    # The epoch went on through the restarted daemon (the pause itself can be hidden by the
+    # batches the workers had prefetched before the kill, so it is not a measure of that).
+    assert served_after > 0, served_after
 
 
 # -- the daemon paused --------------------------------------------------------------------
