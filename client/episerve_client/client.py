@@ -149,7 +149,7 @@ class Client(BaseClient):
                     out.append(plane.call(call.method, call.payload, call.timeout_s,
                                           self.adopt_segment))
                 elif fut is not None:
-                    out.append(fut() if isinstance(fut, functools.partial) else fut.result())
+                    out.append(fut())
                 self.answered.add(call.target)
             except grpc.RpcError as exc:
                 out.append(from_rpc_error(exc, call.target))
@@ -169,12 +169,13 @@ class Client(BaseClient):
         return plane
 
     def _send(self, stub: Any, call: Call, parallel: bool) -> Any:
-        """A future for calls to several targets at once; else the call itself, to be made
-        in this thread (a future's helper thread inside gRPC ends only once answered)."""
+        """What gives the call's answer when called: for calls to several targets at once,
+        the ``result`` of a future started now; else the call itself, made in this thread
+        when asked (a future's helper thread inside gRPC ends only once answered)."""
         options = {"timeout": max(call.timeout_s, 0.001), "metadata": self.metadata(),
                    "wait_for_ready": self.waits_for_ready(call.target)}
         if parallel:
-            return stub.future(call.payload, **options)
+            return stub.future(call.payload, **options).result
         return functools.partial(stub, call.payload, **options)
 
     def _stub(self, call: Call) -> Any:
