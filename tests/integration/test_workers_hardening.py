@@ -275,6 +275,59 @@ def test_the_client_splits_a_batch_the_front_refuses(limited: dict[int, DaemonPr
         assert_same_sample(sample_of(result, b), want, (b, episode, frame))
 
 
+#: 1,000 rows x 63 float32 = 252 kB a sample; 2 x 30 samples: a 15.1 MB answer.
+WIDE = {"k": {"zarr_key": "left.obs_keypoints", "key_type": "proprio_keys", "horizon": 1000}}
+WIDE_HALVES = [(OWNED_BY_1, f) for f in range(30)] + [(OWNED_BY_0, f) for f in range(30)]
+
+
+@pytest.fixture
+def budgeted(ramp_roots: dict[str, Path], tmp_path: Path) -> Iterator[DaemonProcess]:
+    """A two-worker daemon whose front may hold 48 MiB of answers: one 15 MB merged answer
+    (its parts, the merge's copies and gRPC's) takes more than that, so one at a time."""
+    d = DaemonProcess(ramp_roots["sharded"], "--rescan-s", "0", "--max-response-bytes",
+                      str(16 * 2**20), "--max-buffered-bytes", str(48 * 2**20),
+                      unix=tmp_path / "b.sock", workers=2)
+    yield d
+    d.stop(timeout_s=30)
+
+
+def _worker_reads(target: str) -> int:
+    counters = pb.GetStatsResponse.FromString(_raw(target, "GetStats", b"")).counters
+    return int(counters["read_rpcs"])
+
+
+def test_reads_through_the_front_are_refused_before_their_parts_are_asked_for(
+        budgeted: DaemonProcess) -> None:
+    """Four 15 MB reads at once through the front, each under the response limit but more
+    than the buffer budget allows beside another: the first is served, and a read that
+    does not fit beside what the front holds is refused before any worker reads for it.
+    Before, each read's parts were fetched and held first (the front's RSS peaked at
+    493 MiB for 62 MB answers) and then all four were refused."""
+    request = convert.read_request(WIDE_HALVES, keymap=WIDE)
+    before = _worker_reads(budgeted.target)
+
+    def one(_: int) -> str:
+        with grpc.insecure_channel(budgeted.target, options=(
+                ("grpc.max_receive_message_length", 64 * 2**20),)) as ch:
+            try:
+                data = ch.unary_unary(SERVICE_PATH + "Read")(request, timeout=60)
+            except grpc.RpcError as exc:
+                return str(dict(exc.trailing_metadata() or ()).get(ERROR_TRAILER, exc))
+        assert len(convert.read_result(data)) == len(WIDE_HALVES)
+        return "OK"
+
+    with futures.ThreadPoolExecutor(4) as pool:
+        outcomes = list(pool.map(one, range(4)))
+    served = outcomes.count("OK")
+    assert served >= 1, outcomes
+    assert sorted(set(outcomes) - {"OK"}) in ([], ["Overloaded"]), outcomes
+    # Two parts for each read served; nothing asked of a worker for a refused one (the
+    # GetStats calls themselves are not reads).
+    assert _worker_reads(budgeted.target) - before == 2 * served, outcomes
+    # The front knows the size of this kind of answer now: alone, a read is served.
+    assert one(0) == "OK"
+
+
 # -- 6. hung and restarted workers ---------------------------------------------------------
 
 

@@ -235,15 +235,34 @@ def test_split_read_of_one_owner_forwards_the_request_as_it_is() -> None:
 
 def test_the_fronts_limits_on_a_forwarded_read() -> None:
     req = pb.ReadRequest(keymap_id="km", episodes=["a"], frames=[3], all_masks=True)
-    assert forward.response_limit(req.SerializeToString(), 1000) == 1000  # 0: the daemon's
+    facts = forward.read_facts(req.SerializeToString(), 1000)
+    assert (facts.samples, facts.limit) == (1, 1000)  # 0: the daemon's
     req.max_response_bytes = 200
-    assert forward.response_limit(req.SerializeToString(), 1000) == 200
-    assert forward.response_limit(req.SerializeToString(), 100) == 100
+    assert forward.read_facts(req.SerializeToString(), 1000).limit == 200
+    assert forward.read_facts(req.SerializeToString(), 100).limit == 100
     for share, want in ((500, 500), (0, 1)):  # never 0, which would mean "no limit"
         sub = pb.ReadRequest.FromString(forward.limited_read(req.SerializeToString(), share))
         assert sub.max_response_bytes == want
         assert (sub.keymap_id, list(sub.episodes), list(sub.frames), sub.all_masks) \
             == ("km", ["a"], [3], True)
+
+
+def test_answers_of_one_size_have_one_size_key() -> None:
+    """The key the front remembers answer sizes by: the keymap (its id, or the inline
+    keymap's content) and the options that change the answer, not the samples."""
+    def key(**fields: object) -> bytes:
+        return forward.read_facts(pb.ReadRequest(**fields).SerializeToString(), 1).size_key
+
+    base = key(keymap_id="km", episodes=["a"], frames=[3])
+    assert key(keymap_id="km", episodes=["b", "c"], frames=[0, 9]) == base
+    assert key(keymap_id="km", episodes=["a"], frames=[3], max_response_bytes=5) == base
+    assert key(keymap_id="other", episodes=["a"], frames=[3]) != base
+    assert key(keymap_id="km", episodes=["a"], frames=[3], all_masks=True) != base
+    assert key(keymap_id="km", episodes=["a"], frames=[3], annotation_cutoff=True) != base
+    one = pb.Keymap(entries=[pb.KeySpec(name="x", zarr_key="obs")])
+    two = pb.Keymap(entries=[pb.KeySpec(name="x", zarr_key="act")])
+    assert key(keymap=one) == key(keymap=one) != key(keymap=two)
+    assert key(keymap=one) != base
 
 
 def test_merge_read_responses_puts_rows_back_in_request_order() -> None:

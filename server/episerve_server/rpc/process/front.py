@@ -7,7 +7,9 @@ The front reads nothing itself. It starts the workers (``rpc/process/workers.py`
 - ``Read`` for clients that do not route (grpcurl, older clients, clients that cannot reach
   the workers' sockets): split by owner, forwarded in parallel with the caller's deadline,
   each part with its share of the response limit (so an answer over it is refused before
-  it is built), merged in request order within the response buffers' budget;
+  it is built), merged in request order within the response buffers' budget. That budget
+  is reserved before the parts are asked for, from the size per sample of the latest
+  answer of the same keymap and options; the first read of its kind goes alone;
 - ``RegisterKeymap`` on every worker, remembered and replayed to a worker restarted after
   a crash; ``GetStats`` summed over the workers that serve; ``ListEpisodes`` (and any
   other read-only call) from worker 0, which opens every episode;
@@ -54,6 +56,8 @@ DEFAULT_FORWARD_S = 120.0
 #: bytes and the encoded answer (measured: one 62 MB answer took the front's RSS up by
 #: ~380 MiB with the parts and gRPC's own copies).
 MERGE_COPIES = 3
+#: Keymaps (with their options) whose answer size the front remembers.
+SIZES_KEPT = 1024
 #: Calls the front answers from worker 0 as they are.
 PASSED_THROUGH = ("ListEpisodes", "GetKeyStats")
 
@@ -75,6 +79,11 @@ class FrontService:
         self.registered: OrderedDict[bytes, None] = OrderedDict()
         self.registered_bytes = 0
         pool.on_restart = self.replay_keymaps
+        # The latest answer's bytes per sample, by keymap and options (``ReadFacts.size_key``):
+        # a Read's buffer space is reserved from it before its parts are asked for.
+        self._sizes: OrderedDict[bytes, int] = OrderedDict()
+        # Reads of a kind whose size is not known yet go one at a time (``_learner``).
+        self._learning: dict[bytes, asyncio.Event] = {}
 
     def handlers(self) -> grpc.GenericRpcHandler:
         methods: dict[str, Callable[..., Any]] = {
@@ -158,38 +167,60 @@ class FrontService:
         peer = context.peer() or ""
         self.buffers.check(peer)
         self.inflight += 1
-        reserved: list[Callable[[object], None]] = []
-
-        def reserve(nbytes: int) -> None:
-            reserved.append(self.buffers.reserve(peer, nbytes))
-
+        held = _Held(self.buffers, peer)
+        learning: asyncio.Event | None = None
         try:
             parts = forward.split_read(request, self._owner, self.limits)
-            limit = self.config.max_response_bytes
-            if len(parts) > 1:
-                limit = forward.response_limit(request, limit)
+            facts = forward.read_facts(request, self.config.max_response_bytes)
             del request
-            replies = await self._forward(parts, _timeout(context), limit, reserve)
+            copies = 1 + MERGE_COPIES if len(parts) > 1 else 1
+            learning = await self._learner(facts.size_key)
+            if learning is None:  # refused here if over the budget, before any part is asked
+                held.grow_to(copies * self._sizes[facts.size_key] * facts.samples)
+            limit = facts.limit if len(parts) > 1 else self.config.max_response_bytes
+            replies = await self._forward(parts, _timeout(context), limit, held.add)
             pieces = [(idx, data) for (_, idx, _), data in zip(parts, replies)]
             del replies
             n = sum(len(idx) for idx, _ in pieces)
+            size = sum(len(d) for _, d in pieces)
+            self._learn(facts.size_key, size // max(1, n) + 1)
             if len(pieces) > 1:  # the merge's copies, beside the parts
-                reserve(MERGE_COPIES * sum(len(d) for _, d in pieces))
-            if sum(len(d) for _, d in pieces) >= OFFLOAD_ENCODE_BYTES and len(pieces) > 1:
+                held.grow_to(copies * size)
+            if size >= OFFLOAD_ENCODE_BYTES and len(pieces) > 1:
                 data = await asyncio.to_thread(forward.merge_read_responses, pieces, n)
             else:
                 data = forward.merge_read_responses(pieces, n)
             del pieces
         finally:
             self.inflight -= 1
-            for release in reserved:
-                release(None)
+            held.release()
+            if learning is not None:
+                if self._learning.get(facts.size_key) is learning:
+                    del self._learning[facts.size_key]
+                learning.set()
         self.buffers.admit(peer, len(data))
         context.add_done_callback(self.buffers.hold(peer, len(data)))
         if self.on_batch is not None:
             self.on_batch(n)
         return data
 
+    async def _learner(self, key: bytes) -> asyncio.Event | None:
+        """None once answers of this kind have a known size. Until then such reads go one
+        at a time: the one that goes gets the event to set when it is done; the others wait
+        for it (and one of them goes next if it learned nothing, a failed read)."""
+        while key not in self._sizes:
+            busy = self._learning.get(key)
+            if busy is None:
+                self._learning[key] = done = asyncio.Event()
+                return done
+            await busy.wait()
+        return None
+
+    def _learn(self, key: bytes, per_sample: int) -> None:
+        self._sizes.pop(key, None)
+        self._sizes[key] = per_sample
+        while len(self._sizes) > SIZES_KEPT:
+            self._sizes.popitem(last=False)
 
     async def _forward(self, parts: list[tuple[int, list[int], bytes]], timeout_s: float,
                        limit: int, reserve: Callable[[int], None]) -> list[bytes]:
@@ -236,6 +267,37 @@ class FrontService:
             reserve(len(data))
             first[k] = data
         return [got for got in first if isinstance(got, bytes)]
+
+
+class _Held:
+    """The response-buffer space one forwarded Read holds until its answer is handed over:
+    reserved ahead from the size its kind of answer had last time, then grown to what its
+    parts and their merge really take. Growing re-reserves the whole (the read's own space
+    never counts against it), so a read alone is always admitted, as in one process."""
+
+    def __init__(self, buffers: ResponseBuffers, peer: str) -> None:
+        self.buffers, self.peer = buffers, peer
+        self.reserved = 0
+        self.needed = 0
+        self._release: Callable[[object], None] | None = None
+
+    def add(self, nbytes: int) -> None:
+        """Count ``nbytes`` more that have arrived (a part)."""
+        self.needed += nbytes
+        self.grow_to(self.needed)
+
+    def grow_to(self, nbytes: int) -> None:
+        if nbytes <= self.reserved:
+            return
+        self.release()
+        self._release = self.buffers.reserve(self.peer, nbytes)  # may refuse: Overloaded
+        self.reserved = nbytes
+
+    def release(self) -> None:
+        if self._release is not None:
+            self._release(None)
+            self._release = None
+        self.reserved = 0
 
 
 def _pass_through(front: FrontService, method: str) -> Callable[..., Any]:

@@ -7,7 +7,9 @@ routes and merges by; here they run on protobuf messages.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -53,10 +55,23 @@ def split_read(data: bytes, owner: Callable[[str], int],
     return out
 
 
-def response_limit(data: bytes, limit: int) -> int:
-    """The byte limit of a Read's whole answer: the daemon's, or the request's if lower."""
+@dataclass(frozen=True, slots=True)
+class ReadFacts:
+    """What the front needs of a Read before forwarding it."""
+
+    samples: int
+    limit: int  # the byte limit of the whole answer: the daemon's, or the request's if lower
+    size_key: bytes  # what the answer's size per sample depends on: the keymap and options
+
+
+def read_facts(data: bytes, limit: int) -> ReadFacts:
     req = parse_message(pb.ReadRequest(), data, "Read")
-    return min(limit, req.max_response_bytes) if req.max_response_bytes > 0 else limit
+    if req.max_response_bytes > 0:
+        limit = min(limit, req.max_response_bytes)
+    ref = (b"i" + req.keymap_id.encode() if req.WhichOneof("keymap_ref") == "keymap_id"
+           else b"k" + hashlib.blake2b(req.keymap.SerializeToString(deterministic=True),
+                                       digest_size=16).digest())
+    return ReadFacts(len(req.episodes), limit, bytes([req.all_masks, req.annotation_cutoff]) + ref)
 
 
 def limited_read(data: bytes, max_response_bytes: int) -> bytes:
