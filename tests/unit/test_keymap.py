@@ -479,6 +479,33 @@ def test_reads_arriving_together_are_refused_before_the_work() -> None:
     buffers.reserve(peer, 15)
 
 
+def test_a_growing_reservation_never_counts_against_itself() -> None:
+    """The front's reservation: grown as a response's size becomes known, re-reserved as a
+    whole, so alone it is always admitted, beside others it is refused, and released once."""
+    from episerve_server.rpc.handlers.buffers import HELD_COPIES as K
+    from episerve_server.rpc.handlers.buffers import Reservation, ResponseBuffers
+
+    buffers = ResponseBuffers(max_bytes=100 * K, max_per_peer=1000 * K)
+    alone = Reservation(buffers, "unix:")
+    alone.grow_to(60)
+    alone.add(30)  # within what is reserved: nothing changes
+    assert (alone.reserved, buffers.total) == (60, 60 * K)
+    alone.grow_to(150)  # over the whole budget, but nothing else is held
+    assert buffers.total == 150 * K
+    alone.release()
+    other = Reservation(buffers, "unix:")
+    other.add(50)
+    second = Reservation(buffers, "unix:")
+    with pytest.raises(Overloaded, match="--max-buffered-bytes"):
+        second.grow_to(60)  # 50 + 60 > 100
+    assert second.reserved == 0 and buffers.total == 50 * K
+    other.add(40)  # 90 in all, its own 50 not counted twice
+    assert buffers.total == 90 * K
+    other.release()
+    other.release()
+    assert buffers.total == 0 and buffers.by_peer == {}
+
+
 def test_the_end_of_a_burst_of_held_responses_gives_the_heap_back_once() -> None:
     """``on_drained`` runs when the bytes held fall to a quarter of a peak of 64 MiB or
     more (a stuck client let go), once per burst; small peaks never trigger it."""

@@ -122,3 +122,34 @@ class ResponseBuffers:
                 self._latest.pop(peer, None)
 
         return release
+
+
+class Reservation:
+    """The space one response holds in the buffers while it is built, grown as it becomes
+    known (the front: from the size its kind of answer had last time, then to what its
+    parts and their merge really take). Growing re-reserves the whole, so the response's
+    own space never counts against it: a response alone is always admitted."""
+
+    def __init__(self, buffers: ResponseBuffers, peer: str) -> None:
+        self.buffers, self.peer = buffers, peer
+        self.reserved = 0
+        self.needed = 0
+        self._release: Callable[[object], None] | None = None
+
+    def add(self, nbytes: int) -> None:
+        """Count ``nbytes`` more that have arrived (a part)."""
+        self.needed += nbytes
+        self.grow_to(self.needed)
+
+    def grow_to(self, nbytes: int) -> None:
+        if nbytes <= self.reserved:
+            return
+        self.release()
+        self._release = self.buffers.reserve(self.peer, nbytes)  # may refuse: Overloaded
+        self.reserved = nbytes
+
+    def release(self) -> None:
+        if self._release is not None:
+            self._release(None)
+            self._release = None
+        self.reserved = 0

@@ -40,7 +40,7 @@ from episerve_proto.errors import Overloaded, ResponseTooLarge, Unavailable
 from episerve_server import preflight
 from episerve_server.config import ServerConfig
 from episerve_server.plan.planner import too_big
-from episerve_server.rpc.handlers.buffers import ResponseBuffers
+from episerve_server.rpc.handlers.buffers import Reservation, ResponseBuffers
 from episerve_server.rpc.handlers.service import OFFLOAD_ENCODE_BYTES
 from episerve_server.rpc.handlers.status import rpc_method
 from episerve_server.rpc.process import server
@@ -167,7 +167,7 @@ class FrontService:
         peer = context.peer() or ""
         self.buffers.check(peer)
         self.inflight += 1
-        held = _Held(self.buffers, peer)
+        held = Reservation(self.buffers, peer)
         learning: asyncio.Event | None = None
         try:
             parts = forward.split_read(request, self._owner, self.limits)
@@ -267,37 +267,6 @@ class FrontService:
             reserve(len(data))
             first[k] = data
         return [got for got in first if isinstance(got, bytes)]
-
-
-class _Held:
-    """The response-buffer space one forwarded Read holds until its answer is handed over:
-    reserved ahead from the size its kind of answer had last time, then grown to what its
-    parts and their merge really take. Growing re-reserves the whole (the read's own space
-    never counts against it), so a read alone is always admitted, as in one process."""
-
-    def __init__(self, buffers: ResponseBuffers, peer: str) -> None:
-        self.buffers, self.peer = buffers, peer
-        self.reserved = 0
-        self.needed = 0
-        self._release: Callable[[object], None] | None = None
-
-    def add(self, nbytes: int) -> None:
-        """Count ``nbytes`` more that have arrived (a part)."""
-        self.needed += nbytes
-        self.grow_to(self.needed)
-
-    def grow_to(self, nbytes: int) -> None:
-        if nbytes <= self.reserved:
-            return
-        self.release()
-        self._release = self.buffers.reserve(self.peer, nbytes)  # may refuse: Overloaded
-        self.reserved = nbytes
-
-    def release(self) -> None:
-        if self._release is not None:
-            self._release(None)
-            self._release = None
-        self.reserved = 0
 
 
 def _pass_through(front: FrontService, method: str) -> Callable[..., Any]:
