@@ -20,8 +20,9 @@ import numpy as np
 import pytest
 
 from episerve_client import Client, convert, errors
+from episerve_client.local import adopt_mapping
 from episerve_tools.launch import DaemonProcess
-from tests.support.keymaps import BATCH, KEYMAPS
+from tests.support.keymaps import BATCH, KEYMAPS, without_annotations
 
 Start = Callable[..., DaemonProcess]
 NUMERIC = {k: v for k, v in KEYMAPS["mecka_keypoints_k4"].items()
@@ -72,6 +73,48 @@ def _same(got: Any, want: Any, views: bool = True) -> None:
         assert got.images[key][0] == source
         np.testing.assert_array_equal(got.images[key][1], index)
     np.testing.assert_array_equal(got.total_frames, want.total_frames)
+
+
+def _copies(c: Client, keymap: dict[str, Any], samples: list[tuple[str, int]]) -> tuple[
+        Any, int, int]:
+    """A read, and the bytes the daemon gathered straight into its segment and copied in."""
+    before = c.stats()
+    got = c.read(keymap, samples)
+    after = c.stats()
+    return (got, after["local_gathered_bytes"] - before["local_gathered_bytes"],
+            after["local_copied_bytes"] - before["local_copied_bytes"])
+
+
+def test_bytes_from_the_cache_are_copied_once(start_daemon: Start,
+                                              ramp_roots: dict[str, Path]) -> None:
+    """Each numeric output is gathered out of the chunk cache straight into the segment its
+    answer is sent in; what the daemon then copies into the segment is the rest (masks,
+    image indexes, frames), each once. An answer larger than its connection's segment is
+    written whole into a bigger one, its arrays a second time, and is still the same."""
+    d = start_daemon(ramp_roots["sharded"], unix=True)
+    keymap = without_annotations(KEYMAPS["mecka_keypoints_k4"])
+    numeric = [k for k, v in keymap.items() if v["key_type"] != "camera_keys"]
+    with Client(d.target, transport="grpc") as g, Client(d.target, transport="local") as c:
+        want = g.read(keymap, BATCH)  # the cache is warm from here on
+        got, gathered, copied = _copies(c, keymap, BATCH)
+        _same(got, want)
+        placed = sum(got.arrays[k].nbytes for k in numeric)
+        rest = (sum(a.nbytes for k, a in got.arrays.items() if k not in numeric)
+                + sum(index.nbytes for _, index in got.images.values())
+                + sum(len(f) for fs in got.frames.values() for f in fs))
+        assert rest > 0 and placed > 0
+        assert (gathered, copied) == (placed, rest)
+    # A batch whose segment the client keeps (as DataLoader workers do) gets one of the
+    # size asked for: on a new connection, the numeric outputs' size alone (nothing
+    # answered yet), too small for the masks and frames that follow.
+    with Client(d.target, transport="local") as c:
+        c.adopt_segment = adopt_mapping
+        got, gathered, copied = _copies(c, keymap, BATCH)
+        _same(got, want)
+        assert (gathered, copied) == (0, placed + rest)
+        got, gathered, copied = _copies(c, keymap, BATCH)  # sized by the connection's last
+        _same(got, want)
+        assert (gathered, copied) == (placed, rest)
 
 
 def test_auto_picks_the_local_plane_for_a_unix_daemon(

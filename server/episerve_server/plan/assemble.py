@@ -5,6 +5,7 @@ Every output is the result of its own gather, so no two outputs share memory.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,13 +58,23 @@ class Partial:
     pending: np.ndarray | None  # mask of rows still to fill; None when complete
 
 
+#: Makes a float32 output array of a shape (``np.empty``, or the local plane's arena).
+Empty = Callable[[tuple[int, ...]], np.ndarray]
+
+
+def empty32(shape: tuple[int, ...]) -> np.ndarray:
+    return np.empty(shape, np.float32)
+
+
 def gather_cached(keymap: Keymap, batch: Batch, windows: dict[str, Window],
-                  tables: dict[str, Table], slabs: Any) -> dict[str, Partial]:
+                  tables: dict[str, Table], slabs: Any,
+                  empty: Empty = empty32) -> dict[str, Partial]:
     """Every numeric output's rows whose chunks are in the cache, gathered now: the cache
     may change once the planner awaits its fetches, so nothing reads it after that.
 
     The warm case (every chunk of the key in one slab, one chunk size) is one
-    ``searchsorted`` and one ``take`` over the slab's rows per output."""
+    ``searchsorted`` and one ``take`` over the slab's rows per output. Each output array
+    comes from ``empty``, and the gather writes into it (no temporary)."""
     out: dict[str, Partial] = {}
     for e in keymap:
         if e.rule is Rule.ANNOTATION:
@@ -82,8 +93,12 @@ def gather_cached(keymap: Keymap, batch: Batch, windows: dict[str, Window],
             data = slabs(single)  # (slots, rows per slot, *feature): data[slot, within] flat
             idx = table.slot[pos] * data.shape[1] + rows % c
             flat = data.reshape(-1, *feature)
-            out[e.name] = Partial(flat.take(idx.ravel(), axis=0).reshape(*rows.shape, *feature),
-                                  rows, None)
+            dest = empty((*rows.shape, *feature))
+            if flat.dtype == dest.dtype:  # 'clip' writes straight into dest ('raise' buffers)
+                flat.take(idx.ravel(), axis=0, out=dest.reshape(-1, *feature), mode="clip")
+            else:
+                dest[...] = flat.take(idx.ravel(), axis=0).reshape(dest.shape)
+            out[e.name] = Partial(dest, rows, None)
             continue
         eps = _batch_shaped(batch, rows)
         c_of = table.chunk_rows[eps]
@@ -91,7 +106,7 @@ def gather_cached(keymap: Keymap, batch: Batch, windows: dict[str, Window],
         slab, slot = table.slab[pos], table.slot[pos]
         within = rows % c_of
         hit = slab >= 0
-        arr = np.empty((*rows.shape, *feature), np.float32)
+        arr = empty((*rows.shape, *feature))
         for sid in np.flatnonzero(np.bincount(slab[hit], minlength=1)).tolist() \
                 if hit.any() else ():
             m = slab == sid

@@ -13,7 +13,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -34,7 +34,15 @@ from episerve_server.core.result import BatchResult
 from episerve_server.core.spans import cutoff_ends
 from episerve_server.core.stats import Stats
 from episerve_server.core.windows import Window, window
-from episerve_server.plan.assemble import PACK, Batch, Table, assemble, gather_cached
+from episerve_server.plan.assemble import (
+    PACK,
+    Batch,
+    Empty,
+    Table,
+    assemble,
+    empty32,
+    gather_cached,
+)
 from episerve_server.plan.misses import Fetcher, Need
 from episerve_server.storage.annotations import load_spans
 from episerve_server.storage.catalog import Catalog, Episode
@@ -54,6 +62,16 @@ class ReadOptions:
     # the service refuses there a read whose response it could not hold for its client.
     admit: Callable[[int], None] | None = None
     all_masks: bool = False  # masks="all": ``<output>_is_pad`` per window, and total_frames
+    # Where the numeric outputs are gathered (the local plane: the segment the answer is
+    # sent in); None: new arrays.
+    arena: Arena | None = None
+
+
+class Arena(Protocol):
+    async def open(self, nbytes: int, outputs: int) -> None:
+        """Room for ``outputs`` arrays of ``nbytes`` in all (again if a read is retried)."""
+
+    def empty(self, shape: tuple[int, ...]) -> np.ndarray: ...
 
 
 class Planner:
@@ -78,6 +96,10 @@ class Planner:
             raise too_big(out_bytes, options.max_response_bytes, len(samples))
         if options.admit is not None:
             options.admit(out_bytes)
+        empty: Empty = empty32
+        if options.arena is not None:
+            await options.arena.open(out_bytes, len(keymap))
+            empty = options.arena.empty
         spans = await self._spans(keymap, batch, options)
         windows = self._windows(keymap, batch, spans, options)
         tables = {key: self._table(key, keymap, batch, windows) for key in sorted(keymap.zarr_keys)}
@@ -88,11 +110,12 @@ class Planner:
             self.cache.hold()
             try:
                 partial = await asyncio.to_thread(
-                    gather_cached, keymap, batch, windows, tables, self.cache.slab_data)
+                    gather_cached, keymap, batch, windows, tables, self.cache.slab_data, empty)
             finally:
                 self.cache.unhold()
         else:
-            partial = gather_cached(keymap, batch, windows, tables, self.cache.slab_data)
+            partial = gather_cached(keymap, batch, windows, tables, self.cache.slab_data,
+                                    empty)
         await self._load(tables, batch, budget, recheck=offload)
         # Only rows of fetched chunks are still to gather: a warm batch is assembled here.
         pending = any(p.pending is not None for p in partial.values())

@@ -32,11 +32,9 @@ from __future__ import annotations
 import array
 import asyncio
 import contextlib
-import fcntl
 import hmac
 import itertools
 import logging
-import mmap
 import os
 import socket
 import struct
@@ -52,16 +50,15 @@ from episerve_proto import local as lp
 from episerve_proto.contract import EPISODE_TRAILER, ERROR_TRAILER, KEY_TRAILER, SERVICE_PATH
 from episerve_proto.errors import (
     EpiserveError,
-    Overloaded,
     PermissionDenied,
     ResponseTooLarge,
     Unauthenticated,
-    Unavailable,
     clipped,
 )
 from episerve_server.config import ServerConfig
 from episerve_server.core.result import BatchResult
 from episerve_server.preflight import MAX_UNIX_PATH_BYTES, bind_private_socket
+from episerve_server.rpc.handlers.segments import Segment, SegmentArena, SegmentPool
 from episerve_server.rpc.handlers.service import OFFLOAD_ENCODE_BYTES, EpiserveService
 from episerve_server.rpc.handlers.status import answered
 from episerve_server.rpc.wire import encode
@@ -75,12 +72,8 @@ class CallLog(Protocol):
     def finished(self, method: str, code: str, seconds: float, request: Any, *, rid: str,
                  peer: Callable[[], str], sent: int) -> None: ...
 
-#: A Read waits this long for a lent segment to come back before it answers Overloaded.
-LEND_WAIT_S = 30.0
 #: A connection must send its HELLO within this.
 HELLO_S = 10.0
-#: The smallest segment made; larger ones are the next power of two of what a batch needs.
-MIN_SEGMENT_BYTES = 1 << 20
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
@@ -90,136 +83,6 @@ def local_path(unix: str) -> Path:
 
 class ConnectionClosed(Exception):
     pass
-
-
-@dataclass(eq=False)
-class Segment:
-    ident: int
-    size: int
-    fd: int
-    mm: mmap.mmap
-    view: np.ndarray
-    sent: bool = False  # the client has its descriptor
-
-    @classmethod
-    def make(cls, ident: int, size: int) -> Segment:
-        fd = os.memfd_create(f"episerve-{ident}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        try:
-            os.ftruncate(fd, size)
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
-            mm = mmap.mmap(fd, size)
-        except OSError:
-            os.close(fd)
-            raise
-        return cls(ident, size, fd, mm, np.frombuffer(mm, np.uint8))
-
-    def close(self) -> None:
-        os.close(self.fd)
-        del self.view
-        with contextlib.suppress(BufferError):  # a copy still running: freed by refcount
-            self.mm.close()
-
-
-class SegmentPool:
-    """The segments of one connection: at most ``limit`` exist, each lent or free."""
-
-    def __init__(self, limit: int, on_change: Callable[[int, int], None]) -> None:
-        self.limit = limit
-        self.free: dict[int, Segment] = {}
-        self.lent: dict[int, Segment] = {}
-        self.retired: list[int] = []  # ids closed since the client last heard
-        self._changed = asyncio.Condition()
-        self._closed = False
-        self._ids = itertools.count(1)
-        self._on_change = on_change  # (segments delta, bytes delta), for the gauges
-
-    def __len__(self) -> int:
-        return len(self.free) + len(self.lent)
-
-    async def acquire(self, nbytes: int, wait_s: float = LEND_WAIT_S,
-                      keep: bool = False) -> Segment:
-        """A segment of at least ``nbytes``, lent until it comes back. ``keep``: one made
-        for this batch alone, at once (the client takes it over when it is sent)."""
-        if keep:
-            async with self._changed:
-                if self._closed:
-                    raise Unavailable("the local connection closed")
-                seg = Segment.make(next(self._ids), lp.aligned(max(nbytes, 1)))
-                self._on_change(1, seg.size)
-                self.lent[seg.ident] = seg
-                return seg
-        async with self._changed:
-            try:
-                await asyncio.wait_for(
-                    self._changed.wait_for(lambda: self._closed or bool(self.free)
-                                           or len(self) < self.limit), wait_s)
-            except TimeoutError:
-                raise Overloaded(
-                    f"the client holds all {self.limit} shared-memory segments of its "
-                    f"connection (--local-segments) for {wait_s:.0f}s; drop references to "
-                    "earlier batches (or copy what you keep)") from None
-            if self._closed:
-                raise Unavailable("the local connection closed")
-            fits = [s for s in self.free.values() if s.size >= nbytes]
-            if fits:
-                seg = min(fits, key=lambda s: s.size)
-                del self.free[seg.ident]
-            else:
-                if len(self) >= self.limit:  # every free one is too small: replace one
-                    self._retire(next(iter(self.free.values())))
-                seg = Segment.make(next(self._ids), _capacity(nbytes))
-                self._on_change(1, seg.size)
-            self.lent[seg.ident] = seg
-            return seg
-
-    async def give_back(self, ident: int) -> None:
-        async with self._changed:
-            seg = self.lent.pop(ident, None)
-            if seg is None:
-                return  # not lent (a careless client): nothing to do
-            if self._closed:
-                self._close_one(seg)
-            else:
-                self.free[seg.ident] = seg
-            self._changed.notify_all()
-
-    async def give_away(self, ident: int) -> None:
-        """A lent segment the client keeps: the daemon closes its side and forgets it."""
-        async with self._changed:
-            seg = self.lent.pop(ident, None)
-            if seg is not None:
-                self._close_one(seg)
-            self._changed.notify_all()
-
-    def _retire(self, seg: Segment) -> None:
-        del self.free[seg.ident]
-        if seg.sent:
-            self.retired.append(seg.ident)
-        self._close_one(seg)
-
-    def _close_one(self, seg: Segment) -> None:
-        seg.close()
-        self._on_change(-1, -seg.size)
-
-    async def close(self) -> None:
-        """Close every free segment now and every lent one as it comes back; wake waiters.
-        (A lent segment is in use only by a Read being answered; the client's hold ends
-        with the connection.)"""
-        async with self._changed:
-            self._closed = True
-            for seg in [*self.free.values(), *self.lent.values()]:
-                self._close_one(seg)
-            self.free.clear()
-            self.lent.clear()
-            self._changed.notify_all()
-
-
-def _capacity(nbytes: int) -> int:
-    if nbytes > lp.MAX_SEGMENT_BYTES:
-        raise ResponseTooLarge(f"the batch takes {nbytes} bytes, over the local plane's "
-                               f"segment limit of {lp.MAX_SEGMENT_BYTES}; split the batch")
-    size = max(MIN_SEGMENT_BYTES, 1 << max(0, nbytes - 1).bit_length())
-    return min(size, lp.aligned(lp.MAX_SEGMENT_BYTES))
 
 
 class LocalContext:
@@ -262,6 +125,7 @@ class Connection:
     send_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
     serial: int = 0  # this plane's count of connections: names its calls in the logs
+    last_total: int = 0  # the bytes of its latest answer: what the next one's segment takes
 
 
 class LocalPlane:
@@ -273,6 +137,8 @@ class LocalPlane:
         self.connections: set[Connection] = set()
         self.segments = self.segment_bytes = 0
         self.refused = 0
+        # Bytes of answers gathered straight into their segment, and bytes copied into one.
+        self.gathered_bytes = self.copied_bytes = 0
         self._accept: asyncio.Task[None] | None = None
         self._serving: set[asyncio.Task[None]] = set()
         self._serials = itertools.count(1)
@@ -301,7 +167,9 @@ class LocalPlane:
 
     def counters(self) -> dict[str, int]:
         return {"local_connections": len(self.connections), "local_segments": self.segments,
-                "local_segment_bytes": self.segment_bytes, "local_refused": self.refused}
+                "local_segment_bytes": self.segment_bytes, "local_refused": self.refused,
+                "local_gathered_bytes": self.gathered_bytes,
+                "local_copied_bytes": self.copied_bytes}
 
     def _changed(self, segments: int, nbytes: int) -> None:
         self.segments += segments
@@ -429,13 +297,18 @@ class LocalPlane:
     async def _read(self, conn: Connection, ident: int, payload: bytes,
                     keep: bool) -> tuple[str, int]:
         """Serves one Read; returns its status code's name and the bytes it sent."""
+        arena = SegmentArena(conn.pool, keep, conn.last_total)
         try:
-            placed = await self.service.serve_read(payload, conn.peer,
-                                                   lambda r: self._place(conn, r, keep))
+            placed = await self.service.serve_read(
+                payload, conn.peer, lambda r: self._place(conn, r, arena), arena)
         except Exception as exc:
+            await arena.release()
             error = answered(exc, "read (local plane)")
             await self._send_quietly(conn, lp.frame(lp.ERROR, ident, _error_body(error)))
             return error.code, 0
+        except BaseException:
+            await arena.release()
+            raise
         seg = placed.segment
         body = lp.batch_body(seg.ident, seg.size, placed.blobs, placed.meta)
         with_fd = keep or not seg.sent
@@ -451,25 +324,45 @@ class LocalPlane:
         return "OK", len(body) + sum(size for _, size in placed.blobs)
 
     async def _place(self, conn: Connection, result: BatchResult,
-                     keep: bool) -> tuple[Placed, int]:
-        """Write the batch's blobs once into a segment lent to this connection."""
+                     arena: SegmentArena) -> tuple[Placed, int]:
+        """The batch's blobs in the segment of ``arena``: its numeric outputs are there
+        already (gathered into it), the rest (frames, indexes, masks) is written after them.
+        An answer that does not fit its arena's segment is written whole into one of its
+        size: the gathered arrays are then copied a second time."""
         blobs: list[encode.Buf] = []
         meta = encode.encode_result(result, blobs.append)
-        sizes = [memoryview(b).nbytes for b in blobs]
-        offsets, total = lp.layout(sizes)
         if len(meta) + len(blobs) * lp.BLOB.size + 64 > lp.MAX_ANSWER_BODY:
             raise ResponseTooLarge(f"the batch's metadata takes {len(meta)} bytes, over the "
                                    f"local plane's limit of {lp.MAX_ANSWER_BODY}; split the "
                                    "batch")
-        seg = await conn.pool.acquire(max(total, 1), keep=keep)
+        sizes = [memoryview(b).nbytes for b in blobs]
+        at: list[int | None] = [arena.offset_of(memoryview(b), n) for b, n in zip(blobs, sizes)]
+        rest = [k for k, off in enumerate(at) if off is None]
+        after, rest_bytes = lp.layout([sizes[k] for k in rest])
+        total = arena.used + rest_bytes
+        seg = arena.segment
+        if seg is None or total > seg.size:  # write it all into a segment of its size
+            blobs = [b if off is None else bytes(b) for b, off in zip(blobs, at)]
+            await arena.release()
+            at, rest = [None] * len(blobs), list(range(len(blobs)))
+            after, total = lp.layout(sizes)
+            seg = await conn.pool.acquire(max(total, 1), keep=arena.keep)
+            arena.segment, arena.used = seg, 0
+        for k, off in zip(rest, after, strict=True):
+            at[k] = arena.used + off
+        offsets = [int(off) for off in at if off is not None]
+        copied = [(offsets[k], blobs[k]) for k in rest]
         try:
-            if total >= OFFLOAD_ENCODE_BYTES:
-                await asyncio.to_thread(_copy, seg.view, offsets, blobs)
+            if sum(sizes[k] for k in rest) >= OFFLOAD_ENCODE_BYTES:
+                await asyncio.to_thread(_copy, seg.view, copied)
             else:
-                _copy(seg.view, offsets, blobs)
+                _copy(seg.view, copied)
         except BaseException:
-            await conn.pool.give_back(seg.ident)
+            await arena.release()
             raise
+        self.copied_bytes += sum(sizes[k] for k in rest)
+        self.gathered_bytes += sum(sizes) - sum(sizes[k] for k in rest)
+        conn.last_total = total
         await self._retired(conn)
         return Placed(seg, list(zip(offsets, sizes, strict=True)), meta), total
 
@@ -506,8 +399,8 @@ def _error_body(error: EpiserveError) -> bytes:
                          clipped(error.episode, 1024), clipped(error.key, 1024))
 
 
-def _copy(dst: np.ndarray, offsets: list[int], blobs: list[encode.Buf]) -> None:
-    for off, blob in zip(offsets, blobs, strict=True):
+def _copy(dst: np.ndarray, blobs: list[tuple[int, encode.Buf]]) -> None:
+    for off, blob in blobs:
         src = np.frombuffer(blob, np.uint8)
         dst[off:off + src.size] = src
 

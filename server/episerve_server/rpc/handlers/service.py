@@ -31,7 +31,7 @@ from episerve_server.core.keymap import Keymap
 from episerve_server.core.result import BatchResult
 from episerve_server.core.stats import Stats
 from episerve_server.plan.background import Background
-from episerve_server.plan.planner import Planner, ReadOptions
+from episerve_server.plan.planner import Arena, Planner, ReadOptions
 from episerve_server.plan.statistics import MAX_KEYS, KeyStatsEngine
 from episerve_server.rpc.handlers.buffers import ResponseBuffers
 from episerve_server.rpc.handlers.registry import KeymapRegistry
@@ -223,11 +223,13 @@ class EpiserveService:
         return data, len(data)
 
     async def serve_read(self, request: bytes, peer: str,
-                         encode: Callable[[BatchResult], Awaitable[tuple[T, int]]]) -> T:
+                         encode: Callable[[BatchResult], Awaitable[tuple[T, int]]],
+                         arena: Arena | None = None) -> T:
         """One Read, whatever carries it: admission (drain, concurrency, the peer's
         buffers), parsing, the planner, then ``encode`` (which returns the answer and the
         bytes it sends), the prefetch hint and the counters. The gRPC handler and the local
-        plane (``rpc/handlers/local.py``) differ only in ``encode``."""
+        plane (``rpc/handlers/local.py``) differ only in ``encode``, and in the ``arena``
+        the local plane has the numeric outputs gathered into."""
         if self.draining:
             raise Unavailable("the daemon is shutting down; retry against another replica")
         if self.inflight >= self.config.max_concurrent_reads:
@@ -244,7 +246,7 @@ class EpiserveService:
             reserved.append(self.buffers.reserve(peer, nbytes))
 
         try:
-            out = await self._read(request, admit, encode, peer)
+            out = await self._read(request, admit, encode, peer, arena)
         finally:
             self.inflight -= 1
             for release in reserved:
@@ -254,7 +256,7 @@ class EpiserveService:
 
     async def _read(self, request: bytes, admit: Callable[[int], None],
                     encode: Callable[[BatchResult], Awaitable[tuple[T, int]]],
-                    peer: str = "") -> T:
+                    peer: str = "", arena: Arena | None = None) -> T:
         arrived = time.monotonic()
         call = convert.parse_read(request, self.limits)
         del request
@@ -263,7 +265,8 @@ class EpiserveService:
         limit = self.config.max_response_bytes
         if call.max_response_bytes:
             limit = min(limit, call.max_response_bytes)
-        options = ReadOptions(call.annotation_cutoff, limit, admit, all_masks=call.all_masks)
+        options = ReadOptions(call.annotation_cutoff, limit, admit, all_masks=call.all_masks,
+                              arena=arena)
         try:
             result = await self.planner.read(keymap, call.samples, options)
         except EpisodeNotFound as exc:

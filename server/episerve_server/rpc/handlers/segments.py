@@ -1,0 +1,211 @@
+"""The local plane's shared memory: memfd segments, each connection's pool of them, and the
+arena a Read gathers its numeric outputs into.
+
+A segment is a memfd (no name in any filesystem) sealed against growing and shrinking, so a
+client that maps it never meets a SIGBUS from a size changed under it. A connection's pool
+lends at most ``limit`` at once (backpressure: a Read waits for one to come back, then
+answers ``Overloaded``); a segment made for one batch (``keep``) belongs to the client once
+sent. The arena places a Read's numeric outputs straight into the segment it is answered
+in, so the bytes copied out of the chunk cache are copied once, by the planner's gather.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import itertools
+import mmap
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from episerve_proto import local as lp
+from episerve_proto.errors import Overloaded, ResponseTooLarge, Unavailable
+
+#: A Read waits this long for a lent segment to come back before it answers Overloaded.
+LEND_WAIT_S = 30.0
+#: The smallest segment made; larger ones are the next power of two of what a batch needs.
+MIN_SEGMENT_BYTES = 1 << 20
+
+
+@dataclass(eq=False)
+class Segment:
+    ident: int
+    size: int
+    fd: int
+    mm: mmap.mmap
+    view: np.ndarray
+    sent: bool = False  # the client has its descriptor
+
+    @classmethod
+    def make(cls, ident: int, size: int) -> Segment:
+        fd = os.memfd_create(f"episerve-{ident}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, size)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+            mm = mmap.mmap(fd, size)
+        except OSError:
+            os.close(fd)
+            raise
+        return cls(ident, size, fd, mm, np.frombuffer(mm, np.uint8))
+
+    def close(self) -> None:
+        os.close(self.fd)
+        del self.view
+        with contextlib.suppress(BufferError):  # a copy still running: freed by refcount
+            self.mm.close()
+
+
+class SegmentPool:
+    """The segments of one connection: at most ``limit`` exist, each lent or free."""
+
+    def __init__(self, limit: int, on_change: Callable[[int, int], None]) -> None:
+        self.limit = limit
+        self.free: dict[int, Segment] = {}
+        self.lent: dict[int, Segment] = {}
+        self.retired: list[int] = []  # ids closed since the client last heard
+        self._changed = asyncio.Condition()
+        self._closed = False
+        self._ids = itertools.count(1)
+        self._on_change = on_change  # (segments delta, bytes delta), for the gauges
+
+    def __len__(self) -> int:
+        return len(self.free) + len(self.lent)
+
+    async def acquire(self, nbytes: int, wait_s: float = LEND_WAIT_S,
+                      keep: bool = False) -> Segment:
+        """A segment of at least ``nbytes``, lent until it comes back. ``keep``: one made
+        for this batch alone, at once (the client takes it over when it is sent)."""
+        if keep:
+            async with self._changed:
+                if self._closed:
+                    raise Unavailable("the local connection closed")
+                seg = Segment.make(next(self._ids), lp.aligned(max(nbytes, 1)))
+                self._on_change(1, seg.size)
+                self.lent[seg.ident] = seg
+                return seg
+        async with self._changed:
+            try:
+                await asyncio.wait_for(
+                    self._changed.wait_for(lambda: self._closed or bool(self.free)
+                                           or len(self) < self.limit), wait_s)
+            except TimeoutError:
+                raise Overloaded(
+                    f"the client holds all {self.limit} shared-memory segments of its "
+                    f"connection (--local-segments) for {wait_s:.0f}s; drop references to "
+                    "earlier batches (or copy what you keep)") from None
+            if self._closed:
+                raise Unavailable("the local connection closed")
+            fits = [s for s in self.free.values() if s.size >= nbytes]
+            if fits:
+                seg = min(fits, key=lambda s: s.size)
+                del self.free[seg.ident]
+            else:
+                if len(self) >= self.limit:  # every free one is too small: replace one
+                    self._retire(next(iter(self.free.values())))
+                seg = Segment.make(next(self._ids), capacity(nbytes))
+                self._on_change(1, seg.size)
+            self.lent[seg.ident] = seg
+            return seg
+
+    async def give_back(self, ident: int) -> None:
+        async with self._changed:
+            seg = self.lent.pop(ident, None)
+            if seg is None:
+                return  # not lent (a careless client): nothing to do
+            if self._closed:
+                self._close_one(seg)
+            else:
+                self.free[seg.ident] = seg
+            self._changed.notify_all()
+
+    async def give_away(self, ident: int) -> None:
+        """A lent segment the client keeps: the daemon closes its side and forgets it."""
+        async with self._changed:
+            seg = self.lent.pop(ident, None)
+            if seg is not None:
+                self._close_one(seg)
+            self._changed.notify_all()
+
+    def _retire(self, seg: Segment) -> None:
+        del self.free[seg.ident]
+        if seg.sent:
+            self.retired.append(seg.ident)
+        self._close_one(seg)
+
+    def _close_one(self, seg: Segment) -> None:
+        seg.close()
+        self._on_change(-1, -seg.size)
+
+    async def close(self) -> None:
+        """Close every free segment now and every lent one as it comes back; wake waiters.
+        (A lent segment is in use only by a Read being answered; the client's hold ends
+        with the connection.)"""
+        async with self._changed:
+            self._closed = True
+            for seg in [*self.free.values(), *self.lent.values()]:
+                self._close_one(seg)
+            self.free.clear()
+            self.lent.clear()
+            self._changed.notify_all()
+
+
+def capacity(nbytes: int) -> int:
+    if nbytes > lp.MAX_SEGMENT_BYTES:
+        raise ResponseTooLarge(f"the batch takes {nbytes} bytes, over the local plane's "
+                               f"segment limit of {lp.MAX_SEGMENT_BYTES}; split the batch")
+    size = max(MIN_SEGMENT_BYTES, 1 << max(0, nbytes - 1).bit_length())
+    return min(size, lp.aligned(lp.MAX_SEGMENT_BYTES))
+
+
+class SegmentArena:
+    """Where one Read's numeric outputs are gathered: the front of the segment its answer is
+    sent in, so the planner's gather out of the chunk cache is the only copy of their bytes.
+
+    The planner calls ``open`` once it knows the outputs' size (again if the read is tried
+    once more) and takes each output array from ``empty``. ``offset_of`` then tells which of
+    the answer's blobs already lie in the segment; the others are written after ``used``.
+    A segment is taken for at least ``hint`` bytes (the connection's latest answer), so the
+    frames and indexes that follow usually fit too.
+    """
+
+    def __init__(self, pool: SegmentPool, keep: bool, hint: int = 0) -> None:
+        self.pool, self.keep, self.hint = pool, keep, hint
+        self.segment: Segment | None = None
+        self.used = 0  # bytes handed out, 64-byte aligned
+        self._base = 0
+
+    async def open(self, nbytes: int, outputs: int) -> None:
+        want = max(1, nbytes + lp.ALIGN * outputs, self.hint)
+        self.used = 0
+        if self.segment is not None and self.segment.size >= want:
+            return
+        await self.release()
+        self.segment = await self.pool.acquire(want, keep=self.keep)
+        self._base = self.segment.view.ctypes.data
+
+    def empty(self, shape: tuple[int, ...]) -> np.ndarray:
+        """A float32 array of ``shape`` in the segment (a private one if it is full)."""
+        n = 4 * int(np.prod(shape, dtype=np.int64))
+        seg = self.segment
+        if seg is None or self.used + n > seg.size:
+            return np.empty(shape, np.float32)
+        out = seg.view[self.used:self.used + n].view(np.float32).reshape(shape)
+        self.used = lp.aligned(self.used + n)
+        return out
+
+    def offset_of(self, blob: memoryview, nbytes: int) -> int | None:
+        """The offset of ``blob`` in the segment if it is one of the arrays handed out."""
+        if self.segment is None or not nbytes:
+            return None
+        off = int(np.frombuffer(blob, np.uint8).ctypes.data) - self._base
+        return off if off >= 0 and off + nbytes <= self.used else None
+
+    async def release(self) -> None:
+        """Give the segment up (the read failed, or its answer went elsewhere)."""
+        seg, self.segment, self.used = self.segment, None, 0
+        if seg is not None:
+            await (self.pool.give_away(seg.ident) if self.keep else self.pool.give_back(seg.ident))
