@@ -169,7 +169,7 @@ class SegmentArena:
     once more) and takes each output array from ``empty``. ``offset_of`` then tells which of
     the answer's blobs already lie in the segment; the others are written after ``used``.
     A segment is taken for at least ``hint`` bytes (the connection's latest answer), so the
-    frames and indexes that follow usually fit too.
+    frames, masks and indexes that follow usually fit too.
     """
 
     def __init__(self, pool: SegmentPool, keep: bool, hint: int = 0) -> None:
@@ -179,7 +179,11 @@ class SegmentArena:
         self._base = 0
 
     async def open(self, nbytes: int, outputs: int) -> None:
-        want = max(1, nbytes + lp.ALIGN * outputs, self.hint)
+        # A kept segment is made to size, so it gets a quarter more than the last answer
+        # (frames vary from batch to batch; pages never written cost nothing). A pooled one
+        # is a power of two already.
+        hint = self.hint + self.hint // 4 if self.keep else self.hint
+        want = max(1, nbytes + lp.ALIGN * outputs, hint)
         self.used = 0
         if self.segment is not None and self.segment.size >= want:
             return
