@@ -12,7 +12,7 @@ A health check takes one or two turns of the loop, so a loop shared fairly among
 tasks still answers it promptly; a ``Read`` takes a dozen turns and a worker thread.
 Where the old stall hid from health that way (keymap checks, statistics), a second poller
 process also reads one uncached sample every 20 ms, and its 99th percentile is held to
-``READ_P99_LIMIT_MS``.
+``READ_P99_LIMIT_MS`` (for statistics its median to ``READ_P50_LIMIT_MS`` as well).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ WORST_LIMIT_MS = 1000.0
 PEAK_LIMIT = 128 * MiB
 # The read poller's 99th percentile (one sample of one key, mostly uncached: ~3 ms idle),
 # and where a request should not slow most reads down (statistics), its median.
-READ_P99_LIMIT_MS = 150.0
+READ_P99_LIMIT_MS = 250.0
 READ_P50_LIMIT_MS = 20.0
 HINT_SAMPLES = 4000
 LONG = 1000  # rows of each window of the long-window keymap (--max-window is 1024)
@@ -240,8 +240,8 @@ def test_statistics_over_every_episode_keep_health_answering(
         long_root: Path, tmp_path: Path) -> None:
     """GetKeyStats of every numeric key over 120 episodes of 6,000 frames, none cached yet.
     With each episode's rows decoded and summarized in its own worker thread, 8 at once,
-    reads queued behind them and waited for the GIL (reads p50 ~40 ms, p99 240-300 ms);
-    one such thread at a time, reads p50 ~6 ms, p99 ~30 ms."""
+    reads queued behind them and waited for the GIL (reads p50 26-51 ms, p99 160-400 ms);
+    one such thread at a time, reads p50 4-7 ms, p99 20-60 ms."""
     v = Victim("stats", long_root, tmp_path / "s.sock",
                probe=_probe(LONG_EPISODES, LONG_FRAMES))
     try:
