@@ -12,7 +12,8 @@ A health check takes one or two turns of the loop, so a loop shared fairly among
 tasks still answers it promptly; a ``Read`` takes a dozen turns and a worker thread.
 Where the old stall hid from health that way (keymap checks, statistics), a second poller
 process also reads one uncached sample every 20 ms, and its 99th percentile is held to
-``READ_P99_LIMIT_MS`` (for statistics its median to ``READ_P50_LIMIT_MS`` as well).
+``READ_P99_LIMIT_MS`` (for statistics to ``STATS_READ_P99_LIMIT_MS``, and its median to
+``READ_P50_LIMIT_MS``).
 """
 
 from __future__ import annotations
@@ -37,8 +38,10 @@ P50_LIMIT_MS = 50.0
 WORST_LIMIT_MS = 1000.0
 PEAK_LIMIT = 128 * MiB
 # The read poller's 99th percentile (one sample of one key, mostly uncached: ~3 ms idle),
-# and where a request should not slow most reads down (statistics), its median.
+# tighter during statistics (one worker thread at a time must not hold reads up), and
+# there its median too.
 READ_P99_LIMIT_MS = 250.0
+STATS_READ_P99_LIMIT_MS = 200.0
 READ_P50_LIMIT_MS = 20.0
 HINT_SAMPLES = 4000
 LONG = 1000  # rows of each window of the long-window keymap (--max-window is 1024)
@@ -74,15 +77,16 @@ def _assert_calm(o: Outcome, peak_limit: int | None = PEAK_LIMIT) -> None:
         assert o.peak_growth < peak_limit, _report(o)
 
 
-def _assert_reads_calm(o: Outcome, p50_limit_ms: float | None = None) -> None:
+def _assert_reads_calm(o: Outcome, p99_limit_ms: float = READ_P99_LIMIT_MS,
+                       p50_limit_ms: float | None = None) -> None:
     """:func:`_assert_calm`'s health figures, and the read poller's: every read answered
-    whole, the 99th percentile within ``READ_P99_LIMIT_MS`` (and the median within
+    whole, the 99th percentile within ``p99_limit_ms`` (and the median within
     ``p50_limit_ms``, given)."""
     _assert_calm(o, peak_limit=None)
     assert o.reads is not None, "no read poller"
     assert o.reads.polls > 0 and not o.reads.failures, \
         f"reads failed: {o.reads.first_failure}; {_report(o)}"
-    assert o.reads.p99_ms < READ_P99_LIMIT_MS, _report(o)
+    assert o.reads.p99_ms < p99_limit_ms, _report(o)
     if p50_limit_ms is not None:
         assert o.reads.p50_ms < p50_limit_ms, _report(o)
 
@@ -222,8 +226,8 @@ def test_concurrent_keymap_checks_keep_health_answering(probed: Victim) -> None:
         assert all(c.episodes_checked == MANY and not c.problems for c in o.value)
 
 
-LONG_EPISODES = 120
-LONG_FRAMES = 6000
+LONG_EPISODES = 60
+LONG_FRAMES = 12000
 
 
 @pytest.fixture(scope="module")
@@ -238,10 +242,10 @@ def long_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_statistics_over_every_episode_keep_health_answering(
         long_root: Path, tmp_path: Path) -> None:
-    """GetKeyStats of every numeric key over 120 episodes of 6,000 frames, none cached yet.
+    """GetKeyStats of every numeric key over 60 episodes of 12,000 frames, none cached yet.
     With each episode's rows decoded and summarized in its own worker thread, 8 at once,
-    reads queued behind them and waited for the GIL (reads p50 26-51 ms, p99 160-400 ms);
-    one such thread at a time, reads p50 4-7 ms, p99 20-60 ms."""
+    reads queued behind them and waited for the GIL (reads p99 290-620 ms); one such
+    thread at a time, reads p99 20-40 ms."""
     v = Victim("stats", long_root, tmp_path / "s.sock",
                probe=_probe(LONG_EPISODES, LONG_FRAMES))
     try:
@@ -250,7 +254,7 @@ def test_statistics_over_every_episode_keep_health_answering(
             o = v.attack(f"key stats, {LONG_EPISODES} episodes",
                          lambda: client.key_stats(NUMERIC_KEYS))
         # The peak RSS is not bounded: the statistics cache keeps the values.
-        _assert_reads_calm(o, p50_limit_ms=READ_P50_LIMIT_MS)
+        _assert_reads_calm(o, STATS_READ_P99_LIMIT_MS, READ_P50_LIMIT_MS)
         assert sorted(o.value) == NUMERIC_KEYS
     finally:
         v.stop()
