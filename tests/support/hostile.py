@@ -10,7 +10,8 @@
 - **Instruments:** the daemon's RSS and peak RSS from ``/proc``, an address-space cap that
   keeps an unhardened daemon from taking the machine down, and :class:`HealthPoller`, a
   separate process that asks the daemon's gRPC health service every 20 ms and reports the
-  worst latency (a separate process, so the attacker's own CPU work cannot delay it).
+  worst latency (a separate process, so the attacker's own CPU work cannot delay it); given
+  a :class:`Probe`, it sends a small ``Read`` instead and times that.
 
 ``python -m tests.support.hostile poll TARGET`` runs the poller (see :func:`main`).
 """
@@ -351,14 +352,41 @@ class Health:
     p99_ms: float = 0.0
 
 
-class HealthPoller:
-    """A child process that checks the daemon's health every ``interval_s``, from its own
-    channel. :meth:`mark` returns the figures since the previous mark and starts anew."""
+@dataclass(frozen=True)
+class Probe:
+    """A small ``Read`` the poller sends instead of a health check: ``keymap`` (a keymap
+    dict) over one sample at a time, ``(episodes[i % n], frames[(i // n) % m])`` for the
+    i-th poll, so consecutive polls touch other episodes (and, with enough of them, miss
+    the daemon's cache as a training job's reads do)."""
 
-    def __init__(self, target: str, interval_s: float = 0.02, timeout_s: float = 2.0) -> None:
+    keymap: dict[str, Any]
+    episodes: tuple[str, ...]
+    frames: tuple[int, ...] = (0,)
+
+    def sample(self, i: int) -> tuple[str, int]:
+        n = len(self.episodes)
+        return self.episodes[i % n], self.frames[(i // n) % len(self.frames)]
+
+    def to_json(self) -> str:
+        return json.dumps({"keymap": self.keymap, "episodes": list(self.episodes),
+                           "frames": list(self.frames)})
+
+    @classmethod
+    def from_json(cls, text: str) -> Probe:
+        doc = json.loads(text)
+        return cls(doc["keymap"], tuple(doc["episodes"]), tuple(doc["frames"]))
+
+
+class HealthPoller:
+    """A child process that checks the daemon's health every ``interval_s`` (or, with a
+    ``probe``, reads one sample), from its own channel. :meth:`mark` returns the figures
+    since the previous mark and starts anew."""
+
+    def __init__(self, target: str, interval_s: float = 0.02, timeout_s: float = 2.0,
+                 probe: Probe | None = None) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.support.hostile", "poll", target, str(interval_s),
-             str(timeout_s)],
+             str(timeout_s), *([probe.to_json()] if probe is not None else [])],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1, cwd=REPO,
             env={**os.environ, "PYTHONPATH": os.pathsep.join(
                 [str(REPO), os.environ.get("PYTHONPATH", "")])},
@@ -394,29 +422,62 @@ class HealthPoller:
                 stream.close()
 
 
-def _poll(target: str, interval_s: float, timeout_s: float) -> None:
+def _health_check(target: str, timeout_s: float) -> tuple[Callable[[int], str],
+                                                           Callable[[], None]]:
+    """One health check (its error, "" when SERVING) and how to close its channel."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    lock = threading.Lock()
-    state = Health()
-    latencies: list[float] = []
-    stop = threading.Event()
     channel = grpc.insecure_channel(target)
     check = health_pb2_grpc.HealthStub(channel).Check
     request = health_pb2.HealthCheckRequest()
     check(request, timeout=30, wait_for_ready=True)  # connected before the first mark
 
+    def once(i: int) -> str:
+        try:
+            reply = check(request, timeout=timeout_s)
+        except grpc.RpcError as exc:
+            return f"{exc.code().name}: {exc.details()}"
+        return "" if reply.status == health_pb2.HealthCheckResponse.SERVING else \
+            f"status {reply.status}"
+
+    return once, channel.close
+
+
+def _read_check(target: str, timeout_s: float, probe: Probe) -> tuple[Callable[[int], str],
+                                                                       Callable[[], None]]:
+    """One read of ``probe``'s i-th sample (its error, "" when it came back whole)."""
+    from episerve_client import Client
+    from episerve_client.errors import EpiserveError
+
+    client = Client(target, timeout_s=timeout_s)
+    client.read(probe.keymap, [probe.sample(0)], timeout_s=30)  # connected, keymap known
+
+    def once(i: int) -> str:
+        sample = probe.sample(i)
+        try:
+            result = client.read(probe.keymap, [sample])
+        except EpiserveError as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return "" if result.episodes == [sample[0]] else f"read {sample} gave {result.episodes}"
+
+    return once, client.close
+
+
+def _poll(target: str, interval_s: float, timeout_s: float, probe: Probe | None) -> None:
+    lock = threading.Lock()
+    state = Health()
+    latencies: list[float] = []
+    stop = threading.Event()
+    check, close = (_health_check(target, timeout_s) if probe is None
+                    else _read_check(target, timeout_s, probe))
+
     def loop() -> None:
+        i = 0
         while not stop.is_set():
             start = time.perf_counter()
-            error = ""
-            try:
-                reply = check(request, timeout=timeout_s)
-                if reply.status != health_pb2.HealthCheckResponse.SERVING:
-                    error = f"status {reply.status}"
-            except grpc.RpcError as exc:
-                error = f"{exc.code().name}: {exc.details()}"
+            error = check(i)
+            i += 1
             ms = (time.perf_counter() - start) * 1e3
             with lock:
                 state.polls += 1
@@ -448,15 +509,16 @@ def _poll(target: str, interval_s: float, timeout_s: float) -> None:
         sys.stdout.flush()
     stop.set()
     poller.join(timeout_s + 1)
-    channel.close()
+    close()
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) != 4 or args[0] != "poll":
+    if len(args) not in (4, 5) or args[0] != "poll":
         raise SystemExit("usage: python -m tests.support.hostile poll TARGET INTERVAL_S "
-                         "TIMEOUT_S")
-    _poll(args[1], float(args[2]), float(args[3]))
+                         "TIMEOUT_S [PROBE_JSON]")
+    _poll(args[1], float(args[2]), float(args[3]),
+          Probe.from_json(args[4]) if len(args) == 5 else None)
 
 
 # -- one attack, measured ---------------------------------------------------------------------
@@ -474,6 +536,7 @@ class Outcome:
     rss_after: int = 0
     peak: int = 0
     health: Health = field(default_factory=Health)
+    reads: Health | None = None  # the read poller's figures, when there is one
     alive: bool = True
     violations: list[str] = field(default_factory=list)
 
@@ -500,13 +563,17 @@ class Outcome:
 
 
 def measure(case: str, pid: int, poller: HealthPoller, attack: Callable[[], Any],
-            is_alive: Callable[[], bool], settle_s: float = 0.3) -> Outcome:
+            is_alive: Callable[[], bool], settle_s: float = 0.3,
+            reads: HealthPoller | None = None) -> Outcome:
     """Run ``attack()`` while measuring the daemon ``pid``: RSS before, peak, RSS after
-    (``settle_s`` later), and the health poller's figures over the attack."""
+    (``settle_s`` later), and the health poller's figures over the attack (and the read
+    poller's, given ``reads``)."""
     from episerve_client.errors import EpiserveError
 
     out = Outcome(case)
     poller.mark()  # forget what came before
+    if reads is not None:
+        reads.mark()
     reset_peak(pid)
     out.rss_before = rss(pid)
     start = time.monotonic()
@@ -517,6 +584,8 @@ def measure(case: str, pid: int, poller: HealthPoller, attack: Callable[[], Any]
     out.seconds = time.monotonic() - start
     time.sleep(settle_s)
     out.health = poller.mark()
+    if reads is not None:
+        out.reads = reads.mark()
     out.alive = is_alive()
     if out.alive:
         out.rss_after, out.peak = rss(pid), peak(pid)
@@ -528,13 +597,15 @@ def measure(case: str, pid: int, poller: HealthPoller, attack: Callable[[], Any]
 
 class Victim:
     """A daemon (on a unix socket, or on 127.0.0.1 when ``sock`` is None; its address space
-    capped) with its health poller; restarted when an attack killed it or left it unable
-    to answer."""
+    capped) with its health poller, and with a ``probe`` a second poller that reads it;
+    restarted when an attack killed it or left it unable to answer."""
 
     def __init__(self, name: str, root: Path, sock: Path | None, *flags: str,
-                 headroom_bytes: int = 3 * 2**30) -> None:
+                 headroom_bytes: int = 3 * 2**30, probe: Probe | None = None) -> None:
         self.name, self.root, self.sock, self.flags = name, root, sock, flags
         self.headroom_bytes = headroom_bytes
+        self.probe = probe
+        self.reads: HealthPoller | None = None
         self.restarts: list[str] = []
         self.poisoned = ""
         self._start()
@@ -548,6 +619,8 @@ class Victim:
                                     "--log-level", "WARNING", *self.flags, unix=self.sock)
         cap_address_space(self.daemon.pid, self.headroom_bytes)
         self.poller = HealthPoller(self.daemon.target)
+        if self.probe is not None:
+            self.reads = HealthPoller(self.daemon.target, timeout_s=30.0, probe=self.probe)
 
     @property
     def target(self) -> str:
@@ -562,6 +635,9 @@ class Victim:
 
     def stop(self) -> None:
         self.poller.close()
+        if self.reads is not None:
+            self.reads.close()
+            self.reads = None
         self.daemon.stop(timeout_s=5)
 
     def ready(self, settle_s: float = 15.0) -> None:
@@ -584,7 +660,7 @@ class Victim:
         self._start()
 
     def attack(self, case: str, fn: Callable[[], Any]) -> Outcome:
-        return measure(case, self.pid, self.poller, fn, self.alive)
+        return measure(case, self.pid, self.poller, fn, self.alive, reads=self.reads)
 
 
 def reference_problems(target: str, root: Path, keymap: dict[str, Any],
