@@ -137,7 +137,13 @@ def commit() -> str:
                               check=False).stdout.strip()
 
     head = git("rev-parse", "--short=10", "HEAD") or "unknown"
-    return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+    # What the run itself writes (results, charts, the page) does not make the code dirty.
+    changed = git("status", "--porcelain", "--untracked-files=no", "--", ".", *OUTPUTS)
+    return head + ("+dirty" if changed else "")
+
+
+#: Paths the run writes, left out of the dirty check (git pathspecs).
+OUTPUTS = (":!benchmarks/results", ":!docs/charts", ":!docs/PERFORMANCE.md")
 
 
 def now() -> str:

@@ -23,7 +23,8 @@ from common import NUMERIC_MECKA, args, ensure_dataset, median, random_batches, 
 
 from episerve_server.config import ServerConfig
 from episerve_server.core.keymap import Keymap
-from episerve_server.plan.planner import Planner, ReadOptions
+from episerve_server.plan.options import ReadOptions
+from episerve_server.plan.planner import Planner
 from episerve_server.rpc.wire.encode import encode_result
 from episerve_server.wiring import build_read_core
 

@@ -15,7 +15,8 @@ import numpy as np
 from episerve_server.core.keymap import Keymap
 from episerve_server.core.result import BatchResult
 from episerve_server.core.stats import Stats
-from episerve_server.plan.planner import Planner, ReadOptions
+from episerve_server.plan.options import ReadOptions
+from episerve_server.plan.planner import Planner
 from episerve_server.storage.catalog import Catalog
 from tests.support import oracle, ramp
 

@@ -43,7 +43,7 @@ from episerve_proto.errors import (
     ShortArrayError,
 )
 from episerve_server.core.keymap import Keymap
-from episerve_server.plan.planner import ReadOptions
+from episerve_server.plan.options import ReadOptions
 from episerve_server.storage.latency import LatencyStore
 from tests.support import oracle, ramp
 from tests.support.keymaps import (

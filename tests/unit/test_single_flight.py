@@ -11,7 +11,7 @@ import pytest
 
 from episerve_server.config import ServerConfig
 from episerve_server.core.keymap import Keymap
-from episerve_server.plan.planner import ReadOptions
+from episerve_server.plan.options import ReadOptions
 from episerve_server.storage.latency import LatencyStore
 from episerve_server.wiring import build_read_core
 from tests.support import ramp

@@ -11,9 +11,8 @@ from __future__ import annotations
 import asyncio
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -24,7 +23,6 @@ from episerve_proto.errors import (
     FrameOutOfRange,
     InvalidArgument,
     KeymapError,
-    ResponseTooLarge,
     ShortArrayError,
     Unavailable,
 )
@@ -44,6 +42,7 @@ from episerve_server.plan.assemble import (
     gather_cached,
 )
 from episerve_server.plan.misses import Fetcher, Need
+from episerve_server.plan.options import ReadOptions, too_big
 from episerve_server.storage.annotations import load_spans
 from episerve_server.storage.catalog import Catalog, Episode
 from episerve_server.storage.readers import ChunkReader
@@ -54,24 +53,7 @@ MAX_CHECKED_KEYMAPS = 64
 GATHER_OFFLOAD_BYTES = 4 << 20
 
 
-@dataclass(frozen=True, slots=True)
-class ReadOptions:
-    annotation_cutoff: bool = False
-    max_response_bytes: int = 0  # 0: no limit
-    # Told the numeric response size as soon as it is known, before any window is built:
-    # the service refuses there a read whose response it could not hold for its client.
-    admit: Callable[[int], None] | None = None
-    all_masks: bool = False  # masks="all": ``<output>_is_pad`` per window, and total_frames
-    # Where the numeric outputs are gathered (the local plane: the segment the answer is
-    # sent in); None: new arrays.
-    arena: Arena | None = None
-
-
-class Arena(Protocol):
-    async def open(self, nbytes: int, outputs: int) -> None:
-        """Room for ``outputs`` arrays of ``nbytes`` in all (again if a read is retried)."""
-
-    def empty(self, shape: tuple[int, ...]) -> np.ndarray: ...
+DEFAULT_OPTIONS = ReadOptions()
 
 
 class Planner:
@@ -86,7 +68,7 @@ class Planner:
         self._checked: OrderedDict[Keymap, dict[str, Episode]] = OrderedDict()
 
     async def read(self, keymap: Keymap, samples: Sequence[tuple[str, int]],
-                   options: ReadOptions = ReadOptions()) -> BatchResult:
+                   options: ReadOptions = DEFAULT_OPTIONS) -> BatchResult:
         if not samples:
             raise InvalidArgument("a read needs at least one sample")
         batch = self._resolve(keymap, samples)
@@ -411,12 +393,3 @@ def _key_rows(key: str, keymap: Keymap, batch: Batch,
     if len(rows) == 1:
         return eps[0], rows[0]
     return np.concatenate(eps), np.concatenate(rows)
-
-
-def too_big(nbytes: int, limit: int, batch: int, *, at_least: bool = False) -> ResponseTooLarge:
-    fit = max(1, batch * limit // max(nbytes, 1))
-    size = f"at least {nbytes}" if at_least else f"{nbytes}"
-    return ResponseTooLarge(
-        f"the response would be {size} bytes, over the limit of {limit} bytes; "
-        f"split the batch into requests of at most {fit} samples"
-    )

@@ -31,7 +31,8 @@ from episerve_server.core.keymap import Keymap
 from episerve_server.core.result import BatchResult
 from episerve_server.core.stats import Stats
 from episerve_server.plan.background import Background
-from episerve_server.plan.planner import Arena, Planner, ReadOptions
+from episerve_server.plan.options import Arena, ReadOptions
+from episerve_server.plan.planner import Planner
 from episerve_server.plan.statistics import MAX_KEYS, KeyStatsEngine
 from episerve_server.rpc.handlers.buffers import ResponseBuffers
 from episerve_server.rpc.handlers.registry import KeymapRegistry

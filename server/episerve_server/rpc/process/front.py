@@ -39,7 +39,7 @@ from episerve_proto.contract import METHODS, SERVICE_NAME
 from episerve_proto.errors import Overloaded, ResponseTooLarge, Unavailable
 from episerve_server import preflight
 from episerve_server.config import ServerConfig
-from episerve_server.plan.planner import too_big
+from episerve_server.plan.options import too_big
 from episerve_server.rpc.handlers.buffers import Reservation, ResponseBuffers
 from episerve_server.rpc.handlers.service import OFFLOAD_ENCODE_BYTES
 from episerve_server.rpc.handlers.status import rpc_method

@@ -1,0 +1,41 @@
+"""What a read asks of the planner besides its keymap and samples, and the error for an
+answer over its byte limit."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from episerve_proto.errors import ResponseTooLarge
+
+
+@dataclass(frozen=True, slots=True)
+class ReadOptions:
+    annotation_cutoff: bool = False
+    max_response_bytes: int = 0  # 0: no limit
+    # Told the numeric response size as soon as it is known, before any window is built:
+    # the service refuses there a read whose response it could not hold for its client.
+    admit: Callable[[int], None] | None = None
+    all_masks: bool = False  # masks="all": ``<output>_is_pad`` per window, and total_frames
+    # Where the numeric outputs are gathered (the local plane: the segment the answer is
+    # sent in); None: new arrays.
+    arena: Arena | None = None
+
+
+class Arena(Protocol):
+    async def open(self, nbytes: int, outputs: int) -> None:
+        """Room for ``outputs`` arrays of ``nbytes`` in all (again if a read is retried)."""
+
+    def empty(self, shape: tuple[int, ...]) -> np.ndarray: ...
+
+
+def too_big(nbytes: int, limit: int, batch: int, *, at_least: bool = False) -> ResponseTooLarge:
+    fit = max(1, batch * limit // max(nbytes, 1))
+    size = f"at least {nbytes}" if at_least else f"{nbytes}"
+    return ResponseTooLarge(
+        f"the response would be {size} bytes, over the limit of {limit} bytes; "
+        f"split the batch into requests of at most {fit} samples"
+    )
