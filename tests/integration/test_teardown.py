@@ -152,7 +152,13 @@ def test_fork_workers_after_the_main_process_used_grpc_never_hang(
            "--transport", "grpc")
 
 
+#: Seconds a stress test may take: 200 spawn rounds take ~12 min here (each spawned worker
+#: imports torch), over the default per-test timeout.
+STRESS_TIMEOUT_S = 2400
+
+
 @pytest.mark.stress
+@pytest.mark.timeout(STRESS_TIMEOUT_S)
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("context", ["spawn", "forkserver", "fork"])
 def test_200_teardowns_each(context: str, transport: str,
@@ -162,6 +168,7 @@ def test_200_teardowns_each(context: str, transport: str,
 
 
 @pytest.mark.stress
+@pytest.mark.timeout(STRESS_TIMEOUT_S)
 def test_200_fork_starts_after_grpc(shared_daemons: dict[str, DaemonProcess]) -> None:
     stress(shared_daemons["unix"].target, "fork", STRESS_ROUNDS, "--grpc-first",
            "--transport", "grpc")
