@@ -145,14 +145,20 @@ MANY_FRAMES = 300
 NUMERIC_KEYS = sorted(ramp.MECKA_KEYS)
 
 
+def _copies_of_one_episode(tmp_path_factory: pytest.TempPathFactory, name: str,
+                           episodes: int, frames: int) -> Path:
+    """A root of ``episodes`` copies of one ramp episode of ``frames`` frames (every key)."""
+    root = tmp_path_factory.mktemp(name) / "root"
+    first = ramp.write_ramp_episode(root, "m0000", episode_no=0, total_frames=frames)
+    for i in range(1, episodes):
+        shutil.copytree(first, root / f"m{i:04d}.zarr")
+    return root
+
+
 @pytest.fixture(scope="module")
 def many_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``MANY`` copies of one ramp episode (300 frames, every key)."""
-    root = tmp_path_factory.mktemp("many") / "root"
-    first = ramp.write_ramp_episode(root, "m0000", episode_no=0, total_frames=MANY_FRAMES)
-    for i in range(1, MANY):
-        shutil.copytree(first, root / f"m{i:04d}.zarr")
-    return root
+    return _copies_of_one_episode(tmp_path_factory, "many", MANY, MANY_FRAMES)
 
 
 @pytest.fixture(scope="module")
@@ -242,11 +248,7 @@ LONG_FRAMES = 12000
 @pytest.fixture(scope="module")
 def long_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``LONG_EPISODES`` copies of one ramp episode of ``LONG_FRAMES`` frames."""
-    root = tmp_path_factory.mktemp("long") / "root"
-    first = ramp.write_ramp_episode(root, "m0000", episode_no=0, total_frames=LONG_FRAMES)
-    for i in range(1, LONG_EPISODES):
-        shutil.copytree(first, root / f"m{i:04d}.zarr")
-    return root
+    return _copies_of_one_episode(tmp_path_factory, "long", LONG_EPISODES, LONG_FRAMES)
 
 
 def test_statistics_over_every_episode_keep_health_answering(

@@ -170,9 +170,10 @@ class FrontService:
         held = Reservation(self.buffers, peer)
         learning: asyncio.Event | None = None
         try:
-            parts = forward.split_read(request, self._owner, self.limits)
-            facts = forward.read_facts(request, self.config.max_response_bytes)
-            del request
+            req = forward.parse_read(request)
+            parts = forward.split_read(request, self._owner, self.limits, req)
+            facts = forward.read_facts(req, self.config.max_response_bytes)
+            del request, req
             copies = 1 + MERGE_COPIES if len(parts) > 1 else 1
             learning = await self._learner(facts.size_key)
             if learning is None:  # refused here if over the budget, before any part is asked

@@ -27,12 +27,18 @@ SHARED_GAUGES = frozenset({"episodes_open", "episodes_broken", "keymaps_register
 SAMPLE_FIELDS = ("episodes", "frame_index", "fps", "embodiments", "total_frames")
 
 
-def split_read(data: bytes, owner: Callable[[str], int],
-               limits: Limits) -> list[tuple[int, list[int], bytes]]:
+def parse_read(data: bytes) -> Any:
+    """A Read's request message, parsed once for ``split_read`` and ``read_facts``."""
+    return parse_message(pb.ReadRequest(), data, "Read")
+
+
+def split_read(data: bytes, owner: Callable[[str], int], limits: Limits,
+               req: Any = None) -> list[tuple[int, list[int], bytes]]:
     """A Read for the front to forward: ``(worker, sample positions, request)`` per worker
     that owns some of its samples. Every other field (keymap, options, prefetch hints) is
-    copied; prefetch hints go to the worker that owns their episode."""
-    req = parse_message(pb.ReadRequest(), data, "Read")
+    copied; prefetch hints go to the worker that owns their episode. ``req``: ``data``
+    already parsed."""
+    req = parse_read(data) if req is None else req
     if len(req.episodes) != len(req.frames) or len(req.episodes) > limits.max_batch:
         return [(0, list(range(len(req.episodes))), data)]  # the worker says what is wrong
     groups = routing.split(req.episodes, owner)
@@ -64,8 +70,9 @@ class ReadFacts:
     size_key: bytes  # what the answer's size per sample depends on: the keymap and options
 
 
-def read_facts(data: bytes, limit: int) -> ReadFacts:
-    req = parse_message(pb.ReadRequest(), data, "Read")
+def read_facts(data: bytes | Any, limit: int) -> ReadFacts:
+    """``data``: the request's bytes or its parsed message."""
+    req = parse_read(data) if isinstance(data, bytes) else data
     if req.max_response_bytes > 0:
         limit = min(limit, req.max_response_bytes)
     ref = (b"i" + req.keymap_id.encode() if req.WhichOneof("keymap_ref") == "keymap_id"
