@@ -20,6 +20,8 @@ from tests.support.daemons import sample_of
 from tests.support.keymaps import BATCH, CASES, KEYMAPS
 from tests.support.served import assert_same_sample, oracle_of
 
+pytestmark = pytest.mark.slow
+
 
 def _channel(target: str) -> grpc.Channel:
     return grpc.insecure_channel(target)

@@ -24,6 +24,8 @@ from episerve_client.local import adopt_mapping
 from episerve_tools.launch import DaemonProcess
 from tests.support.keymaps import BATCH, KEYMAPS, without_annotations
 
+pytestmark = pytest.mark.slow
+
 Start = Callable[..., DaemonProcess]
 NUMERIC = {k: v for k, v in KEYMAPS["mecka_keypoints_k4"].items()
            if v["key_type"] != "camera_keys"}

@@ -23,6 +23,8 @@ import pytest
 from episerve_client import Client, channel
 from episerve_tools.launch import DaemonProcess
 
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[2]
 #: What an abort, a crash at exit or an unraisable error in a worker prints.
 BAD_LINES = ("terminate called", "Aborted", "Exception ignored", "Segmentation fault",

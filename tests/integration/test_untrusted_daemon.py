@@ -26,6 +26,8 @@ from tests.support import hostile
 from tests.support.daemons import isolated
 from tests.support.fake import FakeDaemon, brief_listing, checked_keymap
 
+pytestmark = pytest.mark.slow
+
 KEYMAP = {"state": {"zarr_key": "obs", "key_type": "proprio_keys"}}
 SAMPLES = [("ep0", 0), ("ep0", 1), ("ep1", 2), ("ep1", 3)]
 REGISTER = checked_keymap(["ep0", "ep1"])

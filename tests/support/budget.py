@@ -1,0 +1,64 @@
+"""The default tier's time budget: an unmarked test's call phase over it fails.
+
+The figure counted is CPU time, this process's (all its threads) plus that of children it
+reaped during the call, so a loaded machine does not push a test over; a call's wall time
+is also held to ``WALL_FACTOR`` times the budget, which catches a test that waits (a
+timeout, a sleep, a child it never reaps) without flaking when other work shares the cores.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+#: Seconds of CPU an unmarked test's call may take (``EPISERVE_TEST_BUDGET_S``; 0 turns it off).
+BUDGET_S = 2.0
+WALL_FACTOR = 5.0
+ENV = "EPISERVE_TEST_BUDGET_S"
+#: A test carrying one of these belongs to a tier that is allowed its time.
+TIER_MARKS = frozenset({"slow", "smoke", "stress", "faults", "load", "bench"})
+
+
+def budget_s() -> float:
+    raw = os.environ.get(ENV, "")
+    try:
+        return float(raw) if raw else BUDGET_S
+    except ValueError:
+        raise ValueError(f"{ENV}={raw!r} is not a number of seconds") from None
+
+
+@dataclass(frozen=True, slots=True)
+class Spent:
+    cpu_s: float
+    wall_s: float
+
+
+class Meter:
+    """Started before a call, read after it."""
+
+    __slots__ = ("_cpu", "_wall")
+
+    def __init__(self) -> None:
+        self._cpu = _cpu_now()
+        self._wall = time.perf_counter()
+
+    def spent(self) -> Spent:
+        return Spent(_cpu_now() - self._cpu, time.perf_counter() - self._wall)
+
+
+def _cpu_now() -> float:
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+def over_budget(spent: Spent, limit_s: float) -> str | None:
+    """Why ``spent`` breaks the budget, or None."""
+    if limit_s <= 0:
+        return None
+    if spent.cpu_s > limit_s:
+        return f"used {spent.cpu_s:.2f} s of CPU, over the default tier's {limit_s:g} s"
+    if spent.wall_s > limit_s * WALL_FACTOR:
+        return (f"took {spent.wall_s:.2f} s of wall time, over {WALL_FACTOR:g} times the "
+                f"default tier's {limit_s:g} s")
+    return None
