@@ -29,27 +29,30 @@ PYTEST := env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest
 # Every tier but the default one: the slow tests, and each Hypothesis test at its full count.
 SLOW := (hypothesis or (slow and not smoke)) and not load and not bench and not stress and not faults
 STRESS_ROUNDS ?= 200
+# A tier that selects no test (pytest's exit 5) fails, saying so: each holds tests, so an
+# empty one is a broken marker expression, not a pass.
+tier = $(1) || { rc=$$?; [ $$rc != 5 ] || echo "pytest selected no test (exit 5)" >&2; exit $$rc; }
 
 # The default tier: unit tests (Hypothesis profile dev) and the integration smoke set.
 test: $(STAMP)
-	$(PYTEST) $(PYTEST_ARGS)
+	$(call tier,$(PYTEST) $(PYTEST_ARGS))
 
 test-slow: $(STAMP)
-	EPISERVE_HYPOTHESIS=ci EPISERVE_TEST_BUDGET_S=0 $(PYTEST) -m '$(SLOW)' $(PYTEST_ARGS)
+	$(call tier,EPISERVE_HYPOTHESIS=ci EPISERVE_TEST_BUDGET_S=0 $(PYTEST) -m '$(SLOW)' $(PYTEST_ARGS))
 
 # Every tier, the Hypothesis tests at their full counts.
 test-all: $(STAMP)
-	EPISERVE_HYPOTHESIS=ci EPISERVE_TEST_BUDGET_S=0 $(PYTEST) -m '' $(PYTEST_ARGS)
+	$(call tier,EPISERVE_HYPOTHESIS=ci EPISERVE_TEST_BUDGET_S=0 $(PYTEST) -m '' $(PYTEST_ARGS))
 
 faults: $(STAMP)
-	$(PYTEST) -m faults tests/integration/test_exactness.py $(PYTEST_ARGS)
+	$(call tier,$(PYTEST) -m faults tests/integration/test_exactness.py $(PYTEST_ARGS))
 
 stress: $(STAMP)
 	@echo "stress: $(STRESS_ROUNDS) rounds per case"
-	EPISERVE_STRESS_ROUNDS=$(STRESS_ROUNDS) $(PYTEST) -m stress tests/integration/test_teardown.py $(PYTEST_ARGS)
+	$(call tier,EPISERVE_STRESS_ROUNDS=$(STRESS_ROUNDS) $(PYTEST) -m stress tests/integration/test_teardown.py $(PYTEST_ARGS))
 
 load: $(STAMP)
-	$(PYTEST) -m load tests/load $(PYTEST_ARGS)
+	$(call tier,$(PYTEST) -m load tests/load $(PYTEST_ARGS))
 
 # Every benchmark on this commit, one after another: benchmarks/results/*.json, the charts and
 # docs/PERFORMANCE.md (BENCH_ARGS="--only node,local" for some).
