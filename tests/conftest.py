@@ -58,7 +58,7 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
         return (yield)
     meter = budget.Meter()
     outcome = yield
-    why = budget.over_budget(meter.spent(), limit)
+    why = budget.over_budget(meter.spent(), limit, budget.load_per_core())
     if why is not None:
         pytest.fail(f"{item.nodeid} {why}: make it cheaper, or mark it slow "
                     f"(docs/TESTING.md)", pytrace=False)

@@ -1,9 +1,10 @@
 """The default tier's time budget: an unmarked test's call phase over it fails.
 
 The figure counted is CPU time, this process's (all its threads) plus that of children it
-reaped during the call, so a loaded machine does not push a test over; a call's wall time
-is also held to ``WALL_FACTOR`` times the budget, which catches a test that waits (a
-timeout, a sleep, a child it never reaps) without flaking when other work shares the cores.
+reaped during the call, so a loaded machine does not push a test over. A call's wall time
+is also held to ``WALL_FACTOR`` times the budget, times the load average per core when that
+is over 1: it catches a test that waits (a timeout, a sleep, a child it never reaps)
+without failing one that only queued behind other work for the cores.
 """
 
 from __future__ import annotations
@@ -52,13 +53,20 @@ def _cpu_now() -> float:
     return t.user + t.system + t.children_user + t.children_system
 
 
-def over_budget(spent: Spent, limit_s: float) -> str | None:
-    """Why ``spent`` breaks the budget, or None."""
+def load_per_core() -> float:
+    return os.getloadavg()[0] / (os.cpu_count() or 1)
+
+
+def over_budget(spent: Spent, limit_s: float, load: float = 0.0) -> str | None:
+    """Why ``spent`` breaks the budget, or None; ``load`` is the load average per core."""
     if limit_s <= 0:
         return None
     if spent.cpu_s > limit_s:
-        return f"used {spent.cpu_s:.2f} s of CPU, over the default tier's {limit_s:g} s"
-    if spent.wall_s > limit_s * WALL_FACTOR:
-        return (f"took {spent.wall_s:.2f} s of wall time, over {WALL_FACTOR:g} times the "
+        return (f"used {spent.cpu_s:.2f} s of CPU ({spent.wall_s:.2f} s wall), over the "
                 f"default tier's {limit_s:g} s")
+    wall_limit_s = limit_s * WALL_FACTOR * max(1.0, load)
+    if spent.wall_s > wall_limit_s:
+        return (f"took {spent.wall_s:.2f} s of wall time ({spent.cpu_s:.2f} s CPU), over "
+                f"{wall_limit_s:.3g} s ({WALL_FACTOR:g} times the default tier's "
+                f"{limit_s:g} s, times a load of {load:.2f} per core)")
     return None

@@ -22,6 +22,14 @@ def test_waiting_is_held_to_a_generous_multiple_of_the_budget() -> None:
     assert why is not None and "10.50 s of wall time" in why
 
 
+def test_the_wall_limit_grows_with_the_load_per_core() -> None:
+    waited = budget.Spent(cpu_s=0.1, wall_s=25.0)
+    assert budget.over_budget(waited, 2.0, load=0.5) is not None  # an idle machine: 10 s
+    assert budget.over_budget(waited, 2.0, load=3.0) is None  # 3 runnable per core: 30 s
+    why = budget.over_budget(waited, 2.0, load=2.0)
+    assert why is not None and "20 s" in why and "2.00 per core" in why
+
+
 def test_a_zero_budget_checks_nothing() -> None:
     assert budget.over_budget(budget.Spent(cpu_s=99.0, wall_s=99.0), 0.0) is None
 
