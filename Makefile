@@ -38,18 +38,18 @@ test: $(STAMP)
 	$(call tier,$(PYTEST) $(PYTEST_ARGS))
 
 test-slow: $(STAMP)
-	$(call tier,EPISERVE_HYPOTHESIS=ci EPISERVE_TEST_BUDGET_S=0 $(PYTEST) -m '$(SLOW)' $(PYTEST_ARGS))
+	$(call tier,EPITEST_HYPOTHESIS=ci EPITEST_BUDGET_S=0 $(PYTEST) -m '$(SLOW)' $(PYTEST_ARGS))
 
 # Every tier, the Hypothesis tests at their full counts.
 test-all: $(STAMP)
-	$(call tier,EPISERVE_HYPOTHESIS=ci EPISERVE_TEST_BUDGET_S=0 $(PYTEST) -m '' $(PYTEST_ARGS))
+	$(call tier,EPITEST_HYPOTHESIS=ci EPITEST_BUDGET_S=0 $(PYTEST) -m '' $(PYTEST_ARGS))
 
 faults: $(STAMP)
 	$(call tier,$(PYTEST) -m faults tests/integration/test_exactness.py $(PYTEST_ARGS))
 
 stress: $(STAMP)
 	@echo "stress: $(STRESS_ROUNDS) rounds per case"
-	$(call tier,EPISERVE_STRESS_ROUNDS=$(STRESS_ROUNDS) $(PYTEST) -m stress tests/integration/test_teardown.py $(PYTEST_ARGS))
+	$(call tier,EPITEST_STRESS_ROUNDS=$(STRESS_ROUNDS) $(PYTEST) -m stress tests/integration/test_teardown.py $(PYTEST_ARGS))
 
 load: $(STAMP)
 	$(call tier,$(PYTEST) -m load tests/load $(PYTEST_ARGS))

@@ -4,7 +4,7 @@ The stress runs go through ``tests/support/teardown.py`` in a process of their o
 this test process's gRPC never meets a fork, and its counts come back as JSON with what the
 workers printed. The default run has one round per transport (fork), the slow tier a few
 per start method; ``-m stress`` runs 200 per start method and transport (`make stress`;
-``EPISERVE_STRESS_ROUNDS`` sets another count).
+``EPITEST_STRESS_ROUNDS`` sets another count).
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ BAD_LINES = ("terminate called", "Aborted", "Exception ignored", "Segmentation f
 #: gRPC is then broken (a worker that dies at its first batch).
 FORK_UNSAFE = "skipping fork() handlers"
 QUICK_ROUNDS = {"spawn": 4, "forkserver": 10, "fork": 10}
-#: Rounds per stress case: 200, or ``EPISERVE_STRESS_ROUNDS`` (CI runs fewer and says so).
-STRESS_ROUNDS = int(os.environ.get("EPISERVE_STRESS_ROUNDS") or 200)
+#: Rounds per stress case: 200, or ``EPITEST_STRESS_ROUNDS`` (CI runs fewer and says so).
+STRESS_ROUNDS = int(os.environ.get("EPITEST_STRESS_ROUNDS") or 200)
 
 
 def _python(code: str, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:

@@ -13,10 +13,10 @@ import os
 import time
 from dataclasses import dataclass
 
-#: Seconds of CPU an unmarked test's call may take (``EPISERVE_TEST_BUDGET_S``; 0 turns it off).
+#: Seconds of CPU an unmarked test's call may take (``EPITEST_BUDGET_S``; 0 turns it off).
 BUDGET_S = 2.0
 WALL_FACTOR = 5.0
-ENV = "EPISERVE_TEST_BUDGET_S"
+ENV = "EPITEST_BUDGET_S"
 #: A test carrying one of these belongs to a tier that is allowed its time.
 TIER_MARKS = frozenset({"slow", "smoke", "stress", "faults", "load", "bench"})
 

@@ -2,7 +2,7 @@
 
 ``dev`` (the default tier, ``make test``) runs a tenth of the examples; ``ci`` (the slow tier,
 ``make test-slow``) runs Hypothesis's own default of 100 and every decorator's count as it
-is written. The profile comes from ``EPISERVE_HYPOTHESIS`` (``dev`` when unset), or from
+is written. The profile comes from ``EPITEST_HYPOTHESIS`` (``dev`` when unset), or from
 pytest's ``--hypothesis-profile`` option, which wins.
 """
 
@@ -15,11 +15,13 @@ from hypothesis import settings
 #: Hypothesis's own default: a ``ci`` run keeps every count as written.
 CI_EXAMPLES = 100
 PROFILES = {"dev": CI_EXAMPLES // 10, "ci": CI_EXAMPLES}
-ENV = "EPISERVE_HYPOTHESIS"
+#: Not ``EPISERVE_*``: the daemons a test starts inherit its environment, and ``episerve
+#: serve`` warns of every ``EPISERVE_`` variable that names no setting of its own.
+ENV = "EPITEST_HYPOTHESIS"
 
 
 def register() -> str:
-    """Registers both profiles and loads the one ``EPISERVE_HYPOTHESIS`` names."""
+    """Registers both profiles and loads the one ``EPITEST_HYPOTHESIS`` names."""
     for name, examples in PROFILES.items():
         settings.register_profile(name, max_examples=examples)
     name = os.environ.get(ENV, "dev")
