@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo serve test test-all stress load bench bench-core bench-daemon bench-client lint typecheck protos protos-check clean
+.PHONY: setup demo serve test test-slow test-all faults stress load bench bench-core bench-daemon bench-client lint typecheck protos protos-check clean
 
 setup: $(STAMP)
 
@@ -23,17 +23,36 @@ demo: $(STAMP)
 serve: $(STAMP)
 	$(VENV)/bin/episerve serve
 
-test: $(STAMP)
-	$(PY) -m pytest
+# The test tiers (docs/TESTING.md). Bytecode is cached even where PYTHONDONTWRITEBYTECODE is
+# set: without the cache every run compiles and assertion-rewrites each test module again.
+PYTEST := env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest
+# Every tier but the default one: the slow tests, and each Hypothesis test at its full count.
+SLOW := (hypothesis or (slow and not smoke)) and not load and not bench and not stress and not faults
+STRESS_ROUNDS ?= 200
+# A tier that selects no test (pytest's exit 5) fails, saying so: each holds tests, so an
+# empty one is a broken marker expression, not a pass.
+tier = $(1) || { rc=$$?; [ $$rc != 5 ] || echo "pytest selected no test (exit 5)" >&2; exit $$rc; }
 
+# The default tier: unit tests (Hypothesis profile dev) and the integration smoke set.
+test: $(STAMP)
+	$(call tier,$(PYTEST) $(PYTEST_ARGS))
+
+test-slow: $(STAMP)
+	$(call tier,EPITEST_HYPOTHESIS=ci EPITEST_BUDGET_S=0 $(PYTEST) -m '$(SLOW)' $(PYTEST_ARGS))
+
+# Every tier, the Hypothesis tests at their full counts.
 test-all: $(STAMP)
-	$(PY) -m pytest -m ''
+	$(call tier,EPITEST_HYPOTHESIS=ci EPITEST_BUDGET_S=0 $(PYTEST) -m '' $(PYTEST_ARGS))
+
+faults: $(STAMP)
+	$(call tier,$(PYTEST) -m faults tests/integration/test_exactness.py $(PYTEST_ARGS))
 
 stress: $(STAMP)
-	$(PY) -m pytest -m stress tests/integration/test_teardown.py
+	@echo "stress: $(STRESS_ROUNDS) rounds per case"
+	$(call tier,EPITEST_STRESS_ROUNDS=$(STRESS_ROUNDS) $(PYTEST) -m stress tests/integration/test_teardown.py $(PYTEST_ARGS))
 
 load: $(STAMP)
-	$(PY) -m pytest -m load tests/load
+	$(call tier,$(PYTEST) -m load tests/load $(PYTEST_ARGS))
 
 # Every benchmark on this commit, one after another: benchmarks/results/*.json, the charts and
 # docs/PERFORMANCE.md (BENCH_ARGS="--only node,local" for some).

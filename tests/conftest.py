@@ -1,17 +1,24 @@
 """Fixtures shared by the test suites: one event loop, ramped datasets, planners over them.
 
+Also the tiers' machinery: the Hypothesis profiles (``tests/support/profiles.py``), the
+default tier's time budget for unmarked tests (``tests/support/budget.py``) and the run's
+total time, printed at its end.
+
 The planner keeps loop-bound state between reads (shard-index futures, a semaphore), as the
 daemon does on its single loop, so every read of one catalog runs on the same session loop.
 """
 
 from __future__ import annotations
 
+import os
 import sys
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import settings
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
@@ -19,7 +26,7 @@ if str(REPO) not in sys.path:
 
 from episerve_server.config import ServerConfig
 from episerve_server.wiring import build_read_core
-from tests.support import ramp
+from tests.support import budget, profiles, ramp
 from tests.support.served import (
     LAYOUTS,
     LoopRunner,
@@ -29,6 +36,45 @@ from tests.support.served import (
     oracle_of,
     write_mixed_dataset,
 )
+
+profiles.register()
+_START: dict[str, float] = {}
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    _START.update(wall=time.perf_counter(), cpu=sum(os.times()[:4]))
+    _START.update(zip(("load1", "load5", "load15"), os.getloadavg()))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
+    """Fails an unmarked test whose call goes over the default tier's budget."""
+    limit = budget.budget_s()
+    tiered = any(m.name in budget.TIER_MARKS for m in item.iter_markers())
+    full_counts = (settings.get_current_profile_name() != "dev"
+                   and item.get_closest_marker("hypothesis") is not None)
+    exempt = tiered or full_counts
+    if limit <= 0 or exempt:
+        return (yield)
+    meter = budget.Meter()
+    outcome = yield
+    why = budget.over_budget(meter.spent(), limit, budget.load_per_core())
+    if why is not None:
+        pytest.fail(f"{item.nodeid} {why}: make it cheaper, or mark it slow "
+                    f"(docs/TESTING.md)", pytrace=False)
+    return outcome
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if not _START:
+        return
+    wall = time.perf_counter() - _START["wall"]
+    cpu = sum(os.times()[:4]) - _START["cpu"]
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    terminalreporter.write_line(
+        f"episerve tests: {wall:.1f} s wall, {cpu:.1f} s CPU with children, Hypothesis "
+        f"profile {settings.get_current_profile_name()}; load average "
+        f"{_START['load1']:.2f} at the start, {load} at the end")
 
 
 @pytest.fixture(scope="session")

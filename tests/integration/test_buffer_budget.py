@@ -11,9 +11,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from episerve_client import Client, convert
 from tests.support import hostile
 from tests.support.h2raw import RawH2Client
+
+pytestmark = pytest.mark.slow
 
 MiB = 2**20
 READ = "/episerve.v1.EpiServe/Read"

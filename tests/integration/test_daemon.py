@@ -19,6 +19,9 @@ from tests.support import ramp
 from tests.support.daemons import sample_of
 from tests.support.keymaps import BATCH, CASES, KEYMAPS
 from tests.support.served import assert_same_sample, oracle_of
+from tests.support.tiers import smoke_first
+
+pytestmark = pytest.mark.slow
 
 
 def _channel(target: str) -> grpc.Channel:
@@ -26,7 +29,7 @@ def _channel(target: str) -> grpc.Channel:
 
 
 @pytest.mark.parametrize("transport", ["tcp", "unix"])
-@pytest.mark.parametrize(("name", "cutoff"), CASES)
+@pytest.mark.parametrize(("name", "cutoff"), smoke_first(CASES))
 def test_reads_equal_the_oracle(transport: str, name: str, cutoff: bool,
                                 shared_daemons: dict[str, DaemonProcess],
                                 ramp_roots: dict[str, Path], make_client: Any) -> None:
@@ -118,6 +121,7 @@ def test_health_serving_and_reflection_lists_the_service(
 CAMERA_ONLY = {"front": {"zarr_key": "images.front_1", "key_type": "camera_keys"}}
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize(
     ("samples", "keymap", "error", "code", "names"),
     [

@@ -21,6 +21,8 @@ from tests.support.daemons import isolated
 from tests.support.keymaps import KEYMAPS
 from tests.support.served import oracle_of
 
+pytestmark = pytest.mark.slow
+
 EPISODES = ["ep000a", "ep002c"]  # 37 + 101 frames
 INDICES = [0, 1, 2, 35, 36, 37, 38, 60, 99, 100, 136, 137]
 

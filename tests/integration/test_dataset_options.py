@@ -31,6 +31,8 @@ from tests.support.daemons import isolated
 from tests.support.keymaps import KEYMAPS
 from tests.support.served import oracle_of
 
+pytestmark = pytest.mark.slow
+
 INDICES = [0, 5, 36, 37, 90, 137, 138, 300, 494]
 
 

@@ -29,6 +29,8 @@ from episerve_client.convert import ReadResult
 from tests.support import ramp
 from tests.support.keymaps import KEYMAPS
 
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[2]
 MECKA = KEYMAPS["mecka_keypoints_k4"]
 KEYPOINTS = {"k": {"zarr_key": "left.obs_keypoints", "key_type": "proprio_keys"}}

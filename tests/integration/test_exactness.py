@@ -29,8 +29,8 @@ from tests.support.launchers import WrappedDaemon, fault_daemon
 from tests.support.s3proxy import FaultyS3
 from tests.support.supervisor import Supervisor
 
-# The default run has the faults on one node (~2.5 min); those over TCP, S3 and network
-# namespaces are marked ``faults`` and run by .ci/run in a step of their own (~4 min).
+# The slow tier has the faults on one node (~2.5 min); those over TCP, S3 and network
+# namespaces are marked ``faults`` (`make faults`, a CI step of its own, ~4 min).
 pytestmark = pytest.mark.slow
 FLAGS = ("--rescan-s", "0", "--log-level", "WARNING")
 EPOCH = Epoch()

@@ -28,6 +28,8 @@ from episerve_client import AsyncClient, Client, convert, errors
 from episerve_tools.launch import DaemonProcess
 from tests.support import ramp
 
+pytestmark = pytest.mark.slow
+
 KEYPOINTS = {"k": {"zarr_key": "left.obs_keypoints", "key_type": "proprio_keys"}}
 CAMERA = {"front": {"zarr_key": "images.front_1", "key_type": "camera_keys"}}
 CHUNK_AND_FRAME = {

@@ -33,6 +33,8 @@ from tests.support import ramp
 from tests.support.daemons import isolated
 from tests.support.hostile import replace_chunk, update_group_attrs, vlen_items
 
+pytestmark = pytest.mark.slow
+
 CAMERA = ramp.CAMERA_KEY
 KEYMAP = {"front": {"zarr_key": CAMERA, "key_type": "camera_keys"},
           "head": {"zarr_key": "obs_head_pose", "key_type": "proprio_keys"}}

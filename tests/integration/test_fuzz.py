@@ -36,7 +36,10 @@ from episerve_proto.contract import KEY_TYPES, SERVICE_PATH
 from episerve_proto.v1 import episerve_pb2 as pb
 from episerve_tools.launch import DaemonProcess
 from tests.support import ramp
+from tests.support.profiles import scaled
 from tests.support.strategies import window_fields
+
+pytestmark = pytest.mark.slow
 
 SERVICE = SERVICE_PATH
 METHODS = ("Read", "RegisterKeymap", "ListEpisodes", "GetStats", "GetKeyStats")
@@ -331,19 +334,22 @@ FUZZ = settings(deadline=None, database=None, print_blob=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
-@settings(FUZZ, max_examples=1000)
+@pytest.mark.smoke
+@settings(FUZZ, max_examples=scaled(1000))
 @given(data=st.data())
 def test_fuzzed_read_requests_get_deliberate_answers(fuzzed: Fuzzed, data: st.DataObject) -> None:
     fuzzed.send("read_messages", "Read", data.draw(read_requests(fuzzed.keymap_id)))
 
 
-@settings(FUZZ, max_examples=800)
+@pytest.mark.smoke
+@settings(FUZZ, max_examples=scaled(800))
 @given(payload=plausible_reads())
 def test_plausible_read_requests_get_deliberate_answers(fuzzed: Fuzzed, payload: bytes) -> None:
     fuzzed.send("plausible_reads", "Read", payload)
 
 
-@settings(FUZZ, max_examples=400)
+@pytest.mark.smoke
+@settings(FUZZ, max_examples=scaled(400))
 @given(entries=KEYMAPS)
 def test_fuzzed_keymap_registrations_get_deliberate_answers(fuzzed: Fuzzed,
                                                             entries: list[dict[str, Any]]) -> None:
@@ -352,7 +358,8 @@ def test_fuzzed_keymap_registrations_get_deliberate_answers(fuzzed: Fuzzed,
     assert code in ("OK", "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED")
 
 
-@settings(FUZZ, max_examples=800)
+@pytest.mark.smoke
+@settings(FUZZ, max_examples=scaled(800))
 @given(method=st.sampled_from([*METHODS, "Nope"]), payload=st.binary(max_size=400))
 def test_random_bytes_on_the_wire_get_deliberate_answers(fuzzed: Fuzzed, method: str,
                                                          payload: bytes) -> None:
@@ -361,7 +368,8 @@ def test_random_bytes_on_the_wire_get_deliberate_answers(fuzzed: Fuzzed, method:
         assert code == "UNIMPLEMENTED"
 
 
-@settings(FUZZ, max_examples=200)
+@pytest.mark.smoke
+@settings(FUZZ, max_examples=scaled(200))
 @given(keys=st.lists(st.sampled_from([*REAL_KEYS, "nope", ""]) | st.text(max_size=300),
                      max_size=6),
        episodes=st.lists(st.sampled_from([*REAL_IDS, *PATH_LIKE]) | st.text(max_size=300),
@@ -409,7 +417,8 @@ def _mutate(payload: bytes, ops: list[tuple[str, int, bytes]]) -> bytes:
     return bytes(out)
 
 
-@settings(FUZZ, max_examples=800)
+@pytest.mark.smoke
+@settings(FUZZ, max_examples=scaled(800))
 @given(which=st.integers(0, 3), ops=MUTATIONS)
 def test_mutated_valid_requests_get_deliberate_answers(fuzzed: Fuzzed, which: int,
                                                        ops: list[tuple[str, int, bytes]]) -> None:
@@ -424,6 +433,7 @@ def test_annotation_keys_on_a_numeric_array_is_a_keymap_error(fuzzed: Fuzzed) ->
     assert "'text'" in str(info.value) and "'left.obs_keypoints'" in str(info.value)
 
 
+@pytest.mark.smoke
 def test_the_daemon_is_healthy_after_the_fuzz(fuzzed: Fuzzed) -> None:
     _assert_healthy(fuzzed)
     with Client(fuzzed.daemon.target) as c:

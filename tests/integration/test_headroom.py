@@ -15,6 +15,8 @@ from episerve_client.channel import KEEPALIVE_TIME_MS
 from episerve_proto.contract import MIN_PING_INTERVAL_MS
 from episerve_server.config import ServerConfig
 
+pytestmark = pytest.mark.slow
+
 CLIENTS = 8 * 8 + 8
 KEYPOINTS = {"k": {"zarr_key": "left.obs_keypoints", "key_type": "proprio_keys"}}
 

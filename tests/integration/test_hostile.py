@@ -45,6 +45,8 @@ from tests.support import hostile, ramp
 from tests.support.h2raw import PREFACE, RawH2Client, connect, settings
 from tests.support.hostile import MiB, Outcome, Victim
 
+pytestmark = pytest.mark.slow
+
 ATTACK_TIMEOUT_S = 5.0
 HEALTH_LIMIT_MS = 100.0
 RSS_LIMIT = 64 * MiB

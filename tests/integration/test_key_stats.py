@@ -21,6 +21,8 @@ from episerve_tools.launch import DaemonProcess
 from episerve_tools.synth.writer import write_episode
 from tests.support import ramp
 
+pytestmark = pytest.mark.slow
+
 KEYS = list(ramp.MECKA_KEYS)
 PAD_VALUE = 1e9  # written into the padded tails: a statistic that counts them is far off
 

@@ -29,6 +29,8 @@ from tests.support.daemons import isolated
 from tests.support.fake import FakeDaemon, brief_listing
 from tests.support.keymaps import KEYMAPS
 
+pytestmark = pytest.mark.slow
+
 CAMERA = ramp.CAMERA_KEY
 MECKA = KEYMAPS["mecka_keypoints_k4"]
 NO_CAMERA_REASON = ("output key 'observations.images.front_img_1': the episode has no array "

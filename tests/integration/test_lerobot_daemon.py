@@ -17,6 +17,8 @@ from episerve_tools.launch import DaemonProcess
 from tests.support import lerobot as lr
 from tests.support.daemons import isolated
 
+pytestmark = pytest.mark.slow
+
 DELTA = {"observation.state": [-0.2, 0.0], "action": [0.0, 0.1, 0.2, 0.3],
          "observation.images.top": [-0.1, 0.0]}
 FEATURES = ["observation.state", "action", "observation.images.top",

@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.slow
+
 try:
     from lerobot.datasets.lerobot_dataset import LeRobotDataset
 except Exception as exc:  # ImportError, or a torchvision built for another torch

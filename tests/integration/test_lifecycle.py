@@ -16,6 +16,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from episerve_client import Client, convert, errors
 from tests.support import ramp
 
+pytestmark = pytest.mark.slow
+
 # A cold read waits two store round trips (its shard indexes, then its chunks, each batch of
 # requests issued together): about 2 s here.
 SLOW = ("--inject-latency-s", "1.0", "--max-store-concurrency", "1", "--cache-bytes", "0")

@@ -32,6 +32,8 @@ from episerve_server.rpc.handlers.service import LIST_PAGE_BYTES
 from episerve_tools.launch import DaemonProcess
 from tests.support import ramp
 
+pytestmark = pytest.mark.slow
+
 KEYPOINTS = {"k": {"zarr_key": "left.obs_keypoints", "key_type": "proprio_keys"}}
 HUGE = 100_000  # characters of a hostile name
 

@@ -9,9 +9,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from episerve_client import Client, convert
 from episerve_proto.v1 import episerve_pb2 as pb
 from tests.support import ramp
+
+pytestmark = pytest.mark.slow
 
 
 def _root(tmp_path: Path) -> Path:

@@ -20,6 +20,8 @@ from episerve_client import WindowDataset, collate
 from episerve_tools.launch import DaemonProcess
 from tests.support.keymaps import KEYMAPS
 
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[2]
 KEYMAP = "camera_history"  # numeric windows and camera frames
 INDICES = list(range(0, 160, 5))

@@ -33,6 +33,8 @@ from episerve_proto.contract import MAX_LIST_HASHES
 from tests.support import ramp
 from tests.support.hostile import MiB, Outcome, Probe, Victim
 
+pytestmark = pytest.mark.slow
+
 # Health latency limits: the 99th percentile, the median and the worst of the polls.
 HEALTH_LIMIT_MS = 250.0
 P50_LIMIT_MS = 50.0

@@ -33,6 +33,8 @@ from episerve_tools.synth.writer import write_episode
 from tests.support import h2raw, ramp
 from tests.support.h2raw import RawH2Client
 
+pytestmark = pytest.mark.slow
+
 MiB = 2**20
 BIG_KEY, BAD_KEY = "big", "zbad"  # keys are decoded in sorted order: the corrupt one last
 BIG_FEATURES = 1000  # 100 rows x 1000 float32 = 400 kB per chunk

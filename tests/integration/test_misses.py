@@ -13,12 +13,15 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from episerve_client import AsyncClient, Client
 from tests.support.daemons import sample_of
 from tests.support.keymaps import KEYMAPS
 from tests.support.served import assert_same_sample, oracle_of
+
+pytestmark = pytest.mark.slow
 
 KEYPOINTS = {"k": {"zarr_key": "left.obs_keypoints", "key_type": "proprio_keys"}}
 MECKA = KEYMAPS["mecka_keypoints_k4"]

@@ -21,6 +21,8 @@ from tests.support import ramp
 from tests.support.daemons import isolated
 from tests.support.keymaps import KEYMAPS
 
+pytestmark = pytest.mark.slow
+
 MECKA = KEYMAPS["mecka_keypoints_k4"]
 OTHER = KEYMAPS["annotations"]
 B_EPISODES = {"ep100x": (4, 120), "ep101y": (5, 64)}  # hash: (episode number, frames)

@@ -20,6 +20,8 @@ from episerve_server.config import ServerConfig
 from tests.support import ramp
 from tests.support.introspect import assert_standard_tools_answer
 
+pytestmark = pytest.mark.slow
+
 KEYPOINTS = {"k": {"zarr_key": "left.obs_keypoints", "key_type": "proprio_keys"}}
 
 

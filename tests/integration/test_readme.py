@@ -14,6 +14,8 @@ import pytest
 
 from episerve_tools.launch import DaemonProcess
 
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[2]
 README = (REPO / "README.md").read_text()
 GUIDE = (REPO / "docs" / "GUIDE.md").read_text()

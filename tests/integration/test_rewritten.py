@@ -20,6 +20,8 @@ from tests.support import oracle, ramp
 from tests.support.daemons import sample_of
 from tests.support.served import assert_same_sample
 
+pytestmark = pytest.mark.slow
+
 EPISODE = "ep_rw"
 OLD_FRAMES, NEW_FRAMES = 150, 330
 KEYMAP: dict[str, Any] = {

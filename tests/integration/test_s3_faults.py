@@ -19,6 +19,8 @@ from episerve_tools.launch import DaemonProcess
 from tests.support import ramp
 from tests.support.s3proxy import FaultyS3
 
+pytestmark = pytest.mark.slow
+
 KEYPOINTS = {"k": {"zarr_key": "left.obs_keypoints", "key_type": "proprio_keys"}}
 
 

@@ -2,8 +2,9 @@
 
 The stress runs go through ``tests/support/teardown.py`` in a process of their own, so that
 this test process's gRPC never meets a fork, and its counts come back as JSON with what the
-workers printed. The default suite runs a few rounds per start method; ``-m stress`` runs
-200 per start method and transport (`make stress`).
+workers printed. The default run has one round per transport (fork), the slow tier a few
+per start method; ``-m stress`` runs 200 per start method and transport (`make stress`;
+``EPITEST_STRESS_ROUNDS`` sets another count).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import pytest
 from episerve_client import Client, channel
 from episerve_tools.launch import DaemonProcess
 
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[2]
 #: What an abort, a crash at exit or an unraisable error in a worker prints.
 BAD_LINES = ("terminate called", "Aborted", "Exception ignored", "Segmentation fault",
@@ -31,7 +34,8 @@ BAD_LINES = ("terminate called", "Aborted", "Exception ignored", "Segmentation f
 #: gRPC is then broken (a worker that dies at its first batch).
 FORK_UNSAFE = "skipping fork() handlers"
 QUICK_ROUNDS = {"spawn": 4, "forkserver": 10, "fork": 10}
-STRESS_ROUNDS = 200
+#: Rounds per stress case: 200, or ``EPITEST_STRESS_ROUNDS`` (CI runs fewer and says so).
+STRESS_ROUNDS = int(os.environ.get("EPITEST_STRESS_ROUNDS") or 200)
 
 
 def _python(code: str, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
@@ -142,6 +146,14 @@ def test_loaders_dropped_mid_epoch_never_abort(
         context: str, transport: str, shared_daemons: dict[str, DaemonProcess]) -> None:
     stress(shared_daemons["unix"].target, context, QUICK_ROUNDS[context], "--camera",
            "--transport", transport)
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_one_loader_dropped_mid_epoch_per_transport(
+        transport: str, shared_daemons: dict[str, DaemonProcess]) -> None:
+    """The default run's teardown round: one forked loader per transport, dropped mid-epoch."""
+    stress(shared_daemons["unix"].target, "fork", 1, "--camera", "--transport", transport)
 
 
 @pytest.mark.slow

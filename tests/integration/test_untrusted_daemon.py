@@ -25,6 +25,9 @@ from episerve_proto.v1 import episerve_pb2 as pb
 from tests.support import hostile
 from tests.support.daemons import isolated
 from tests.support.fake import FakeDaemon, brief_listing, checked_keymap
+from tests.support.tiers import smoke_first
+
+pytestmark = pytest.mark.slow
 
 KEYMAP = {"state": {"zarr_key": "obs", "key_type": "proprio_keys"}}
 SAMPLES = [("ep0", 0), ("ep0", 1), ("ep1", 2), ("ep1", 3)]
@@ -141,7 +144,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", smoke_first(CASES))
 def test_a_malformed_answer_is_refused_naming_the_field(case: str, fake: Any,
                                                         make_client: Any) -> None:
     answer, needles = CASES[case]

@@ -34,6 +34,9 @@ from tests.support.daemons import sample_of
 from tests.support.introspect import assert_standard_tools_answer
 from tests.support.keymaps import BATCH, CASES, KEYMAPS
 from tests.support.served import assert_same_sample, oracle_of
+from tests.support.tiers import smoke_first
+
+pytestmark = pytest.mark.slow
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -107,7 +110,7 @@ def test_topology_lists_the_workers_and_the_rule(workers2: dict[str, DaemonProce
 
 
 @pytest.mark.parametrize("transport", ["tcp", "unix"])
-@pytest.mark.parametrize(("name", "cutoff"), CASES)
+@pytest.mark.parametrize(("name", "cutoff"), smoke_first(CASES))
 def test_routed_reads_equal_the_oracle(transport: str, name: str, cutoff: bool,
                                        workers2: dict[str, DaemonProcess],
                                        ramp_roots: dict[str, Path], make_client: Any) -> None:
@@ -117,7 +120,7 @@ def test_routed_reads_equal_the_oracle(transport: str, name: str, cutoff: bool,
     _assert_oracle(result, ramp_roots["sharded"], KEYMAPS[name], BATCH, cutoff)
 
 
-@pytest.mark.parametrize(("name", "cutoff"), CASES)
+@pytest.mark.parametrize(("name", "cutoff"), smoke_first(CASES))
 def test_forwarded_reads_equal_the_oracle(name: str, cutoff: bool,
                                           workers2: dict[str, DaemonProcess],
                                           ramp_roots: dict[str, Path]) -> None:

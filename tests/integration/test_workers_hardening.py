@@ -31,6 +31,8 @@ from tests.support.daemons import sample_of
 from tests.support.keymaps import BATCH
 from tests.support.served import assert_same_sample, oracle_of
 
+pytestmark = pytest.mark.slow
+
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 NOBODY = 65534

@@ -20,6 +20,8 @@ import zarr
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.support.profiles import scaled
+
 _REPO = Path(__file__).resolve().parents[2]
 try:  # the server package may not be installed into the venv yet
     import episerve_tools.synth.writer  # noqa: F401
@@ -442,7 +444,7 @@ def test_proprio_history_mask_from_first_non_camera_window(root: Path) -> None:
     assert out["second"].shape == (5, 7)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=scaled(60), deadline=None)
 @given(i=st.integers(0, 256), k=st.integers(2, 12), h=st.integers(1, 40))
 def test_windows_match_spec_shortcuts(root: Path, i: int, k: int, h: int) -> None:
     """Stride 1, no lag: rows [max(0, i-K+1), i+1) with the first row repeated at the front;

@@ -50,18 +50,21 @@ def skips_on_missing_files(source: str) -> list[int]:
     tree = ast.parse(source)
     found: list[int] = []
 
-    def visit(node: ast.AST, around: str) -> None:
+    # The text of a node is taken only for a skip and the function around it: taking it for
+    # every function made this a scan of the whole file per function.
+    def visit(node: ast.AST, around: ast.AST | None) -> None:
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-            around = ast.get_source_segment(source, node) or ""
+            around = node
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
                 and node.func.attr in ("skip", "skipif"):
             said = ast.get_source_segment(source, node) or ""
-            if MISSING.search(said) or MISSING.search(around):
+            where = "" if around is None else ast.get_source_segment(source, around) or ""
+            if MISSING.search(said) or MISSING.search(where):
                 found.append(node.lineno)
         for child in ast.iter_child_nodes(node):
             visit(child, around)
 
-    visit(tree, "")
+    visit(tree, None)
     return found
 
 

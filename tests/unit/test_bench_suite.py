@@ -61,6 +61,7 @@ def test_a_chart_is_drawn_from_named_columns_or_not_at_all(tmp_path: Path) -> No
                        tmp_path / "t.png") is None
 
 
+@pytest.mark.slow
 def test_the_runner_keeps_a_run_and_writes_the_page(tmp_path: Path) -> None:
     bench = tmp_path / "bench_fake.py"
     bench.write_text(textwrap.dedent(f"""
@@ -100,6 +101,7 @@ def test_the_runner_keeps_a_run_and_writes_the_page(tmp_path: Path) -> None:
     assert "Not run yet: B, C" in report.render([], missing=["B", "C"])
 
 
+@pytest.mark.slow
 def test_an_unknown_benchmark_name_is_refused_naming_the_suite() -> None:
     done = subprocess.run([sys.executable, "-m", "benchmarks", "--only", "nope"], cwd=REPO,
                           capture_output=True, text=True, timeout=60, check=False)

@@ -87,6 +87,7 @@ def loaded(*modules_: str) -> set[str]:
     return set(json.loads(out.stdout))
 
 
+@pytest.mark.slow
 def test_what_imports_really_load() -> None:
     core = [m for m in MODULES if m.startswith("episerve_server.core.")]
     assert not {"zarr", "grpc", "google", "torch"} & loaded(*core)

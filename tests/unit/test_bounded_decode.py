@@ -35,6 +35,7 @@ from episerve_server.storage.readers.bounds import (
     zstd_content_size,
 )
 from tests.support import crafted, ramp
+from tests.support.profiles import scaled
 
 KP = "left.obs_keypoints"  # 100-row chunks of 63 float32: 25200 bytes decoded
 KP_CHUNK = 100 * 63 * 4
@@ -286,7 +287,7 @@ def test_codecs_without_a_bound_make_the_array_a_problem(tmp_path: Path,
 PAYLOADS = st.binary(max_size=3000) | st.builds(lambda n: bytes(n), st.integers(0, 50_000))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=scaled(60), deadline=None)
 @given(parts=st.lists(PAYLOADS, min_size=1, max_size=3))
 def test_zstd_frames_sum_to_their_content(parts: list[bytes]) -> None:
     frames = b"".join(bytes(numcodecs.Zstd(level=1).encode(p)) for p in parts)
@@ -298,7 +299,7 @@ def test_zstd_frames_sum_to_their_content(parts: list[bytes]) -> None:
             decode_zstd(frames, total - 1, False)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=scaled(60), deadline=None)
 @given(data=PAYLOADS)
 def test_bounded_steps_match_numcodecs(data: bytes) -> None:
     n = len(data)
@@ -312,7 +313,7 @@ def test_bounded_steps_match_numcodecs(data: bytes) -> None:
                 step(encoded, n - 1, False)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=scaled(100), deadline=None)
 @given(items=st.lists(st.binary(max_size=64), max_size=20), cut=st.integers(0, 200))
 def test_vlen_parsing_matches_numcodecs_and_refuses_damage(items: list[bytes],
                                                            cut: int) -> None:
@@ -328,7 +329,7 @@ def test_vlen_parsing_matches_numcodecs_and_refuses_damage(items: list[bytes],
             parse_vlen(encoded, len(items), 8)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=scaled(200), deadline=None)
 @given(data=st.binary(max_size=64), limit=st.integers(0, 1 << 20))
 def test_garbage_is_refused_or_fails_to_decode_never_more(data: bytes, limit: int) -> None:
     """Headers are checked by our own parsers (only ``BoundError``); a full decode of garbage

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from episerve_server.core.cache import ChunkCache, chunk_nbytes
 from episerve_server.core.stats import Stats
+from tests.support.profiles import scaled
 
 
 def chunk(nbytes: int, value: float = 0.0) -> np.ndarray:
@@ -147,7 +148,7 @@ ops = st.lists(
 
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=scaled(150), deadline=None)
 @given(budget=st.sampled_from([0, 4, 40, 100, 160]), script=ops)
 def test_matches_a_reference_lru(budget: int, script: list[tuple[str, int, int]]) -> None:
     stats = Stats()
@@ -182,7 +183,7 @@ def test_matches_a_reference_lru(budget: int, script: list[tuple[str, int, int]]
     assert stats.cache_entries == len(model)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=scaled(150), deadline=None)
 @given(budget=st.sampled_from([0, 40, 100, 160]),
        script=st.lists(st.tuples(st.sampled_from(["get", "put", "drop"]),
                                  st.sampled_from(["a", "b"]), st.integers(0, 12)), max_size=80))

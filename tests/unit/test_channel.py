@@ -61,6 +61,7 @@ def _closed_port() -> str:
         return f"127.0.0.1:{s.getsockname()[1]}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["sync", "async"])
 def test_a_target_that_never_answered_fails_within_seconds_naming_it(kind: str) -> None:
     import asyncio
@@ -84,6 +85,7 @@ def test_a_target_that_never_answered_fails_within_seconds_naming_it(kind: str) 
     assert target in str(info.value)
 
 
+@pytest.mark.slow
 def test_a_stale_unix_socket_fails_within_seconds(tmp_path: Path) -> None:
     path = tmp_path / "stale.sock"
     with socket.socket(socket.AF_UNIX) as s:
@@ -94,6 +96,7 @@ def test_a_stale_unix_socket_fails_within_seconds(tmp_path: Path) -> None:
         assert time.monotonic() - start < 5.0
 
 
+@pytest.mark.slow
 def test_a_dataset_at_a_closed_port_fails_within_seconds() -> None:
     from episerve_client.data.dataset import WindowDataset
 

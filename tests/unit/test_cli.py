@@ -8,9 +8,12 @@ import sys
 from dataclasses import fields
 from importlib import metadata
 
+import pytest
+
 from episerve_server.config import unknown_settings
 
 
+@pytest.mark.slow
 def test_version_is_the_installed_distributions() -> None:
     done = subprocess.run([sys.executable, "-m", "episerve_tools.cli", "--version"],
                           capture_output=True, text=True, timeout=60, check=True)
@@ -24,6 +27,7 @@ def test_unknown_settings_are_named_with_the_nearest_one() -> None:
         "EPISERVE_CACHE_BYTS (did you mean EPISERVE_CACHE_BYTES?)", "EPISERVE_ZZZ"]
 
 
+@pytest.mark.slow
 def test_serve_warns_of_a_misspelt_variable_before_anything_else() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "episerve_tools.cli", "serve", "--port", "99999"],
@@ -36,6 +40,7 @@ def test_serve_warns_of_a_misspelt_variable_before_anything_else() -> None:
     assert "99999" in lines[1] and len(lines) == 2
 
 
+@pytest.mark.slow
 def test_serve_help_names_the_environment() -> None:
     done = subprocess.run([sys.executable, "-m", "episerve_tools.cli", "serve", "--help"],
                           capture_output=True, text=True, timeout=60, check=True)
@@ -62,6 +67,7 @@ def test_every_flag_of_every_subcommand_has_help() -> None:
         assert parser.format_help()
 
 
+@pytest.mark.slow
 def test_subcommand_help_exits_0() -> None:
     for command in ("make-dataset", "loadtest"):
         done = subprocess.run([sys.executable, "-m", "episerve_tools.cli", command, "--help"],

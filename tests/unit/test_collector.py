@@ -8,6 +8,10 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
+pytestmark = pytest.mark.slow
+
 
 def run(body: str) -> dict[str, object]:
     code = textwrap.dedent('''

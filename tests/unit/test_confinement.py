@@ -293,6 +293,7 @@ def _hwm(pid: int) -> int:
     raise KeyError("VmHWM")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_real_daemon_refuses_a_hostile_root_and_keeps_serving(tmp_path: Path) -> None:
     from episerve_client import Client, errors
@@ -324,6 +325,7 @@ def test_a_real_daemon_refuses_a_hostile_root_and_keeps_serving(tmp_path: Path) 
         assert c.stats()["episodes_open"] >= 5
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_real_daemon_on_hung_storage_fails_fast_naming_the_call(tmp_path: Path) -> None:
     """Storage slower than ``--store-timeout-s`` at start-up: the root listing times out and

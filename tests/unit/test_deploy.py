@@ -248,6 +248,7 @@ def compose() -> dict[str, Any]:
     return dict(yaml.safe_load((DEPLOY / "compose.yaml").read_text()))
 
 
+@pytest.mark.slow
 def test_compose_matches_the_compose_spec() -> None:
     pytest.importorskip("check_jsonschema")
     run = subprocess.run(

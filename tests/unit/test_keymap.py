@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from episerve_proto.errors import InvalidArgument, KeymapError
 from episerve_server.core.keymap import Keymap, Rule
+from tests.support.profiles import scaled
 from tests.support.strategies import window_fields
 
 
@@ -295,7 +296,7 @@ def keymaps(draw: st.DrawFn) -> dict[str, dict[str, Any]]:
     return out
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=scaled(100), deadline=None)
 @given(raw=keymaps())
 def test_as_dict_round_trips(raw: dict[str, dict[str, Any]]) -> None:
     km = Keymap.parse(raw)
@@ -313,7 +314,7 @@ _ALL_FIELDS = {"horizon": 5, "history": 3, "history_stride": 2, "history_stride_
                "lag_s": 0.5, "offsets_s": [0.0]}
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=scaled(300), deadline=None)
 @given(key_type=st.sampled_from(["camera_keys", "proprio_keys", "action_keys",
                                  "annotation_keys", "metadata_keys"]),
        chosen=st.sets(st.sampled_from(sorted(_ALL_FIELDS))))

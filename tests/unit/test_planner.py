@@ -56,6 +56,7 @@ from tests.support.keymaps import (
     e,
     without_annotations,
 )
+from tests.support.profiles import scaled
 from tests.support.served import DATASETS
 from tests.support.served import LAYOUTS as NUMERIC_LAYOUTS
 from tests.support.strategies import window_fields
@@ -187,7 +188,7 @@ def random_batches(draw: st.DrawFn) -> list[tuple[str, int]]:
     return samples
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=scaled(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(keymap=random_keymaps(), samples=random_batches(), cutoff=st.booleans(),
        dataset=st.sampled_from(DATASETS), cached=st.sampled_from([False, True, "tiny"]),
        all_masks=st.booleans())
@@ -297,7 +298,7 @@ def test_cache_off_store_calls_are_the_literal_merged_groups(name: str, layout: 
     assert n_groups < len(chunks)  # the batch does merge: the counts tell the layouts apart
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=scaled(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(keymap=random_keymaps(annotations=False), samples=random_batches(),
        dataset=st.sampled_from(DATASETS))
 def test_random_reads_fetch_the_union_of_their_windows(keymap: dict[str, dict[str, Any]],

@@ -10,6 +10,8 @@ import logging
 from pathlib import Path
 from typing import ClassVar
 
+import pytest
+
 from episerve_server.core.stats import Stats
 from episerve_server.storage.latency import LatencyStore
 from episerve_server.storage.readers import FallbackReader, KeyedReader, ShardedReader
@@ -65,6 +67,7 @@ class TestShardedReaderUnderLatencyStore(ReaderTests):
         return store._with_store(LatencyStore(store._store, 0.001))
 
 
+@pytest.mark.slow
 class OnS3(ReaderTests):
     """The root uploaded to moto's S3 (one server for the module) and read through fsspec,
     as ``s3://`` roots are; each class has a bucket of its own."""

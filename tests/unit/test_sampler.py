@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, Dataset
 from episerve_client.data.manifest import Manifest
 from episerve_client.data.sampler import NEIGHBOURHOOD_ROWS, WindowBatch, WindowSampler
 from episerve_client.errors import InvalidArgument
+from tests.support.profiles import scaled
 
 
 def manifest_of(lengths: Sequence[int]) -> Manifest:
@@ -57,7 +58,7 @@ def in_global_order(per_rank: list[list[WindowBatch]]) -> list[int]:
 lengths_st = st.lists(st.integers(1, 250), min_size=1, max_size=8)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=scaled(60), deadline=None)
 @given(lengths=lengths_st, batch=st.integers(1, 40), world=st.integers(1, 5),
        seed=st.integers(0, 3), locality=st.sampled_from([None, 1, 3]))
 def test_every_index_once_and_the_same_order_on_any_world_size(
@@ -78,7 +79,7 @@ def test_every_index_once_and_the_same_order_on_any_world_size(
     assert (state["epoch"], state["consumed"]) == (1, 0)  # an epoch run to its end: the next
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=scaled(60), deadline=None)
 @given(lengths=lengths_st, batch=st.integers(1, 30), world=st.integers(1, 4),
        resumed=st.integers(1, 4), cut=st.integers(0, 20), locality=st.sampled_from([None, 2]))
 def test_resume_on_another_world_size_repeats_and_skips_nothing(
@@ -108,7 +109,7 @@ def _at_epoch(s: WindowSampler, epoch: int) -> WindowSampler:
     return s
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=scaled(40), deadline=None)
 @given(lengths=lengths_st, batch=st.integers(1, 40), world=st.integers(1, 5))
 def test_drop_last_gives_full_batches_and_drops_only_the_short_tail(
         lengths: list[int], batch: int, world: int) -> None:
@@ -208,6 +209,7 @@ def _collate(items: list[dict[str, Any]]) -> dict[str, Any]:
     return items[0]
 
 
+@pytest.mark.slow
 def test_attributes_survive_the_trip_to_a_dataloader_worker() -> None:
     m = manifest_of([90, 40])
     sampler = WindowSampler(m, 16, seed=2, lookahead=2)
@@ -224,6 +226,7 @@ def test_attributes_survive_the_trip_to_a_dataloader_worker() -> None:
     assert [g["prefetch"] for g in got] == [b.prefetch for b in want]
 
 
+@pytest.mark.slow
 def test_plain_dataloader_resume_skips_what_was_trained_on() -> None:
     m = manifest_of([300, 123])
     sampler = WindowSampler(m, 16, seed=9)
@@ -254,6 +257,7 @@ def test_plain_dataloader_resume_skips_what_was_trained_on() -> None:
     assert [list(b) for b in resumed] != [list(b) for b in WindowSampler(m, 16, seed=9)]
 
 
+@pytest.mark.slow
 def test_stateful_dataloader_resumes_mid_epoch() -> None:
     tdl = pytest.importorskip("torchdata.stateful_dataloader")
     m = manifest_of([200, 57])
@@ -380,6 +384,7 @@ def test_set_epoch_wins_and_a_loaded_state_resumes() -> None:
     assert next(iter(s)).epoch == 4
 
 
+@pytest.mark.slow
 def test_prefetching_workers_and_a_loop_that_stops_at_len_still_reshuffle() -> None:
     m = manifest_of([100, 28])
     sampler = WindowSampler(m, 16, seed=2)

@@ -16,6 +16,7 @@ from episerve_server.plan.assemble import PACK
 from episerve_server.plan.misses import Need, _runs
 from tests.support import oracle
 from tests.support.oracle import merge_intervals, row_runs
+from tests.support.profiles import scaled
 from tests.support.strategies import window_fields
 
 
@@ -87,7 +88,7 @@ def _episode_runs(packed: np.ndarray, missing: list[int]) -> list[tuple[int, int
 rows_strategy = st.lists(st.integers(0, 2000), min_size=1, max_size=60)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=scaled(200), deadline=None)
 @given(rows=st.lists(rows_strategy, min_size=1, max_size=3),
        chunk=st.sampled_from([1, 2, 7, 33, 100]))
 def test_planner_runs_are_the_literal_merged_groups(rows: list[list[int]], chunk: int) -> None:
@@ -102,7 +103,7 @@ def test_planner_runs_skip_cached_chunks() -> None:
                                                       (1, 10, 11)]
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=scaled(200), deadline=None)
 @given(intervals=st.lists(st.tuples(st.integers(0, 1500), st.integers(1, 150)),
                           min_size=1, max_size=30),
        chunk=st.sampled_from([1, 3, 100]))
@@ -134,7 +135,7 @@ def test_frames_rounds_half_to_even_and_is_at_least_one(seconds: float, fps: int
     assert frames(seconds, np.array([fps], np.float64)).tolist() == [expected]
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=scaled(200), deadline=None)
 @given(seconds=st.floats(0.001, 100, allow_nan=False), fps=st.integers(1, 240))
 def test_frames_equals_python_round(seconds: float, fps: int) -> None:
     assert frames(seconds, np.array([fps], np.float64))[0] == max(1, round(seconds * fps))
@@ -280,7 +281,7 @@ def entry_fields(draw: st.DrawFn) -> dict[str, Any]:
         strides=st.integers(1, 9), seconds=seconds))}
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=scaled(300), deadline=None)
 @given(fields=entry_fields(), data=st.data())
 def test_window_matches_the_oracle_index_rules(fields: dict[str, Any], data: st.DataObject) -> None:
     s = spec(**fields)

@@ -13,6 +13,7 @@ from episerve_proto.v1 import episerve_pb2 as pb
 from episerve_server.core.result import BatchResult, ImageColumn
 from episerve_server.rpc.wire import encode
 from tests.support.keymaps import BATCH, KEYMAPS
+from tests.support.profiles import scaled
 
 
 def reference(result: BatchResult) -> Any:
@@ -71,7 +72,7 @@ def test_default_responses_are_byte_for_byte_without_the_masks(
 texts = st.lists(st.lists(st.text(max_size=20), max_size=3))
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=scaled(150), deadline=None)
 @given(b=st.integers(1, 6), w=st.integers(1, 5), names=st.lists(st.text(min_size=1,
        max_size=12), min_size=1, max_size=3, unique=True), data=st.data())
 def test_random_results_encode_like_the_generated_class(b: int, w: int, names: list[str],
@@ -102,7 +103,7 @@ def test_varint_matches_protobuf() -> None:
             encode.varint(n)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=scaled(200), deadline=None)
 @given(st.lists(st.one_of(st.integers(0, 300), st.integers(-2**63, 2**63 - 1)), max_size=40))
 def test_packed_varints_match_protobuf(values: list[int]) -> None:
     """The numpy varint encoder, one byte to ten (negatives), against protobuf's packing."""

@@ -10,7 +10,11 @@ from __future__ import annotations
 import multiprocessing
 import threading
 
+import pytest
+
 from episerve_client.data import worker_exit
+
+pytestmark = pytest.mark.slow
 
 
 def _child_with_a_feeder_mid_tensor() -> None:

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from zarr.errors import UnstableSpecificationWarning
 
 from episerve_tools.synth.writer import LAYOUTS, episode_hash, make_dataset, write_episode
+from tests.support.profiles import scaled
 
 T = 150
 ANNOTATIONS = [
@@ -203,7 +204,7 @@ def test_rejects_path_like_names(tmp_path: Path, name: str) -> None:
                       numeric={}, jpeg={}, annotations=[])
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=scaled(15), deadline=None)
 @given(
     total=st.integers(1, 130),
     chunk_rows=st.integers(1, 70),
@@ -238,6 +239,7 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
     return paths
 
 
+@pytest.mark.slow
 def test_dataset_names_and_attributes(dataset: list[Path]) -> None:
     assert [p.name for p in dataset] == [f"{episode_hash(3, i)}.zarr" for i in range(2)]
     for path in dataset:
@@ -257,6 +259,7 @@ def test_dataset_names_and_attributes(dataset: list[Path]) -> None:
             assert (array.dtype, array.chunks) == (np.float32, (100, array.shape[1]))
 
 
+@pytest.mark.slow
 def test_dataset_frames_look_like_video(dataset: list[Path]) -> None:
     group = _open(dataset[0])
     total = _attrs(group)["total_frames"]
@@ -271,6 +274,7 @@ def test_dataset_frames_look_like_video(dataset: list[Path]) -> None:
     assert 0.2 < np.median(diffs) < 12
 
 
+@pytest.mark.slow
 def test_dataset_numbers_are_smooth_and_coherent(dataset: list[Path]) -> None:
     group = _open(dataset[1])
     total = _attrs(group)["total_frames"]
@@ -291,6 +295,7 @@ def test_dataset_numbers_are_smooth_and_coherent(dataset: list[Path]) -> None:
         assert depth.max() < 1.0
 
 
+@pytest.mark.slow
 def test_dataset_annotations(dataset: list[Path]) -> None:
     group = _open(dataset[0])
     total = _attrs(group)["total_frames"]
@@ -303,6 +308,7 @@ def test_dataset_annotations(dataset: list[Path]) -> None:
         assert 0 <= span["start_idx"] < span["end_idx"] <= total
 
 
+@pytest.mark.slow
 def test_dataset_is_deterministic_across_worker_counts(
     dataset: list[Path], tmp_path: Path
 ) -> None:
