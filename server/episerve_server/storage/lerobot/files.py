@@ -15,12 +15,13 @@ import math
 import struct
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, BinaryIO, TypeVar
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from episerve_server.storage.local import ConfinedLocalStore
@@ -34,6 +35,13 @@ MAX_META_PARQUET_BYTES = 256 << 20  # meta/episodes and meta/tasks files (read w
 MAX_VIDEO_BYTES = 64 << 30  # one mp4 file on disk (decoded in GOPs, never whole)
 MAX_FOOTER_BYTES = 16 << 20  # a parquet footer (its schema and row-group index)
 MAX_READ_BYTES = 512 << 20  # the decoded column of the row groups one read touches
+#: Metadata files (meta/episodes, meta/tasks) are decoded in batches of at most this many
+#: rows and bytes (bounded from the footer before the batch is read), under a total.
+META_BATCH_ROWS = 65_536
+META_BATCH_BYTES = 8 << 20
+MAX_META_DECODED_BYTES = 64 << 20
+#: The most pixels a decoder may allocate for one video frame, whatever is declared.
+MAX_VIDEO_PIXELS = 2**25 + 2**21
 DECODE_THREADS = 2
 
 
@@ -99,16 +107,55 @@ class OpenFiles:
     def parquet(self, path: str, cap: int = MAX_PARQUET_BYTES) -> _Open:
         return self._get(self._parquet, MAX_OPEN_PARQUET, path, _parquet_file, cap)
 
-    def video(self, path: str) -> _Open:
+    def video(self, path: str, size: tuple[int, int]) -> _Open:
+        """The container of ``path``, opened (by its first opener) with frames of more than
+        ``size``'s pixels refused by FFmpeg itself, and its stream's size checked."""
         import av
+
+        limit = {"max_pixels": str(pixel_limit(size))}
 
         def make(handle: BinaryIO) -> Any:
             try:
-                return av.open(_reopened(handle), mode="r")
+                # The limit reaches the decoders avformat_find_stream_info opens to probe a
+                # stream: a frame larger than declared is not decoded even there.
+                container = av.open(_reopened(handle), mode="r", options=limit)
             except av.FFmpegError as exc:
                 raise FileProblem(f"is not a video container PyAV can open ({exc})") from exc
+            try:
+                self.checked_stream(container, "", size)
+            except BaseException:
+                container.close()
+                raise
+            return container
 
         return self._get(self._videos, MAX_OPEN_VIDEOS, path, make, MAX_VIDEO_BYTES)
+
+    @staticmethod
+    def checked_stream(container: Any, path: str, size: tuple[int, int]) -> Any:
+        """The container's first video stream, its size from the headers (what the decoder
+        will allocate) checked against ``size`` (H, W), its decoder limited to that many
+        pixels: before any frame of it is decoded."""
+        import av
+
+        name = f"{path!r} " if path else ""
+        try:
+            stream = container.streams.video[0]
+        except IndexError:
+            raise FileProblem(f"{name}has no video stream") from None
+        ctx = stream.codec_context
+        if ctx is None:
+            raise FileProblem(f"{name}has a video stream no decoder here can read")
+        h, w = size
+        got = (int(ctx.height), int(ctx.width))
+        if got != (0, 0) and got != (h, w):  # (0: unknown before decoding; bounded below)
+            raise FileProblem(f"{name}has a video stream of {got[0]}x{got[1]} (HxW), but "
+                              f"info.json declares {h}x{w}")
+        if not ctx.is_open:
+            try:
+                ctx.options = {"max_pixels": str(pixel_limit(size))}
+            except av.FFmpegError as exc:
+                raise FileProblem(f"{name}cannot be decoded ({exc})") from exc
+        return stream
 
     # -- reading (worker threads) -------------------------------------------------------
 
@@ -129,6 +176,7 @@ class OpenFiles:
             groups, first = _groups(pf.metadata, start, stop)
             if pf.schema_arrow.get_field_index(column) < 0:
                 raise FileProblem(f"has no column {column!r}")
+            _numeric_field(pf.schema_arrow.field(column))
             per_row = 8 * math.prod(shape) if shape else 8
             held = sum(pf.metadata.row_group(g).num_rows for g in groups) * per_row
             stored = _stored_bytes(pf.metadata, groups, column)
@@ -141,16 +189,53 @@ class OpenFiles:
         with _about(path):
             return _to_float(values, stop - start, shape, column)
 
-    def rows(self, path: str, columns: list[str], max_rows: int) -> dict[str, list[Any]]:
-        """The given columns of a whole (small) metadata parquet file, as Python lists."""
+    def names(self, path: str) -> frozenset[str]:
+        """A metadata parquet file's column names (from its footer)."""
+        opened = self.parquet(path, MAX_META_PARQUET_BYTES)
+        with opened.lock:
+            return frozenset(opened.obj.schema_arrow.names)
+
+    def rows(self, path: str, columns: Mapping[str, str], max_rows: int,
+             max_text_bytes: int = 0) -> dict[str, list[Any]]:
+        """The given columns (name -> ``"number"`` or ``"text"``) of a whole metadata parquet
+        file, as Python lists; those it lacks are left out. Each column's type is checked
+        from the schema, then rows are decoded in batches whose decoded size is bounded
+        from the footer, under ``MAX_META_DECODED_BYTES`` in all and ``max_text_bytes`` a
+        text, each batch checked before it becomes Python objects."""
         opened = self.parquet(path, MAX_META_PARQUET_BYTES)
         with opened.lock, _about(path):
             pf: pq.ParquetFile = opened.obj
             if pf.metadata.num_rows > max_rows:
                 raise FileProblem(f"holds {pf.metadata.num_rows} rows, more than {max_rows}")
-            names = set(pf.schema_arrow.names)
-            table = pf.read(columns=[c for c in columns if c in names], use_threads=False)
-        return {c: table.column(c).to_pylist() for c in table.column_names}
+            schema = pf.schema_arrow
+            wanted = {c: kind for c, kind in columns.items() if schema.get_field_index(c) >= 0}
+            for c, kind in wanted.items():
+                (_text_field if kind == "text" else _numeric_field)(schema.field(c))
+            got: dict[str, list[Any]] = {c: [] for c in wanted}
+            if not wanted:
+                return got
+            budget = MAX_META_DECODED_BYTES
+            per_row = _row_bound(pf.metadata, wanted, budget)
+            batch = max(1, min(META_BATCH_ROWS, META_BATCH_BYTES // per_row))
+            for part in pf.iter_batches(batch_size=batch, columns=list(wanted),
+                                        use_threads=False):
+                budget -= part.nbytes
+                if budget < 0:
+                    raise FileProblem(f"decodes to more than {MAX_META_DECODED_BYTES} bytes "
+                                      f"of columns {sorted(wanted)}")
+                for c in wanted:
+                    values = part.column(c)
+                    if wanted[c] == "text":
+                        _check_texts(values, c, max_text_bytes)
+                    got[c].extend(values.to_pylist())
+        return got
+
+
+def pixel_limit(size: tuple[int, int]) -> int:
+    """FFmpeg's ``max_pixels`` for frames declared ``size`` (H, W): the declared pixels with
+    room for the padding decoders allocate (widths aligned to 64, heights to 32)."""
+    h, w = size
+    return min((h + 32) * (w + 64), MAX_VIDEO_PIXELS)
 
 
 @contextlib.contextmanager
@@ -188,6 +273,61 @@ def _parquet_file(handle: BinaryIO) -> pq.ParquetFile:
         return pq.ParquetFile(pa.OSFile(_reopened(handle)))
     except (pa.ArrowException, OSError, ValueError) as exc:
         raise FileProblem(f"is not a readable parquet file ({exc})") from exc
+
+
+def _numeric_field(field: pa.Field) -> None:
+    """Numbers, or lists of numbers (any depth), by the schema: checked before a row group
+    is read, so a feature stored as bytes is refused without decoding them."""
+    kind = field.type
+    while pa.types.is_list(kind) or pa.types.is_large_list(kind) \
+            or pa.types.is_fixed_size_list(kind):
+        kind = kind.value_type
+    if not (pa.types.is_integer(kind) or pa.types.is_floating(kind)
+            or pa.types.is_boolean(kind) or pa.types.is_null(kind)):
+        raise FileProblem(f"column {field.name!r} is stored as {field.type}, not numbers")
+
+
+def _text_field(field: pa.Field) -> None:
+    kind = field.type
+    if pa.types.is_dictionary(kind):
+        kind = kind.value_type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        raise FileProblem(f"column {field.name!r} is stored as {field.type}, not text")
+
+
+def _row_bound(meta: pq.FileMetaData, wanted: Mapping[str, str], cap: int) -> int:
+    """The most bytes one row of ``wanted`` can decode to, from the footer: a text is at
+    most its column chunk's uncompressed size (its pages, dictionary included), a number
+    8 bytes (lists are refused by the caller's types for texts, counted from the value
+    counts for numbers). A chunk over ``cap`` uncompressed is refused here."""
+    per_row = 0
+    for c, kind in wanted.items():
+        widest = 8
+        for g in range(meta.num_row_groups):
+            rg = meta.row_group(g)
+            for k in range(rg.num_columns):
+                chunk = rg.column(k)
+                if chunk.path_in_schema != c and not chunk.path_in_schema.startswith(c + "."):
+                    continue
+                size = int(chunk.total_uncompressed_size)
+                if size > cap:
+                    raise FileProblem(f"column {c!r} holds {size} bytes uncompressed in row "
+                                      f"group {g}, more than {cap}")
+                if kind == "text" or rg.num_rows < int(chunk.num_values):
+                    widest = max(widest, size, 8 * int(chunk.num_values))
+        per_row += widest
+    return per_row
+
+
+def _check_texts(values: pa.Array, column: str, most: int) -> None:
+    if not most or not len(values):
+        return
+    if pa.types.is_dictionary(values.type):
+        values = values.dictionary
+    longest = pc.max(pc.binary_length(values)).as_py()
+    if longest is not None and longest > most:
+        raise FileProblem(f"column {column!r} holds a text of {longest} bytes, more than "
+                          f"{most}")
 
 
 def _stored_bytes(meta: pq.FileMetaData, groups: list[int], column: str) -> int:

@@ -45,8 +45,8 @@ from episerve_server.storage.lerobot.readers import (
     TASK_KEY,
     ParquetReader,
     TaskReader,
-    VideoReader,
 )
+from episerve_server.storage.lerobot.video import VideoReader
 from episerve_server.storage.local import ConfinedLocalStore
 from episerve_server.storage.readers import ChunkReader
 from episerve_server.storage.store import CountingStore, Refused
@@ -104,8 +104,9 @@ class LeRobotSource:
         self.tasks = await self._tasks()
         rows: list[dict[str, Any]] = []
         for path in await self._episode_files():
+            columns = dict.fromkeys(episode_columns(info), "number")
             got = await self.files.run(lambda p=path: self.files.rows(  # type: ignore[misc]
-                p, episode_columns(info), MAX_EPISODES - len(rows)))
+                p, columns, MAX_EPISODES - len(rows)))
             n = len(next(iter(got.values()), []))
             rows.extend({c: got[c][k] for c in got} for k in range(n))
         good: list[EpisodeMeta] = []
@@ -139,9 +140,13 @@ class LeRobotSource:
         return sorted(paths)
 
     async def _tasks(self) -> dict[int, str]:
+        def read() -> dict[str, list[Any]]:
+            text = "task" if "task" in self.files.names(TASKS_PATH) else "__index_level_0__"
+            return self.files.rows(TASKS_PATH, {"task_index": "number", text: "text"},
+                                   MAX_TASKS, MAX_TASK_BYTES)
+
         try:
-            got = await self.files.run(lambda: self.files.rows(
-                TASKS_PATH, ["task_index", "task", "__index_level_0__"], MAX_TASKS))
+            got = await self.files.run(read)
         except FileNotFoundError:
             return {}
         texts = got.get("task", got.get("__index_level_0__"))
