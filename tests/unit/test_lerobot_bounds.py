@@ -1,0 +1,194 @@
+"""LeRobot files that are small on disk and decode huge, read through the catalog and planner
+the daemon uses (in process): each is refused with its reason, naming the file (and the
+episode and key for a read), before it costs this process more than ``LIMIT_MIB`` of peak RSS.
+Before these bounds the same files took 390-850 MiB (figures in docs/RELIABILITY.md)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from episerve_proto.errors import DataLossError
+from tests.support import lerobot as lr
+from tests.support import lerobot_bombs as bombs
+from tests.support.served import Served
+
+LIMIT_MIB = 128
+STATE = {"s": {"zarr_key": "observation.state", "key_type": "proprio_keys"}}
+TOP = {"top": {"zarr_key": "observation.images.top", "key_type": "camera_keys"}}
+
+
+def costly(call: Callable[[], Any]) -> tuple[BaseException | None, float]:
+    """What ``call`` raised (None if nothing) and how far it raised the peak RSS (MiB)."""
+    with bombs.PeakGrowth() as grew:
+        try:
+            call()
+        except Exception as exc:  # noqa: BLE001 (returned to the test, which checks it)
+            return exc, grew.done()
+    return None, grew.mib
+
+
+def problem(served: Served) -> str:
+    lerobot = served.catalog.lerobot
+    assert lerobot is not None
+    return lerobot.problem
+
+
+def test_tasks_of_4_mib_texts_are_refused_from_the_first_batch(
+        tmp_path: Path, serve: Callable[..., Served]) -> None:
+    """64 task texts of 4 MiB in a ~1 KiB ``meta/tasks.parquet``: refused after one text
+    is decoded (the batch is sized from the footer), not after all 64 became strings."""
+    root = lr.write(tmp_path / "ds", lr.Layout(lengths=(5,), cameras=()))
+    path = bombs.tasks_bomb(root)
+    assert path.stat().st_size < 4096
+    with bombs.PeakGrowth() as grew:
+        served = serve(root)
+    assert grew.done() < LIMIT_MIB, f"+{grew.mib:.0f} MiB"
+    assert not served.catalog.episodes
+    why = problem(served)
+    assert "'meta/tasks.parquet'" in why and "'task'" in why
+    assert f"a text of {4 * bombs.MiB} bytes, more than 65536" in why
+
+
+def test_episode_rows_stored_as_bytes_are_refused_from_the_schema(
+        tmp_path: Path, serve: Callable[..., Served]) -> None:
+    root = lr.write(tmp_path / "ds", lr.Layout(lengths=(48,), cameras=()))
+    bombs.binary_feature(root / "meta/episodes/chunk-000/file-000.parquet", "length")
+    with bombs.PeakGrowth() as grew:
+        served = serve(root)
+    assert grew.done() < LIMIT_MIB, f"+{grew.mib:.0f} MiB"
+    why = problem(served)
+    assert "'meta/episodes/chunk-000/file-000.parquet'" in why
+    assert "column 'length' is stored as binary, not numbers" in why
+
+
+def test_a_float_feature_stored_as_bytes_is_refused_before_its_row_group_is_read(
+        tmp_path: Path, serve: Callable[..., Served]) -> None:
+    """48 rows of 8 MiB values in a ~2 KiB data file, where ``observation.state`` is
+    declared float32: ``DATA_LOSS`` naming episode, key and type; other keys still read."""
+    root = lr.write(tmp_path / "ds", lr.Layout(lengths=(48,), cameras=()))
+    path = root / lr.DATA_PATH.format(chunk_index=0, file_index=0)
+    bombs.binary_feature(path, "observation.state")
+    assert path.stat().st_size < 8192
+    served = serve(root)
+    error, grew = costly(lambda: served.read(STATE, [("episode_000000", 3)]))
+    assert grew < LIMIT_MIB, f"+{grew:.0f} MiB"
+    assert isinstance(error, DataLossError), error
+    text = str(error)
+    assert "'episode_000000'" in text and "'observation.state'" in text
+    assert "stored as binary, not numbers" in text
+    action = {"a": {"zarr_key": "action", "key_type": "action_keys"}}
+    got = served.read(action, [("episode_000000", 3)]).arrays["a"][0]
+    assert got.tolist() == lr.action_value(0, 3).tolist()
+
+
+@pytest.mark.parametrize(("field", "value", "why"), [
+    ("fps", 1e-300, "'fps' must be a number in [0.001, 10000.0], got 1e-300"),
+    ("fps", 10**6, "'fps' must be a number in [0.001, 10000.0], got 1000000"),
+    ("total_frames", 2**70, "'total_frames' must be an int in"),
+    ("chunks_size", 0, "'chunks_size' must be an int in [1,"),
+    ("total_episodes", 2.5, "'total_episodes' must be an int in"),
+    ("data_files_size_in_mb", float("inf"), "'data_files_size_in_mb' must be a number"),
+    ("some_later_field", -1e300, "'some_later_field' must be a number in"),
+])
+def test_numbers_of_info_json_out_of_bounds_refuse_the_dataset_with_the_field(
+        tmp_path: Path, serve: Callable[..., Served], field: str, value: Any,
+        why: str) -> None:
+    root = lr.write(tmp_path / "ds", lr.Layout(lengths=(5,), cameras=()))
+    bombs.edit_info(root, **{field: value})
+    served = serve(root)
+    assert not served.catalog.episodes
+    assert "meta/info.json" in problem(served) and why in problem(served)
+
+
+def test_a_video_fps_of_1e_300_refuses_the_dataset(
+        tmp_path: Path, serve: Callable[..., Served]) -> None:
+    """The feature's ``info`` is checked too (``video.fps``), and the dataset's fps is what
+    a video read divides by: 1e-300 there was an ``OverflowError`` (``INTERNAL``)."""
+    root = lr.write(tmp_path / "ds", lr.Layout(lengths=(5,), cameras=lr.Layout.cameras[:1]))
+    info = lr.info(lr.Layout(lengths=(5,), cameras=lr.Layout.cameras[:1]), 5)
+    info["features"]["observation.images.top"]["info"]["video.fps"] = 1e-300
+    bombs.edit_info(root, features=info["features"])
+    served = serve(root)
+    assert "'features.observation.images.top.info.video.fps'" in problem(served)
+    bombs.edit_info(root, features=lr.info(lr.Layout(cameras=lr.Layout.cameras[:1]), 5)[
+        "features"], fps=1e-300)
+    served = serve(root)
+    assert "'fps' must be a number" in problem(served)
+
+
+@pytest.fixture(scope="module")
+def huge(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return bombs.huge_video(tmp_path_factory.mktemp("huge") / "huge.mp4")
+
+
+@pytest.mark.slow  # builds its file in a child process
+def test_a_14000x14000_video_declared_32x48_is_refused_before_a_frame_is_decoded(
+        tmp_path: Path, huge: Path, serve: Callable[..., Served]) -> None:
+    """The stream's size from its headers is compared before decoding, and the probe at
+    open cannot decode the frame (FFmpeg's ``max_pixels``): before, the frame was decoded
+    at open and again by the read (+583 MiB kept, 18 s)."""
+    layout = lr.Layout(lengths=(5, 4), per_file=1, cameras=lr.Layout.cameras[:1])
+    root = lr.write(tmp_path / "ds", layout)
+    target = root / lr.VIDEO_PATH.format(video_key=layout.cameras[0], chunk_index=0,
+                                         file_index=0)
+    target.write_bytes(huge.read_bytes())
+    assert target.stat().st_size < 2 * bombs.MiB
+    served = serve(root)
+    start = time.process_time()
+    error, grew = costly(lambda: served.read(TOP, [("episode_000000", 0)]))
+    cpu = time.process_time() - start
+    assert grew < LIMIT_MIB, f"+{grew:.0f} MiB in {cpu:.2f} s of CPU"
+    assert isinstance(error, DataLossError), error
+    text = str(error)
+    assert "'episode_000000'" in text and "'observation.images.top'" in text
+    assert "14000x14000 (HxW), but info.json declares 32x48" in text
+    # the good file beside it decodes; the refusal cost less CPU than decoding that frame
+    assert served.read(TOP, [("episode_000001", 0)]).frames
+    assert cpu < 0.5, cpu
+
+
+@pytest.mark.slow  # builds its file in a child process
+def test_3000_frames_in_three_quarters_of_a_second_are_refused_after_a_few_dozen(
+        tmp_path: Path, serve: Callable[..., Served]) -> None:
+    """An 80 KB mp4 of 3,000 frames of 320x320 in 0.75 s where ``fps`` is 10: the read
+    stops once frames come faster than 4x the declared rate (after 33, none converted);
+    before, all 2,800 frames of the window were converted to RGB and kept (+847 MiB)."""
+    layout = lr.Layout(lengths=(8, 8), per_file=1, cameras=lr.Layout.cameras[:1],
+                       size=(320, 320))
+    root = lr.write(tmp_path / "ds", layout)
+    target = root / lr.VIDEO_PATH.format(video_key=layout.cameras[0], chunk_index=0,
+                                         file_index=0)
+    bombs.dense_video(target)
+    assert target.stat().st_size < 256 * 1024
+    served = serve(root)
+    start = time.process_time()
+    error, grew = costly(lambda: served.read(TOP, [("episode_000000", 0)]))
+    cpu = time.process_time() - start
+    assert grew < LIMIT_MIB, f"+{grew:.0f} MiB in {cpu:.2f} s of CPU"
+    assert isinstance(error, DataLossError), error
+    text = str(error)
+    assert "'episode_000000'" in text and "'observation.images.top'" in text
+    assert "33 frames decoded between 0.0 s and" in text and "fps 10.0" in text
+    assert served.stats.video_frames_decoded == 0
+    served.read(TOP, [("episode_000001", 5)])
+    assert served.stats.video_frames_decoded == 8  # the good file: one chunk, once each
+
+
+def test_only_the_frame_nearest_each_time_is_converted(
+        tmp_path: Path, serve: Callable[..., Served]) -> None:
+    """A video at 4x the declared rate (within the bound): each wanted time is served by
+    the frame exactly at it, and only those 8 frames are converted, not the 29 decoded."""
+    layout = lr.Layout(lengths=(8,), per_file=1, cameras=lr.Layout.cameras[:1])
+    root = lr.write(tmp_path / "ds", layout)
+    target = root / lr.VIDEO_PATH.format(video_key=layout.cameras[0], chunk_index=0,
+                                         file_index=0)
+    bombs.encode(target, layout.size, 32, 4 * lr.FPS, child=False)
+    served = serve(root)
+    result = served.read(TOP, [("episode_000000", f) for f in range(8)])
+    assert len(result.frames["observation.images.top"]) == 8
+    assert served.stats.video_frames_decoded == 8
