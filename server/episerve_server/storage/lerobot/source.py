@@ -103,8 +103,8 @@ class LeRobotSource:
         info = self.info = parse_info(buf.to_bytes())
         self.tasks = await self._tasks()
         rows: list[dict[str, Any]] = []
+        columns = dict.fromkeys(episode_columns(info), "number")
         for path in await self._episode_files():
-            columns = dict.fromkeys(episode_columns(info), "number")
             got = await self.files.run(lambda p=path: self.files.rows(  # type: ignore[misc]
                 p, columns, MAX_EPISODES - len(rows)))
             n = len(next(iter(got.values()), []))
