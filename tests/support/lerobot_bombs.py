@@ -29,15 +29,19 @@ def text_bomb(count: int, size: int) -> pa.DictionaryArray:
                                           pa.array(["t" * size]))
 
 
-def write_plain(table: pa.Table, path: Path) -> None:
-    """``table`` with dictionary encoding and zstd, read back as plain columns."""
-    pq.write_table(table, path, compression="zstd", use_dictionary=True, store_schema=False)
+def write_plain(table: pa.Table, path: Path, *, as_dictionary: bool = False) -> None:
+    """``table`` with dictionary encoding and zstd, read back as plain columns (or, with
+    ``as_dictionary``, as the dictionaries they were written as)."""
+    pq.write_table(table, path, compression="zstd", use_dictionary=True,
+                   store_schema=as_dictionary)
 
 
-def tasks_bomb(root: Path, count: int = 64, size: int = 4 * MiB) -> Path:
+def tasks_bomb(root: Path, count: int = 64, size: int = 4 * MiB, *,
+               as_dictionary: bool = False) -> Path:
     path = root / "meta" / "tasks.parquet"
     write_plain(pa.table({"task": text_bomb(count, size),
-                          "task_index": pa.array(range(count), pa.int64())}), path)
+                          "task_index": pa.array(range(count), pa.int64())}), path,
+                as_dictionary=as_dictionary)
     return path
 
 

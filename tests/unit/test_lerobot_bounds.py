@@ -10,6 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from episerve_proto.errors import DataLossError
@@ -38,12 +40,14 @@ def problem(served: Served) -> str:
     return lerobot.problem
 
 
+@pytest.mark.parametrize("as_dictionary", [False, True])
 def test_tasks_of_4_mib_texts_are_refused_from_the_first_batch(
-        tmp_path: Path, serve: Callable[..., Served]) -> None:
+        tmp_path: Path, serve: Callable[..., Served], as_dictionary: bool) -> None:
     """64 task texts of 4 MiB in a ~1 KiB ``meta/tasks.parquet``: refused after one text
-    is decoded (the batch is sized from the footer), not after all 64 became strings."""
+    is decoded (the batch is sized from the footer), not after all 64 became strings;
+    whether pyarrow reads the column as plain texts or as a dictionary of them."""
     root = lr.write(tmp_path / "ds", lr.Layout(lengths=(5,), cameras=()))
-    path = bombs.tasks_bomb(root)
+    path = bombs.tasks_bomb(root, as_dictionary=as_dictionary)
     assert path.stat().st_size < 4096
     with bombs.PeakGrowth() as grew:
         served = serve(root)
@@ -52,6 +56,25 @@ def test_tasks_of_4_mib_texts_are_refused_from_the_first_batch(
     why = problem(served)
     assert "'meta/tasks.parquet'" in why and "'task'" in why
     assert f"a text of {4 * bombs.MiB} bytes, more than 65536" in why
+
+
+@pytest.mark.parametrize("as_dictionary", [False, True])
+def test_many_small_tasks_in_small_batches_are_all_read(
+        tmp_path: Path, serve: Callable[..., Served], as_dictionary: bool) -> None:
+    """20,000 distinct tasks (~0.8 MB of texts): read in batches sized from the footer,
+    every text served as written; a dictionary is not counted once per batch."""
+    texts = [f"task number {k} of the many" for k in range(20_000)]
+    layout = lr.Layout(lengths=(5,), cameras=(), tasks=tuple(texts),
+                       frame_tasks={0: [0, 1, 19_999, 7, 7]})
+    root = lr.write(tmp_path / "ds", layout)
+    column = pa.array(texts).dictionary_encode() if as_dictionary else pa.array(texts)
+    pq.write_table(pa.table({"task": column, "task_index": pa.array(range(20_000))}),
+                   root / "meta" / "tasks.parquet", row_group_size=5000)
+    served = serve(root)
+    assert problem(served) == ""
+    annotation = {"task": {"zarr_key": "task", "key_type": "annotation_keys"}}
+    got = served.read(annotation, [("episode_000000", f) for f in range(5)]).texts["task"]
+    assert got == [[texts[k]] for k in (0, 1, 19_999, 7, 7)]
 
 
 def test_episode_rows_stored_as_bytes_are_refused_from_the_schema(

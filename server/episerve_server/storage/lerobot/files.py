@@ -219,7 +219,7 @@ class OpenFiles:
             batch = max(1, min(META_BATCH_ROWS, META_BATCH_BYTES // per_row))
             for part in pf.iter_batches(batch_size=batch, columns=list(wanted),
                                         use_threads=False):
-                budget -= part.nbytes
+                budget -= sum(_decoded_bytes(part.column(c)) for c in wanted)
                 if budget < 0:
                     raise FileProblem(f"decodes to more than {MAX_META_DECODED_BYTES} bytes "
                                       f"of columns {sorted(wanted)}")
@@ -317,6 +317,15 @@ def _row_bound(meta: pq.FileMetaData, wanted: Mapping[str, str], cap: int) -> in
                     widest = max(widest, size, 8 * int(chunk.num_values))
         per_row += widest
     return per_row
+
+
+def _decoded_bytes(values: pa.Array) -> int:
+    """What ``values`` hold once each row is its own value (as Python lists make them): a
+    dictionary's texts (the only dictionaries let through) once per row that uses them."""
+    if pa.types.is_dictionary(values.type):
+        used = pc.sum(pc.take(pc.binary_length(values.dictionary), values.indices)).as_py()
+        return 8 * len(values) + int(used or 0)
+    return int(values.nbytes)
 
 
 def _check_texts(values: pa.Array, column: str, most: int) -> None:
