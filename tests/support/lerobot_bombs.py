@@ -140,3 +140,22 @@ class PeakGrowth:
     def mib(self) -> float:
         return self.bytes / MiB
 
+
+
+def reencode(path: Path, codec: str) -> None:
+    """Re-encode the mp4 ``path`` with ``codec``, keeping each frame's timestamp."""
+    import av
+
+    with av.open(str(path)) as src:
+        stream = src.streams.video[0]
+        frames = [(f.to_ndarray(format="rgb24"), f.pts, f.time_base)
+                  for f in src.decode(stream)]
+    h, w = frames[0][0].shape[:2]
+    with av.open(str(path), "w") as out:
+        dst = out.add_stream(codec, rate=10)
+        dst.width, dst.height, dst.pix_fmt = w, h, "yuv420p"
+        for img, pts, base in frames:
+            frame = av.VideoFrame.from_ndarray(img, format="rgb24")
+            frame.pts, frame.time_base = pts, base
+            out.mux(dst.encode(frame))
+        out.mux(dst.encode(None))

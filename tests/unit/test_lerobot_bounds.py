@@ -10,10 +10,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from episerve_proto import rawframe
 from episerve_proto.errors import DataLossError
 from tests.support import lerobot as lr
 from tests.support import lerobot_bombs as bombs
@@ -215,3 +217,32 @@ def test_only_the_frame_nearest_each_time_is_converted(
     result = served.read(TOP, [("episode_000000", f) for f in range(8)])
     assert len(result.frames["observation.images.top"]) == 8
     assert served.stats.video_frames_decoded == 8
+
+
+@pytest.mark.parametrize("codec", ["mpeg4", "libx265", "libsvtav1"])
+def test_videos_of_other_codecs_decode_within_the_pixel_limit(
+        tmp_path: Path, serve: Callable[..., Served], codec: str) -> None:
+    """The pixel limit leaves each decoder the room it asks for (mpeg4 asks 53,760 pixels
+    for a 32x48 frame): every frame equals PyAV's own decode of the file."""
+    layout = lr.Layout(lengths=(6,), per_file=1, cameras=lr.Layout.cameras[:1])
+    root = lr.write(tmp_path / "ds", layout)
+    target = root / lr.VIDEO_PATH.format(video_key=layout.cameras[0], chunk_index=0,
+                                         file_index=0)
+    bombs.reencode(target, codec)
+    truth = lr.decoded_frames(target)
+    result = served_frames(serve(root), 6)
+    for f in range(6):
+        assert np.array_equal(result[f], truth[round(f / lr.FPS, 6)]), (codec, f)
+
+
+def served_frames(served: Served, n: int) -> list[np.ndarray]:
+    result = served.read(TOP, [("episode_000000", f) for f in range(n)])
+    column, frames = result.images["top"], result.frames["observation.images.top"]
+    out = []
+    for b in range(n):
+        data = frames[int(column.index[b])]
+        size = rawframe.size_of(data)
+        assert size is not None
+        out.append(np.frombuffer(data, np.uint8, offset=rawframe.HEADER_BYTES)
+                   .reshape(*size, 3))
+    return out
