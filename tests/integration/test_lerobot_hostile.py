@@ -26,9 +26,9 @@ pytestmark = pytest.mark.slow
 
 MiB = hostile.MiB
 LIMIT = 128 * MiB
-#: Health from another process, worst poll over an attack. A 2-core machine under other
-#: tests delays a poll by up to ~250 ms at times; an unbounded decode held it for seconds.
-HEALTH_MS = 1000.0
+#: Health from another process, worst poll over an attack (the worst seen here: 81 ms; an
+#: unbounded decode was reported holding it for 1.4 s).
+HEALTH_MS = 250.0
 STATE = {"s": {"zarr_key": "observation.state", "key_type": "proprio_keys"}}
 TOP = {"top": {"zarr_key": "observation.images.top", "key_type": "camera_keys"}}
 REPORT: list[dict[str, Any]] = []

@@ -343,9 +343,10 @@ def _check_texts(values: pa.Array, column: str, most: int) -> None:
 
 def _stored_bytes(meta: pq.FileMetaData, groups: list[int], column: str) -> int:
     """What ``column``'s chunks of ``groups`` decode to at most, from the footer's value
-    counts (8 bytes a value): a row holding more values than its feature's shape shows
-    here, before anything is read, whatever the encoding (a dictionary of one value
-    takes a few bytes stored, and any number decoded)."""
+    counts (8 bytes a value) and uncompressed sizes (what the pages decompress to): a row
+    holding more values than its feature's shape shows here, before anything is read,
+    whatever the encoding (a dictionary of one value takes a few bytes stored, and any
+    number decoded)."""
     total = 0
     for g in groups:
         rg = meta.row_group(g)
@@ -353,7 +354,7 @@ def _stored_bytes(meta: pq.FileMetaData, groups: list[int], column: str) -> int:
             chunk = rg.column(c)
             path = chunk.path_in_schema  # "observation.state.list.element" for a list
             if path == column or path.startswith(column + "."):  # (may over-count: safe)
-                total += 8 * max(0, int(chunk.num_values))
+                total += max(8 * int(chunk.num_values), int(chunk.total_uncompressed_size), 0)
     return total
 
 
