@@ -3,8 +3,11 @@ bounded LRU each), read in a small pool of worker threads, never on the event lo
 
 Every file is opened through the confined store (a regular file whose real path is under
 the root, within a size cap). A parquet file's footer length is checked before pyarrow
-parses it, and a read's decoded size is checked from the row groups' row counts before it
-is made. One lock per open file: pyarrow and PyAV objects are not shared between threads.
+parses it; a column's type is checked from the schema, and a read's decoded size from the
+row groups' row counts, value counts and uncompressed sizes, before a row group is read;
+metadata files are decoded in batches sized from the footer, under a total. A video
+container is opened with FFmpeg's pixel limit and its stream's size checked before a frame
+is decoded. One lock per open file: pyarrow and PyAV objects are not shared between threads.
 """
 
 from __future__ import annotations
@@ -21,9 +24,16 @@ from typing import Any, BinaryIO, TypeVar
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from episerve_server.storage.lerobot.columns import (
+    FileProblem,
+    check_texts,
+    decoded_bytes,
+    numeric_field,
+    row_bound,
+    text_field,
+)
 from episerve_server.storage.local import ConfinedLocalStore
 
 T = TypeVar("T")
@@ -43,10 +53,6 @@ MAX_META_DECODED_BYTES = 64 << 20
 #: The most pixels a decoder may allocate for one video frame, whatever is declared.
 MAX_VIDEO_PIXELS = 2**25 + 2**21
 DECODE_THREADS = 2
-
-
-class FileProblem(Exception):
-    """A file that cannot be read as what it should be; the message says why."""
 
 
 class _Open:
@@ -176,7 +182,7 @@ class OpenFiles:
             groups, first = _groups(pf.metadata, start, stop)
             if pf.schema_arrow.get_field_index(column) < 0:
                 raise FileProblem(f"has no column {column!r}")
-            _numeric_field(pf.schema_arrow.field(column))
+            numeric_field(pf.schema_arrow.field(column))
             per_row = 8 * math.prod(shape) if shape else 8
             held = sum(pf.metadata.row_group(g).num_rows for g in groups) * per_row
             stored = _stored_bytes(pf.metadata, groups, column)
@@ -210,23 +216,23 @@ class OpenFiles:
             schema = pf.schema_arrow
             wanted = {c: kind for c, kind in columns.items() if schema.get_field_index(c) >= 0}
             for c, kind in wanted.items():
-                (_text_field if kind == "text" else _numeric_field)(schema.field(c))
+                (text_field if kind == "text" else numeric_field)(schema.field(c))
             got: dict[str, list[Any]] = {c: [] for c in wanted}
             if not wanted:
                 return got
             budget = MAX_META_DECODED_BYTES
-            per_row = _row_bound(pf.metadata, wanted, budget)
+            per_row = row_bound(pf.metadata, wanted, budget)
             batch = max(1, min(META_BATCH_ROWS, META_BATCH_BYTES // per_row))
             for part in pf.iter_batches(batch_size=batch, columns=list(wanted),
                                         use_threads=False):
-                budget -= sum(_decoded_bytes(part.column(c)) for c in wanted)
+                budget -= sum(decoded_bytes(part.column(c)) for c in wanted)
                 if budget < 0:
                     raise FileProblem(f"decodes to more than {MAX_META_DECODED_BYTES} bytes "
                                       f"of columns {sorted(wanted)}")
                 for c in wanted:
                     values = part.column(c)
                     if wanted[c] == "text":
-                        _check_texts(values, c, max_text_bytes)
+                        check_texts(values, c, max_text_bytes)
                     got[c].extend(values.to_pylist())
         return got
 
@@ -275,70 +281,6 @@ def _parquet_file(handle: BinaryIO) -> pq.ParquetFile:
         return pq.ParquetFile(pa.OSFile(_reopened(handle)))
     except (pa.ArrowException, OSError, ValueError) as exc:
         raise FileProblem(f"is not a readable parquet file ({exc})") from exc
-
-
-def _numeric_field(field: pa.Field) -> None:
-    """Numbers, or lists of numbers (any depth), by the schema: checked before a row group
-    is read, so a feature stored as bytes is refused without decoding them."""
-    kind = field.type
-    while pa.types.is_list(kind) or pa.types.is_large_list(kind) \
-            or pa.types.is_fixed_size_list(kind):
-        kind = kind.value_type
-    if not (pa.types.is_integer(kind) or pa.types.is_floating(kind)
-            or pa.types.is_boolean(kind) or pa.types.is_null(kind)):
-        raise FileProblem(f"column {field.name!r} is stored as {field.type}, not numbers")
-
-
-def _text_field(field: pa.Field) -> None:
-    kind = field.type
-    if pa.types.is_dictionary(kind):
-        kind = kind.value_type
-    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
-        raise FileProblem(f"column {field.name!r} is stored as {field.type}, not text")
-
-
-def _row_bound(meta: pq.FileMetaData, wanted: Mapping[str, str], cap: int) -> int:
-    """The most bytes one row of ``wanted`` can decode to, from the footer: a text is at
-    most its column chunk's uncompressed size (its pages, dictionary included), a number
-    8 bytes (lists are refused by the caller's types for texts, counted from the value
-    counts for numbers). A chunk over ``cap`` uncompressed is refused here."""
-    per_row = 0
-    for c, kind in wanted.items():
-        widest = 8
-        for g in range(meta.num_row_groups):
-            rg = meta.row_group(g)
-            for k in range(rg.num_columns):
-                chunk = rg.column(k)
-                if chunk.path_in_schema != c and not chunk.path_in_schema.startswith(c + "."):
-                    continue
-                size = int(chunk.total_uncompressed_size)
-                if size > cap:
-                    raise FileProblem(f"column {c!r} holds {size} bytes uncompressed in row "
-                                      f"group {g}, more than {cap}")
-                if kind == "text" or rg.num_rows < int(chunk.num_values):
-                    widest = max(widest, size, 8 * int(chunk.num_values))
-        per_row += widest
-    return per_row
-
-
-def _decoded_bytes(values: pa.Array) -> int:
-    """What ``values`` hold once each row is its own value (as Python lists make them): a
-    dictionary's texts (the only dictionaries let through) once per row that uses them."""
-    if pa.types.is_dictionary(values.type):
-        used = pc.sum(pc.take(pc.binary_length(values.dictionary), values.indices)).as_py()
-        return 8 * len(values) + int(used or 0)
-    return int(values.nbytes)
-
-
-def _check_texts(values: pa.Array, column: str, most: int) -> None:
-    if not most or not len(values):
-        return
-    if pa.types.is_dictionary(values.type):
-        values = values.dictionary
-    longest = pc.max(pc.binary_length(values)).as_py()
-    if longest is not None and longest > most:
-        raise FileProblem(f"column {column!r} holds a text of {longest} bytes, more than "
-                          f"{most}")
 
 
 def _stored_bytes(meta: pq.FileMetaData, groups: list[int], column: str) -> int:

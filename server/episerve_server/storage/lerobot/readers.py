@@ -18,7 +18,8 @@ import pyarrow as pa
 
 from episerve_server.core.cache import Chunk
 from episerve_server.core.spans import MAX_SPANS
-from episerve_server.storage.lerobot.files import FileProblem, OpenFiles
+from episerve_server.storage.lerobot.columns import FileProblem
+from episerve_server.storage.lerobot.files import OpenFiles
 from episerve_server.storage.lerobot.meta import MAX_TASK_BYTES, Feature
 from episerve_server.storage.readers import ArrayInfo, ChunkReader, Decoder, Raw
 from episerve_server.storage.readers.bounds import MAX_CHUNK_BYTES

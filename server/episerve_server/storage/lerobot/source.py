@@ -20,7 +20,8 @@ from typing import Any
 import pyarrow as pa
 from zarr.core.buffer import default_buffer_prototype
 
-from episerve_server.storage.lerobot.files import FileProblem, OpenFiles
+from episerve_server.storage.lerobot.columns import FileProblem
+from episerve_server.storage.lerobot.files import OpenFiles
 from episerve_server.storage.lerobot.meta import (
     DEFAULT_TOLERANCE_S,
     EPISODES_DIR,

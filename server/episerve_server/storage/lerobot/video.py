@@ -18,7 +18,8 @@ from typing import Any
 from episerve_proto import rawframe
 from episerve_server.core.cache import Chunk
 from episerve_server.core.stats import Stats
-from episerve_server.storage.lerobot.files import FileProblem, OpenFiles
+from episerve_server.storage.lerobot.columns import FileProblem
+from episerve_server.storage.lerobot.files import OpenFiles
 from episerve_server.storage.lerobot.meta import Feature, VideoSpan
 from episerve_server.storage.lerobot.readers import LeRobotReader
 from episerve_server.storage.readers import ArrayInfo, Raw
