@@ -36,6 +36,19 @@ def costly(call: Callable[[], Any]) -> tuple[BaseException | None, float]:
     return None, grew.mib
 
 
+def refused_frame(served: Served) -> str:
+    """Frame 0 of episode 0's camera, which must be ``DATA_LOSS`` naming them, costing
+    less than ``LIMIT_MIB``: the error's text."""
+    start = time.process_time()
+    error, grew = costly(lambda: served.read(TOP, [("episode_000000", 0)]))
+    cpu = time.process_time() - start
+    assert grew < LIMIT_MIB, f"+{grew:.0f} MiB in {cpu:.2f} s of CPU"
+    assert isinstance(error, DataLossError), error
+    text = str(error)
+    assert "'episode_000000'" in text and "'observation.images.top'" in text
+    return text
+
+
 def problem(served: Served) -> str:
     lerobot = served.catalog.lerobot
     assert lerobot is not None
@@ -63,20 +76,20 @@ def test_tasks_of_4_mib_texts_are_refused_from_the_first_batch(
 @pytest.mark.parametrize("as_dictionary", [False, True])
 def test_many_small_tasks_in_small_batches_are_all_read(
         tmp_path: Path, serve: Callable[..., Served], as_dictionary: bool) -> None:
-    """20,000 distinct tasks (~0.8 MB of texts): read in batches sized from the footer,
+    """5,000 distinct tasks (~0.15 MB of texts): read in batches sized from the footer,
     every text served as written; a dictionary is not counted once per batch."""
-    texts = [f"task number {k} of the many" for k in range(20_000)]
+    texts = [f"task number {k} of the many" for k in range(5_000)]
     layout = lr.Layout(lengths=(5,), cameras=(), tasks=tuple(texts),
-                       frame_tasks={0: [0, 1, 19_999, 7, 7]})
+                       frame_tasks={0: [0, 1, 4_999, 7, 7]})
     root = lr.write(tmp_path / "ds", layout)
     column = pa.array(texts).dictionary_encode() if as_dictionary else pa.array(texts)
-    pq.write_table(pa.table({"task": column, "task_index": pa.array(range(20_000))}),
-                   root / "meta" / "tasks.parquet", row_group_size=5000)
+    pq.write_table(pa.table({"task": column, "task_index": pa.array(range(5_000))}),
+                   root / "meta" / "tasks.parquet", row_group_size=2000)
     served = serve(root)
     assert problem(served) == ""
     annotation = {"task": {"zarr_key": "task", "key_type": "annotation_keys"}}
     got = served.read(annotation, [("episode_000000", f) for f in range(5)]).texts["task"]
-    assert got == [[texts[k]] for k in (0, 1, 19_999, 7, 7)]
+    assert got == [[texts[k]] for k in (0, 1, 4_999, 7, 7)]
 
 
 def test_episode_rows_stored_as_bytes_are_refused_from_the_schema(
@@ -164,17 +177,9 @@ def test_a_14000x14000_video_declared_32x48_is_refused_before_a_frame_is_decoded
     target.write_bytes(huge.read_bytes())
     assert target.stat().st_size < 2 * bombs.MiB
     served = serve(root)
-    start = time.process_time()
-    error, grew = costly(lambda: served.read(TOP, [("episode_000000", 0)]))
-    cpu = time.process_time() - start
-    assert grew < LIMIT_MIB, f"+{grew:.0f} MiB in {cpu:.2f} s of CPU"
-    assert isinstance(error, DataLossError), error
-    text = str(error)
-    assert "'episode_000000'" in text and "'observation.images.top'" in text
+    text = refused_frame(served)
     assert "14000x14000 (HxW), but info.json declares 32x48" in text
-    # the good file beside it decodes; the refusal cost less CPU than decoding that frame
-    assert served.read(TOP, [("episode_000001", 0)]).frames
-    assert cpu < 0.5, cpu
+    assert served.read(TOP, [("episode_000001", 0)]).frames  # the good file beside it
 
 
 @pytest.mark.slow  # builds its file in a child process
@@ -182,7 +187,7 @@ def test_3000_frames_in_three_quarters_of_a_second_are_refused_after_a_few_dozen
         tmp_path: Path, serve: Callable[..., Served]) -> None:
     """An 80 KB mp4 of 3,000 frames of 320x320 in 0.75 s where ``fps`` is 10: the read
     stops once frames come faster than 4x the declared rate (after 33, none converted);
-    before, all 2,800 frames of the window were converted to RGB and kept (+847 MiB)."""
+    before, every frame of the window was converted to RGB and kept (and served)."""
     layout = lr.Layout(lengths=(8, 8), per_file=1, cameras=lr.Layout.cameras[:1],
                        size=(320, 320))
     root = lr.write(tmp_path / "ds", layout)
@@ -191,13 +196,7 @@ def test_3000_frames_in_three_quarters_of_a_second_are_refused_after_a_few_dozen
     bombs.dense_video(target)
     assert target.stat().st_size < 256 * 1024
     served = serve(root)
-    start = time.process_time()
-    error, grew = costly(lambda: served.read(TOP, [("episode_000000", 0)]))
-    cpu = time.process_time() - start
-    assert grew < LIMIT_MIB, f"+{grew:.0f} MiB in {cpu:.2f} s of CPU"
-    assert isinstance(error, DataLossError), error
-    text = str(error)
-    assert "'episode_000000'" in text and "'observation.images.top'" in text
+    text = refused_frame(served)
     assert "33 frames decoded between 0.0 s and" in text and "fps 10.0" in text
     assert served.stats.video_frames_decoded == 0
     served.read(TOP, [("episode_000001", 5)])
@@ -219,7 +218,11 @@ def test_only_the_frame_nearest_each_time_is_converted(
     assert served.stats.video_frames_decoded == 8
 
 
-@pytest.mark.parametrize("codec", ["mpeg4", "libx265", "libsvtav1"])
+@pytest.mark.parametrize("codec", [
+    "mpeg4",
+    pytest.param("libx265", marks=pytest.mark.slow),  # encoded in a child process
+    pytest.param("libsvtav1", marks=pytest.mark.slow),
+])
 def test_videos_of_other_codecs_decode_within_the_pixel_limit(
         tmp_path: Path, serve: Callable[..., Served], codec: str) -> None:
     """The pixel limit leaves each decoder the room it asks for (mpeg4 asks 53,760 pixels
@@ -228,7 +231,7 @@ def test_videos_of_other_codecs_decode_within_the_pixel_limit(
     root = lr.write(tmp_path / "ds", layout)
     target = root / lr.VIDEO_PATH.format(video_key=layout.cameras[0], chunk_index=0,
                                          file_index=0)
-    bombs.reencode(target, codec)
+    bombs.reencode(target, codec, child=codec != "mpeg4")
     truth = lr.decoded_frames(target)
     result = served_frames(serve(root), 6)
     for f in range(6):
