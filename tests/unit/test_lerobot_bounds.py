@@ -17,6 +17,7 @@ import pytest
 
 from episerve_proto import rawframe
 from episerve_proto.errors import DataLossError
+from episerve_server.storage.lerobot import files
 from tests.support import lerobot as lr
 from tests.support import lerobot_bombs as bombs
 from tests.support.served import Served
@@ -249,3 +250,36 @@ def served_frames(served: Served, n: int) -> list[np.ndarray]:
         out.append(np.frombuffer(data, np.uint8, offset=rawframe.HEADER_BYTES)
                    .reshape(*size, 3))
     return out
+
+
+def _varint(n: int, width: int) -> bytes:
+    out = bytearray()
+    for k in range(width):
+        out.append((n >> (7 * k)) & 0x7F | (0x80 if k < width - 1 else 0))
+    return bytes(out)
+
+
+def test_a_page_header_claiming_more_than_the_footer_is_refused_before_decoding(
+        tmp_path: Path, serve: Callable[..., Served], monkeypatch: pytest.MonkeyPatch) -> None:
+    """pyarrow sizes a page's buffer from its header: a header declaring more than the
+    read's bound (4 KiB here; 512 MiB by default) is refused from the header, although
+    the footer's sizes are within it."""
+    monkeypatch.setattr(files, "MAX_READ_BYTES", 4096)
+    root = lr.write(tmp_path / "ds", lr.Layout(lengths=(48,), cameras=()))
+    path = root / lr.DATA_PATH.format(chunk_index=0, file_index=0)
+    pq.write_table(pq.read_table(path), path, compression="none", use_dictionary=False)
+    chunk = pq.ParquetFile(path).metadata.row_group(0).column(0)
+    assert chunk.path_in_schema.startswith("observation.state")
+    assert chunk.total_uncompressed_size < 4096 and 8 * chunk.num_values < 4096
+    data = bytearray(path.read_bytes())
+    at = chunk.data_page_offset
+    assert data[at] == 0x15 and data[at + 2] == 0x15  # field 1 (type), field 2 (its size)
+    width = next(k for k in range(5) if not data[at + 3 + k] & 0x80) + 1
+    data[at + 3: at + 3 + width] = _varint(2 * ((1 << (7 * width - 1)) - 1), width)
+    path.write_bytes(bytes(data))
+    served = serve(root)
+    with pytest.raises(DataLossError) as info:
+        served.read(STATE, [("episode_000000", 3)])
+    text = str(info.value)
+    assert "'episode_000000'" in text and "'observation.state'" in text
+    assert "has pages that decompress to" in text and "more than 4096" in text

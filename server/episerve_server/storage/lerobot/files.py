@@ -34,6 +34,7 @@ from episerve_server.storage.lerobot.columns import (
     row_bound,
     text_field,
 )
+from episerve_server.storage.lerobot.pages import page_sizes
 from episerve_server.storage.local import ConfinedLocalStore
 
 T = TypeVar("T")
@@ -56,13 +57,17 @@ DECODE_THREADS = 2
 
 
 class _Open:
-    def __init__(self, obj: Any) -> None:
+    def __init__(self, obj: Any, raw: pa.NativeFile | None = None) -> None:
         self.obj, self.lock = obj, threading.Lock()
+        self.raw = raw  # the same file, for reading page headers
+        self.pages: dict[tuple[int, int], int] = {}  # (group, column) -> pages decompressed
 
     def close(self) -> None:
         close = getattr(self.obj, "close", None)
         if close is not None:
             close()
+        if self.raw is not None:
+            self.raw.close()
 
 
 class OpenFiles:
@@ -92,7 +97,7 @@ class OpenFiles:
     # -- opening (worker threads) -------------------------------------------------------
 
     def _get(self, table: OrderedDict[str, _Open], limit: int, path: str,
-             make: Callable[[BinaryIO], Any], cap: int) -> _Open:
+             make: Callable[[BinaryIO], _Open], cap: int) -> _Open:
         with self._guard:
             found = table.get(path)
             if found is not None:
@@ -101,7 +106,7 @@ class OpenFiles:
         # Checked on the descriptor opened; the library then opens that same file through
         # /proc/self/fd (its own descriptor, native reads) and the checked one is closed.
         with self.store.open_sync(path, cap) as handle, _about(path):
-            opened = _Open(make(handle))
+            opened = make(handle)
         with self._guard:
             table[path] = opened
             while len(table) > limit:
@@ -120,7 +125,7 @@ class OpenFiles:
 
         limit = {"max_pixels": str(pixel_limit(size))}
 
-        def make(handle: BinaryIO) -> Any:
+        def make(handle: BinaryIO) -> _Open:
             try:
                 # The limit reaches the decoders avformat_find_stream_info opens to probe a
                 # stream: a frame larger than declared is not decoded even there.
@@ -132,7 +137,7 @@ class OpenFiles:
             except BaseException:
                 container.close()
                 raise
-            return container
+            return _Open(container)
 
         return self._get(self._videos, MAX_OPEN_VIDEOS, path, make, MAX_VIDEO_BYTES)
 
@@ -190,6 +195,7 @@ class OpenFiles:
                 raise FileProblem(f"rows {start}..{stop} lie in row groups of "
                                   f"{max(held, stored)} bytes of {column!r} decoded, more "
                                   f"than {MAX_READ_BYTES}")
+            _check_pages(opened, groups, {column}, MAX_READ_BYTES)
             table = pf.read_row_groups(groups, columns=[column], use_threads=False)
         values = table.column(0).slice(start - first, stop - start)
         with _about(path):
@@ -222,6 +228,7 @@ class OpenFiles:
                 return got
             budget = MAX_META_DECODED_BYTES
             per_row = row_bound(pf.metadata, wanted, budget)
+            _check_pages(opened, list(range(pf.metadata.num_row_groups)), set(wanted), budget)
             batch = max(1, min(META_BATCH_ROWS, META_BATCH_BYTES // per_row))
             for part in pf.iter_batches(batch_size=batch, columns=list(wanted),
                                         use_threads=False):
@@ -265,7 +272,7 @@ def _reopened(handle: BinaryIO) -> str:
     return f"/proc/self/fd/{handle.fileno()}"
 
 
-def _parquet_file(handle: BinaryIO) -> pq.ParquetFile:
+def _parquet_file(handle: BinaryIO) -> _Open:
     handle.seek(0, 2)
     size = handle.tell()
     if size < 12:
@@ -278,9 +285,37 @@ def _parquet_file(handle: BinaryIO) -> pq.ParquetFile:
         raise FileProblem(f"declares a footer of {length} bytes, over the bound of "
                           f"{min(MAX_FOOTER_BYTES, size - 12)}")
     try:
-        return pq.ParquetFile(pa.OSFile(_reopened(handle)))
+        return _Open(pq.ParquetFile(pa.OSFile(_reopened(handle))), pa.OSFile(_reopened(handle)))
     except (pa.ArrowException, OSError, ValueError) as exc:
         raise FileProblem(f"is not a readable parquet file ({exc})") from exc
+
+
+def _check_pages(opened: _Open, groups: list[int], columns: set[str], cap: int) -> None:
+    """The page headers of ``columns``' chunks in ``groups``: what their pages decompress
+    to, at most ``cap`` in all (each chunk walked once per open file)."""
+    meta: pq.FileMetaData = opened.obj.metadata
+    raw = opened.raw
+    assert raw is not None
+    total = 0
+    for g in groups:
+        rg = meta.row_group(g)
+        for c in range(rg.num_columns):
+            chunk = rg.column(c)
+            name = chunk.path_in_schema
+            if not any(name == col or name.startswith(col + ".") for col in columns):
+                continue
+            if (g, c) not in opened.pages:
+                starts = [o for o in (chunk.dictionary_page_offset, chunk.data_page_offset)
+                          if o is not None and o > 0]
+                if not starts:
+                    raise FileProblem(f"column {name!r} has no page offsets in row group {g}")
+                sizes = page_sizes(lambda pos, n: raw.read_at(n, pos), min(starts),
+                                   int(chunk.total_compressed_size))
+                opened.pages[g, c] = sum(sizes)
+            total += opened.pages[g, c]
+            if total > cap:
+                raise FileProblem(f"column {name!r} has pages that decompress to {total} "
+                                  f"bytes in the row groups read, more than {cap}")
 
 
 def _stored_bytes(meta: pq.FileMetaData, groups: list[int], column: str) -> int:
