@@ -13,7 +13,7 @@ from collections.abc import Callable
 from episerve_server.storage.lerobot.columns import FileProblem
 
 #: The first read of a header; a longer one (large statistics) is read again, up to the max.
-HEADER_READ = 64 << 10
+HEADER_READ = 1 << 10
 MAX_HEADER_BYTES = 16 << 20
 _MAX_DEPTH = 16
 
