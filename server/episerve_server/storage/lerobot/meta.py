@@ -37,6 +37,25 @@ DEFAULT_TOLERANCE_S = 1e-4
 NUMERIC_DTYPES = frozenset({"float16", "float32", "float64", "int8", "int16", "int32", "int64",
                             "uint8", "uint16", "uint32", "uint64", "bool"})
 _FIELDS = frozenset({"chunk_index", "file_index", "video_key"})
+#: ``fps`` (a dataset's and a video's): ``r / fps`` must stay a time a video can seek to and
+#: a float32 the answer can carry.
+MIN_FPS, MAX_FPS = 1e-3, 10_000.0
+#: The bounds of the numeric fields of ``info.json`` (low, high, whether an int).
+_NUMBER_BOUNDS: dict[str, tuple[float, float, bool]] = {
+    "fps": (MIN_FPS, MAX_FPS, False),
+    "video.fps": (MIN_FPS, MAX_FPS, False),
+    "total_episodes": (0, MAX_EPISODES, True),
+    "total_frames": (0, MAX_ROWS * 64, True),
+    "total_tasks": (0, MAX_TASKS, True),
+    "total_videos": (0, MAX_EPISODES * 64, True),
+    "total_chunks": (0, MAX_FILES, True),
+    "chunks_size": (1, MAX_ROWS * 64, True),
+    "data_files_size_in_mb": (0, 1 << 20, False),
+    "video_files_size_in_mb": (0, 1 << 20, False),
+    "video.height": (1, 1 << 16, True),
+    "video.width": (1, 1 << 16, True),
+    "video.channels": (1, 4, True),
+}
 
 
 class MetaError(ValueError):
@@ -104,9 +123,10 @@ def parse_info(data: bytes) -> Info:
                         f"got {_shown(version)}")
     fps = doc.get("fps")
     if isinstance(fps, bool) or not isinstance(fps, int | float) or not math.isfinite(fps) \
-            or not 0 < fps < 10_000:
-        raise MetaError(f"{INFO_PATH}: 'fps' must be a positive number below 10000, got "
+            or not MIN_FPS <= fps <= MAX_FPS:
+        raise MetaError(f"{INFO_PATH}: 'fps' must be a number in [{MIN_FPS}, {MAX_FPS}], got "
                         f"{_shown(fps)}")
+    _check_numbers(doc)
     robot = doc.get("robot_type") or ""
     raw = doc.get("features")
     if not isinstance(raw, dict) or len(raw) > 4096:
@@ -121,6 +141,27 @@ def parse_info(data: bytes) -> Info:
     videos = any(f.kind == "video" for f in features.values())
     video_path = _template(doc.get("video_path"), "video_path") if videos else ""
     return Info(float(fps), str(robot)[:200], features, data_path, video_path, raw)
+
+
+def _check_numbers(doc: Mapping[str, Any]) -> None:
+    """Every number of ``info.json`` at the top level and in the features' ``info`` within
+    its field's bounds (unknown fields: finite and at most 2**53 in size), so no value a
+    later version might use sizes or divides anything it should not."""
+    places: list[tuple[str, Mapping[str, Any]]] = [("", doc)]
+    features = doc.get("features")
+    if isinstance(features, dict):
+        places += [(f"features.{name}.info.", spec["info"]) for name, spec in features.items()
+                   if isinstance(spec, dict) and isinstance(spec.get("info"), dict)]
+    for prefix, fields in places:
+        for key, value in fields.items():
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                continue
+            low, high, integer = _NUMBER_BOUNDS.get(str(key), (-2.0**53, 2.0**53, False))
+            if not math.isfinite(value) or not low <= value <= high \
+                    or (integer and not isinstance(value, int)):
+                kind = "an int" if integer else "a number"
+                raise MetaError(f"{INFO_PATH}: {prefix + str(key)!r} must be {kind} in "
+                                f"[{low:g}, {high:g}], got {_shown(value)}")
 
 
 def _feature(name: object, spec: object) -> Feature | None:

@@ -20,7 +20,8 @@ from typing import Any
 import pyarrow as pa
 from zarr.core.buffer import default_buffer_prototype
 
-from episerve_server.storage.lerobot.files import FileProblem, OpenFiles
+from episerve_server.storage.lerobot.columns import FileProblem
+from episerve_server.storage.lerobot.files import OpenFiles
 from episerve_server.storage.lerobot.meta import (
     DEFAULT_TOLERANCE_S,
     EPISODES_DIR,
@@ -45,8 +46,8 @@ from episerve_server.storage.lerobot.readers import (
     TASK_KEY,
     ParquetReader,
     TaskReader,
-    VideoReader,
 )
+from episerve_server.storage.lerobot.video import VideoReader
 from episerve_server.storage.local import ConfinedLocalStore
 from episerve_server.storage.readers import ChunkReader
 from episerve_server.storage.store import CountingStore, Refused
@@ -103,9 +104,10 @@ class LeRobotSource:
         info = self.info = parse_info(buf.to_bytes())
         self.tasks = await self._tasks()
         rows: list[dict[str, Any]] = []
+        columns = dict.fromkeys(episode_columns(info), "number")
         for path in await self._episode_files():
             got = await self.files.run(lambda p=path: self.files.rows(  # type: ignore[misc]
-                p, episode_columns(info), MAX_EPISODES - len(rows)))
+                p, columns, MAX_EPISODES - len(rows)))
             n = len(next(iter(got.values()), []))
             rows.extend({c: got[c][k] for c in got} for k in range(n))
         good: list[EpisodeMeta] = []
@@ -139,9 +141,13 @@ class LeRobotSource:
         return sorted(paths)
 
     async def _tasks(self) -> dict[int, str]:
+        def read() -> dict[str, list[Any]]:
+            text = "task" if "task" in self.files.names(TASKS_PATH) else "__index_level_0__"
+            return self.files.rows(TASKS_PATH, {"task_index": "number", text: "text"},
+                                   MAX_TASKS, MAX_TASK_BYTES)
+
         try:
-            got = await self.files.run(lambda: self.files.rows(
-                TASKS_PATH, ["task_index", "task", "__index_level_0__"], MAX_TASKS))
+            got = await self.files.run(read)
         except FileNotFoundError:
             return {}
         texts = got.get("task", got.get("__index_level_0__"))
