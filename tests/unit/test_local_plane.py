@@ -22,6 +22,7 @@ from episerve_proto.errors import Overloaded
 from episerve_proto.v1 import episerve_pb2 as pb
 from episerve_server.core.result import BatchResult, ImageColumn
 from episerve_server.preflight import StartupError, bind_private_socket
+from episerve_server.rpc.handlers.buffers import ResponseBuffers
 from episerve_server.rpc.handlers.local import SegmentPool
 from episerve_server.rpc.wire import encode
 
@@ -186,6 +187,8 @@ def test_pool_is_bounded_waits_when_full_and_reuses() -> None:
         waiting = asyncio.create_task(pool.acquire(100))
         await asyncio.sleep(0.05)
         assert not waiting.done()  # full: the third waits, the pool does not grow
+        pool.sent_out(a)
+        pool.sent_out(b)
         await pool.give_back(a.ident)
         c = await asyncio.wait_for(waiting, 1)
         assert c is a and gauge.segments == 2  # the returned segment, reused
@@ -208,7 +211,7 @@ def test_pool_replaces_a_free_segment_too_small_for_the_batch() -> None:
         gauge = Gauge()
         pool = SegmentPool(1, gauge)
         small = await pool.acquire(10)
-        small.sent = True
+        pool.sent_out(small)
         await pool.give_back(small.ident)
         big = await pool.acquire(5 << 20)
         assert big.size >= 5 << 20 and big.ident != small.ident
@@ -399,6 +402,55 @@ def test_a_kept_segment_is_made_at_once_and_forgotten_when_given_away() -> None:
     before = _open_memfds()
     asyncio.run(run())
     assert _open_memfds() == before
+
+
+def test_a_release_is_honoured_only_for_a_segment_the_client_holds() -> None:
+    """A segment returned twice, the second time while a Read writes it, stays that Read's:
+    the next Read gets another segment (before: the same one, two Reads in one segment)."""
+    async def run() -> None:
+        pool = SegmentPool(2, Gauge())
+        first = await pool.acquire(100)
+        pool.sent_out(first)
+        assert await pool.give_back(first.ident)
+        writing = await pool.acquire(100)  # a Read in flight writes the returned segment
+        assert writing is first
+        assert not await pool.give_back(first.ident)  # the second release: ignored
+        other = await pool.acquire(100, wait_s=0.05)
+        assert other is not writing and other.ident in pool.lent and writing.ident in pool.lent
+        assert not await pool.give_back(other.ident)  # never sent: ignored too
+        await pool.close()
+
+    asyncio.run(run())
+
+
+def test_segments_are_made_only_with_room_in_the_budget() -> None:
+    """Every segment the pool makes is first admitted (the daemon's budget); a refusal
+    leaves nothing made, and free segments can be given back when the budget is short."""
+    buffers = ResponseBuffers(4 << 20, 4 << 20)
+    gauge = Gauge()
+
+    def changed(segments: int, nbytes: int) -> None:
+        gauge(segments, nbytes)
+        buffers.charge(nbytes)
+
+    async def run() -> None:
+        pool = SegmentPool(4, changed, lambda n: buffers.room(n, "a segment"))
+        a = await pool.acquire(3 << 20)  # 4 MiB: alone, always allowed
+        assert buffers.total == a.size == 4 << 20
+        with pytest.raises(Overloaded, match="--max-buffered-bytes"):
+            await pool.acquire(100, wait_s=0.05)
+        with pytest.raises(Overloaded, match="--max-buffered-bytes"):
+            await pool.acquire(100, keep=True)
+        assert gauge.segments == 1
+        pool.sent_out(a)
+        await pool.give_back(a.ident)
+        buffers.reclaim.append(pool.drop_free)
+        b = await pool.acquire(5 << 20)  # the free 4 MiB one is closed to make room
+        assert buffers.total == b.size == 8 << 20 and gauge.segments == 1
+        await pool.close()
+        assert buffers.total == 0
+
+    asyncio.run(run())
 
 
 # -- a plane that accepts but never welcomes ---------------------------------------------------
