@@ -165,7 +165,10 @@ def test_a_connection_whose_answers_are_unread_gets_no_new_call_served(
     with LocalPeer(_local(victim)) as p:
         for k in range(16):
             p.call("Read", BIG, k + 1, keep=True)
-        time.sleep(2.0)
+        deadline = time.monotonic() + 30
+        while not inq(p.sock) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(2.0)  # the others, were they served, would be queued by now (warm cache)
         queued = inq(p.sock)
         first = p.answer()
         assert first.head.kind == lp.BATCH and first.head.ident == 1
