@@ -233,6 +233,34 @@ def test_other_uids_are_refused(ramp_roots: dict[str, Path]) -> None:
         folder.rmdir()
 
 
+def test_local_uids_alone_let_that_uid_read(ramp_roots: dict[str, Path]) -> None:
+    """``--local-uids`` is enough: the socket is then open to every uid (0666) and
+    SO_PEERCRED picks who is served (before: 0600, so the listed uid could not connect)."""
+    if os.getuid() != 0:
+        pytest.skip("needs root to run a client under another uid")
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="episerve-uid-"))
+    folder.chmod(0o755)
+    try:
+        with DaemonProcess(ramp_roots["sharded"], "--rescan-s", "0", "--local-uids", "65534",
+                           unix=folder / "d.sock") as d:
+            os.chmod(_socket_path(d), 0o666)  # the gRPC socket, for the health probe
+            assert os.stat(_socket_path(d) + ".local").st_mode & 0o777 == 0o666
+            script = ("import os, sys\n"
+                      "from episerve_client import Client\n"
+                      "c = Client(sys.argv[1], transport='local')\n"
+                      "os.setuid(65534)\n"
+                      "print('local_connections', c.stats()['local_connections'])\n")
+            out = subprocess.run([sys.executable, "-c", script, d.target], text=True,
+                                 capture_output=True, timeout=60, cwd="/")
+            assert "local_connections 1" in out.stdout, out.stderr[-2000:]
+    finally:
+        for p in folder.iterdir():
+            p.unlink()
+        folder.rmdir()
+
+
 READER = """
 import sys
 from episerve_client import Client
