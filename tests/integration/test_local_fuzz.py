@@ -40,6 +40,7 @@ from episerve_server.wiring import build_read_core
 from tests.support.localpeer import Answer
 
 EXAMPLES = 50
+BUDGET = 48 << 20
 MORE_EXAMPLES = 600
 NEVER = {"UNKNOWN", "INTERNAL"}
 NUMERIC = {"a": {"zarr_key": "left.obs_keypoints", "key_type": "action_keys", "horizon": 30},
@@ -72,7 +73,7 @@ def served(ramp_roots: dict[str, Path],
     folder.chmod(0o700)
     unix = str(folder / "d.sock")
     config = ServerConfig(root=str(ramp_roots["sharded"]), unix=unix, cache_bytes=16 << 20,
-                          max_buffered_bytes=48 << 20, local_segments=2, local_idle_s=5.0)
+                          max_buffered_bytes=BUDGET, local_segments=4, local_idle_s=5.0)
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
@@ -238,3 +239,24 @@ def test_more_fuzzed_frames_get_deliberate_answers(served: Served,
 
 def test_the_plane_holds_nothing_after_the_fuzz(served: Served) -> None:
     _holds_nothing_once_all_are_gone(served)
+
+
+def test_a_client_that_keeps_its_batches_stays_within_its_share(served: Served) -> None:
+    """A loop that keeps references to 12 batches of ~8 MB (16 MiB segments, 4 lent at
+    most): the client holds lent at most the quarter of the budget WELCOME names (one
+    segment here) and keeps the rest, so the daemon stays within its 48 MiB and every Read
+    is served (before: 4 lent segments, 64 MiB, over the budget: Overloaded)."""
+    big = convert.read_request([("ep003d", f) for f in range(0, 256, 8)], keymap={
+        "a": {"zarr_key": "left.obs_keypoints", "key_type": "action_keys", "horizon": 1024}})
+    channel = LocalChannel(served.unix, served.unix, "")
+    held, worst = [], 0
+    try:
+        for _ in range(12):
+            held.append(channel.call("Read", big, 30.0))
+            worst = max(worst, served.plane.budget.total)
+        assert channel.lent_bytes <= BUDGET // 4 + (16 << 20)
+        assert worst <= BUDGET, worst
+        assert all(len(b) == 32 for b in held)  # type: ignore[arg-type]
+    finally:
+        del held
+        channel.close()

@@ -89,6 +89,8 @@ log = logging.getLogger(__name__)
 
 #: A connection must send its HELLO within this.
 HELLO_S = 10.0
+#: A client holds at most this fraction of the budget in lent segments (WELCOME says).
+LEND_SHARE = 4
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
@@ -293,7 +295,9 @@ class LocalPlane:
         if self.config.token and not hmac.compare_digest(body, self.config.token.encode()):
             self.refused += 1
             raise Unauthenticated("missing or wrong token for the local plane")
-        await self._send(conn, lp.frame(lp.WELCOME, conn.pool.limit))
+        # What its lent segments may take: a quarter of the budget (it keeps the rest).
+        lend = lp.LEND.pack(self.budget.max_bytes // LEND_SHARE)
+        await self._send(conn, lp.frame(lp.WELCOME, conn.pool.limit, lend))
 
     async def _frames(self, conn: Connection) -> None:
         while True:
