@@ -67,11 +67,11 @@ from episerve_server.config import ServerConfig
 from episerve_server.core.result import BatchResult
 from episerve_server.preflight import MAX_UNIX_PATH_BYTES, bind_private_socket
 from episerve_server.rpc.handlers import local_guard as guard
-from episerve_server.rpc.handlers.local_guard import ConnectionClosed
 from episerve_server.rpc.handlers.local_io import (
     Aborted,
     CallLog,
     Connection,
+    ConnectionClosed,
     LocalContext,
     error_body,
     recv_exact,
@@ -119,12 +119,10 @@ class LocalPlane:
         self._accept: asyncio.Task[None] | None = None
         self._serving: set[asyncio.Task[None]] = set()
         self._serials = itertools.count(1)
-        self.caps = guard.ConnectionCaps(
-            min(config.local_max_connections, guard.descriptor_cap(config.local_segments)),
-            config.local_max_connections_per_uid)
         self.budget = service.buffers
         self.budget.reclaim.append(self._reclaim)
-        self._draining: set[Connection] = set()  # closed with kept answers still unread
+        self.keeper = guard.Keeper(config, self.budget)
+        self.caps = self.keeper.caps
         self._sweep: asyncio.Task[None] | None = None
         #: Accounts each finished call as the gRPC server's interceptor does (metrics, the
         #: DEBUG line, the INFO summary); set by the daemon.
@@ -145,7 +143,7 @@ class LocalPlane:
         if config.local_uids:  # other uids must reach the socket; SO_PEERCRED picks them
             os.chmod(path, 0o666)
         plane._accept = asyncio.create_task(plane._accept_loop())
-        plane._sweep = asyncio.create_task(plane._sweep_loop())
+        plane._sweep = asyncio.create_task(plane.keeper.sweep(plane.connections))
         return plane
 
     @property
@@ -172,29 +170,6 @@ class LocalPlane:
         for conn in self.connections:
             conn.pool.drop_free()
 
-    def _kept_received(self, conn: Connection) -> None:
-        if conn.kept and not guard.unread(conn.sock):
-            self.budget.charge(-conn.kept)
-            conn.kept = 0
-
-    async def _sweep_loop(self) -> None:
-        """Closes idle connections; uncounts kept answers of closed ones once received."""
-        idle = self.config.local_idle_s
-        while True:
-            await asyncio.sleep(min(1.0, idle / 4) if idle else 1.0)
-            now = time.monotonic()
-            for conn in list(self.connections):
-                if idle and not conn.tasks and now - conn.active > idle:
-                    log.info("local plane: closing %s, idle for %.0fs (--local-idle-s)",
-                             conn.peer, now - conn.active)
-                    with contextlib.suppress(OSError):
-                        conn.sock.shutdown(socket.SHUT_RDWR)
-            for conn in list(self._draining):
-                self._kept_received(conn)
-                if not conn.kept:
-                    self._draining.discard(conn)
-                    conn.sock.close()
-
     async def stop(self) -> None:
         """Stop accepting, close every connection (their segments with them), unlink the
         socket if it is still ours."""
@@ -209,10 +184,7 @@ class LocalPlane:
         for task in list(self._serving):
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        for conn in self._draining:
-            self.budget.charge(-conn.kept)
-            conn.sock.close()
-        self._draining.clear()
+        self.keeper.stop()
         with contextlib.suppress(OSError):
             if os.stat(self.path).st_ino == self._inode:
                 self.path.unlink()
@@ -228,20 +200,13 @@ class LocalPlane:
                 continue
             refused = self.caps.accept()
             if refused is not None:
-                self._refuse(sock, refused)
+                self.refused += 1
+                guard.refuse(sock, refused)
                 continue
             task = asyncio.create_task(self._serve(sock))
             task.add_done_callback(lambda _: self.caps.closed())
             self._serving.add(task)
             task.add_done_callback(self._serving.discard)
-
-    def _refuse(self, sock: socket.socket, error: EpiserveError) -> None:
-        """Answer a connection over a cap with its error, if its buffer takes it; close it."""
-        self.refused += 1
-        with contextlib.suppress(OSError):
-            sock.setblocking(False)
-            sock.send(lp.frame(lp.ERROR, 0, error_body(error)))
-        sock.close()
 
     async def _serve(self, sock: socket.socket) -> None:
         sock.setblocking(False)
@@ -279,13 +244,7 @@ class LocalPlane:
             # descriptor from the loop while it is still open).
             await asyncio.gather(*conn.tasks, return_exceptions=True)
             await conn.pool.close()
-            self._kept_received(conn)
-            if conn.kept:  # its memfds wait in the socket for the peer: counted till then
-                with contextlib.suppress(OSError):
-                    sock.shutdown(socket.SHUT_RDWR)
-                self._draining.add(conn)
-            else:
-                sock.close()
+            self.keeper.ended(conn)
 
     async def _hello(self, conn: Connection) -> None:
         head = await recv_head(conn.sock, lp.MAX_TOKEN_BYTES)
@@ -311,8 +270,8 @@ class LocalPlane:
                 # One call at a time, and only once every earlier answer is received.
                 if conn.tasks:
                     await asyncio.wait(set(conn.tasks))
-                await guard.received(conn.sock)
-                self._kept_received(conn)
+                await guard.received(conn)
+                self.keeper.kept_received(conn)
                 body, charged = await guard.recv_body(conn.sock, head.length, self.budget,
                                                       "a call body")
                 if body is None:
@@ -398,8 +357,7 @@ class LocalPlane:
             await conn.pool.put_back(seg.ident)
             raise
         if keep:  # counted (as the pool's) until the client has it
-            conn.kept += seg.size
-            self.budget.charge(seg.size)
+            self.keeper.sent_kept(conn, seg.size)
             await conn.pool.give_away(seg.ident)
         return "OK", len(body) + sum(size for _, size in placed.blobs)
 

@@ -17,14 +17,22 @@ answers sent but not yet received.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
+import logging
 import resource
 import socket
 import struct
 import termios
+import time
 
-from episerve_proto.errors import Overloaded
+from episerve_proto import local as lp
+from episerve_proto.errors import EpiserveError, Overloaded
+from episerve_server.config import ServerConfig
 from episerve_server.rpc.handlers.buffers import ResponseBuffers
+from episerve_server.rpc.handlers.local_io import Connection, ConnectionClosed, error_body
+
+log = logging.getLogger(__name__)
 
 #: Bytes of a call body received at a time (and the scratch buffer of a dropped one).
 BODY_CHUNK = 64 << 10
@@ -32,10 +40,6 @@ BODY_CHUNK = 64 << 10
 SPARE_FDS = 256
 #: How often a connection whose answers are unread is looked at again, at most.
 UNREAD_POLL_S = 0.05
-
-
-class ConnectionClosed(Exception):
-    pass
 
 
 def descriptor_cap(segments: int) -> int:
@@ -92,12 +96,81 @@ def unread(sock: socket.socket) -> int:
     return n
 
 
-async def received(sock: socket.socket) -> None:
-    """Returns once the peer has received everything sent on ``sock``."""
+async def received(conn: Connection) -> None:
+    """Returns once the peer has received everything sent on the connection."""
     pause = 0.001
-    while unread(sock):
+    while unread(conn.sock):
+        if conn.closing:
+            raise ConnectionClosed("closed while its answers were unread")
         await asyncio.sleep(pause)
         pause = min(UNREAD_POLL_S, pause * 2)
+
+
+def refuse(sock: socket.socket, error: EpiserveError) -> None:
+    """Answer a connection with its error, if its buffer takes it; close it."""
+    with contextlib.suppress(OSError):
+        sock.setblocking(False)
+        sock.send(lp.frame(lp.ERROR, 0, error_body(error)))
+    sock.close()
+
+
+class Keeper:
+    """A plane's bookkeeping of its connections: the caps, idle ones closed, and kept
+    segments charged to the budget until their client has received them (after its
+    connection closed too: then its socket is kept, shut down, until its queue is empty)."""
+
+    def __init__(self, config: ServerConfig, budget: ResponseBuffers) -> None:
+        self.caps = ConnectionCaps(
+            min(config.local_max_connections, descriptor_cap(config.local_segments)),
+            config.local_max_connections_per_uid)
+        self.budget, self.idle_s = budget, config.local_idle_s
+        self.draining: set[Connection] = set()
+
+    def sent_kept(self, conn: Connection, nbytes: int) -> None:
+        conn.kept += nbytes
+        self.budget.charge(nbytes)
+
+    def kept_received(self, conn: Connection) -> None:
+        if conn.kept and not unread(conn.sock):
+            self.budget.charge(-conn.kept)
+            conn.kept = 0
+
+    def ended(self, conn: Connection) -> None:
+        """The connection's calls and segments are done: close its socket, or keep it till
+        its peer has the kept segments still queued in it."""
+        self.kept_received(conn)
+        if not conn.kept:
+            conn.sock.close()
+            return
+        with contextlib.suppress(OSError):
+            conn.sock.shutdown(socket.SHUT_RDWR)
+        self.draining.add(conn)
+
+    async def sweep(self, connections: set[Connection]) -> None:
+        """Forever: closes idle connections; uncounts what closed ones' peers received."""
+        idle = self.idle_s
+        while True:
+            await asyncio.sleep(min(1.0, idle / 4) if idle else 1.0)
+            now = time.monotonic()
+            for conn in list(connections):
+                if idle and not conn.tasks and now - conn.active > idle and not conn.closing:
+                    log.info("local plane: closing %s, idle for %.0fs (--local-idle-s)",
+                             conn.peer, now - conn.active)
+                    conn.closing = True
+                    with contextlib.suppress(OSError):
+                        conn.sock.shutdown(socket.SHUT_RDWR)
+            for conn in list(self.draining):
+                self.kept_received(conn)
+                if not conn.kept:
+                    self.draining.discard(conn)
+                    conn.sock.close()
+
+    def stop(self) -> None:
+        for conn in self.draining:
+            self.budget.charge(-conn.kept)
+            conn.kept = 0
+            conn.sock.close()
+        self.draining.clear()
 
 
 async def recv_body(sock: socket.socket, n: int, buffers: ResponseBuffers,

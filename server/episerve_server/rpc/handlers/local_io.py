@@ -14,8 +14,11 @@ from typing import Any, Protocol
 
 from episerve_proto import local as lp
 from episerve_proto.errors import EpiserveError, clipped
-from episerve_server.rpc.handlers.local_guard import ConnectionClosed
 from episerve_server.rpc.handlers.segments import SegmentPool
+
+
+class ConnectionClosed(Exception):
+    pass
 
 
 class CallLog(Protocol):
@@ -61,6 +64,7 @@ class Connection:
     last_total: int = 0  # the bytes of its latest answer: what the next one's segment takes
     active: float = field(default_factory=time.monotonic)  # when a frame last came
     kept: int = 0  # bytes of kept segments sent, charged until the client has them
+    closing: bool = False  # closed for idleness: stop waiting for its peer
 
 
 async def send(conn: Connection, data: bytes, fds: Sequence[int] = ()) -> None:
