@@ -1,5 +1,7 @@
 """Daemon configuration: one frozen dataclass, built once from flags, then ``EPISERVE_*``
-environment variables, then defaults. Nothing else in the server reads ``os.environ``."""
+environment variables, then defaults. Nothing else in the server reads ``os.environ``.
+
+One job, the daemon's settings (each with its flag, check and help), hence its length."""
 
 from __future__ import annotations
 
@@ -111,8 +113,7 @@ class ServerConfig:
     # episodes (rpc/process/front.py, rpc/process/workers.py).
     workers: int = 0
     # The local plane (rpc/handlers/local.py): shared-memory Reads on ``<unix>.local`` for clients
-    # of this host; the uids allowed besides the daemon's own; segments lent per connection;
-    # connections open at once (also kept within the descriptor limit), per uid; idle close.
+    # of this host; the uids allowed besides the daemon's own; segments, connections, idle.
     local_plane: bool = True
     local_uids: tuple[str, ...] = ()
     local_segments: int = 4
@@ -373,12 +374,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--local-segments", type=int, help="shared-memory segments lent to one "
                    "local-plane connection at once; a Read waits for one to come back "
                    "(default 4)")
-    p.add_argument("--local-max-connections", type=int, help="local-plane connections open "
-                   "at once; more are answered Overloaded (also kept within the descriptor "
-                   "limit)")
+    p.add_argument("--local-max-connections", type=int, help="local-plane connections at "
+                   "once, within the descriptor limit; more are answered Overloaded")
     p.add_argument("--local-max-connections-per-uid", type=int, help="the same, per uid")
-    p.add_argument("--local-idle-s", type=float, help="a local-plane connection with no call "
-                   "for this long is closed; 0: never")
+    p.add_argument("--local-idle-s", type=float, help="close a local connection idle this long")
     p.add_argument("--inject-latency-s", type=float, help=argparse.SUPPRESS)
     p.add_argument("--prefetch-bytes", help="decoded bytes in flight for Read prefetch "
                    "hints, at most half of --cache-bytes (default 256MiB); 0 ignores hints")
