@@ -24,6 +24,7 @@ from episerve_server.core.result import BatchResult, ImageColumn
 from episerve_server.preflight import StartupError, bind_private_socket
 from episerve_server.rpc.handlers.buffers import ResponseBuffers
 from episerve_server.rpc.handlers.local import SegmentPool
+from episerve_server.rpc.handlers.local_guard import ConnectionCaps, descriptor_cap, recv_body
 from episerve_server.rpc.wire import encode
 
 # -- framing ----------------------------------------------------------------------------
@@ -385,6 +386,69 @@ def test_local_plane_settings_from_flags_and_environment() -> None:
         ServerConfig.from_args(["--local-uids", "alice"], {})
     with pytest.raises(ValueError, match="local_segments"):
         ServerConfig.from_args(["--local-segments", "0"], {})
+    assert (on.local_max_connections, on.local_max_connections_per_uid,
+            on.local_idle_s) == (256, 128, 300.0)
+    caps = ServerConfig.from_args(["--local-max-connections", "8", "--local-idle-s", "0"],
+                                  {"EPISERVE_LOCAL_MAX_CONNECTIONS_PER_UID": "2"})
+    assert (caps.local_max_connections, caps.local_max_connections_per_uid,
+            caps.local_idle_s) == (8, 2, 0.0)
+    with pytest.raises(ValueError, match="local_max_connections"):
+        ServerConfig.from_args(["--local-max-connections", "0"], {})
+
+
+def test_connections_are_capped_in_total_and_per_uid() -> None:
+    caps = ConnectionCaps(3, 2)
+    assert caps.accept() is None and caps.accept() is None and caps.accept() is None
+    over = caps.accept()
+    assert isinstance(over, Overloaded) and "--local-max-connections" in str(over)
+    assert caps.join(1000) is None and caps.join(1000) is None
+    per_uid = caps.join(1000)
+    assert isinstance(per_uid, Overloaded) and "uid 1000" in str(per_uid)
+    assert caps.join(1001) is None  # another uid has its own share
+    caps.leave(1000)
+    caps.closed()
+    assert caps.join(1000) is None and caps.accept() is None
+
+
+def test_the_connection_cap_stays_within_the_descriptor_limit() -> None:
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))
+    try:
+        assert descriptor_cap(4) == 64  # (1024 - 256) / (2 x (4 + 2))
+        assert descriptor_cap(4) * (4 + 2) < 1024 // 2
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_body_is_charged_as_it_arrives_and_dropped_past_the_budget() -> None:
+    """A body is allocated and charged chunk by chunk (a head alone costs nothing); one
+    that finds the budget full is read, dropped and reported as None."""
+    async def run() -> None:
+        buffers = ResponseBuffers(1 << 20, 1 << 20)
+        a, b = socket.socketpair()
+        a.setblocking(False)
+        b.setblocking(False)
+        loop = asyncio.get_running_loop()
+        try:
+            got = asyncio.create_task(recv_body(a, 300_000, buffers, "a call body"))
+            await loop.sock_sendall(b, b"x" * 100_000)
+            await asyncio.sleep(0.05)
+            assert not got.done() and 0 < buffers.total <= 100_000  # only what arrived
+            await loop.sock_sendall(b, b"y" * 200_000)
+            body, charged = await asyncio.wait_for(got, 5)
+            assert body == b"x" * 100_000 + b"y" * 200_000 and charged == buffers.total
+            buffers.charge(2 << 20)  # the budget is full
+            dropped = asyncio.create_task(recv_body(a, 300_000, buffers, "a call body"))
+            await loop.sock_sendall(b, b"z" * 300_000)
+            assert await asyncio.wait_for(dropped, 5) == (None, 0)
+            assert buffers.total == charged + (2 << 20)  # nothing of the dropped body left
+        finally:
+            a.close()
+            b.close()
+
+    asyncio.run(run())
 
 
 def test_a_kept_segment_is_made_at_once_and_forgotten_when_given_away() -> None:
