@@ -6,6 +6,10 @@ The daemon lends each segment for one batch; the arrays of that batch are numpy 
 it, all derived from one base array, and a finalizer on that base queues the segment's
 return: a segment goes back (RELEASE, sent before the next call) only when nothing in this
 process refers to it any more, so the daemon never writes memory a caller still reads.
+What a client holds lent counts against the daemon's budget, so past the share the WELCOME
+names (a quarter of ``--max-buffered-bytes``), or with every pooled segment held, a new
+batch is asked to be kept instead (``FLAG_KEEP``): its segment is the client's memory from
+then on, and a loop that keeps many batches never makes the daemon refuse others.
 
 The daemon is not trusted: every frame head is checked against a kind and a limit, a
 descriptor must be a sealed (cannot shrink) regular file at least as large as the segment
@@ -146,6 +150,7 @@ class LocalChannel:
         self._segments: dict[int, _Segment] = {}
         self._returned: collections.deque[int] = collections.deque()
         self._limit = 0
+        self._lend = 0  # bytes of lent segments the daemon lets it hold (0: no limit said)
         self._ids = 0
         self._lock = threading.Lock()
         self._pid = os.getpid()
@@ -188,16 +193,25 @@ class LocalChannel:
     def lent(self) -> int:
         return sum(s.lent for s in self._segments.values())
 
+    @property
+    def lent_bytes(self) -> int:
+        return sum(s.size for s in self._segments.values() if s.lent)
+
+    def _holds_enough(self) -> bool:
+        """Whether a new batch should be kept (the client's memory from then on) rather
+        than lent: every pooled segment is held, or the bytes the daemon lends it are."""
+        return self.lent >= self._limit or bool(self._lend and self.lent_bytes >= self._lend)
+
     # -- protocol ----------------------------------------------------------------------
 
     def _call(self, method: str, payload: bytes, deadline: float,
               adopt: Adopt | None) -> bytes | ReadResult:
         sock = self._connected(deadline)
         self._flush(sock)
-        if method == "Read" and adopt is None and self._limit and self.lent >= self._limit:
+        if method == "Read" and adopt is None and self._limit and self._holds_enough():
             gc.collect()  # batches only reachable through cycles
             self._flush(sock)
-            if self.lent >= self._limit:  # every pooled segment is held: keep a new one
+            if self._holds_enough():  # every pooled segment, or its share, held: keep one
                 adopt = adopt_mapping
         self._ids += 1
         ident = self._ids
@@ -256,6 +270,7 @@ class LocalChannel:
             raise DataLossError(f"the local plane at {self.path!r} did not welcome this "
                                 "client", target=self.target)
         self._limit = min(head.ident, lp.MAX_CLIENT_SEGMENTS)
+        self._lend = lp.LEND.unpack(body)[0] if len(body) == lp.LEND.size else 0
         self._sock = sock
         # A channel dropped without close() still closes its socket (and so the daemon
         # frees its segments) when it is collected, or at exit.

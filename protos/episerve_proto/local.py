@@ -31,11 +31,15 @@ HELLO = 1  # body: the bearer token (may be empty); answered by WELCOME or ERROR
 CALL = 2  # id: the call's id; body: method name length (1 byte), name, request bytes
 RELEASE = 3  # id: a segment id the client no longer refers to; no body
 # Daemon -> client
-WELCOME = 10  # id: the most segments the daemon lends this connection at once
+#: id: the most segments the daemon lends this connection at once; body (may be empty):
+#: ``LEND`` — the bytes of lent segments it should hold at most (past them it asks to keep)
+WELCOME = 10
 REPLY = 11  # id: the call's id; body: the response bytes of a unary method
 BATCH = 12  # id: the call's id; body: a batch header (below); may carry a segment's fd
 ERROR = 13  # id: the call's id (0 for the connection); body: an error (below)
 RETIRE = 14  # id: a segment id the daemon closed; the client drops its mapping
+
+LEND = struct.Struct("<Q")
 
 TO_DAEMON = frozenset({HELLO, CALL, RELEASE})
 TO_CLIENT = frozenset({WELCOME, REPLY, BATCH, ERROR, RETIRE})

@@ -1,5 +1,7 @@
 """Daemon configuration: one frozen dataclass, built once from flags, then ``EPISERVE_*``
-environment variables, then defaults. Nothing else in the server reads ``os.environ``."""
+environment variables, then defaults. Nothing else in the server reads ``os.environ``.
+
+One job, the daemon's settings (each with its flag, check and help), hence its length."""
 
 from __future__ import annotations
 
@@ -20,9 +22,10 @@ RESPONSE_HEADROOM_BYTES = 2**20
 MAX_RESPONSE_BYTES = MAX_MESSAGE_BYTES - RESPONSE_HEADROOM_BYTES
 PORTS = ("port", "metrics_port", "health_port")
 DURATIONS = ("grace_s", "rescan_s", "store_timeout_s", "max_connection_age_s",
-             "max_connection_idle_s", "inject_latency_s", "log_summary_s")
+             "max_connection_idle_s", "inject_latency_s", "log_summary_s", "local_idle_s")
 COUNTS = ("max_batch", "max_window", "max_concurrent_reads", "max_store_concurrency",
-          "max_keymap_entries", "max_streams_per_connection", "local_segments")
+          "max_keymap_entries", "max_streams_per_connection", "local_segments",
+          "local_max_connections", "local_max_connections_per_uid")
 PRELOAD_KINDS = ("off", "numeric")
 ZERO_OK = ("cache_bytes", "prefetch_bytes")  # sizes where 0 means off
 #: Connection timers gRPC takes in whole milliseconds (a C int): 0 turns one off; below a
@@ -110,10 +113,13 @@ class ServerConfig:
     # episodes (rpc/process/front.py, rpc/process/workers.py).
     workers: int = 0
     # The local plane (rpc/handlers/local.py): shared-memory Reads on ``<unix>.local`` for clients
-    # of this host; the uids allowed besides the daemon's own; segments lent per connection.
+    # of this host; the uids allowed besides the daemon's own; segments, connections, idle.
     local_plane: bool = True
     local_uids: tuple[str, ...] = ()
     local_segments: int = 4
+    local_max_connections: int = 256
+    local_max_connections_per_uid: int = 128
+    local_idle_s: float = 300.0
 
     @property
     def tls(self) -> bool:
@@ -368,6 +374,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--local-segments", type=int, help="shared-memory segments lent to one "
                    "local-plane connection at once; a Read waits for one to come back "
                    "(default 4)")
+    p.add_argument("--local-max-connections", type=int, help="local-plane connections at "
+                   "once, within the descriptor limit; more are answered Overloaded")
+    p.add_argument("--local-max-connections-per-uid", type=int, help="the same, per uid")
+    p.add_argument("--local-idle-s", type=float, help="close a local connection idle this long")
     p.add_argument("--inject-latency-s", type=float, help=argparse.SUPPRESS)
     p.add_argument("--prefetch-bytes", help="decoded bytes in flight for Read prefetch "
                    "hints, at most half of --cache-bytes (default 256MiB); 0 ignores hints")

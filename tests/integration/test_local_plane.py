@@ -4,6 +4,7 @@ client or the daemon SIGKILLed mid-read)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -12,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -220,30 +221,53 @@ def test_other_uids_are_refused(ramp_roots: dict[str, Path]) -> None:
     (SO_PEERCRED), even when the socket's mode would let it connect."""
     if os.getuid() != 0:
         pytest.skip("needs root to run a client under another uid")
+    with _shared_folder() as folder, DaemonProcess(ramp_roots["sharded"], "--rescan-s", "0",
+                                                   unix=folder / "d.sock") as d:
+        os.chmod(_socket_path(d) + ".local", 0o666)
+        out = _as_nobody(d, "try:\n    c.stats()\n"
+                            "except errors.PermissionDenied as e:\n    print('refused', e)\n")
+        assert "refused" in out.stdout, out.stderr
+        assert "uid 65534 may not use the local plane" in out.stdout
+        with Client(d.target, transport="local") as c:
+            assert c.stats()["local_refused"] >= 1  # (each call of it tried again)
+
+
+@contextlib.contextmanager
+def _shared_folder() -> Iterator[Path]:
+    """A folder other uids may enter (pytest's temporary folders are private)."""
     import tempfile
 
     folder = Path(tempfile.mkdtemp(prefix="episerve-uid-"))
     folder.chmod(0o755)
     try:
-        with DaemonProcess(ramp_roots["sharded"], "--rescan-s", "0",
-                           unix=folder / "d.sock") as d:
-            os.chmod(_socket_path(d) + ".local", 0o666)
-            script = ("import os, sys\n"
-                      "from episerve_client import Client, errors\n"
-                      "c = Client(sys.argv[1], transport='local')\n"
-                      "os.setuid(65534)  # after the imports: nobody cannot read them\n"
-                      "try:\n    c.stats()\n"
-                      "except errors.PermissionDenied as e:\n    print('refused', e)\n")
-            out = subprocess.run([sys.executable, "-c", script, d.target], text=True,
-                                 capture_output=True, timeout=60, cwd="/")
-            assert "refused" in out.stdout, out.stderr
-            assert "uid 65534 may not use the local plane" in out.stdout
-            with Client(d.target, transport="local") as c:
-                assert c.stats()["local_refused"] >= 1  # (each call of it tried again)
+        yield folder
     finally:
         for p in folder.iterdir():
             p.unlink()
         folder.rmdir()
+
+
+def _as_nobody(d: DaemonProcess, rest: str) -> subprocess.CompletedProcess[str]:
+    """``rest`` run as uid 65534 with ``c``, a local-plane client of ``d``, and ``errors``
+    (imported before the uid changes: nobody cannot read them)."""
+    script = ("import os, sys\nfrom episerve_client import Client, errors\n"
+              "c = Client(sys.argv[1], transport='local')\nos.setuid(65534)\n" + rest)
+    return subprocess.run([sys.executable, "-c", script, d.target], text=True,
+                          capture_output=True, timeout=60, cwd="/")
+
+
+@pytest.mark.slow
+def test_local_uids_alone_let_that_uid_read(ramp_roots: dict[str, Path]) -> None:
+    """``--local-uids`` is enough: the socket is then open to every uid (0666) and
+    SO_PEERCRED picks who is served (before: 0600, so the listed uid could not connect)."""
+    if os.getuid() != 0:
+        pytest.skip("needs root to run a client under another uid")
+    with _shared_folder() as folder, DaemonProcess(
+            ramp_roots["sharded"], "--rescan-s", "0", "--local-uids", "65534",
+            unix=folder / "d.sock") as d:
+        assert os.stat(_socket_path(d) + ".local").st_mode & 0o777 == 0o666
+        out = _as_nobody(d, "print('local_connections', c.stats()['local_connections'])\n")
+        assert "local_connections 1" in out.stdout, out.stderr[-2000:]
 
 
 READER = """

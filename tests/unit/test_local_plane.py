@@ -22,7 +22,9 @@ from episerve_proto.errors import Overloaded
 from episerve_proto.v1 import episerve_pb2 as pb
 from episerve_server.core.result import BatchResult, ImageColumn
 from episerve_server.preflight import StartupError, bind_private_socket
+from episerve_server.rpc.handlers.buffers import ResponseBuffers
 from episerve_server.rpc.handlers.local import SegmentPool
+from episerve_server.rpc.handlers.local_guard import ConnectionCaps, descriptor_cap, recv_body
 from episerve_server.rpc.wire import encode
 
 # -- framing ----------------------------------------------------------------------------
@@ -186,6 +188,8 @@ def test_pool_is_bounded_waits_when_full_and_reuses() -> None:
         waiting = asyncio.create_task(pool.acquire(100))
         await asyncio.sleep(0.05)
         assert not waiting.done()  # full: the third waits, the pool does not grow
+        pool.sent_out(a)
+        pool.sent_out(b)
         await pool.give_back(a.ident)
         c = await asyncio.wait_for(waiting, 1)
         assert c is a and gauge.segments == 2  # the returned segment, reused
@@ -208,7 +212,7 @@ def test_pool_replaces_a_free_segment_too_small_for_the_batch() -> None:
         gauge = Gauge()
         pool = SegmentPool(1, gauge)
         small = await pool.acquire(10)
-        small.sent = True
+        pool.sent_out(small)
         await pool.give_back(small.ident)
         big = await pool.acquire(5 << 20)
         assert big.size >= 5 << 20 and big.ident != small.ident
@@ -382,6 +386,69 @@ def test_local_plane_settings_from_flags_and_environment() -> None:
         ServerConfig.from_args(["--local-uids", "alice"], {})
     with pytest.raises(ValueError, match="local_segments"):
         ServerConfig.from_args(["--local-segments", "0"], {})
+    assert (on.local_max_connections, on.local_max_connections_per_uid,
+            on.local_idle_s) == (256, 128, 300.0)
+    caps = ServerConfig.from_args(["--local-max-connections", "8", "--local-idle-s", "0"],
+                                  {"EPISERVE_LOCAL_MAX_CONNECTIONS_PER_UID": "2"})
+    assert (caps.local_max_connections, caps.local_max_connections_per_uid,
+            caps.local_idle_s) == (8, 2, 0.0)
+    with pytest.raises(ValueError, match="local_max_connections"):
+        ServerConfig.from_args(["--local-max-connections", "0"], {})
+
+
+def test_connections_are_capped_in_total_and_per_uid() -> None:
+    caps = ConnectionCaps(3, 2)
+    assert caps.accept() is None and caps.accept() is None and caps.accept() is None
+    over = caps.accept()
+    assert isinstance(over, Overloaded) and "--local-max-connections" in str(over)
+    assert caps.join(1000) is None and caps.join(1000) is None
+    per_uid = caps.join(1000)
+    assert isinstance(per_uid, Overloaded) and "uid 1000" in str(per_uid)
+    assert caps.join(1001) is None  # another uid has its own share
+    caps.leave(1000)
+    caps.closed()
+    assert caps.join(1000) is None and caps.accept() is None
+
+
+def test_the_connection_cap_stays_within_the_descriptor_limit() -> None:
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))
+    try:
+        assert descriptor_cap(4) == 64  # (1024 - 256) / (2 x (4 + 2))
+        assert descriptor_cap(4) * (4 + 2) < 1024 // 2
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_body_is_charged_as_it_arrives_and_dropped_past_the_budget() -> None:
+    """A body is allocated and charged chunk by chunk (a head alone costs nothing); one
+    that finds the budget full is read, dropped and reported as None."""
+    async def run() -> None:
+        buffers = ResponseBuffers(1 << 20, 1 << 20)
+        a, b = socket.socketpair()
+        a.setblocking(False)
+        b.setblocking(False)
+        loop = asyncio.get_running_loop()
+        try:
+            got = asyncio.create_task(recv_body(a, 300_000, buffers, "a call body"))
+            await loop.sock_sendall(b, b"x" * 100_000)
+            await asyncio.sleep(0.05)
+            assert not got.done() and 0 < buffers.total <= 100_000  # only what arrived
+            await loop.sock_sendall(b, b"y" * 200_000)
+            body, charged = await asyncio.wait_for(got, 5)
+            assert body == b"x" * 100_000 + b"y" * 200_000 and charged == buffers.total
+            buffers.charge(2 << 20)  # the budget is full
+            dropped = asyncio.create_task(recv_body(a, 300_000, buffers, "a call body"))
+            await loop.sock_sendall(b, b"z" * 300_000)
+            assert await asyncio.wait_for(dropped, 5) == (None, 0)
+            assert buffers.total == charged + (2 << 20)  # nothing of the dropped body left
+        finally:
+            a.close()
+            b.close()
+
+    asyncio.run(run())
 
 
 def test_a_kept_segment_is_made_at_once_and_forgotten_when_given_away() -> None:
@@ -399,6 +466,55 @@ def test_a_kept_segment_is_made_at_once_and_forgotten_when_given_away() -> None:
     before = _open_memfds()
     asyncio.run(run())
     assert _open_memfds() == before
+
+
+def test_a_release_is_honoured_only_for_a_segment_the_client_holds() -> None:
+    """A segment returned twice, the second time while a Read writes it, stays that Read's:
+    the next Read gets another segment (before: the same one, two Reads in one segment)."""
+    async def run() -> None:
+        pool = SegmentPool(2, Gauge())
+        first = await pool.acquire(100)
+        pool.sent_out(first)
+        assert await pool.give_back(first.ident)
+        writing = await pool.acquire(100)  # a Read in flight writes the returned segment
+        assert writing is first
+        assert not await pool.give_back(first.ident)  # the second release: ignored
+        other = await pool.acquire(100, wait_s=0.05)
+        assert other is not writing and other.ident in pool.lent and writing.ident in pool.lent
+        assert not await pool.give_back(other.ident)  # never sent: ignored too
+        await pool.close()
+
+    asyncio.run(run())
+
+
+def test_segments_are_made_only_with_room_in_the_budget() -> None:
+    """Every segment the pool makes is first admitted (the daemon's budget); a refusal
+    leaves nothing made, and free segments can be given back when the budget is short."""
+    buffers = ResponseBuffers(4 << 20, 4 << 20)
+    gauge = Gauge()
+
+    def changed(segments: int, nbytes: int) -> None:
+        gauge(segments, nbytes)
+        buffers.charge(nbytes)
+
+    async def run() -> None:
+        pool = SegmentPool(4, changed, lambda n: buffers.room(n, "a segment"))
+        a = await pool.acquire(3 << 20)  # 4 MiB: alone, always allowed
+        assert buffers.total == a.size == 4 << 20
+        with pytest.raises(Overloaded, match="--max-buffered-bytes"):
+            await pool.acquire(100, wait_s=0.05)
+        with pytest.raises(Overloaded, match="--max-buffered-bytes"):
+            await pool.acquire(100, keep=True)
+        assert gauge.segments == 1
+        pool.sent_out(a)
+        await pool.give_back(a.ident)
+        buffers.reclaim.append(pool.drop_free)
+        b = await pool.acquire(5 << 20)  # the free 4 MiB one is closed to make room
+        assert buffers.total == b.size == 8 << 20 and gauge.segments == 1
+        await pool.close()
+        assert buffers.total == 0
+
+    asyncio.run(run())
 
 
 # -- a plane that accepts but never welcomes ---------------------------------------------------

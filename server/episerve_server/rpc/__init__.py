@@ -4,7 +4,8 @@
   classes (``convert``: requests and answers; ``encode``: Read responses without a message
   object; ``forward``: a Read split for the workers and their answers merged back);
 - ``handlers``: what each RPC does (``service``; ``status``, errors to statuses;
-  ``buffers``, ``registry``; ``local``, the shared-memory plane);
+  ``buffers``, ``registry``; ``local``, the shared-memory plane, with ``local_io``, its
+  frames, ``local_guard``, its limits, and ``segments``);
 - ``process``: standing a server up and taking it down (``server``: the one serve path;
   ``daemon``, ``front``, ``workers``, ``worker``, ``main``; ``interceptors``,
   ``introspection``, ``metrics``, ``logs``).

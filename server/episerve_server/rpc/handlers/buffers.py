@@ -23,6 +23,13 @@ likely not fit beside what it holds is refused on arrival, before any work is do
 All unix-socket clients report the same peer (``unix:``, no per-connection address), so
 for them only the total limit applies.
 
+The total is the one budget of what clients make the daemon hold, whatever the transport:
+the local plane (``local.py``) ``charge``s it with the call bodies it receives (as their
+bytes arrive), every segment it has made (lent, being written, or free in a pool) and the
+kept segments it sent that the client has not yet received, and asks for ``room`` before it
+makes a segment or takes a body. Before it refuses anything it calls ``reclaim`` (the local
+plane then closes the segments free in its pools).
+
 When the bytes held fall to a quarter of a peak of at least ``DRAINED_PEAK_BYTES``, a burst
 is over: ``on_drained`` runs once (the daemon gives the heap's free pages back).
 """
@@ -50,10 +57,43 @@ class ResponseBuffers:
         self.peak = 0  # the most held since the last burst ended
         self.by_peer: dict[str, int] = {}
         self._latest: dict[str, int] = {}  # a holding peer's latest response size
+        #: Called before a refusal, to give back what can be given back (free segments).
+        self.reclaim: list[Callable[[], None]] = []
+
+    def _over(self, nbytes: int) -> bool:
+        """Whether holding ``nbytes`` more passes the total limit, even once reclaimed."""
+        if self.total + nbytes <= self.max_bytes:
+            return False
+        for give_back in self.reclaim:
+            give_back()
+        return self.total + nbytes > self.max_bytes
+
+    def charge(self, nbytes: int) -> None:
+        """Count ``nbytes`` more held (fewer when negative) outside any peer's share."""
+        self.total += nbytes
+        if nbytes > 0:
+            self.peak = max(self.peak, self.total)
+        else:
+            self._fell()
+
+    def room(self, nbytes: int, what: str) -> None:
+        """Refuse (``Overloaded``) holding ``what`` of ``nbytes`` when that would pass the
+        total limit; one thing alone is always allowed (nothing else held)."""
+        if self.total and self._over(nbytes) and self.total:
+            raise Overloaded(
+                f"{what} of {nbytes} bytes would make the daemon hold {self.total + nbytes} "
+                f"bytes for its clients, over the limit of {self.max_bytes} "
+                "(--max-buffered-bytes: unread responses, unreturned shared-memory segments, "
+                "call bodies); back off and retry")
+
+    def _fell(self) -> None:
+        if self.peak >= DRAINED_PEAK_BYTES and self.total <= self.peak // 4:
+            self.peak = self.total
+            self.on_drained()
 
     def check(self, peer: str) -> None:
         """Refuse a new Read while the total, or this peer's share, is over its limit."""
-        if self.total >= self.max_bytes:
+        if self.total >= self.max_bytes and (self._over(0) or self.total >= self.max_bytes):
             raise Overloaded(
                 f"{self.total} bytes of earlier responses are still waiting to be sent to "
                 f"slow clients, over the limit of {self.max_bytes} (--max-buffered-bytes); "
@@ -73,7 +113,7 @@ class ResponseBuffers:
         """Refuse a finished response of ``nbytes`` that would take the total or ``peer``
         over a limit (counting its copies)."""
         size, nbytes = nbytes, nbytes * HELD_COPIES
-        if self.total and self.total + nbytes > self.max_bytes:
+        if self.total and self._over(nbytes) and self.total:
             raise Overloaded(
                 f"a response of {size} bytes (held {HELD_COPIES} times until sent) would make "
                 f"{self.total + nbytes} bytes wait for slow clients, over the limit of "
@@ -111,9 +151,7 @@ class ResponseBuffers:
                 return
             released = True
             self.total -= nbytes
-            if self.peak >= DRAINED_PEAK_BYTES and self.total <= self.peak // 4:
-                self.peak = self.total
-                self.on_drained()
+            self._fell()
             left = self.by_peer[peer] - nbytes
             if left:
                 self.by_peer[peer] = left

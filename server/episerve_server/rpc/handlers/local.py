@@ -21,15 +21,23 @@ A Read may instead ask to keep its segment (``FLAG_KEEP``): the daemon makes a s
 for that batch alone, sends the descriptor, closes its own side and forgets it; from then
 on it belongs to the client's processes (torch passes it on to the main process).
 DataLoader workers ask for this, and so does a client that still refers to every pooled
-segment. The daemon holds such a segment only while it writes and sends it, at most one
-per call in flight on the connection (``--local-segments`` + 1).
+segment.
+
+What a connection makes the daemon hold counts in the daemon's one budget
+(``--max-buffered-bytes``, shared with gRPC's unsent responses, ``buffers.py``): its call
+bodies as their bytes arrive, every segment of its pool, and a kept segment from its
+making until the client has received it (``local_guard.unread``). A segment or body with
+no room is answered ``Overloaded``. A connection's calls are served one at a time, and the
+next only once the client has received every earlier answer. Connections are capped in
+total and per uid (``local_guard.ConnectionCaps``), and one that stays idle for
+``--local-idle-s`` is closed; one closed with answers still unread keeps them counted until
+its peer reads or closes.
 
 One job, the local plane's transport (frames, credentials, segments), hence its length.
 """
 
 from __future__ import annotations
 
-import array
 import asyncio
 import contextlib
 import hmac
@@ -39,10 +47,10 @@ import os
 import socket
 import struct
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
 import numpy as np
 
@@ -50,14 +58,27 @@ from episerve_proto import local as lp
 from episerve_proto.contract import EPISODE_TRAILER, ERROR_TRAILER, KEY_TRAILER, SERVICE_PATH
 from episerve_proto.errors import (
     EpiserveError,
+    Overloaded,
     PermissionDenied,
     ResponseTooLarge,
     Unauthenticated,
-    clipped,
 )
 from episerve_server.config import ServerConfig
 from episerve_server.core.result import BatchResult
 from episerve_server.preflight import MAX_UNIX_PATH_BYTES, bind_private_socket
+from episerve_server.rpc.handlers import local_guard as guard
+from episerve_server.rpc.handlers.local_io import (
+    Aborted,
+    CallLog,
+    Connection,
+    ConnectionClosed,
+    LocalContext,
+    error_body,
+    recv_exact,
+    recv_head,
+    send,
+    text,
+)
 from episerve_server.rpc.handlers.segments import Segment, SegmentArena, SegmentPool
 from episerve_server.rpc.handlers.service import OFFLOAD_ENCODE_BYTES, EpiserveService
 from episerve_server.rpc.handlers.status import answered
@@ -66,14 +87,10 @@ from episerve_server.rpc.wire import encode
 log = logging.getLogger(__name__)
 
 
-class CallLog(Protocol):
-    """Where a finished call is accounted (the gRPC server's logging interceptor)."""
-
-    def finished(self, method: str, code: str, seconds: float, request: Any, *, rid: str,
-                 peer: Callable[[], str], sent: int) -> None: ...
-
 #: A connection must send its HELLO within this.
 HELLO_S = 10.0
+#: A client holds at most this fraction of the budget in lent segments (WELCOME says).
+LEND_SHARE = 4
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
@@ -81,51 +98,11 @@ def local_path(unix: str) -> Path:
     return Path(str(Path(unix).resolve()) + lp.LOCAL_SUFFIX)
 
 
-class ConnectionClosed(Exception):
-    pass
-
-
-class LocalContext:
-    """What the gRPC handlers use of their context, for a call over the local plane: the
-    peer's name, and ``abort``, which raises the error's code, message and trailers."""
-
-    def __init__(self, peer: str) -> None:
-        self._peer = peer
-
-    def peer(self) -> str:
-        return self._peer
-
-    async def abort(self, code: Any, message: str,
-                    trailers: Sequence[tuple[str, str | bytes]]) -> None:
-        raise Aborted(str(code.name), message, dict(trailers))
-
-
-class Aborted(Exception):
-    def __init__(self, code: str, message: str, trailers: dict[str, str | bytes]) -> None:
-        super().__init__(message)
-        self.code, self.message, self.trailers = code, message, trailers
-
-
-def _text(value: str | bytes) -> str:
-    return value.decode(errors="replace") if isinstance(value, bytes) else value
-
-
 @dataclass(eq=False)
 class Placed:
     segment: Segment
     blobs: list[tuple[int, int]]
     meta: bytes
-
-
-@dataclass(eq=False)
-class Connection:
-    sock: socket.socket
-    peer: str
-    pool: SegmentPool
-    send_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    tasks: set[asyncio.Task[None]] = field(default_factory=set)
-    serial: int = 0  # this plane's count of connections: names its calls in the logs
-    last_total: int = 0  # the bytes of its latest answer: what the next one's segment takes
 
 
 class LocalPlane:
@@ -142,6 +119,11 @@ class LocalPlane:
         self._accept: asyncio.Task[None] | None = None
         self._serving: set[asyncio.Task[None]] = set()
         self._serials = itertools.count(1)
+        self.budget = service.buffers
+        self.budget.reclaim.append(self._reclaim)
+        self.keeper = guard.Keeper(config, self.budget)
+        self.caps = self.keeper.caps
+        self._sweep: asyncio.Task[None] | None = None
         #: Accounts each finished call as the gRPC server's interceptor does (metrics, the
         #: DEBUG line, the INFO summary); set by the daemon.
         self.calls: CallLog | None = None
@@ -158,7 +140,10 @@ class LocalPlane:
                         MAX_UNIX_PATH_BYTES)
             return None
         plane = cls(config, service, path, bind_private_socket(path, "--unix (local plane)"))
+        if config.local_uids:  # other uids must reach the socket; SO_PEERCRED picks them
+            os.chmod(path, 0o666)
         plane._accept = asyncio.create_task(plane._accept_loop())
+        plane._sweep = asyncio.create_task(plane.keeper.sweep(plane.connections))
         return plane
 
     @property
@@ -174,20 +159,32 @@ class LocalPlane:
     def _changed(self, segments: int, nbytes: int) -> None:
         self.segments += segments
         self.segment_bytes += nbytes
+        self.budget.charge(nbytes)
+
+    def _room(self, nbytes: int) -> None:
+        self.budget.room(nbytes, "a shared-memory segment")
+
+    def _reclaim(self) -> None:
+        """The budget is short: close the segments free in every connection's pool (their
+        clients are told to unmap them with the next answer)."""
+        for conn in self.connections:
+            conn.pool.drop_free()
 
     async def stop(self) -> None:
         """Stop accepting, close every connection (their segments with them), unlink the
         socket if it is still ours."""
-        if self._accept is not None:
-            self._accept.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._accept
+        for task in (self._accept, self._sweep):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         self._sock.close()
         for task in list(self._serving):
             task.cancel()
         for task in list(self._serving):
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        self.keeper.stop()
         with contextlib.suppress(OSError):
             if os.stat(self.path).st_ino == self._inode:
                 self.path.unlink()
@@ -201,7 +198,13 @@ class LocalPlane:
                 log.warning("local plane: accept failed (%s)", exc.strerror)
                 await asyncio.sleep(0.1)
                 continue
+            refused = self.caps.accept()
+            if refused is not None:
+                self.refused += 1
+                guard.refuse(sock, refused)
+                continue
             task = asyncio.create_task(self._serve(sock))
+            task.add_done_callback(lambda _: self.caps.closed())
             self._serving.add(task)
             task.add_done_callback(self._serving.discard)
 
@@ -210,13 +213,19 @@ class LocalPlane:
         pid, uid, _ = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
                                                    _CRED.size))
         conn = Connection(sock, f"local:{pid}", SegmentPool(self.config.local_segments,
-                                                            self._changed),
+                                                            self._changed, self._room),
                           serial=next(self._serials))
+        joined = False
         try:
             if uid not in self.uids:
                 self.refused += 1
                 raise PermissionDenied(f"uid {uid} may not use the local plane (allowed: "
                                        f"{sorted(self.uids)}; see --local-uids)")
+            over = self.caps.join(uid)
+            if over is not None:
+                self.refused += 1
+                raise over
+            joined = True
             await asyncio.wait_for(self._hello(conn), HELLO_S)
             self.connections.add(conn)
             await self._frames(conn)
@@ -226,39 +235,67 @@ class LocalPlane:
         except (ConnectionClosed, OSError, TimeoutError, lp.FrameError) as exc:
             log.debug("local plane: connection of %s ends (%s)", conn.peer, exc)
         finally:
+            if joined:
+                self.caps.leave(uid)
             self.connections.discard(conn)
             for task in list(conn.tasks):
                 task.cancel()
+            # Its calls end before its socket closes (a send waiting for room unhooks its
+            # descriptor from the loop while it is still open).
+            await asyncio.gather(*conn.tasks, return_exceptions=True)
             await conn.pool.close()
-            sock.close()
+            self.keeper.ended(conn)
 
     async def _hello(self, conn: Connection) -> None:
-        head, body = await _recv_frame(conn.sock, lp.MAX_TOKEN_BYTES)
+        head = await recv_head(conn.sock, lp.MAX_TOKEN_BYTES)
+        body = await recv_exact(conn.sock, head.length) if head.length else b""
         if head.kind != lp.HELLO:
             raise lp.FrameError("the first frame must be HELLO")
         if self.config.token and not hmac.compare_digest(body, self.config.token.encode()):
             self.refused += 1
             raise Unauthenticated("missing or wrong token for the local plane")
-        await self._send(conn, lp.frame(lp.WELCOME, conn.pool.limit))
+        # What its lent segments may take: a quarter of the budget (it keeps the rest).
+        lend = lp.LEND.pack(self.budget.max_bytes // LEND_SHARE)
+        await self._send(conn, lp.frame(lp.WELCOME, conn.pool.limit, lend))
 
     async def _frames(self, conn: Connection) -> None:
-        calls = asyncio.Semaphore(conn.pool.limit + 1)  # a connection's calls in flight
         while True:
-            head, body = await _recv_frame(conn.sock, lp.MAX_CALL_BODY)
+            head = await recv_head(conn.sock, lp.MAX_CALL_BODY)
+            conn.active = time.monotonic()
             if head.kind == lp.RELEASE:
+                if head.length:
+                    raise lp.FrameError("a RELEASE frame has no body")
                 await conn.pool.give_back(head.ident)
             elif head.kind == lp.CALL:
-                method, payload = lp.parse_call(body)
-                if head.flags & lp.FLAG_KEEP and method != "Read":
-                    raise lp.FrameError(f"a {method} call cannot keep a segment")
-                await calls.acquire()
+                # One call at a time, and only once every earlier answer is received.
+                if conn.tasks:
+                    await asyncio.wait(set(conn.tasks))
+                await guard.received(conn)
+                self.keeper.kept_received(conn)
+                body, charged = await guard.recv_body(conn.sock, head.length, self.budget,
+                                                      "a call body")
+                if body is None:
+                    await self._send_error(conn, head.ident, Overloaded(
+                        f"no room for a call body of {head.length} bytes: the daemon holds "
+                        f"{self.budget.total} bytes for its clients, its limit is "
+                        f"{self.budget.max_bytes} (--max-buffered-bytes); back off and retry"))
+                    continue
+                try:
+                    method, payload = lp.parse_call(body)
+                    if head.flags & lp.FLAG_KEEP and method != "Read":
+                        raise lp.FrameError(f"a {method} call cannot keep a segment")
+                except BaseException:
+                    self.budget.charge(-charged)
+                    raise
+                del body
                 task = asyncio.create_task(self._call(conn, head.ident, method, payload,
                                                       bool(head.flags & lp.FLAG_KEEP)))
                 conn.tasks.add(task)
 
-                def done(t: asyncio.Task[None]) -> None:
+                def done(t: asyncio.Task[None], charged: int = charged) -> None:
                     conn.tasks.discard(t)
-                    calls.release()
+                    self.budget.charge(-charged)
+                    conn.active = time.monotonic()
 
                 task.add_done_callback(done)
             else:
@@ -278,16 +315,16 @@ class LocalPlane:
         except Aborted as exc:
             t = exc.trailers
             code = exc.code
-            body = lp.error_body(exc.code, _text(t.get(ERROR_TRAILER, "")), exc.message,
-                                 _text(t.get(EPISODE_TRAILER, b"")),
-                                 _text(t.get(KEY_TRAILER, b"")))
+            body = lp.error_body(exc.code, text(t.get(ERROR_TRAILER, "")), exc.message,
+                                 text(t.get(EPISODE_TRAILER, b"")),
+                                 text(t.get(KEY_TRAILER, b"")))
             await self._send_quietly(conn, lp.frame(lp.ERROR, ident, body))
         except (OSError, ConnectionClosed):
             code = "CANCELLED"  # the connection is gone; _serve frees what it held
         except Exception as exc:
             error = answered(exc, f"{method} (local plane)")
             code = error.code
-            await self._send_quietly(conn, lp.frame(lp.ERROR, ident, _error_body(error)))
+            await self._send_quietly(conn, lp.frame(lp.ERROR, ident, error_body(error)))
         finally:
             if self.calls is not None:
                 self.calls.finished(SERVICE_PATH + method, code, time.perf_counter() - start,
@@ -304,7 +341,7 @@ class LocalPlane:
         except Exception as exc:
             await arena.release()
             error = answered(exc, "read (local plane)")
-            await self._send_quietly(conn, lp.frame(lp.ERROR, ident, _error_body(error)))
+            await self._send_quietly(conn, lp.frame(lp.ERROR, ident, error_body(error)))
             return error.code, 0
         except BaseException:
             await arena.release()
@@ -315,11 +352,12 @@ class LocalPlane:
         try:
             await self._send(conn, lp.frame(lp.BATCH, ident, body, lp.FLAG_FD if with_fd else 0),
                              (seg.fd,) if with_fd else ())
-            seg.sent = True
+            conn.pool.sent_out(seg)
         except BaseException:
-            await conn.pool.give_back(seg.ident)
+            await conn.pool.put_back(seg.ident)
             raise
-        if keep:
+        if keep:  # counted (as the pool's) until the client has it
+            self.keeper.sent_kept(conn, seg.size)
             await conn.pool.give_away(seg.ident)
         return "OK", len(body) + sum(size for _, size in placed.blobs)
 
@@ -371,69 +409,15 @@ class LocalPlane:
             await self._send(conn, lp.frame(lp.RETIRE, conn.pool.retired.pop()))
 
     async def _send_error(self, conn: Connection, ident: int, error: EpiserveError) -> None:
-        await self._send(conn, lp.frame(lp.ERROR, ident, _error_body(error)))
+        await self._send(conn, lp.frame(lp.ERROR, ident, error_body(error)))
 
     async def _send_quietly(self, conn: Connection, data: bytes) -> None:
         with contextlib.suppress(OSError, ConnectionClosed):
             await self._send(conn, data)
 
     async def _send(self, conn: Connection, data: bytes, fds: Sequence[int] = ()) -> None:
-        loop = asyncio.get_running_loop()
-        async with conn.send_lock:
-            view = memoryview(data)
-            if fds:
-                rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
-                while True:
-                    try:
-                        sent = conn.sock.sendmsg([view], rights)
-                        break
-                    except BlockingIOError:
-                        await _writable(loop, conn.sock)
-                view = view[sent:]
-            if view:
-                await loop.sock_sendall(conn.sock, view)
-
-
-def _error_body(error: EpiserveError) -> bytes:
-    return lp.error_body(error.code, type(error).__name__, clipped(error.message),
-                         clipped(error.episode, 1024), clipped(error.key, 1024))
-
-
+        await send(conn, data, fds)
 def _copy(dst: np.ndarray, blobs: list[tuple[int, encode.Buf]]) -> None:
     for off, blob in blobs:
         src = np.frombuffer(blob, np.uint8)
         dst[off:off + src.size] = src
-
-
-async def _writable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
-    ready: asyncio.Future[None] = loop.create_future()
-
-    def wake() -> None:
-        if not ready.done():
-            ready.set_result(None)
-
-    loop.add_writer(sock.fileno(), wake)
-    try:
-        await ready
-    finally:
-        loop.remove_writer(sock.fileno())
-
-
-async def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    loop = asyncio.get_running_loop()
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        k = await loop.sock_recv_into(sock, view[got:])
-        if k == 0:
-            raise ConnectionClosed("the peer closed the connection")
-        got += k
-    return bytes(buf)
-
-
-async def _recv_frame(sock: socket.socket, max_body: int) -> tuple[lp.Head, bytes]:
-    head = lp.parse_head(await _recv_exact(sock, lp.HEAD_BYTES), lp.TO_DAEMON, max_body)
-    if head.flags & lp.FLAG_FD:
-        raise lp.FrameError("a client does not send descriptors")
-    body = await _recv_exact(sock, head.length) if head.length else b""
-    return head, body

@@ -5,8 +5,12 @@ A segment is a memfd (no name in any filesystem) sealed against growing and shri
 client that maps it never meets a SIGBUS from a size changed under it. A connection's pool
 lends at most ``limit`` at once (backpressure: a Read waits for one to come back, then
 answers ``Overloaded``); a segment made for one batch (``keep``) belongs to the client once
-sent. The arena places a Read's numeric outputs straight into the segment it is answered
-in, so the bytes copied out of the chunk cache are copied once, by the planner's gather.
+sent. A segment is either in the client's hands (``out``: sent, not yet returned) or the
+daemon's: a RELEASE is honoured only for one that is out, so a segment returned twice, the
+second time while a Read is writing it, is never lent to two Reads. Every segment made is
+first allowed by ``admit`` (the daemon's budget, ``buffers.py``). The arena places a
+Read's numeric outputs straight into the segment it is answered in, so the bytes copied
+out of the chunk cache are copied once, by the planner's gather.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ class Segment:
     mm: mmap.mmap
     view: np.ndarray
     sent: bool = False  # the client has its descriptor
+    out: bool = False  # in the client's hands: sent, not yet returned
 
     @classmethod
     def make(cls, ident: int, size: int) -> Segment:
@@ -62,8 +67,10 @@ class Segment:
 class SegmentPool:
     """The segments of one connection: at most ``limit`` exist, each lent or free."""
 
-    def __init__(self, limit: int, on_change: Callable[[int, int], None]) -> None:
+    def __init__(self, limit: int, on_change: Callable[[int, int], None],
+                 admit: Callable[[int], None] = lambda nbytes: None) -> None:
         self.limit = limit
+        self._admit = admit  # raises Overloaded when a segment of nbytes has no room
         self.free: dict[int, Segment] = {}
         self.lent: dict[int, Segment] = {}
         self.retired: list[int] = []  # ids closed since the client last heard
@@ -83,7 +90,9 @@ class SegmentPool:
             async with self._changed:
                 if self._closed:
                     raise Unavailable("the local connection closed")
-                seg = Segment.make(next(self._ids), lp.aligned(max(nbytes, 1)))
+                size = lp.aligned(max(nbytes, 1))
+                self._admit(size)
+                seg = Segment.make(next(self._ids), size)
                 self._on_change(1, seg.size)
                 self.lent[seg.ident] = seg
                 return seg
@@ -106,16 +115,42 @@ class SegmentPool:
             else:
                 if len(self) >= self.limit:  # every free one is too small: replace one
                     self._retire(next(iter(self.free.values())))
-                seg = Segment.make(next(self._ids), capacity(nbytes))
+                size = capacity(nbytes)
+                self._admit(size)
+                seg = Segment.make(next(self._ids), size)
                 self._on_change(1, seg.size)
             self.lent[seg.ident] = seg
             return seg
 
-    async def give_back(self, ident: int) -> None:
+    def sent_out(self, seg: Segment) -> None:
+        """``seg``'s batch was sent: it is the client's until it returns it."""
+        seg.sent = seg.out = True
+
+    async def give_back(self, ident: int) -> bool:
+        """The client's RELEASE: honoured (True) only for a segment it holds."""
+        seg = self.lent.get(ident)
+        if seg is None or not seg.out:
+            return False  # never sent, returned already, or being written: ignored
+        seg.out = False
+        await self.put_back(ident)
+        return True
+
+    def drop_free(self) -> int:
+        """Close every free segment (the budget is short); the bytes given back."""
+        freed = 0
+        for seg in list(self.free.values()):
+            freed += seg.size
+            self._retire(seg)
+        return freed
+
+    async def put_back(self, ident: int) -> None:
+        """A lent segment the daemon takes back (its Read failed, or its client returned
+        it): free for the next Read."""
         async with self._changed:
             seg = self.lent.pop(ident, None)
             if seg is None:
-                return  # not lent (a careless client): nothing to do
+                return
+            seg.out = False
             if self._closed:
                 self._close_one(seg)
             else:
@@ -212,4 +247,4 @@ class SegmentArena:
         """Give the segment up (the read failed, or its answer went elsewhere)."""
         seg, self.segment, self.used = self.segment, None, 0
         if seg is not None:
-            await (self.pool.give_away(seg.ident) if self.keep else self.pool.give_back(seg.ident))
+            await (self.pool.give_away(seg.ident) if self.keep else self.pool.put_back(seg.ident))

@@ -1,0 +1,206 @@
+"""What the local plane lets one client make the daemon hold: connections, call bodies and
+answers sent but not yet received.
+
+- Connections are capped in total and per uid, and the total cap stays well under the
+  descriptor limit (each connection takes its socket and up to ``--local-segments`` + 1
+  memfds), so a flood of local connections never takes the descriptors the gRPC port and
+  health need. A connection over a cap is answered ``Overloaded`` and closed.
+- A call body is allocated as its bytes arrive and charged to the daemon's budget
+  (``buffers.ResponseBuffers``) while it is received and served: a head that declares
+  8 MiB and sends nothing holds nothing. A body that finds no room is read into a small
+  scratch buffer and dropped, and its call answered ``Overloaded``.
+- ``unread`` is what the kernel still queues for the client (``SIOCOUTQ``: bytes, and the
+  memfds they carry, that the client has not received); a connection's next call waits
+  until it is zero.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import logging
+import resource
+import socket
+import struct
+import termios
+import time
+
+from episerve_proto import local as lp
+from episerve_proto.errors import EpiserveError, Overloaded
+from episerve_server.config import ServerConfig
+from episerve_server.rpc.handlers.buffers import ResponseBuffers
+from episerve_server.rpc.handlers.local_io import Connection, ConnectionClosed, error_body
+
+log = logging.getLogger(__name__)
+
+#: Bytes of a call body received at a time (and the scratch buffer of a dropped one).
+BODY_CHUNK = 64 << 10
+#: Descriptors kept for everything but local-plane connections (gRPC, stores, logs).
+SPARE_FDS = 256
+#: How often a connection whose answers are unread is looked at again, at most.
+UNREAD_POLL_S = 0.05
+
+
+def descriptor_cap(segments: int) -> int:
+    """Connections the descriptor limit leaves room for: half of what remains over
+    ``SPARE_FDS`` once each connection may hold its socket and ``segments`` + 1 memfds."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        soft = 1 << 20
+    return max(1, (soft - SPARE_FDS) // (2 * (segments + 2)))
+
+
+class ConnectionCaps:
+    """Connections open, in total (accepted, before their credentials are known) and per
+    uid (after)."""
+
+    def __init__(self, total: int, per_uid: int) -> None:
+        self.total, self.per_uid = total, per_uid
+        self.open = 0
+        self.by_uid: dict[int, int] = {}
+
+    def accept(self) -> Overloaded | None:
+        if self.open >= self.total:
+            return Overloaded(f"the local plane has {self.open} connections open, its limit "
+                              f"(--local-max-connections, within the descriptor limit); "
+                              "back off and retry")
+        self.open += 1
+        return None
+
+    def closed(self) -> None:
+        self.open -= 1
+
+    def join(self, uid: int) -> Overloaded | None:
+        held = self.by_uid.get(uid, 0)
+        if held >= self.per_uid:
+            return Overloaded(f"uid {uid} has {held} local-plane connections open, the limit "
+                              "(--local-max-connections-per-uid); back off and retry")
+        self.by_uid[uid] = held + 1
+        return None
+
+    def leave(self, uid: int) -> None:
+        left = self.by_uid.get(uid, 0) - 1
+        if left > 0:
+            self.by_uid[uid] = left
+        else:
+            self.by_uid.pop(uid, None)
+
+
+def unread(sock: socket.socket) -> int:
+    """Bytes sent on ``sock`` that its peer has not received yet (0 once closed)."""
+    if sock.fileno() < 0:
+        return 0
+    raw = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
+    n: int = struct.unpack("i", raw)[0]
+    return n
+
+
+async def received(conn: Connection) -> None:
+    """Returns once the peer has received everything sent on the connection."""
+    pause = 0.001
+    while unread(conn.sock):
+        if conn.closing:
+            raise ConnectionClosed("closed while its answers were unread")
+        await asyncio.sleep(pause)
+        pause = min(UNREAD_POLL_S, pause * 2)
+
+
+def refuse(sock: socket.socket, error: EpiserveError) -> None:
+    """Answer a connection with its error, if its buffer takes it; close it."""
+    with contextlib.suppress(OSError):
+        sock.setblocking(False)
+        sock.send(lp.frame(lp.ERROR, 0, error_body(error)))
+    sock.close()
+
+
+class Keeper:
+    """A plane's bookkeeping of its connections: the caps, idle ones closed, and kept
+    segments charged to the budget until their client has received them (after its
+    connection closed too: then its socket is kept, shut down, until its queue is empty)."""
+
+    def __init__(self, config: ServerConfig, budget: ResponseBuffers) -> None:
+        self.caps = ConnectionCaps(
+            min(config.local_max_connections, descriptor_cap(config.local_segments)),
+            config.local_max_connections_per_uid)
+        self.budget, self.idle_s = budget, config.local_idle_s
+        self.draining: set[Connection] = set()
+
+    def sent_kept(self, conn: Connection, nbytes: int) -> None:
+        conn.kept += nbytes
+        self.budget.charge(nbytes)
+
+    def kept_received(self, conn: Connection) -> None:
+        if conn.kept and not unread(conn.sock):
+            self.budget.charge(-conn.kept)
+            conn.kept = 0
+
+    def ended(self, conn: Connection) -> None:
+        """The connection's calls and segments are done: close its socket, or keep it till
+        its peer has the kept segments still queued in it."""
+        self.kept_received(conn)
+        if not conn.kept:
+            conn.sock.close()
+            return
+        with contextlib.suppress(OSError):
+            conn.sock.shutdown(socket.SHUT_RDWR)
+        self.draining.add(conn)
+
+    async def sweep(self, connections: set[Connection]) -> None:
+        """Forever: closes idle connections; uncounts what closed ones' peers received."""
+        idle = self.idle_s
+        while True:
+            await asyncio.sleep(min(1.0, idle / 4) if idle else 1.0)
+            now = time.monotonic()
+            for conn in list(connections):
+                if idle and not conn.tasks and now - conn.active > idle and not conn.closing:
+                    log.info("local plane: closing %s, idle for %.0fs (--local-idle-s)",
+                             conn.peer, now - conn.active)
+                    conn.closing = True
+                    with contextlib.suppress(OSError):
+                        conn.sock.shutdown(socket.SHUT_RDWR)
+            for conn in list(self.draining):
+                self.kept_received(conn)
+                if not conn.kept:
+                    self.draining.discard(conn)
+                    conn.sock.close()
+
+    def stop(self) -> None:
+        for conn in self.draining:
+            self.budget.charge(-conn.kept)
+            conn.kept = 0
+            conn.sock.close()
+        self.draining.clear()
+
+
+async def recv_body(sock: socket.socket, n: int, buffers: ResponseBuffers,
+                    what: str) -> tuple[bytes | None, int]:
+    """A body of ``n`` bytes, allocated and charged to ``buffers`` as it arrives; returns it
+    and the bytes still charged for it (the caller discharges them once served), or None
+    and 0 when the budget had no room (the body was read and dropped)."""
+    loop = asyncio.get_running_loop()
+    scratch = memoryview(bytearray(min(n, BODY_CHUNK)))
+    body: bytearray | None = bytearray()
+    charged, got = 0, 0
+    try:
+        while got < n:
+            k = await loop.sock_recv_into(sock, scratch[:min(BODY_CHUNK, n - got)])
+            if k == 0:
+                raise ConnectionClosed("the peer closed the connection mid-frame")
+            got += k
+            if body is None:
+                continue
+            try:
+                buffers.room(k, what)
+            except Overloaded:
+                body = None  # no room: read the rest and drop it
+                buffers.charge(-charged)
+                charged = 0
+                continue
+            buffers.charge(k)
+            charged += k
+            body += scratch[:k]
+    except BaseException:
+        buffers.charge(-charged)
+        raise
+    return (None, 0) if body is None else (bytes(body), charged)

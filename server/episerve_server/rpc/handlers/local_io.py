@@ -1,0 +1,125 @@
+"""The local plane's frame I/O: a connection's state, sending a frame whole (with its
+descriptor), receiving a head or an exact count of bytes, and the context the gRPC
+handlers are given for a call that came over the plane."""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import socket
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from episerve_proto import local as lp
+from episerve_proto.errors import EpiserveError, clipped
+from episerve_server.rpc.handlers.segments import SegmentPool
+
+
+class ConnectionClosed(Exception):
+    pass
+
+
+class CallLog(Protocol):
+    """Where a finished call is accounted (the gRPC server's logging interceptor)."""
+
+    def finished(self, method: str, code: str, seconds: float, request: Any, *, rid: str,
+                 peer: Callable[[], str], sent: int) -> None: ...
+
+
+class LocalContext:
+    """What the gRPC handlers use of their context, for a call over the local plane: the
+    peer's name, and ``abort``, which raises the error's code, message and trailers."""
+
+    def __init__(self, peer: str) -> None:
+        self._peer = peer
+
+    def peer(self) -> str:
+        return self._peer
+
+    async def abort(self, code: Any, message: str,
+                    trailers: Sequence[tuple[str, str | bytes]]) -> None:
+        raise Aborted(str(code.name), message, dict(trailers))
+
+
+class Aborted(Exception):
+    def __init__(self, code: str, message: str, trailers: dict[str, str | bytes]) -> None:
+        super().__init__(message)
+        self.code, self.message, self.trailers = code, message, trailers
+
+
+def text(value: str | bytes) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else value
+
+
+@dataclass(eq=False)
+class Connection:
+    sock: socket.socket
+    peer: str
+    pool: SegmentPool
+    send_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    serial: int = 0  # this plane's count of connections: names its calls in the logs
+    last_total: int = 0  # the bytes of its latest answer: what the next one's segment takes
+    active: float = field(default_factory=time.monotonic)  # when a frame last came
+    kept: int = 0  # bytes of kept segments sent, charged until the client has them
+    closing: bool = False  # closed for idleness: stop waiting for its peer
+
+
+async def send(conn: Connection, data: bytes, fds: Sequence[int] = ()) -> None:
+    """``data`` (and ``fds`` with its first bytes) on the connection, whole."""
+    loop = asyncio.get_running_loop()
+    async with conn.send_lock:
+        view = memoryview(data)
+        if fds:
+            rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
+            while True:
+                try:
+                    sent = conn.sock.sendmsg([view], rights)
+                    break
+                except BlockingIOError:
+                    await writable(loop, conn.sock)
+            view = view[sent:]
+        if view:
+            await loop.sock_sendall(conn.sock, view)
+
+
+def error_body(error: EpiserveError) -> bytes:
+    return lp.error_body(error.code, type(error).__name__, clipped(error.message),
+                         clipped(error.episode, 1024), clipped(error.key, 1024))
+
+
+async def writable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+    ready: asyncio.Future[None] = loop.create_future()
+
+    def wake() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    fd = sock.fileno()
+    loop.add_writer(fd, wake)
+    try:
+        await ready
+    finally:
+        if sock.fileno() == fd:  # closed meanwhile (a stop): the loop has dropped it
+            loop.remove_writer(fd)
+
+
+async def recv_exact(sock: socket.socket, n: int) -> bytes:
+    loop = asyncio.get_running_loop()
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = await loop.sock_recv_into(sock, view[got:])
+        if k == 0:
+            raise ConnectionClosed("the peer closed the connection")
+        got += k
+    return bytes(buf)
+
+
+async def recv_head(sock: socket.socket, max_body: int) -> lp.Head:
+    head = lp.parse_head(await recv_exact(sock, lp.HEAD_BYTES), lp.TO_DAEMON, max_body)
+    if head.flags & lp.FLAG_FD:
+        raise lp.FrameError("a client does not send descriptors")
+    return head
