@@ -9,6 +9,7 @@ from dataclasses import fields
 from importlib import metadata
 
 from episerve_server.config import unknown_settings
+from episerve_tools.extras import missing_extra
 
 
 def test_version_is_the_installed_distributions() -> None:
@@ -81,3 +82,12 @@ def test_serve_help_gives_every_default() -> None:
     for dest, text in helps.items():
         if defaults.get(dest) not in (None, "", ()):
             assert "(default" in text, (dest, text)
+
+
+def test_a_missing_module_that_is_no_extra_is_not_explained_away() -> None:
+    # yaml is a base dependency: its absence is a broken install, and keeps its traceback.
+    assert missing_extra("serve", ModuleNotFoundError("no yaml", name="yaml")) is None
+    exc = ModuleNotFoundError("No module named 'uvloop.loops'", name="uvloop.loops")
+    assert "'server' extra" in (missing_extra("serve", exc) or "")
+    exc = ModuleNotFoundError("No module named 'simplejpeg'", name="simplejpeg")
+    assert "pip install 'episerve[synth]'" in (missing_extra("make-dataset", exc) or "")

@@ -1,0 +1,78 @@
+"""The ``episerve`` command facing a user's mistake or a missing extra: one clear line on
+stderr and exit code 2, never a Python traceback.
+
+A missing extra is simulated in a child interpreter whose import system refuses the named
+modules (as they would be refused in a venv without them)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+#: Runs ``episerve`` with the modules named in argv[1] (comma-separated) not importable.
+HIDING = """
+import sys
+
+class Hide:
+    def __init__(self, names):
+        self.names = names
+
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in self.names:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+sys.meta_path.insert(0, Hide(set(sys.argv[1].split(","))))
+from episerve_tools.cli import main
+raise SystemExit(main(sys.argv[2:]))
+"""
+#: What ``pip install 'episerve[client]'`` lacks of the server extra.
+SERVER_ONLY = "uvloop,zarr,numcodecs,grpc_health,grpc_reflection,prometheus_client,pyarrow,av"
+
+
+def episerve(hidden: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", HIDING, hidden, *args], capture_output=True,
+                          text=True, timeout=120, check=False)
+
+
+def one_clear_line(done: subprocess.CompletedProcess[str]) -> str:
+    assert done.returncode == 2, (done.returncode, done.stdout, done.stderr)
+    assert "Traceback" not in done.stderr + done.stdout, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    return lines[0]
+
+
+def test_serve_without_the_server_extra_names_it(tmp_path: Path) -> None:
+    line = one_clear_line(episerve(SERVER_ONLY, "serve", str(tmp_path), "--port", "0"))
+    assert line.startswith("episerve serve: the Python module ")
+    assert "'server' extra" in line and "pip install 'episerve[server]'" in line
+
+
+def test_serve_without_uvloop_names_uvloop_and_the_server_extra(tmp_path: Path) -> None:
+    line = one_clear_line(episerve("uvloop", "serve", str(tmp_path), "--port", "0"))
+    assert "'uvloop' is not installed" in line and "'server' extra" in line
+
+
+def test_make_dataset_without_numcodecs_names_the_synth_extra(tmp_path: Path) -> None:
+    line = one_clear_line(episerve("numcodecs", "make-dataset", str(tmp_path / "out")))
+    assert "'numcodecs' is not installed" in line
+    assert "pip install 'episerve[synth]'" in line
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_demo_without_numcodecs_names_every_extra_it_needs(tmp_path: Path) -> None:
+    line = one_clear_line(episerve("numcodecs", "demo", "--root", str(tmp_path / "demo")))
+    assert line.startswith("episerve demo: the Python module 'numcodecs' is not installed")
+    assert "pip install 'episerve[server,synth,client]'" in line
+
+
+def test_make_dataset_into_an_unwritable_place_is_one_line() -> None:
+    line = one_clear_line(episerve("", "make-dataset", "/proc/nope", "--episodes", "1"))
+    assert line.startswith("episerve make-dataset: cannot write the dataset to '/proc/nope'")
+
