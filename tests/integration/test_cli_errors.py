@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+
+from episerve_tools.launch import DaemonProcess
 
 pytestmark = pytest.mark.slow
 
@@ -76,3 +79,21 @@ def test_make_dataset_into_an_unwritable_place_is_one_line() -> None:
     line = one_clear_line(episerve("", "make-dataset", "/proc/nope", "--episodes", "1"))
     assert line.startswith("episerve make-dataset: cannot write the dataset to '/proc/nope'")
 
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_serving_an_empty_root_warns(tmp_path: Path, workers: int) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    d = DaemonProcess(empty, "--rescan-s", "5", unix=tmp_path / "d.sock", workers=workers)
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not any("holds no episodes" in line
+                                                      for line in d.lines):
+            time.sleep(0.05)
+        said = [line for line in d.lines if "holds no episodes" in line]
+        assert said, "".join(d.lines)
+        assert "WARNING" in said[0] and repr(str(empty)) in said[0]
+        assert "scanned again every 5s" in said[0]
+    finally:
+        assert d.stop(timeout_s=15) == 0
