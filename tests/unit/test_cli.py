@@ -91,3 +91,11 @@ def test_a_missing_module_that_is_no_extra_is_not_explained_away() -> None:
     assert "'server' extra" in (missing_extra("serve", exc) or "")
     exc = ModuleNotFoundError("No module named 'simplejpeg'", name="simplejpeg")
     assert "pip install 'episerve[synth]'" in (missing_extra("make-dataset", exc) or "")
+
+
+def test_help_texts_are_plain_text() -> None:
+    from episerve_tools.cli import parsers
+
+    for command, parser in parsers().items():
+        text = parser.format_help()
+        assert "``" not in text and ":class:" not in text, (command, text[:400])
