@@ -99,3 +99,33 @@ def test_help_texts_are_plain_text() -> None:
     for command, parser in parsers().items():
         text = parser.format_help()
         assert "``" not in text and ":class:" not in text, (command, text[:400])
+
+
+def test_serve_help_groups_every_flag_by_topic_with_its_true_default() -> None:
+    import re
+
+    from episerve_server.config import ServerConfig, _parser, _shown
+    from episerve_server.flaghelp import TOPICS
+
+    parser = _parser()
+    text = parser.format_help()
+    titles = [title for title, _, _ in TOPICS]
+    assert titles == ["listening", "data", "cache", "limits", "security", "observability"]
+    assert [text.index(f"\n{t}:\n") for t in titles] == sorted(
+        text.index(f"\n{t}:\n") for t in titles)
+    grouped = {a.dest: g.title for g in parser._action_groups for a in g._group_actions}
+    defaults = {f.name: f.default for f in fields(ServerConfig)}
+    for action in parser._actions:
+        if action.dest == "help" or action.help == argparse.SUPPRESS:
+            continue
+        assert grouped[action.dest] in titles, action.dest
+        said = re.search(r"\(default:? ([^,;:)]+)", action.help or "")
+        assert said, (action.dest, action.help)  # every flag says its default
+        value, default = said.group(1).strip(), defaults[action.dest]
+        if isinstance(default, bool) or default in ("", ()) or value in ("off", "none"):
+            continue
+        if isinstance(default, float):  # a retyped figure must still be the dataclass's
+            assert float(value) == default, (action.dest, value, default)
+        else:
+            assert value == _shown(action.dest, default), (action.dest, value, default)
+    assert len(text.splitlines()) < 182
