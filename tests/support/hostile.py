@@ -536,9 +536,6 @@ class Outcome:
     rss_after: int = 0
     peak: int = 0
     health: Health = field(default_factory=Health)
-    #: The same poller over the idle moment just before the attack: what this machine's load
-    #: alone costs a health check now.
-    baseline: Health = field(default_factory=Health)
     reads: Health | None = None  # the read poller's figures, when there is one
     alive: bool = True
     violations: list[str] = field(default_factory=list)
@@ -561,23 +558,21 @@ class Outcome:
                 "rss_growth_mib": round(self.growth / MiB, 1),
                 "peak_growth_mib": round(self.peak_growth / MiB, 1),
                 "health_worst_ms": round(self.health.worst_ms, 1),
-                "baseline_worst_ms": round(self.baseline.worst_ms, 1),
+                "health_p99_ms": round(self.health.p99_ms, 1),
                 "health_polls": self.health.polls, "health_failures": self.health.failures,
                 "alive": self.alive, "error": error, "violations": self.violations}
 
 
 def measure(case: str, pid: int, poller: HealthPoller, attack: Callable[[], Any],
             is_alive: Callable[[], bool], settle_s: float = 0.3,
-            reads: HealthPoller | None = None, baseline_s: float = 0.4) -> Outcome:
+            reads: HealthPoller | None = None) -> Outcome:
     """Run ``attack()`` while measuring the daemon ``pid``: RSS before, peak, RSS after
     (``settle_s`` later), and the health poller's figures over the attack (and the read
-    poller's, given ``reads``), after its figures over ``baseline_s`` of the idle daemon."""
+    poller's, given ``reads``)."""
     from episerve_client.errors import EpiserveError
 
     out = Outcome(case)
     poller.mark()  # forget what came before
-    time.sleep(baseline_s)
-    out.baseline = poller.mark()
     if reads is not None:
         reads.mark()
     reset_peak(pid)
