@@ -75,6 +75,20 @@ def test_demo_without_numcodecs_names_every_extra_it_needs(tmp_path: Path) -> No
     assert "pip install 'episerve[server,synth,client]'" in line
 
 
+def test_demo_without_the_client_extra_names_it(tmp_path: Path) -> None:
+    line = one_clear_line(episerve("torch,PIL", "demo", "--root", str(tmp_path / "demo")))
+    assert "is not installed" in line and "pip install 'episerve[server,synth,client]'" in line
+
+
+def test_serve_on_the_default_root_without_the_synth_extra_names_it(tmp_path: Path) -> None:
+    # With no root given, serve writes the demo dataset first: that needs the synth extra.
+    done = subprocess.run([sys.executable, "-c", HIDING, "simplejpeg", "serve", "--port", "0"],
+                          capture_output=True, text=True, timeout=120, check=False,
+                          cwd=tmp_path)
+    line = one_clear_line(done)
+    assert "'simplejpeg' is not installed" in line and "'synth' extra" in line
+
+
 def test_make_dataset_into_an_unwritable_place_is_one_line() -> None:
     line = one_clear_line(episerve("", "make-dataset", "/proc/nope", "--episodes", "1"))
     assert line.startswith("episerve make-dataset: cannot write the dataset to '/proc/nope'")
