@@ -10,6 +10,9 @@ the manifest) is written every ``--ckpt-every`` steps and at the end of each epo
 same command again and it resumes where the checkpoint says, on any number of ranks, even in
 the middle of an epoch. Validation computes an all-reduced MSE on every rank; on scheduled
 epochs rank 0 alone renders the pinned validation episode to ``OUT/videos`` (the video gate).
+Rank 0 prints each epoch's mean training loss and validation MSE. A run that has finished
+(its checkpoint is past ``--epochs``) is not overwritten: the command says so and exits 2;
+pass a larger ``--epochs`` to train on, or ``--overwrite`` to start over in the same folder.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import argparse
 import json
 import os
 import socket
+import sys
 from datetime import timedelta
 from importlib import resources
 from pathlib import Path
@@ -65,7 +69,22 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help="exit after checkpointing this many steps (a simulated preemption)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--spawn", type=int, default=None, help="spawn this many ranks here")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start over in --out even if a finished run is there")
     return p.parse_args(argv)
+
+
+def finished_run(out: Path, epochs: int) -> str | None:
+    """Why running into ``out`` would overwrite a finished run, or None."""
+    path = out / "checkpoint.pt"
+    if not path.exists():
+        return None
+    done = int(torch.load(path, weights_only=True)["sampler"]["epoch"])
+    if done < epochs:
+        return None  # a run stopped before --epochs: this resumes it
+    return (f"{out} holds a finished run ({done} epochs; its results are "
+            f"{out}/result.rank*.json): not overwriting it. Pass --epochs N with N > {done} "
+            "to train on from its checkpoint, or --overwrite to start over")
 
 
 class Policy(torch.nn.Module):
@@ -135,7 +154,8 @@ def train(args: argparse.Namespace) -> None:
     dist.init_process_group(backend, timeout=timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
     ckpt_path = args.out / "checkpoint.pt"
-    ckpt = torch.load(ckpt_path, weights_only=True) if ckpt_path.exists() else None
+    ckpt = torch.load(ckpt_path, weights_only=True) \
+        if ckpt_path.exists() and not args.fresh else None
     # Without a checkpoint every rank builds on rank 0's listing of the daemon; with one, on
     # the manifest the run started with, whatever the daemon serves now.
     manifest = (Manifest.from_dict(ckpt["manifest"]) if ckpt
@@ -170,7 +190,7 @@ def train(args: argparse.Namespace) -> None:
         k: ckpt["sampler"][k] for k in ("epoch", "consumed")}, "epochs": {}, "videos": []}
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch)  # a resumed epoch continues where the checkpoint left it
-        losses = []
+        losses: list[float] = []
         for step, batch in enumerate(loader, start=1):
             loss = torch.nn.functional.mse_loss(ddp(batch[OBS]), batch[ACTION])
             opt.zero_grad()
@@ -210,6 +230,11 @@ def spawned(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
 
 def main() -> None:
     args = parse()
+    why = finished_run(args.out, args.epochs)
+    if why is not None and not args.overwrite:
+        print(f"train_ddp.py: {why}", file=sys.stderr)
+        raise SystemExit(2)
+    args.fresh = why is not None  # --overwrite: every rank ignores the old checkpoint
     args.out.mkdir(parents=True, exist_ok=True)
     if args.spawn is None:
         train(args)  # under torchrun: RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT are set

@@ -11,13 +11,17 @@ validation side (rank 0 renders, nothing runs elsewhere). Lightning's checkpoint
 carry the manifest and the sampler state under ``"episerve"``: the state of the batches
 trained on (the module counts them; the loader's workers and Lightning's fetcher run ahead of
 training), so a run stopped anywhere resumes from it without repeating or skipping a sample
-of the epoch. Run the command again to resume.
+of the epoch. Run the command again to resume. Rank 0 prints each epoch's mean training
+loss (over every rank) and validation MSE. A finished run (its last checkpoint is past
+``--epochs``) is not overwritten: the command says so and exits 2; pass a larger
+``--epochs`` to train on, or ``--overwrite`` to start over in the same folder.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -57,7 +61,22 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ckpt-every", type=int, default=0,
                    help="checkpoint every n steps instead of at every epoch's end")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start over in --out even if a finished run is there")
     return p.parse_args(argv)
+
+
+def finished_run(last: Path, epochs: int) -> str | None:
+    """Why fitting from ``last`` would overwrite a finished run, or None."""
+    if not last.exists():
+        return None
+    done = int(torch.load(last, weights_only=False)["episerve"]["sampler"]["epoch"])
+    if done < epochs:
+        return None  # a run stopped before --epochs: this resumes it
+    out = last.parent.parent
+    return (f"{out} holds a finished run ({done} epochs; its results are "
+            f"{out}/result.rank*.json): not overwriting it. Pass --epochs N with N > {done} "
+            "to train on from its checkpoint, or --overwrite to start over")
 
 
 def loader_kwargs(workers: int) -> dict[str, Any]:
@@ -80,6 +99,7 @@ class ChunkPolicy(pl.LightningModule):
         self.sampler: WindowSampler | None = None
         self.sampler_state: dict[str, Any] | None = None
         self.steps = 0  # batches trained on since the training loader's iteration began
+        self.loss_sum = torch.zeros(2, dtype=torch.float64)  # this epoch's loss, steps
         self.renderer: PassRenderer | None = None
         self.log_: dict[str, Any] = {"epochs": {}, "videos": [], "resumed_from": None}
 
@@ -130,11 +150,23 @@ class ChunkPolicy(pl.LightningModule):
 
     def on_train_epoch_start(self) -> None:
         self.steps = 0  # each epoch is a new iteration of the sampler
+        self.loss_sum.zero_()
+
+    def on_train_epoch_end(self) -> None:
+        """After the epoch's validation: the mean loss over every rank, and the val MSE."""
+        mean = self.trainer.strategy.reduce(self.loss_sum[0] / max(1.0, float(self.loss_sum[1])),
+                                            reduce_op="mean")
+        if self.global_rank == 0:
+            val = self.trainer.callback_metrics.get("val_mse")
+            shown = f"  val_mse {float(val):.5f}" if val is not None else ""
+            print(f"epoch {self.current_epoch}: train_loss {float(mean):.5f}{shown} "
+                  f"({int(self.loss_sum[1])} steps on rank 0)", flush=True)
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
         self.steps += 1  # before the step's checkpoint (written in on_train_batch_end)
         loss = torch.nn.functional.mse_loss(self(batch[OBS]), batch[ACTION])
         self.log("train_loss", loss, sync_dist=True, batch_size=len(batch[OBS]))
+        self.loss_sum += torch.tensor([loss.item(), 1.0], dtype=torch.float64)
         epoch = self.log_["epochs"].setdefault(str(self.current_epoch), {"steps": 0})
         epoch["steps"] += 1
         return loss
@@ -181,6 +213,10 @@ class ChunkPolicy(pl.LightningModule):
 def main() -> None:
     args = parse()
     last = args.out / "checkpoints" / "last.ckpt"
+    why = finished_run(last, args.epochs)
+    if why is not None and not args.overwrite:
+        print(f"train_lightning.py: {why}", file=sys.stderr)
+        raise SystemExit(2)
     trainer = pl.Trainer(
         strategy="ddp" if args.devices > 1 else "auto", accelerator="cpu",
         devices=args.devices, max_epochs=args.epochs, use_distributed_sampler=False,
@@ -189,7 +225,8 @@ def main() -> None:
         callbacks=[ModelCheckpoint(dirpath=args.out / "checkpoints", save_last=True,
                                    every_n_train_steps=args.ckpt_every or None)])
     module = ChunkPolicy(args)
-    trainer.fit(module, ckpt_path=last if last.exists() else None)
+    resume = last.exists() and why is None  # --overwrite: the old checkpoint is not read
+    trainer.fit(module, ckpt_path=last if resume else None)
     (args.out / f"result.rank{trainer.global_rank}.json").write_text(json.dumps(module.log_))
 
 

@@ -16,6 +16,7 @@ from typing import Any, TypeAlias
 
 from episerve_client import convert
 from episerve_client._ops import Call, Flow, Op, Outcome, Sleep, left
+from episerve_client._outage import Outages
 from episerve_client._routes import Router, WorkerRoutes, merge_results
 from episerve_client.channel import (
     DEFAULT_CONNECT_TIMEOUT_S,
@@ -67,7 +68,8 @@ class BaseClient:
                  backoff_initial_s: float = DEFAULT_BACKOFF_INITIAL_S,
                  backoff_max_s: float = DEFAULT_BACKOFF_MAX_S,
                  down_s: float = DEFAULT_DOWN_S, max_response_bytes: int = 0,
-                 connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S) -> None:
+                 connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+                 max_outage_s: float | None = None) -> None:
         self.targets = parse_targets(target)
         for t in self.targets:
             check_token_transport(t, token, tls, plaintext_token_ok)
@@ -82,6 +84,9 @@ class BaseClient:
         self.answered: set[str] = set()
         self.backoff_initial_s, self.backoff_max_s = backoff_initial_s, backoff_max_s
         self.max_response_bytes = max_response_bytes
+        #: Targets that stopped answering; ``max_outage_s``: fail that long after one did
+        #: instead of retrying until the call's deadline (``_outage``).
+        self.outages = Outages(max_outage_s)
         self.router = Router(self.targets, down_s)
         self.workers = WorkerRoutes(down_s)
         self._keymap_ids: dict[tuple[str, str], str] = {}
@@ -159,12 +164,17 @@ class BaseClient:
         attempt = 0
         while True:
             t = targets[attempt % len(targets)]
-            [out] = yield [Call(t, method, payload, left(deadline))]
+            [out] = yield [Call(t, method, payload,
+                                self.outages.attempt_s(t, left(deadline)))]
             if isinstance(out, bytes):
+                self.outages.answered(t)
                 return out
             assert isinstance(out, EpiserveError)
+            out = self.outages.as_failure(t, out)
             if not out.transient or left(deadline) <= 0.01:
                 raise _final(out, deadline)
+            if isinstance(out, Unavailable) and self.waits_for_ready(t):
+                self.outages.failed(t, out, deadline)
             yield [Sleep(min(self.backoff(attempt), left(deadline)))]
             attempt += 1
 
@@ -226,24 +236,28 @@ class BaseClient:
                     [samples[i] for i in idx], keymap_id=self._keymap_ids.get((t, km_key), ""),
                     annotation_cutoff=annotation_cutoff,
                     max_response_bytes=self.max_response_bytes, all_masks=all_masks,
-                    prefetch=hints.pop(t, ())), left(deadline))
+                    prefetch=hints.pop(t, ())), self.outages.attempt_s(t, left(deadline)))
                 for t, idx in groups
             ]
             outcomes = yield calls
             pending, retry_after = [], False
             for (t, idx), out in zip(groups, outcomes):
                 if isinstance(out, bytes | ReadResult):
+                    self.outages.answered(t)
                     expect = convert.Expected.of([samples[i] for i in idx], km, all_masks)
                     parts.append((idx, convert.check_result(out, expect)
                                   if isinstance(out, ReadResult)
                                   else convert.read_result(out, expect)))
                     continue
                 assert isinstance(out, EpiserveError)
+                out = self.outages.as_failure(t, out)
                 if isinstance(out, UnknownKeymap):
                     self._keymap_ids.pop((t, km_key), None)
                 elif isinstance(out, ResponseTooLarge) and len(idx) > 1:
                     max_per_call = max(1, min(max_per_call, len(idx)) // 2)
                 elif out.transient and left(deadline) > 0.01:
+                    if isinstance(out, Unavailable) and self.waits_for_ready(t):
+                        self.outages.failed(t, out, deadline)  # one daemon: wait, say so
                     if isinstance(out, Unavailable) and not self.workers.mark_down(t):
                         self.router.mark_down(t)
                     retry_after = True

@@ -34,6 +34,12 @@ class Client(BaseClient):
     ``"local"`` forces the plane. Over
     the local plane, a batch's arrays are views of shared memory that the daemon reuses
     only once nothing refers to them.
+
+    A daemon that stops answering is retried until each call's deadline (``timeout_s``,
+    120 s by default), and said so: one WARNING line once it has been silent for 2 s (which
+    target, since when, when the call gives up), one more every 30 s, one when it answers
+    again. ``max_outage_s``: fail that many seconds after it stopped answering instead
+    (``Unavailable``); a training job that would rather fail fast than wait sets it.
     """
 
     def __init__(self, target: str | Sequence[str], *, transport: str = "auto",

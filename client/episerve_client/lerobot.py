@@ -140,6 +140,14 @@ def keymap_from_lerobot(
     if TASK_KEY in delta:
         raise KeymapError("delta_timestamps may not window 'task' (a text at the frame)",
                           key=TASK_KEY)
+    for name in delta:
+        if name not in keys:
+            raise KeymapError(
+                f"delta_timestamps names {shown(name)}, which is not among the outputs"
+                f"{did_you_mean(str(name), list(keys))}: "
+                + ("features= leaves it out" if features is not None and name in declared
+                   else "the dataset's info.json declares no numeric or video feature of "
+                   "that name"), key=str(name)[:200])
     return keymap_from_delta_timestamps(delta, keys)
 
 

@@ -56,6 +56,14 @@ def shown(value: object, limit: int = SHOWN_CHARS) -> str:
     return text
 
 
+def listed(names: list[str], limit: int = 12) -> str:
+    """Names for a message, whole, quoted and comma-separated; past ``limit`` of them the
+    rest are counted: ``'a', 'b' and 130 more``. Each name is cut as :func:`shown` cuts."""
+    head = ", ".join(shown(n) for n in names[:limit])
+    rest = len(names) - limit
+    return f"{head} and {rest} more" if rest > 0 else head or "none"
+
+
 def clipped(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
     """``text`` cut to at most ``limit`` UTF-8 bytes (whole characters), marked when cut."""
     data = text.encode()

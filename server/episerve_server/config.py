@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, NoReturn
 
 from episerve_proto.contract import MAX_MESSAGE_BYTES, MAX_REQUEST_BYTES
+from episerve_server import flaghelp
 
 DEFAULT_ROOT = "data/demo"
 #: Room left under gRPC's message limit for a Read response's framing and small fields.
@@ -391,13 +392,8 @@ def _parser() -> argparse.ArgumentParser:
                    "video frame only when a decoded frame is strictly closer than this to "
                    "its timestamp, else DATA_LOSS naming episode, key and timestamp "
                    "(default 1e-4, LeRobot's tolerance_s)")
-    defaults = {f.name: f.default for f in fields(ServerConfig)}
-    for action in p._actions:  # every flag names its default and the variable it also reads
-        if action.dest != "help" and action.help not in (None, argparse.SUPPRESS):
-            default = defaults.get(action.dest)
-            if "(default" not in action.help and default not in (None, "", ()):
-                action.help = f"{action.help} (default {_shown(action.dest, default)})"
-            action.help = f"{action.help} [{ENV_PREFIX}{action.dest.upper()}]"
+    # Each flag's default (from the dataclass) and variable, then the flags by topic.
+    flaghelp.finish(p, {f.name: f.default for f in fields(ServerConfig)}, ENV_PREFIX, _shown)
     return p
 
 

@@ -38,6 +38,17 @@ def check(config: ServerConfig) -> None:
         check_tls(config)
 
 
+def empty_root(config: ServerConfig, episodes: int, broken: int) -> str | None:
+    """The warning for a root that holds no episode at all (a wrong path, or a dataset not
+    written yet): the daemon serves it, as an empty listing, but says so."""
+    if episodes or broken:
+        return None
+    again = (f"it is scanned again every {config.rescan_s:g}s" if config.rescan_s
+             else "it is scanned again on each ListEpisodes")
+    return (f"the dataset root {config.root!r} holds no episodes (no <hash>.zarr groups, "
+            f"nor a LeRobot v3 dataset): every listing is empty until some appear; {again}")
+
+
 def claim_unix_socket(path: Path) -> None:
     """Make ``path`` free for our socket: refuse a file that is not a socket and a socket
     that answers (a live daemon); remove a stale socket (one that refuses connections)."""

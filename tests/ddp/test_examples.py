@@ -80,6 +80,22 @@ def test_train_ddp_preempted_mid_epoch_resumes_and_finishes(demo: DaemonProcess,
     assert sorted(p.name for p in (out / "videos").iterdir()) == videos
     final = torch.load(out / "checkpoint.pt", weights_only=True)
     assert (final["sampler"]["epoch"], final["sampler"]["consumed"]) == (2, 0)
+    assert "epoch 1: " in (logs / "second.log").read_text()  # rank 0 prints the losses
+    assert '"train_loss": ' in (logs / "second.log").read_text()
+    assert_rerun_refused(["examples/train_ddp.py", *common[1:], "--spawn", "2"], out, logs,
+                         "train_ddp.py: ")
+
+
+def assert_rerun_refused(argv: list[str], out: Path, logs: Path, prefix: str) -> None:
+    """Run a finished run's command again: it refuses, says so, and leaves its results."""
+    before = {p.name: p.read_bytes() for p in out.glob("result.rank*.json")}
+    again = Launch(logs)
+    again.start_command(argv, "again")
+    assert again.wait(RUN_S) == [2], again.output()
+    said = (logs / "again.log").read_text()
+    assert prefix in said and "finished run" in said and "--overwrite" in said, said
+    assert "Traceback" not in said, said
+    assert {p.name: p.read_bytes() for p in out.glob("result.rank*.json")} == before
 
 
 def test_train_lightning_resumes_from_its_checkpoint(demo: DaemonProcess, tmp_path: Path) -> None:
@@ -91,6 +107,8 @@ def test_train_lightning_resumes_from_its_checkpoint(demo: DaemonProcess, tmp_pa
         launch = Launch(logs)
         launch.start_command([*common, "--epochs", str(epochs)], f"epochs{epochs}")
         assert launch.wait(RUN_S) == [0], launch.output()
+        printed = (logs / f"epochs{epochs}.log").read_text()
+        assert f"epoch {epochs - 1}: train_loss " in printed and " val_mse " in printed, printed
         r0, r1 = results(out, 2)
         ckpt = torch.load(out / "checkpoints" / "last.ckpt", weights_only=False)
         manifest = Manifest.from_dict(ckpt["episerve"]["manifest"])
@@ -107,3 +125,4 @@ def test_train_lightning_resumes_from_its_checkpoint(demo: DaemonProcess, tmp_pa
         assert r0["videos"] == [video] and r1["videos"] == []
     assert sorted(p.name for p in (out / "videos").iterdir()) == [
         f"{val.hashes[0]}_epoch0000.mp4", f"{val.hashes[0]}_epoch0001.mp4"]
+    assert_rerun_refused([*common, "--epochs", "2"], out, logs, "train_lightning.py: ")

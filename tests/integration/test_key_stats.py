@@ -290,3 +290,16 @@ def test_dataset_stats_cover_its_manifest_by_output_key(
         part.stats(["nope"])
     # asked from a child process: stats() starts no gRPC in this process
     assert set(channel._GRPC_PIDS) == grpc_before
+
+
+
+def test_a_misspelt_key_is_answered_with_the_arrays_named_whole(shared: DaemonProcess) -> None:
+    with Client(shared.target) as client, pytest.raises(errors.InvalidArgument) as info:
+        client.key_stats(["left.obs_keypoint"], episodes=["ep000a"])
+    message = str(info.value)
+    assert "did you mean 'left.obs_keypoints'?" in message
+    assert "...'" not in message and "chars)" not in message  # no name cut in the middle
+    count, names = message.split("; its ")[1].split(" arrays are ")
+    shown_names = names.split(" and ")[0].split(", ")
+    assert len(shown_names) == min(int(count), 12) and "'left.obs_keypoints'" in names
+    assert all(n.startswith("'") and n.endswith("'") for n in shown_names), names

@@ -558,6 +558,7 @@ class Outcome:
                 "rss_growth_mib": round(self.growth / MiB, 1),
                 "peak_growth_mib": round(self.peak_growth / MiB, 1),
                 "health_worst_ms": round(self.health.worst_ms, 1),
+                "health_p99_ms": round(self.health.p99_ms, 1),
                 "health_polls": self.health.polls, "health_failures": self.health.failures,
                 "alive": self.alive, "error": error, "violations": self.violations}
 

@@ -11,6 +11,7 @@ from importlib import metadata
 import pytest
 
 from episerve_server.config import unknown_settings
+from episerve_tools.extras import missing_extra
 
 
 @pytest.mark.slow
@@ -87,3 +88,49 @@ def test_serve_help_gives_every_default() -> None:
     for dest, text in helps.items():
         if defaults.get(dest) not in (None, "", ()):
             assert "(default" in text, (dest, text)
+
+
+def test_a_missing_module_that_is_no_extra_is_not_explained_away() -> None:
+    # yaml is a base dependency: its absence is a broken install, and keeps its traceback.
+    assert missing_extra("serve", ModuleNotFoundError("no yaml", name="yaml")) is None
+    exc = ModuleNotFoundError("No module named 'uvloop.loops'", name="uvloop.loops")
+    assert "'server' extra" in (missing_extra("serve", exc) or "")
+    exc = ModuleNotFoundError("No module named 'simplejpeg'", name="simplejpeg")
+    assert "pip install 'episerve[synth]'" in (missing_extra("make-dataset", exc) or "")
+
+
+def test_help_texts_are_plain_text() -> None:
+    from episerve_tools.cli import parsers
+
+    for command, parser in parsers().items():
+        text = parser.format_help()
+        assert "``" not in text and ":class:" not in text, (command, text[:400])
+
+
+def test_serve_help_groups_every_flag_by_topic_with_its_true_default() -> None:
+    import re
+
+    from episerve_server.config import ServerConfig, _parser, _shown
+    from episerve_server.flaghelp import TOPICS
+
+    parser = _parser()
+    text = parser.format_help()
+    titles = [title for title, _, _ in TOPICS]
+    assert titles == ["listening", "data", "cache", "limits", "security", "observability"]
+    assert [text.index(f"\n{t}:\n") for t in titles] == sorted(
+        text.index(f"\n{t}:\n") for t in titles)
+    grouped = {a.dest: g.title for g in parser._action_groups for a in g._group_actions}
+    defaults = {f.name: f.default for f in fields(ServerConfig)}
+    for action in parser._actions:
+        if action.dest == "help" or action.help == argparse.SUPPRESS:
+            continue
+        assert grouped[action.dest] in titles, action.dest
+        said = re.search(r"\(default:? ([^,;:)]+)", action.help or "")
+        assert said, (action.dest, action.help)  # every flag says its default
+        value, default = said.group(1).strip(), defaults[action.dest]
+        if isinstance(default, bool) or default in ("", ()) or value in ("off", "none"):
+            continue
+        if isinstance(default, float):  # a retyped figure must still be the dataclass's
+            assert float(value) == default, (action.dest, value, default)
+        else:
+            assert value == _shown(action.dest, default), (action.dest, value, default)

@@ -25,3 +25,13 @@ def test_keymap_fields_match_the_proto() -> None:
 
 def test_the_keepalive_interval_leaves_room() -> None:
     assert contract.CLIENT_KEEPALIVE_MS >= 2 * contract.MIN_PING_INTERVAL_MS
+
+
+def test_listed_names_whole_names_and_counts_the_rest() -> None:
+    from episerve_proto.errors import listed
+
+    names = [f"observation.key_{i:03d}" for i in range(40)]
+    text = listed(names)
+    assert text.startswith("'observation.key_000', 'observation.key_001', ")
+    assert text.endswith("'observation.key_011' and 28 more")
+    assert listed(["a", "b"]) == "'a', 'b'" and listed([]) == "none"

@@ -38,6 +38,18 @@ def test_unknown_names_and_unreadable_info_are_keymap_errors(tmp_path: Path) -> 
         keymap_from_lerobot(root, {"observation.images.top": [0.0]})  # no such feature
     with pytest.raises(KeymapError, match="may not window 'task'"):
         keymap_from_lerobot(root, {"task": [0.0]})
+
+
+def test_a_wrong_delta_timestamps_name_is_told_in_this_functions_own_terms(
+        tmp_path: Path) -> None:
+    root = lr.write(tmp_path / "ds", lr.Layout(lengths=(3,), cameras=()))
+    with pytest.raises(KeymapError) as typo:
+        keymap_from_lerobot(root, {"actoin": [0.0, 0.1]})
+    message = str(typo.value)
+    assert "delta_timestamps names 'actoin'" in message and "did you mean 'action'" in message
+    assert "keys" not in message.replace("keys=", "")  # this function takes no keys argument
+    with pytest.raises(KeymapError, match="features= leaves it out"):
+        keymap_from_lerobot(root, {"action": [0.0]}, features=["task"])
     (root / "meta/info.json").write_text(json.dumps([1, 2]))
     with pytest.raises(KeymapError, match="must hold a JSON object"):
         keymap_from_lerobot(root)

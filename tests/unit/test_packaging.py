@@ -36,3 +36,20 @@ def test_the_wheel_builds_without_warnings_and_holds_the_keymaps(tmp_path: Path)
     bundled = {Path(n).name for n in names if n.startswith("episerve_client/keymaps/")}
     assert bundled == {p.name for p in (REPO / "client/episerve_client/keymaps").glob("*.yaml")}
     assert "episerve_client/py.typed" in names and "episerve_server/py.typed" in names
+
+
+def test_setup_says_each_step_before_it_runs(tmp_path: Path) -> None:
+    """``make setup`` (run by ``make demo`` and ``make test`` on a fresh clone) announces
+    what it installs and how long it takes before the first pip, and the large installs
+    show their packages as they go instead of running quiet for minutes."""
+    done = subprocess.run(["make", "-n", "-B", "setup", f"VENV={tmp_path}/venv"], cwd=REPO,
+                          capture_output=True, text=True, timeout=60, check=True)
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("echo") and "minutes" in lines[0], lines[:2]
+    installs = [i for i, line in enumerate(lines) if " -m pip install" in line]
+    assert installs, lines
+    for i in installs:
+        assert lines[i - 1].startswith('echo "setup ['), (lines[i - 1], lines[i])
+    for i in installs:
+        if "torch" in lines[i] or "-e " in lines[i]:
+            assert "--quiet" not in lines[i], lines[i]

@@ -10,6 +10,7 @@ from importlib import metadata
 from pathlib import Path
 
 from episerve_server.config import DEFAULT_ROOT, ServerConfig, unknown_settings
+from episerve_tools.extras import missing_extra
 from episerve_tools.synth.demo_root import DEMO_EPISODES, ensure_demo_dataset
 
 USAGE = """usage: episerve COMMAND [ARGS]
@@ -82,9 +83,15 @@ def _make_dataset(argv: Sequence[str]) -> int:
         p.error("need --episodes >= 1 and 1 <= --min-frames <= --max-frames")
     from episerve_tools.synth.writer import make_dataset
 
-    paths = make_dataset(args.out, episodes=args.episodes, seed=args.seed,
-                         min_frames=args.min_frames, max_frames=args.max_frames,
-                         layout=args.layout, workers=args.workers)
+    try:
+        paths = make_dataset(args.out, episodes=args.episodes, seed=args.seed,
+                             min_frames=args.min_frames, max_frames=args.max_frames,
+                             layout=args.layout, workers=args.workers)
+    except OSError as exc:
+        where = exc.filename if exc.filename is not None else args.out
+        print(f"episerve make-dataset: cannot write the dataset to {args.out!r}: "
+              f"{exc.strerror or exc} ({where})", file=sys.stderr)
+        return 2
     print(f"wrote {len(paths)} episodes to {args.out}")
     return 0
 
@@ -116,6 +123,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"episerve {_version()}")
         return 0
     command, rest = args[0], args[1:]
+    try:
+        return _run(command, rest)
+    except ModuleNotFoundError as exc:
+        why = missing_extra(command, exc)
+        if why is None:
+            raise
+        print(why, file=sys.stderr)
+        return 2
+
+
+def _run(command: str, rest: list[str]) -> int:
     if command == "serve":
         return _serve(rest)
     if command == "make-dataset":

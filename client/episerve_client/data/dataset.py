@@ -75,6 +75,9 @@ class WindowDataset(Dataset[dict[str, Any]]):
       default) uses the daemon's local shared-memory plane for a unix-socket daemon of this
       host that offers it (no gRPC in the workers then), gRPC otherwise; ``"grpc"`` and
       ``"local"`` force one.
+    - ``max_outage_s``: a worker whose daemon stops answering fails that many seconds after
+      it stopped (``Unavailable``) instead of retrying until the read's deadline (120 s by
+      default); either way it says so in a WARNING line within seconds (``Client``).
     """
 
     def __init__(self, target: str | Sequence[str], keymap: KeymapLike, *,
@@ -87,7 +90,7 @@ class WindowDataset(Dataset[dict[str, Any]]):
                  manifest: Manifest | str | Path | None = None, on_broken: str = "skip",
                  sync_ranks: bool = True,
                  max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES,
-                 transport: str = "auto") -> None:
+                 transport: str = "auto", max_outage_s: float | None = None) -> None:
         _choice("frames", frames, FRAME_MODES)
         _choice("transport", transport, TRANSPORTS)
         _choice("masks", masks, MASK_MODES)
@@ -102,6 +105,8 @@ class WindowDataset(Dataset[dict[str, Any]]):
         self.transforms = tuple(transforms)
         self.embodiment_ids = dict(embodiment_ids) if embodiment_ids is not None else None
         self.client_options = dict(client_options or {})
+        if max_outage_s is not None:
+            self.client_options["max_outage_s"] = max_outage_s
         self.transport = transport
         self.frames, self.masks, self.on_broken = frames, masks, on_broken
         if isinstance(max_decoded_bytes, bool) or not isinstance(max_decoded_bytes, int) \

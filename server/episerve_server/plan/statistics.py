@@ -27,12 +27,13 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from episerve_proto.contract import MAX_NAME_CHARS
+from episerve_proto.contract import MAX_NAME_CHARS, did_you_mean
 from episerve_proto.errors import (
     BrokenEpisodeError,
     InvalidArgument,
     LimitExceeded,
     ShortArrayError,
+    listed,
     shown,
 )
 from episerve_proto.keyspec import too_long
@@ -435,8 +436,9 @@ def _numeric_reader(e: Episode, key: str) -> ChunkReader:
                                  f"{e.problems[key]}", episode=e.hash, key=key)
     if reader is None:
         raise InvalidArgument(
-            f"episode {e.hash!r} has no array {key!r}; its arrays are "
-            f"{shown(sorted(e.readers))}", episode=e.hash, key=key)
+            f"episode {e.hash!r} has no array {key!r}"
+            f"{did_you_mean(key, list(e.readers))}; its {len(e.readers)} arrays are "
+            f"{listed(sorted(e.readers))}", episode=e.hash, key=key)
     if reader.info.is_bytes:
         raise InvalidArgument(
             f"key {key!r} in episode {e.hash!r} holds bytes (JPEG frames, annotations or "

@@ -29,7 +29,8 @@ from episerve_tools.loadtest.report import format_report
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="episerve loadtest", description=__doc__,
+    p = argparse.ArgumentParser(prog="episerve loadtest", description="Drive running "
+                                "daemons with Read calls and report throughput and latency.",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("targets", nargs="+", metavar="TARGET",
                    help="host:port or unix:///path; several targets are replicas")

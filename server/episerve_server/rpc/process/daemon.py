@@ -52,8 +52,11 @@ async def start(config: ServerConfig, *, stats: Stats | None = None,
 async def serve(config: ServerConfig, announce: Callable[[str], None]) -> int:
     """One process: serve until SIGTERM/SIGINT, rescanning the root meanwhile; drain."""
     srv, service = await start(config)
-    announce(f"episerve listening on {srv.address} ({len(service.catalog.healthy())} "
-             f"episodes, {len(service.catalog.broken_listing())} broken)")
+    healthy, broken = len(service.catalog.healthy()), len(service.catalog.broken_listing())
+    announce(f"episerve listening on {srv.address} ({healthy} episodes, {broken} broken)")
+    empty = preflight.empty_root(config, healthy, broken)
+    if empty is not None:
+        log.warning("%s", empty)
     await server.serve_until_stopped(srv, tasks=[rescan_loop(service, config.rescan_s)])
     return 0
 

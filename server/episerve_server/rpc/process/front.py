@@ -360,6 +360,10 @@ async def serve(config: ServerConfig, announce: Callable[[str], None]) -> int:
     announce(f"episerve listening on {srv.address} ({len(pool.workers)} workers, "
              f"{counters.get('episodes_open', 0)} episodes, "
              f"{counters.get('episodes_broken', 0)} broken)")
+    empty = preflight.empty_root(config, counters.get("episodes_open", 0),
+                                 counters.get("episodes_broken", 0))
+    if empty is not None:
+        log.warning("%s", empty)
     stop = asyncio.Event()
     exit_code = 0
 

@@ -1,0 +1,111 @@
+"""A daemon that stopped answering, as one client sees it: when it stopped, what to say
+about it, how long each new attempt may wait, and when to give up.
+
+A call retried through an outage would otherwise be silent until its deadline (two minutes
+by default). Instead, once a target has failed for ``WARN_AFTER_S`` one WARNING line names
+it, the time it stopped answering and the time the call gives up; every ``REMIND_S`` one
+more line says the same; when it answers again one line says after how long. With
+``max_outage_s`` a job fails that long after the target stopped answering instead of at
+the deadline.
+
+An attempt at a target in an outage waits at most ``ATTEMPT_S`` (doubling with each
+attempt, up to ``ATTEMPT_MAX_S``) instead of the whole deadline: with ``wait_for_ready`` a
+call to a daemon that is down would otherwise wait out the deadline in one attempt, with
+nothing said meanwhile. A Read that legitimately takes longer still succeeds once the
+doubled wait covers it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+from episerve_client.errors import DeadlineExceeded, EpiserveError, InvalidArgument, Unavailable
+
+log = logging.getLogger(__name__)
+
+#: An outage is reported once it has lasted this long (a restart usually takes less).
+WARN_AFTER_S = 2.0
+#: Then it is reported again this often while it lasts.
+REMIND_S = 30.0
+#: The first attempt at a target in an outage waits this long at most; each next one twice.
+ATTEMPT_S = 4.0
+ATTEMPT_MAX_S = 64.0
+
+
+def clock(wall: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(wall))
+
+
+class Outages:
+    """Per target: since when (monotonic and wall clock) it has not answered, when it was
+    last reported and how many attempts it has failed. Not shared between processes: each
+    DataLoader worker reports what it sees."""
+
+    def __init__(self, max_outage_s: float | None = None) -> None:
+        if max_outage_s is not None and not max_outage_s >= 0:
+            raise InvalidArgument(f"max_outage_s must be >= 0 seconds or None, got "
+                                  f"{max_outage_s!r}")
+        self.max_outage_s = max_outage_s
+        self.warn_after_s, self.remind_s = WARN_AFTER_S, REMIND_S
+        self._since: dict[str, tuple[float, float]] = {}
+        self._reported: dict[str, float] = {}
+        self._attempts: dict[str, int] = {}
+
+    def down(self, target: str) -> bool:
+        return target in self._since
+
+    def attempt_s(self, target: str, left_s: float) -> float:
+        """How long the next attempt at ``target`` may wait, of the ``left_s`` the call has."""
+        if target not in self._since:
+            return left_s
+        cap = min(ATTEMPT_MAX_S, ATTEMPT_S * 2.0 ** min(self._attempts.get(target, 0), 16))
+        return min(left_s, cap)
+
+    def as_failure(self, target: str, out: EpiserveError) -> EpiserveError:
+        """A capped attempt at a target in an outage that ran out of time is the target
+        still not answering (``Unavailable``), not the call's deadline."""
+        if isinstance(out, DeadlineExceeded) and target in self._since:
+            return Unavailable(f"still no answer from {target!r}: {out.message}",
+                               target=target)
+        return out
+
+    def failed(self, target: str, err: EpiserveError, deadline: float) -> None:
+        """``target`` did not answer (``err``, transient); the call would give up at the
+        monotonic ``deadline``. Says so when due; raises once ``max_outage_s`` is over."""
+        now, wall = time.monotonic(), time.time()
+        since, since_wall = self._since.setdefault(target, (now, wall))
+        self._attempts[target] = self._attempts.get(target, 0) + 1
+        out_s = now - since
+        if self.max_outage_s is not None and out_s >= self.max_outage_s:
+            raise Unavailable(
+                f"the daemon at {target!r} has not answered since {clock(since_wall)} "
+                f"({out_s:.0f}s, max_outage_s={self.max_outage_s:g}); last error: "
+                f"{err.message}", target=target)
+        if out_s < self.warn_after_s:
+            return
+        give_up = deadline if self.max_outage_s is None else min(
+            deadline, since + self.max_outage_s)
+        last = self._reported.get(target)
+        if last is not None and now - last < self.remind_s:
+            return
+        self._reported[target] = now
+        until = clock(wall + give_up - now)
+        if last is None:
+            log.warning("episerve: no answer from the daemon at %s since %s (pid %d; last "
+                        "error: %s); retrying until %s, then the call fails", target,
+                        clock(since_wall), os.getpid(), err.message, until)
+        else:
+            log.warning("episerve: still no answer from the daemon at %s since %s (%.0fs, "
+                        "pid %d); giving up at %s (in %.0fs)", target, clock(since_wall),
+                        out_s, os.getpid(), until, max(0.0, give_up - now))
+
+    def answered(self, target: str) -> None:
+        if target not in self._since:
+            return
+        since, _ = self._since.pop(target)
+        self._attempts.pop(target, None)
+        if self._reported.pop(target, None) is not None:
+            log.warning("episerve: the daemon at %s answers again, after %.0fs without",
+                        target, time.monotonic() - since)

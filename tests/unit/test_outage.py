@@ -1,0 +1,79 @@
+"""What a client says while its daemon does not answer (``episerve_client._outage``)."""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+
+import pytest
+
+from episerve_client._outage import Outages
+from episerve_client.errors import DeadlineExceeded, InvalidArgument, Unavailable
+
+TARGET = "unix:///run/episerve.sock"
+REFUSED = Unavailable("connection refused", target=TARGET)
+
+
+def fail_for(outages: Outages, seconds: float, deadline: float, step_s: float = 0.01) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        outages.failed(TARGET, REFUSED, deadline)
+        time.sleep(step_s)
+
+
+def test_an_outage_is_said_once_early_then_reminded_with_the_give_up_time(
+        caplog: pytest.LogCaptureFixture) -> None:
+    outages = Outages()
+    outages.warn_after_s, outages.remind_s = 0.1, 0.3
+    deadline = time.monotonic() + 60
+    with caplog.at_level(logging.WARNING, logger="episerve_client._outage"):
+        fail_for(outages, 0.05, deadline)
+        assert caplog.records == []  # a blip shorter than warn_after_s says nothing
+        fail_for(outages, 0.8, deadline)
+        outages.answered(TARGET)
+        outages.answered(TARGET)  # answering again twice says it once
+    lines = [r.getMessage() for r in caplog.records]
+    first, *reminders, back = lines
+    assert first.startswith(f"episerve: no answer from the daemon at {TARGET} since ")
+    assert "connection refused" in first and "retrying until" in first
+    assert 2 <= len(reminders) <= 3, lines  # 0.8 s of failures, one line per 0.3 s
+    assert all("still no answer" in r and re.search(r"giving up at \S+ \(in (59|60)s\)", r)
+               for r in reminders), reminders
+    assert back.startswith(f"episerve: the daemon at {TARGET} answers again, after ")
+
+
+def test_max_outage_s_fails_that_long_after_the_first_failure() -> None:
+    outages = Outages(max_outage_s=0.2)
+    deadline = time.monotonic() + 60
+    started = time.monotonic()
+    with pytest.raises(Unavailable) as failed:
+        fail_for(outages, 5, deadline)
+    assert 0.2 <= time.monotonic() - started < 2
+    assert TARGET in str(failed.value) and "max_outage_s=0.2" in str(failed.value)
+    assert "connection refused" in str(failed.value)
+    with pytest.raises(Unavailable):
+        Outages(max_outage_s=0).failed(TARGET, REFUSED, deadline)  # 0: at the first failure
+
+
+def test_attempts_at_a_target_that_is_down_wait_less_than_the_whole_deadline() -> None:
+    outages = Outages()
+    assert outages.attempt_s(TARGET, 120.0) == 120.0
+    outages.failed(TARGET, REFUSED, time.monotonic() + 120)
+    waits = [outages.attempt_s(TARGET, 120.0)]
+    for _ in range(6):
+        outages.failed(TARGET, REFUSED, time.monotonic() + 120)
+        waits.append(outages.attempt_s(TARGET, 120.0))
+    assert waits[0] < 10 and waits == sorted(waits) and waits[-1] <= 120.0
+    assert outages.attempt_s(TARGET, 1.5) == 1.5
+    # A capped attempt that ran out is the target still down, not the call's deadline.
+    late = outages.as_failure(TARGET, DeadlineExceeded("deadline", target=TARGET))
+    assert isinstance(late, Unavailable) and late.transient
+    outages.answered(TARGET)
+    assert outages.attempt_s(TARGET, 120.0) == 120.0
+    assert isinstance(outages.as_failure(TARGET, DeadlineExceeded("d")), DeadlineExceeded)
+
+
+def test_max_outage_s_must_be_a_duration() -> None:
+    with pytest.raises(InvalidArgument, match="max_outage_s"):
+        Outages(max_outage_s=-1)
