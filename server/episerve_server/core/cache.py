@@ -146,6 +146,9 @@ class ChunkCache:
         self._frames_of: dict[str, set[ChunkKey]] = {}  # per episode, so a drop is cheap
         self._holds = 0  # gathers running in worker threads: slots are not reused meanwhile
         self._deferred: list[tuple[_Slab, np.ndarray]] = []
+        #: Bumped by every change of what is cached (a plan made before an await checks it).
+        self.version = 0
+        self.drops = 0  # episodes dropped (their uids are gone)
 
     @property
     def enabled(self) -> bool:
@@ -186,6 +189,22 @@ class ChunkCache:
 
     def slab_data(self, slab: int) -> np.ndarray:
         return self._slabs[slab].data
+
+    # -- direct access for the compiled read plan (plan/compiled.py) ----------------------------
+
+    def known_uid(self, episode: str) -> int:
+        """The episode's uid, or -1 if it has none (nothing of it was ever cached)."""
+        return self._uids.get(episode, -1)
+
+    def slot_table(self, key: str) -> _Table | None:
+        return self._tables.get(key) if self.enabled else None
+
+    def stamp(self, slab: int, slots: np.ndarray, hits: int) -> None:
+        """What ``lookup`` and ``count`` do for ``hits`` distinct chunks, all found in
+        ``slab`` at ``slots``: one tick of the clock, the slots stamped with it."""
+        self._clock += 1
+        self._slabs[slab].stamp[slots] = self._clock
+        self.stats.cache_hits += hits
 
     def hold(self) -> None:
         """While held, no slot is handed out again: a gather in a worker thread can read
@@ -420,6 +439,7 @@ class ChunkCache:
             self._bytes -= entry[1]
             self._entries -= 1
         uid = self._uids.pop(episode, None)
+        self.drops += 1
         if uid is not None:
             for table in self._table_list:
                 if uid < len(table.base) and table.base[uid] >= 0:
@@ -432,6 +452,7 @@ class ChunkCache:
         self._sync_gauges()
 
     def _sync_gauges(self) -> None:
+        self.version += 1
         self.stats.cache_bytes = self._bytes
         self.stats.cache_entries = self._entries
 
