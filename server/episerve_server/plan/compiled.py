@@ -93,6 +93,7 @@ class Compiled:
         self._uids = np.empty(0, np.int64)
         self._uids_for: tuple[int, int] = (-1, -1)
         self.texts = TextTables()
+        self.warm_batches = 0  # batches served here (the rest took the general path)
 
     def plan(self, keymap: Keymap, samples: Sequence[tuple[str, int]],
              options: ReadOptions) -> Warm | None:
@@ -152,6 +153,7 @@ class Compiled:
         """The cache's side of the read: per key, what ``lookup`` and ``count`` do."""
         for slab, slots, hits in warm.stamps:
             self.cache.stamp(slab, slots, hits)
+        self.warm_batches += 1
 
     def gather(self, warm: Warm, empty: Empty) -> dict[str, np.ndarray]:
         """Every numeric output, one ``take`` each into an array from ``empty``."""
