@@ -9,8 +9,9 @@ slots from the cache's slot table (``flat[base[uid] + row // chunk_rows]``), one
 per output into the answer's buffer, one stamp per key for the LRU.
 
 ``Compiled.plan`` has no side effect and returns None for anything it does not cover
-(a miss, a camera key, ``annotation_cutoff``, chunk sizes or feature shapes that differ
-within the batch, several slabs, any sample the planner would refuse): the planner then
+(a miss, ``annotation_cutoff``, numeric chunk sizes or feature shapes that differ within
+the batch, several slabs, annotations not loaded yet, any sample the planner would
+refuse): the planner then
 takes its general path, so the answer, the cache's LRU state and its counters are the
 same either way (``tests/unit/test_compiled_plan.py`` compares both).
 """
@@ -19,45 +20,24 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from episerve_proto.contract import ACTION_KEYS
-from episerve_proto.errors import EpiserveError
-from episerve_server.core.cache import ChunkCache
-from episerve_server.core.keymap import Keymap, KeySpec, Rule
-from episerve_server.core.result import BatchResult
-from episerve_server.core.windows import Window, window
-from episerve_server.plan.assemble import Empty, add_is_pad, add_masks
+from episerve_server.core.cache import ChunkCache, ChunkKey
+from episerve_server.core.keymap import Keymap, Rule
+from episerve_server.core.result import BatchResult, ImageColumn
+from episerve_server.core.windows import Window
+from episerve_server.plan.assemble import PACK, Empty, add_is_pad, add_masks
+from episerve_server.plan.geometry import KeyGeometry, KeymapPlan, compile_keymap, windows_of
 from episerve_server.plan.options import ReadOptions
 from episerve_server.plan.texts import TextTables
-from episerve_server.storage.catalog import Catalog, Episode
+from episerve_server.storage.catalog import Catalog
 from episerve_server.storage.directory import Directory
 
 MAX_PLANS = 64  # keymaps compiled at once (least recently used go first)
-
-
-@dataclass(frozen=True, slots=True)
-class _KeyGeometry:
-    """One zarr key over the directory: per dense id, which (feature, is_bytes) it has,
-    its array's rows and its chunk rows."""
-
-    shape_id: np.ndarray  # (N,) int64 index into ``shapes``
-    shapes: tuple[tuple[tuple[int, ...], bool], ...]
-    rows: np.ndarray  # (N,) int64
-    chunk_rows: np.ndarray  # (N,) int64
-
-
-@dataclass(frozen=True, slots=True)
-class _KeymapPlan:
-    directory: Directory
-    servable: np.ndarray  # (N,) bool: every entry's key checks pass for that episode
-    keys: dict[str, _KeyGeometry]  # windowed zarr keys
-    signatures: dict[str, tuple[Any, ...]]  # output -> its window's parameters
-    covered: bool  # no camera key: the warm path can serve this keymap
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +47,18 @@ class _Gather:
     index: np.ndarray  # flat slab rows, one per output row
     shape: tuple[int, ...]  # the output's shape
     feature: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class _Frames:
+    """One camera key: its cached chunks in the general path's order (episode by first
+    appearance, then chunk) and, per distinct frame, its chunk and row within it."""
+
+    key: str
+    chunks: tuple[ChunkKey, ...]
+    chunk_of: list[int]  # per distinct frame
+    within: list[int]
+    needed: np.ndarray  # sorted packed (episode position, row) of the distinct frames
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +73,9 @@ class Warm:
     windows: dict[str, Window]
     gathers: tuple[_Gather, ...]
     stamps: tuple[tuple[int, np.ndarray, int], ...]  # per key, sorted: slab, slots, hits
+    frames: tuple[_Frames, ...]  # camera keys, sorted
+    position: np.ndarray  # per sample: its episode's rank by first appearance
+    order: np.ndarray  # per rank: the episode's dense id
     out_bytes: int
     cache_version: int
     directory: Directory
@@ -89,7 +84,7 @@ class Warm:
 class Compiled:
     def __init__(self, catalog: Catalog, cache: ChunkCache) -> None:
         self.catalog, self.cache = catalog, cache
-        self._plans: OrderedDict[Keymap, _KeymapPlan] = OrderedDict()
+        self._plans: OrderedDict[Keymap, KeymapPlan] = OrderedDict()
         self._uids = np.empty(0, np.int64)
         self._uids_for: tuple[int, int] = (-1, -1)
         self.texts = TextTables()
@@ -103,8 +98,6 @@ class Compiled:
             return None
         directory = self.catalog.directory()
         kp = self._keymap_plan(keymap, directory)
-        if not kp.covered:
-            return None
         try:
             hashes = [h for h, _ in samples]
             given = [f for _, f in samples]
@@ -128,32 +121,57 @@ class Compiled:
         if uids is None:
             return None
         fps = directory.fps[ids]
-        windows = _windows(keymap, kp, frame, total, fps)
+        windows = windows_of(keymap, kp, frame, total, fps)
         gathers: list[_Gather] = []
         stamps: list[tuple[int, np.ndarray, int]] = []
+        frames: list[_Frames] = []
+        position, order = _first_seen(ids)
         out_bytes = 8 * len(ids) if options.all_masks else 0
         for key in sorted(keymap.zarr_keys):
-            got = self._key(key, keymap, kp.keys[key], ids, uids, windows, gathers)
-            if got is None:
-                return None
-            stamps.append(got)
-        for g in gathers:
-            out_bytes += 4 * math.prod(g.shape)
-        if options.all_masks:
-            out_bytes += sum(len(ids) * e.length for e in keymap
-                             if e.rule is not Rule.ANNOTATION and e.time_axis)
+            geo = kp.keys[key]
+            shape_id = geo.shape_id[ids]
+            if shape_id.min() != shape_id.max():
+                return None  # the general path names the shapes
+            feature, is_bytes = geo.shapes[int(shape_id[0])]
+            if is_bytes:
+                got_frames = self._frames(key, keymap, geo, ids, position, order, windows,
+                                         directory)
+                if got_frames is None:
+                    return None
+                frames.append(got_frames)
+            else:
+                got = self._key(key, keymap, geo, feature, ids, uids, windows, gathers)
+                if got is None:
+                    return None
+                stamps.append(got)
+            per_row = 4 if is_bytes else 4 * math.prod(feature)
+            for e in keymap:
+                if e.zarr_key == key and e.rule is not Rule.ANNOTATION:
+                    pad = 1 if options.all_masks and e.time_axis else 0
+                    out_bytes += len(ids) * e.length * (per_row + pad)
         return Warm(hashes, ids, frame, total, fps, windows, tuple(gathers), tuple(stamps),
-                    out_bytes, self.cache.version, directory)
+                    tuple(frames), position, order, out_bytes, self.cache.version, directory)
 
     def still_valid(self, warm: Warm) -> bool:
         return warm.cache_version == self.cache.version \
             and warm.directory.version == self.catalog.version
 
-    def stamp(self, warm: Warm) -> None:
-        """The cache's side of the read: per key, what ``lookup`` and ``count`` do."""
+    def stamp(self, warm: Warm, charge: Callable[[int], None]) -> dict[str, list[bytes]]:
+        """The cache's side of the read: per numeric key what ``lookup`` and ``count`` do,
+        then per camera key each chunk taken as ``get`` takes it (``charge`` told its
+        bytes, in the general path's order). Returns each camera key's distinct frames."""
         for slab, slots, hits in warm.stamps:
             self.cache.stamp(slab, slots, hits)
         self.warm_batches += 1
+        out: dict[str, list[bytes]] = {}
+        for f in warm.frames:
+            chunks: list[Any] = []
+            for k in f.chunks:
+                hit: Any = self.cache.get(k)
+                chunks.append(hit)
+                charge(sum(len(b) for b in hit))
+            out[f.key] = [chunks[c][r] for c, r in zip(f.chunk_of, f.within)]
+        return out
 
     def gather(self, warm: Warm, empty: Empty) -> dict[str, np.ndarray]:
         """Every numeric output, one ``take`` each into an array from ``empty``."""
@@ -167,11 +185,21 @@ class Compiled:
         return out
 
     def result(self, warm: Warm, keymap: Keymap, arrays: dict[str, np.ndarray],
-               all_masks: bool) -> BatchResult:
+               distinct: dict[str, list[bytes]], all_masks: bool) -> BatchResult:
         texts: dict[str, list[list[str]]] = {}
+        images: dict[str, ImageColumn] = {}
+        frames: dict[str, list[bytes]] = {}
+        needed = {f.key: f.needed for f in warm.frames}
         for e in keymap:
             if e.rule is Rule.ANNOTATION:
                 texts[e.name] = self.texts.at(warm.directory, e.zarr_key, warm.ids, warm.frame)
+            elif e.zarr_key in needed:
+                frames.setdefault(e.zarr_key, distinct[e.zarr_key])
+                w = warm.windows[e.name].rows
+                rows = w if e.time_axis else w[:, 0]
+                pos = warm.position[:, None] if e.time_axis else warm.position
+                index = np.searchsorted(needed[e.zarr_key], pos * PACK + rows)
+                images[e.name] = ImageColumn(e.zarr_key, index.astype(np.int32))
         add_masks(keymap, warm.windows, arrays)
         if all_masks:
             add_is_pad(keymap, warm.windows, arrays)
@@ -180,24 +208,23 @@ class Compiled:
         return BatchResult(
             episodes=warm.hashes, frame_index=warm.frame, fps=warm.fps.astype(np.float32),
             embodiments=warm.directory.embodiment[warm.ids].tolist(),
-            arrays=ordered, images={}, frames={}, texts=texts,
+            arrays=ordered, images=images, frames=frames, texts=texts,
             total_frames=warm.total.copy() if all_masks else None,
         )
 
     def episodes_first_seen(self, warm: Warm) -> list[str]:
         """The batch's distinct episodes in first-seen order (the general path's)."""
-        distinct, first = np.unique(warm.ids, return_index=True)
-        hashes: list[str] = warm.directory.hashes[distinct[np.argsort(first)]].tolist()
+        hashes: list[str] = warm.directory.hashes[warm.order].tolist()
         return hashes
 
     # -- compiling ----------------------------------------------------------------------------
 
-    def _keymap_plan(self, keymap: Keymap, directory: Directory) -> _KeymapPlan:
+    def _keymap_plan(self, keymap: Keymap, directory: Directory) -> KeymapPlan:
         kp = self._plans.get(keymap)
         if kp is not None and kp.directory is directory:
             self._plans.move_to_end(keymap)
             return kp
-        kp = self._plans[keymap] = _compile(keymap, directory)
+        kp = self._plans[keymap] = compile_keymap(keymap, directory)
         self._plans.move_to_end(keymap)
         while len(self._plans) > MAX_PLANS:
             self._plans.popitem(last=False)
@@ -216,18 +243,40 @@ class Compiled:
             uids = self._uids[ids]
             if uids.min() < 0:
                 return None
-        return uids
+        out: np.ndarray = uids
+        return out
 
-    def _key(self, key: str, keymap: Keymap, geo: _KeyGeometry, ids: np.ndarray,
-             uids: np.ndarray, windows: dict[str, Window],
+    def _frames(self, key: str, keymap: Keymap, geo: KeyGeometry, ids: np.ndarray,
+                position: np.ndarray, order: np.ndarray, windows: dict[str, Window],
+                directory: Directory) -> _Frames | None:
+        """One camera key's cached chunks and distinct frames, or None (a short array, a
+        chunk not cached)."""
+        cap, c = geo.rows[ids][:, None], geo.chunk_rows[ids][:, None]
+        rows, chunks = [], []
+        for e in keymap:
+            if e.zarr_key != key or e.rule is Rule.ANNOTATION:
+                continue
+            w = windows[e.name].rows
+            if (w >= cap).any():
+                return None
+            rows.append((position[:, None] * PACK + w).ravel())
+            chunks.append((position[:, None] * PACK + w // c).ravel())
+        needed = _distinct(np.concatenate(rows))
+        packed = _distinct(np.concatenate(chunks))
+        ep_pos, chunk = np.divmod(packed, PACK)
+        hashes = directory.hashes[order[ep_pos]].tolist()
+        keys = tuple(zip(hashes, [key] * len(hashes), chunk.tolist()))
+        if not all(map(self.cache.has_frames, keys)):
+            return None
+        f_pos, f_row = np.divmod(needed, PACK)
+        f_c = geo.chunk_rows[order[f_pos]]
+        chunk_of = np.searchsorted(packed, f_pos * PACK + f_row // f_c)
+        return _Frames(key, keys, chunk_of.tolist(), (f_row % f_c).tolist(), needed)
+
+    def _key(self, key: str, keymap: Keymap, geo: KeyGeometry, feature: tuple[int, ...],
+             ids: np.ndarray, uids: np.ndarray, windows: dict[str, Window],
              gathers: list[_Gather]) -> tuple[int, np.ndarray, int] | None:
         """One numeric key's gathers (appended to ``gathers``) and its stamp, or None."""
-        shape_id = geo.shape_id[ids]
-        if shape_id.min() != shape_id.max():
-            return None
-        feature, is_bytes = geo.shapes[int(shape_id[0])]
-        if is_bytes:
-            return None
         c_of = geo.chunk_rows[ids]
         c = int(c_of[0])
         if c_of.max() != c or c_of.min() != c:
@@ -265,55 +314,21 @@ class Compiled:
         return slab, ordered, hits
 
 
-def _compile(keymap: Keymap, directory: Directory) -> _KeymapPlan:
-    from episerve_server.plan.planner import check_keys  # the planner's own checks
-
-    n = len(directory.episodes)
-    servable = np.zeros(n, bool)
-    for i, episode in enumerate(directory.episodes):
-        try:
-            check_keys(keymap, episode)
-        except EpiserveError:
-            continue
-        servable[i] = True
-    keys = {key: _geometry(key, directory.episodes, servable) for key in keymap.zarr_keys}
-    covered = all(not g.shapes or not any(b for _, b in g.shapes) for g in keys.values())
-    signatures = {e.name: _signature(e) for e in keymap if e.rule is not Rule.ANNOTATION}
-    return _KeymapPlan(directory, servable, keys, signatures, covered)
+def _first_seen(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per sample, its episode's rank by first appearance in the batch (the general
+    path's episode positions), and per rank the episode's dense id."""
+    distinct, first, inverse = np.unique(ids, return_index=True, return_inverse=True)
+    by_first = np.argsort(first)
+    rank = np.empty(len(distinct), np.int64)
+    rank[by_first] = np.arange(len(distinct))
+    return rank[inverse.reshape(-1)], distinct[by_first]
 
 
-def _geometry(key: str, episodes: tuple[Episode, ...], servable: np.ndarray) -> _KeyGeometry:
-    n = len(episodes)
-    shape_id = np.zeros(n, np.int64)
-    rows = np.zeros(n, np.int64)
-    chunk_rows = np.ones(n, np.int64)
-    shapes: dict[tuple[tuple[int, ...], bool], int] = {}
-    for i, episode in enumerate(episodes):
-        if not servable[i]:
-            continue
-        info = episode.readers[key].info
-        sig = (tuple(info.feature), bool(info.is_bytes))
-        shape_id[i] = shapes.setdefault(sig, len(shapes))
-        rows[i], chunk_rows[i] = info.rows, info.chunk_rows
-    return _KeyGeometry(shape_id, tuple(shapes), rows, chunk_rows)
-
-
-def _signature(e: KeySpec) -> tuple[Any, ...]:
-    """What an entry's window depends on: entries with equal signatures share one window."""
-    return (e.rule, e.horizon, e.history, e.history_stride, e.history_stride_s, e.lag_s,
-            e.offsets_s, e.key_type == ACTION_KEYS)
-
-
-def _windows(keymap: Keymap, kp: _KeymapPlan, frame: np.ndarray, total: np.ndarray,
-             fps: np.ndarray) -> dict[str, Window]:
-    by_signature: dict[tuple[Any, ...], Window] = {}
-    out: dict[str, Window] = {}
-    for e in keymap:
-        if e.rule is Rule.ANNOTATION:
-            continue
-        sig = kp.signatures[e.name]
-        w = by_signature.get(sig)
-        if w is None:
-            w = by_signature[sig] = window(e, frame, total, fps)
-        out[e.name] = w
-    return out
+def _distinct(values: np.ndarray) -> np.ndarray:
+    s = np.sort(values)
+    if s.size == 0:
+        return s
+    keep = np.empty(s.size, dtype=bool)
+    keep[0] = True
+    np.not_equal(s[1:], s[:-1], out=keep[1:])
+    return s[keep]
