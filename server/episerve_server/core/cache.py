@@ -54,12 +54,20 @@ class _Slab:
         self.stamp = np.full(capacity, -1, np.int64)  # -1: free
         self.owner_table = np.full(capacity, -1, np.int32)
         self.owner_pos = np.full(capacity, -1, np.int64)
+        self._scratch: np.ndarray | None = None
         self._free = list(range(capacity - 1, -1, -1))  # low slots first: memory grows in order
 
     def take(self, n: int) -> np.ndarray:
         out = np.array(self._free[-n:][::-1], np.int64) if n else np.empty(0, np.int64)
         del self._free[len(self._free) - n:]
         return out
+
+    @property
+    def scratch(self) -> np.ndarray:
+        """One int64 per slot, for counting distinct slots (made on first use)."""
+        if self._scratch is None:
+            self._scratch = np.zeros(self.capacity, np.int64)
+        return self._scratch
 
     @property
     def free(self) -> int:
@@ -199,11 +207,20 @@ class ChunkCache:
     def slot_table(self, key: str) -> _Table | None:
         return self._tables.get(key) if self.enabled else None
 
-    def stamp(self, slab: int, slots: np.ndarray, hits: int) -> None:
-        """What ``lookup`` and ``count`` do for ``hits`` distinct chunks, all found in
-        ``slab`` at ``slots``: one tick of the clock, the slots stamped with it."""
+    def stamp(self, slab: int, slots: Sequence[np.ndarray]) -> None:
+        """What ``lookup`` and ``count`` do for chunks all found in ``slab`` at ``slots``
+        (repeats allowed): one tick of the clock, the slots stamped with it, one hit per
+        distinct chunk."""
+        s = self._slabs[slab]
         self._clock += 1
-        self._slabs[slab].stamp[slots] = self._clock
+        hits = 0
+        for part in slots:
+            s.stamp[part] = self._clock
+        flat = slots[0].ravel() if len(slots) == 1 else np.concatenate([p.ravel() for p in slots])
+        # distinct slots without a sort: of the positions writing one slot, one wins
+        order = np.arange(flat.size, dtype=np.int64)
+        s.scratch[flat] = order
+        hits = int(np.count_nonzero(s.scratch[flat] == order))
         self.stats.cache_hits += hits
 
     def hold(self) -> None:

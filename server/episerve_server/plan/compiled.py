@@ -72,7 +72,7 @@ class Warm:
     fps: np.ndarray
     windows: dict[str, Window]
     gathers: tuple[_Gather, ...]
-    stamps: tuple[tuple[int, np.ndarray, int], ...]  # per key, sorted: slab, slots, hits
+    stamps: tuple[tuple[int, list[np.ndarray]], ...]  # per numeric key, sorted: slab, slots
     frames: tuple[_Frames, ...]  # camera keys, sorted
     position: np.ndarray  # per sample: its episode's rank by first appearance
     order: np.ndarray  # per rank: the episode's dense id
@@ -123,32 +123,37 @@ class Compiled:
         fps = directory.fps[ids]
         windows = windows_of(keymap, kp, frame, total, fps)
         gathers: list[_Gather] = []
-        stamps: list[tuple[int, np.ndarray, int]] = []
+        stamps: list[tuple[int, list[np.ndarray]]] = []
         frames: list[_Frames] = []
-        position, order = _first_seen(ids)
+        split: dict[tuple[tuple[Any, ...], int], tuple[np.ndarray, np.ndarray]] = {}
+        position, order = _first_seen(ids) if kp.camera else (ids, ids)
         out_bytes = 8 * len(ids) if options.all_masks else 0
         for key in sorted(keymap.zarr_keys):
             geo = kp.keys[key]
-            shape_id = geo.shape_id[ids]
-            if shape_id.min() != shape_id.max():
-                return None  # the general path names the shapes
-            feature, is_bytes = geo.shapes[int(shape_id[0])]
+            if not geo.shapes:
+                return None
+            if geo.one_shape:
+                feature, is_bytes = geo.shapes[0]
+            else:
+                shape_id = geo.shape_id[ids]
+                if shape_id.min() != shape_id.max():
+                    return None  # the general path names the shapes
+                feature, is_bytes = geo.shapes[int(shape_id[0])]
             if is_bytes:
-                got_frames = self._frames(key, keymap, geo, ids, position, order, windows,
+                got_frames = self._frames(key, kp, geo, ids, position, order, windows,
                                          directory)
                 if got_frames is None:
                     return None
                 frames.append(got_frames)
             else:
-                got = self._key(key, keymap, geo, feature, ids, uids, windows, gathers)
+                got = self._key(key, kp, geo, feature, ids, uids, windows, split, gathers)
                 if got is None:
                     return None
                 stamps.append(got)
             per_row = 4 if is_bytes else 4 * math.prod(feature)
-            for e in keymap:
-                if e.zarr_key == key and e.rule is not Rule.ANNOTATION:
-                    pad = 1 if options.all_masks and e.time_axis else 0
-                    out_bytes += len(ids) * e.length * (per_row + pad)
+            for e in kp.entries[key]:
+                pad = 1 if options.all_masks and e.time_axis else 0
+                out_bytes += len(ids) * e.length * (per_row + pad)
         return Warm(hashes, ids, frame, total, fps, windows, tuple(gathers), tuple(stamps),
                     tuple(frames), position, order, out_bytes, self.cache.version, directory)
 
@@ -160,8 +165,8 @@ class Compiled:
         """The cache's side of the read: per numeric key what ``lookup`` and ``count`` do,
         then per camera key each chunk taken as ``get`` takes it (``charge`` told its
         bytes, in the general path's order). Returns each camera key's distinct frames."""
-        for slab, slots, hits in warm.stamps:
-            self.cache.stamp(slab, slots, hits)
+        for slab, slots in warm.stamps:
+            self.cache.stamp(slab, slots)
         self.warm_batches += 1
         out: dict[str, list[bytes]] = {}
         for f in warm.frames:
@@ -214,8 +219,7 @@ class Compiled:
 
     def episodes_first_seen(self, warm: Warm) -> list[str]:
         """The batch's distinct episodes in first-seen order (the general path's)."""
-        hashes: list[str] = warm.directory.hashes[warm.order].tolist()
-        return hashes
+        return list(dict.fromkeys(warm.hashes))
 
     # -- compiling ----------------------------------------------------------------------------
 
@@ -246,19 +250,17 @@ class Compiled:
         out: np.ndarray = uids
         return out
 
-    def _frames(self, key: str, keymap: Keymap, geo: KeyGeometry, ids: np.ndarray,
+    def _frames(self, key: str, kp: KeymapPlan, geo: KeyGeometry, ids: np.ndarray,
                 position: np.ndarray, order: np.ndarray, windows: dict[str, Window],
                 directory: Directory) -> _Frames | None:
         """One camera key's cached chunks and distinct frames, or None (a short array, a
         chunk not cached)."""
         cap, c = geo.rows[ids][:, None], geo.chunk_rows[ids][:, None]
         rows, chunks = [], []
-        for e in keymap:
-            if e.zarr_key != key or e.rule is Rule.ANNOTATION:
-                continue
+        for e in kp.entries[key]:
             w = windows[e.name].rows
             if (w >= cap).any():
-                return None
+                return None  # the general path's ShortArrayError
             rows.append((position[:, None] * PACK + w).ravel())
             chunks.append((position[:, None] * PACK + w // c).ravel())
         needed = _distinct(np.concatenate(rows))
@@ -273,14 +275,19 @@ class Compiled:
         chunk_of = np.searchsorted(packed, f_pos * PACK + f_row // f_c)
         return _Frames(key, keys, chunk_of.tolist(), (f_row % f_c).tolist(), needed)
 
-    def _key(self, key: str, keymap: Keymap, geo: KeyGeometry, feature: tuple[int, ...],
+    def _key(self, key: str, kp: KeymapPlan, geo: KeyGeometry, feature: tuple[int, ...],
              ids: np.ndarray, uids: np.ndarray, windows: dict[str, Window],
-             gathers: list[_Gather]) -> tuple[int, np.ndarray, int] | None:
-        """One numeric key's gathers (appended to ``gathers``) and its stamp, or None."""
-        c_of = geo.chunk_rows[ids]
-        c = int(c_of[0])
-        if c_of.max() != c or c_of.min() != c:
-            return None
+             split: dict[tuple[str, int], tuple[np.ndarray, np.ndarray]],
+             gathers: list[_Gather]) -> tuple[int, list[np.ndarray]] | None:
+        """One numeric key's gathers (appended to ``gathers``) and the slots to stamp, or
+        None. ``split`` keeps each (window, chunk rows)'s chunk and row within it, shared
+        by the keys that read the same window."""
+        c = geo.uniform_rows
+        if not c:
+            c_of = geo.chunk_rows[ids]
+            c = int(c_of[0])
+            if c_of.max() != c or c_of.min() != c:
+                return None
         table = self.cache.slot_table(key)
         if table is None or int(uids.max()) >= len(table.base):
             return None
@@ -288,30 +295,30 @@ class Compiled:
         slab = int(slab_of[0])
         if base.min() < 0 or slab < 0 or slab_of.min() != slab_of.max():
             return None
-        cap = geo.rows[ids]
-        every: list[np.ndarray] = []
+        # rows past the array are the general path's ShortArrayError, chunks past the
+        # table its misses: either way not served here
+        limit = np.minimum(geo.rows[ids], size * c)[:, None]
         rows_per_slot = self.cache.slab_data(slab).shape[1]
-        for e in keymap:
-            if e.zarr_key != key or e.rule is Rule.ANNOTATION:
-                continue
+        every: list[np.ndarray] = []
+        for e in kp.entries[key]:
             w = windows[e.name].rows
-            if (w >= cap[:, None]).any():
-                return None  # a short array: the general path names it
-            chunk = w // c
-            if (chunk >= size[:, None]).any():
+            if (w >= limit).any():
                 return None
+            sig = (kp.signatures[e.name], c)
+            parts = split.get(sig)
+            if parts is None:
+                parts = split[sig] = np.divmod(w, c)
+            chunk, within = parts
             slots = table.flat[base[:, None] + chunk]
             if slots.min() < 0:
                 return None
-            every.append(slots.ravel())
-            rows = w if e.time_axis else w[:, 0]
-            idx = (slots if e.time_axis else slots[:, 0]) * rows_per_slot + rows % c
-            gathers.append(_Gather(e.name, slab, idx.ravel(), (*rows.shape, *feature),
-                                   feature))
-        slots = every[0] if len(every) == 1 else np.concatenate(every)
-        ordered = np.sort(slots)
-        hits = 1 + int(np.count_nonzero(ordered[1:] != ordered[:-1])) if ordered.size else 0
-        return slab, ordered, hits
+            every.append(slots)
+            if e.time_axis:
+                idx = slots * rows_per_slot + within
+            else:
+                idx = slots[:, 0] * rows_per_slot + within[:, 0]
+            gathers.append(_Gather(e.name, slab, idx.ravel(), (*idx.shape, *feature), feature))
+        return slab, every
 
 
 def _first_seen(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

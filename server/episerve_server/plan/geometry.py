@@ -9,7 +9,6 @@ from typing import Any
 
 import numpy as np
 
-from episerve_proto.contract import ACTION_KEYS
 from episerve_proto.errors import EpiserveError
 from episerve_server.core.keymap import Keymap, KeySpec, Rule
 from episerve_server.core.windows import Window, window
@@ -27,6 +26,10 @@ class KeyGeometry:
     shapes: tuple[tuple[tuple[int, ...], bool], ...]
     rows: np.ndarray  # (N,) int64
     chunk_rows: np.ndarray  # (N,) int64
+    # the same for every servable episode (no per-batch check): chunk rows (0: not), and
+    # whether there is one (feature, is_bytes)
+    uniform_rows: int
+    one_shape: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +38,8 @@ class KeymapPlan:
     servable: np.ndarray  # (N,) bool: every entry's key checks pass for that episode
     keys: dict[str, KeyGeometry]  # windowed zarr keys
     signatures: dict[str, tuple[Any, ...]]  # output -> its window's parameters
+    entries: dict[str, tuple[KeySpec, ...]]  # windowed zarr key -> its entries, keymap order
+    camera: bool  # some key holds frame bytes in some episode
 
 
 def compile_keymap(keymap: Keymap, directory: Directory) -> KeymapPlan:
@@ -48,7 +53,10 @@ def compile_keymap(keymap: Keymap, directory: Directory) -> KeymapPlan:
         servable[i] = True
     keys = {key: _geometry(key, directory.episodes, servable) for key in keymap.zarr_keys}
     signatures = {e.name: _signature(e) for e in keymap if e.rule is not Rule.ANNOTATION}
-    return KeymapPlan(directory, servable, keys, signatures)
+    entries = {key: tuple(e for e in keymap if e.zarr_key == key and e.rule is not Rule.ANNOTATION)
+               for key in keymap.zarr_keys}
+    camera = any(is_bytes for g in keys.values() for _, is_bytes in g.shapes)
+    return KeymapPlan(directory, servable, keys, signatures, entries, camera)
 
 
 def _geometry(key: str, episodes: tuple[Episode, ...], servable: np.ndarray) -> KeyGeometry:
@@ -64,13 +72,16 @@ def _geometry(key: str, episodes: tuple[Episode, ...], servable: np.ndarray) -> 
         sig = (tuple(info.feature), bool(info.is_bytes))
         shape_id[i] = shapes.setdefault(sig, len(shapes))
         rows[i], chunk_rows[i] = info.rows, info.chunk_rows
-    return KeyGeometry(shape_id, tuple(shapes), rows, chunk_rows)
+    served = chunk_rows[servable]
+    uniform = int(served[0]) if served.size and served.min() == served.max() else 0
+    return KeyGeometry(shape_id, tuple(shapes), rows, chunk_rows, uniform, len(shapes) <= 1)
 
 
 def _signature(e: KeySpec) -> tuple[Any, ...]:
-    """What an entry's window depends on: entries with equal signatures share one window."""
+    """What an entry's window depends on: entries with equal signatures share one window
+    (the annotation cutoff, which treats action keys apart, is never compiled)."""
     return (e.rule, e.horizon, e.history, e.history_stride, e.history_stride_s, e.lag_s,
-            e.offsets_s, e.key_type == ACTION_KEYS)
+            e.offsets_s)
 
 
 def windows_of(keymap: Keymap, kp: KeymapPlan, frame: np.ndarray, total: np.ndarray,
