@@ -50,6 +50,10 @@ SUITE: tuple[Bench, ...] = (
     Bench("core", "Read core, in process", ("benchmarks/bench_core.py",),
           "The planner against the per-entry loader it replaced and a per-sample zarr reader, "
           "in one process over `data/bench` (the mecka keymap: 10 windows over 6 keys)."),
+    Bench("plan", "Compiled read plan, in process", ("benchmarks/bench_plan.py",),
+          "The warm planner with the compiled read plan against its general path (what every "
+          "batch cost before it), the same batches alternating, CPU time per batch; batches "
+          "of 32 and 256, the mecka keymap without and with the front camera."),
     Bench("daemon", "Daemon on loopback", ("benchmarks/bench_daemon.py",),
           "One client reading batches of 64 from a daemon on loopback, warm cache: what the "
           "RPC adds to the planner's own time."),

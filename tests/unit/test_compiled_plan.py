@@ -44,8 +44,8 @@ def run() -> Iterator[LoopRunner]:
 def test_compiled_plan_answers_as_the_general_path(template: Path, tmp_path: Path,
                                                    run: LoopRunner, cache_bytes: int) -> None:
     pair = Pair.open(fresh(template, tmp_path), cache_bytes, run)
-    drive(pair, 200, seed=cache_bytes, max_batch=32)
-    assert pair.warm_batches >= 3  # the warm path was taken, not only the fallback
+    drive(pair, 300, seed=cache_bytes, max_batch=32)
+    assert pair.warm_batches >= 2, pair  # the warm path was taken, not only the fallback
 
 
 def test_warm_batches_take_the_compiled_plan(template: Path, run: LoopRunner) -> None:

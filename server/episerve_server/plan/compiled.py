@@ -161,20 +161,24 @@ class Compiled:
         return warm.cache_version == self.cache.version \
             and warm.directory.version == self.catalog.version
 
-    def stamp(self, warm: Warm, charge: Callable[[int], None]) -> dict[str, list[bytes]]:
+    def stamp(self, warm: Warm, charge: Callable[[int], None],
+              limited: bool) -> dict[str, list[bytes]]:
         """The cache's side of the read: per numeric key what ``lookup`` and ``count`` do,
-        then per camera key each chunk taken as ``get`` takes it (``charge`` told its
-        bytes, in the general path's order). Returns each camera key's distinct frames."""
+        then per camera key each chunk taken as ``get`` takes it (with a response limit,
+        ``limited``, ``charge`` is told each chunk's bytes as it is taken, in the general
+        path's order). Returns each camera key's distinct frames."""
         for slab, slots in warm.stamps:
             self.cache.stamp(slab, slots)
         self.warm_batches += 1
         out: dict[str, list[bytes]] = {}
         for f in warm.frames:
-            chunks: list[Any] = []
-            for k in f.chunks:
-                hit: Any = self.cache.get(k)
-                chunks.append(hit)
-                charge(sum(len(b) for b in hit))
+            if limited:  # a chunk over the limit raises before the next one is taken
+                chunks = []
+                for k in f.chunks:
+                    chunks.extend(self.cache.take_frames((k,)))
+                    charge(sum(map(len, chunks[-1])))
+            else:
+                chunks = self.cache.take_frames(f.chunks)
             out[f.key] = [chunks[c][r] for c, r in zip(f.chunk_of, f.within)]
         return out
 
@@ -277,7 +281,7 @@ class Compiled:
 
     def _key(self, key: str, kp: KeymapPlan, geo: KeyGeometry, feature: tuple[int, ...],
              ids: np.ndarray, uids: np.ndarray, windows: dict[str, Window],
-             split: dict[tuple[str, int], tuple[np.ndarray, np.ndarray]],
+             split: dict[tuple[tuple[Any, ...], int], tuple[np.ndarray, np.ndarray]],
              gathers: list[_Gather]) -> tuple[int, list[np.ndarray]] | None:
         """One numeric key's gathers (appended to ``gathers``) and the slots to stamp, or
         None. ``split`` keeps each (window, chunk rows)'s chunk and row within it, shared
@@ -324,11 +328,11 @@ class Compiled:
 def _first_seen(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per sample, its episode's rank by first appearance in the batch (the general
     path's episode positions), and per rank the episode's dense id."""
-    distinct, first, inverse = np.unique(ids, return_index=True, return_inverse=True)
-    by_first = np.argsort(first)
-    rank = np.empty(len(distinct), np.int64)
-    rank[by_first] = np.arange(len(distinct))
-    return rank[inverse.reshape(-1)], distinct[by_first]
+    listed = ids.tolist()
+    order = list(dict.fromkeys(listed))
+    rank = {dense: r for r, dense in enumerate(order)}
+    position = np.fromiter(map(rank.__getitem__, listed), np.int64, len(listed))
+    return position, np.array(order, np.int64)
 
 
 def _distinct(values: np.ndarray) -> np.ndarray:

@@ -110,7 +110,7 @@ class Planner:
                                                 warm.out_bytes, empty)
             warm = again
         budget = Budget(options.max_response_bytes, warm.out_bytes, len(samples))
-        distinct = self.compiled.stamp(warm, budget.add)
+        distinct = self.compiled.stamp(warm, budget.add, bool(options.max_response_bytes))
         if warm.out_bytes >= GATHER_OFFLOAD_BYTES:  # a large gather runs off the event loop
             self.cache.hold()
             try:
