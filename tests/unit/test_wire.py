@@ -126,3 +126,11 @@ def test_the_read_accounting_uses_the_parse_the_handler_made() -> None:
     # read once: a call the handler never parsed is parsed for its count
     assert convert.read_samples_seen(data) == 3
     assert convert.read_samples_seen(b"\xff") == 0
+
+
+def test_varints_from_the_table_equal_the_vectorized_ones() -> None:
+    rng = np.random.default_rng(5)
+    for top in (0x80, 0x4000, 1 << 16):
+        v = rng.integers(0, top, 300).astype(np.int64)
+        assert encode.varints(v) == encode._varints_wide(v.view(np.uint64))
+    assert encode.varints(np.array([0x7F, 0x80, 0xFFFF], np.int64)) == b"\x7f\x80\x01\xff\xff\x03"
