@@ -88,10 +88,12 @@ class SegmentPool:
                 self.lent[seg.ident] = seg
                 return seg
         async with self._changed:
+            def ready() -> bool:
+                return self._closed or bool(self.free) or len(self) < self.limit
+
             try:
-                await asyncio.wait_for(
-                    self._changed.wait_for(lambda: self._closed or bool(self.free)
-                                           or len(self) < self.limit), wait_s)
+                if not ready():  # a free segment is taken without a timer (or a task)
+                    await asyncio.wait_for(self._changed.wait_for(ready), wait_s)
             except TimeoutError:
                 raise Overloaded(
                     f"the client holds all {self.limit} shared-memory segments of its "
