@@ -208,20 +208,23 @@ class ChunkCache:
         return self._tables.get(key) if self.enabled else None
 
     def stamp(self, slab: int, slots: Sequence[np.ndarray]) -> None:
-        """What ``lookup`` and ``count`` do for chunks all found in ``slab`` at ``slots``
-        (repeats allowed): one tick of the clock, the slots stamped with it, one hit per
-        distinct chunk."""
-        s = self._slabs[slab]
+        """What ``lookup`` does to chunks all found in ``slab`` at ``slots`` (repeats
+        allowed): one tick of the clock, the slots stamped with it. The caller counts the
+        hits (``distinct``, then ``count``)."""
         self._clock += 1
-        hits = 0
+        stamp = self._slabs[slab].stamp
         for part in slots:
-            s.stamp[part] = self._clock
+            stamp[part] = self._clock
+
+    def distinct(self, slab: int, slots: Sequence[np.ndarray]) -> int:
+        """How many distinct slots of ``slab`` ``slots`` name, without a sort: each
+        position writes its number into a per-slab scratch array, and of the positions
+        naming one slot exactly one is left there."""
         flat = slots[0].ravel() if len(slots) == 1 else np.concatenate([p.ravel() for p in slots])
-        # distinct slots without a sort: of the positions writing one slot, one wins
         order = np.arange(flat.size, dtype=np.int64)
-        s.scratch[flat] = order
-        hits = int(np.count_nonzero(s.scratch[flat] == order))
-        self.stats.cache_hits += hits
+        scratch = self._slabs[slab].scratch
+        scratch[flat] = order
+        return int(np.count_nonzero(scratch[flat] == order))
 
     def hold(self) -> None:
         """While held, no slot is handed out again: a gather in a worker thread can read

@@ -44,7 +44,7 @@ MAX_PLANS = 64  # keymaps compiled at once (least recently used go first)
 class _Gather:
     name: str
     slab: int
-    index: np.ndarray  # flat slab rows, one per output row
+    index: np.ndarray  # (B, W) or (B,): rows of the slab viewed as rows
     shape: tuple[int, ...]  # the output's shape
     feature: tuple[int, ...]
 
@@ -88,6 +88,7 @@ class Compiled:
         self._uids = np.empty(0, np.int64)
         self._uids_for: tuple[int, int] = (-1, -1)
         self.texts = TextTables()
+        self._rows: dict[tuple[int, tuple[int, ...]], np.ndarray] = {}
         self.warm_batches = 0  # batches served here (the rest took the general path)
 
     def plan(self, keymap: Keymap, samples: Sequence[tuple[str, int]],
@@ -167,8 +168,12 @@ class Compiled:
         then per camera key each chunk taken as ``get`` takes it (with a response limit,
         ``limited``, ``charge`` is told each chunk's bytes as it is taken, in the general
         path's order). Returns each camera key's distinct frames."""
+        by_slab: dict[int, list[np.ndarray]] = {}
         for slab, slots in warm.stamps:
             self.cache.stamp(slab, slots)
+            by_slab.setdefault(slab, []).extend(slots)
+        # keys never share a slot, so one count per slab is the sum of the keys' counts
+        self.cache.count(sum(self.cache.distinct(s, p) for s, p in by_slab.items()), 0)
         self.warm_batches += 1
         out: dict[str, list[bytes]] = {}
         for f in warm.frames:
@@ -185,11 +190,14 @@ class Compiled:
     def gather(self, warm: Warm, empty: Empty) -> dict[str, np.ndarray]:
         """Every numeric output, one ``take`` each into an array from ``empty``."""
         out: dict[str, np.ndarray] = {}
+        rows = self._rows
         for g in warm.gathers:
-            data = self.cache.slab_data(g.slab)
-            flat = data.reshape(-1, *g.feature)
+            flat = rows.get((g.slab, g.feature))
+            if flat is None:  # a slab's memory never moves: its rows view is kept
+                flat = rows[(g.slab, g.feature)] = \
+                    self.cache.slab_data(g.slab).reshape(-1, *g.feature)
             dest = empty(g.shape)
-            flat.take(g.index, axis=0, out=dest.reshape(-1, *g.feature), mode="clip")
+            flat.take(g.index, axis=0, out=dest, mode="clip")
             out[g.name] = dest
         return out
 
@@ -321,7 +329,7 @@ class Compiled:
                 idx = slots * rows_per_slot + within
             else:
                 idx = slots[:, 0] * rows_per_slot + within[:, 0]
-            gathers.append(_Gather(e.name, slab, idx.ravel(), (*idx.shape, *feature), feature))
+            gathers.append(_Gather(e.name, slab, idx, (*idx.shape, *feature), feature))
         return slab, every
 
 
