@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import fcntl
 import itertools
+import math
 import mmap
 import os
 from collections.abc import Callable
@@ -195,7 +196,7 @@ class SegmentArena:
 
     def empty(self, shape: tuple[int, ...]) -> np.ndarray:
         """A float32 array of ``shape`` in the segment (a private one if it is full)."""
-        n = 4 * int(np.prod(shape, dtype=np.int64))
+        n = 4 * math.prod(shape)
         seg = self.segment
         if seg is None or self.used + n > seg.size:
             return np.empty(shape, np.float32)
