@@ -50,6 +50,15 @@ SUITE: tuple[Bench, ...] = (
     Bench("core", "Read core, in process", ("benchmarks/bench_core.py",),
           "The planner against the per-entry loader it replaced and a per-sample zarr reader, "
           "in one process over `data/bench` (the mecka keymap: 10 windows over 6 keys)."),
+    Bench("plan", "Compiled read plan, in process", ("benchmarks/bench_plan.py",),
+          "The warm planner with the compiled read plan against its general path (what every "
+          "batch cost before it), the same batches alternating, CPU time per batch; batches "
+          "of 32 and 256, the mecka keymap without and with the front camera."),
+    Bench("warm_daemon", "Daemon CPU against the code before the compiled plan",
+          ("benchmarks/bench_warm_daemon.py",),
+          "This tree's daemon and one of commit a8cd8f7 (`git archive`), side by side over one "
+          "root, warm: `episerve loadtest` (16 clients, batch 64) over gRPC and the local "
+          "plane, round by round; the daemon's CPU per 1,000 samples from /proc."),
     Bench("daemon", "Daemon on loopback", ("benchmarks/bench_daemon.py",),
           "One client reading batches of 64 from a daemon on loopback, warm cache: what the "
           "RPC adds to the planner's own time."),

@@ -112,3 +112,26 @@ def test_packed_varints_match_protobuf(values: list[int]) -> None:
     msg = pb.ReadResponse(frame_index=values)
     expect = msg.SerializeToString()
     assert expect == (b"\x12" + encode.varint(len(body)) + body if values else b"")
+
+
+def test_the_read_accounting_uses_the_parse_the_handler_made() -> None:
+    from episerve_server.rpc.wire import convert
+
+    req = pb.ReadRequest(episodes=["ep000a", "ep001b", "ep000a"], frames=[0, 5, 9],
+                         keymap_id="k")
+    data = req.SerializeToString()
+    limits = convert.Limits(max_batch=256, max_keymap_entries=64, max_keymap_bytes=1 << 20)
+    convert.parse_read(data, limits)
+    # what the handler parsed counts: the bytes are not parsed again
+    assert convert.read_samples_seen(b"not a read request") == 3
+    # read once: a call the handler never parsed is parsed for its count
+    assert convert.read_samples_seen(data) == 3
+    assert convert.read_samples_seen(b"\xff") == 0
+
+
+def test_varints_from_the_table_equal_the_vectorized_ones() -> None:
+    rng = np.random.default_rng(5)
+    for top in (0x80, 0x4000, 1 << 16):
+        v = rng.integers(0, top, 300).astype(np.int64)
+        assert encode.varints(v) == encode._varints_wide(v.view(np.uint64))
+    assert encode.varints(np.array([0x7F, 0x80, 0xFFFF], np.int64)) == b"\x7f\x80\x01\xff\xff\x03"

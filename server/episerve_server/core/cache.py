@@ -54,12 +54,20 @@ class _Slab:
         self.stamp = np.full(capacity, -1, np.int64)  # -1: free
         self.owner_table = np.full(capacity, -1, np.int32)
         self.owner_pos = np.full(capacity, -1, np.int64)
+        self._scratch: np.ndarray | None = None
         self._free = list(range(capacity - 1, -1, -1))  # low slots first: memory grows in order
 
     def take(self, n: int) -> np.ndarray:
         out = np.array(self._free[-n:][::-1], np.int64) if n else np.empty(0, np.int64)
         del self._free[len(self._free) - n:]
         return out
+
+    @property
+    def scratch(self) -> np.ndarray:
+        """One int64 per slot, for counting distinct slots (made on first use)."""
+        if self._scratch is None:
+            self._scratch = np.zeros(self.capacity, np.int64)
+        return self._scratch
 
     @property
     def free(self) -> int:
@@ -146,6 +154,9 @@ class ChunkCache:
         self._frames_of: dict[str, set[ChunkKey]] = {}  # per episode, so a drop is cheap
         self._holds = 0  # gathers running in worker threads: slots are not reused meanwhile
         self._deferred: list[tuple[_Slab, np.ndarray]] = []
+        #: Bumped by every change of what is cached (a plan made before an await checks it).
+        self.version = 0
+        self.drops = 0  # episodes dropped (their uids are gone)
 
     @property
     def enabled(self) -> bool:
@@ -186,6 +197,34 @@ class ChunkCache:
 
     def slab_data(self, slab: int) -> np.ndarray:
         return self._slabs[slab].data
+
+    # -- direct access for the compiled read plan (plan/compiled.py) ----------------------------
+
+    def known_uid(self, episode: str) -> int:
+        """The episode's uid, or -1 if it has none (nothing of it was ever cached)."""
+        return self._uids.get(episode, -1)
+
+    def slot_table(self, key: str) -> _Table | None:
+        return self._tables.get(key) if self.enabled else None
+
+    def stamp(self, slab: int, slots: Sequence[np.ndarray]) -> None:
+        """What ``lookup`` does to chunks all found in ``slab`` at ``slots`` (repeats
+        allowed): one tick of the clock, the slots stamped with it. The caller counts the
+        hits (``distinct``, then ``count``)."""
+        self._clock += 1
+        stamp = self._slabs[slab].stamp
+        for part in slots:
+            stamp[part] = self._clock
+
+    def distinct(self, slab: int, slots: Sequence[np.ndarray]) -> int:
+        """How many distinct slots of ``slab`` ``slots`` name, without a sort: each
+        position writes its number into a per-slab scratch array, and of the positions
+        naming one slot exactly one is left there."""
+        flat = slots[0].ravel() if len(slots) == 1 else np.concatenate([p.ravel() for p in slots])
+        order = np.arange(flat.size, dtype=np.int64)
+        scratch = self._slabs[slab].scratch
+        scratch[flat] = order
+        return int(np.count_nonzero(scratch[flat] == order))
 
     def hold(self) -> None:
         """While held, no slot is handed out again: a gather in a worker thread can read
@@ -277,6 +316,19 @@ class ChunkCache:
             self._entries += len(mine)
         self._sync_gauges()
         return replaced
+
+    def take_frames(self, keys: Sequence[ChunkKey]) -> list[list[bytes]]:
+        """``get`` of chunks of frame bytes all known to be cached, one after another (the
+        same recency, stamps and hits), without its numeric branch."""
+        frames, out = self._frames, []
+        for key in keys:
+            chunk, size, _ = frames[key]
+            frames.move_to_end(key)
+            self._clock += 1
+            frames[key] = (chunk, size, self._clock)
+            out.append(chunk)
+        self.stats.cache_hits += len(keys)
+        return out
 
     # -- frame bytes and the scalar API -------------------------------------------------------
 
@@ -420,6 +472,7 @@ class ChunkCache:
             self._bytes -= entry[1]
             self._entries -= 1
         uid = self._uids.pop(episode, None)
+        self.drops += 1
         if uid is not None:
             for table in self._table_list:
                 if uid < len(table.base) and table.base[uid] >= 0:
@@ -432,6 +485,7 @@ class ChunkCache:
         self._sync_gauges()
 
     def _sync_gauges(self) -> None:
+        self.version += 1
         self.stats.cache_bytes = self._bytes
         self.stats.cache_entries = self._entries
 

@@ -140,9 +140,9 @@ def assemble(keymap: Keymap, batch: Batch, windows: dict[str, Window],
             images[e.name] = _image_column(e, w, table, batch, frames)
         else:
             arrays[e.name] = _fill(partial[e.name], table, batch)
-    _masks(keymap, windows, arrays)
+    add_masks(keymap, windows, arrays)
     if all_masks:
-        _is_pad(keymap, windows, arrays)
+        add_is_pad(keymap, windows, arrays)
     return BatchResult(
         episodes=[batch.episodes[p].hash for p in batch.ep.tolist()],
         frame_index=batch.frame.copy(),
@@ -198,7 +198,7 @@ def _distinct_frames(table: Table) -> list[bytes]:
     return [chunks[p][r] for p, r in zip(pos.tolist(), within.tolist())]
 
 
-def _masks(keymap: Keymap, windows: dict[str, Window], arrays: dict[str, np.ndarray]) -> None:
+def add_masks(keymap: Keymap, windows: dict[str, Window], arrays: dict[str, np.ndarray]) -> None:
     action = keymap.action_mask_entry
     if action is not None:
         arrays["action_pad_mask"] = windows[action.name].mask.astype(np.float32)  # type: ignore[union-attr]
@@ -211,7 +211,7 @@ def _masks(keymap: Keymap, windows: dict[str, Window], arrays: dict[str, np.ndar
 
 
 
-def _is_pad(keymap: Keymap, windows: dict[str, Window], arrays: dict[str, np.ndarray]) -> None:
+def add_is_pad(keymap: Keymap, windows: dict[str, Window], arrays: dict[str, np.ndarray]) -> None:
     """``masks="all"``: ``<output>_is_pad`` (B, W) bool, True where a row is padding, for
     every windowed output (horizon, history, offsets_s; camera windows too)."""
     for e in keymap:

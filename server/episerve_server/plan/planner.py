@@ -9,7 +9,6 @@ assembled with one vectorized gather per output key over clamped row indices.
 from __future__ import annotations
 
 import asyncio
-import math
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -18,11 +17,9 @@ import numpy as np
 
 from episerve_proto.contract import ACTION_KEYS
 from episerve_proto.errors import (
-    BrokenEpisodeError,
     DataLossError,
     FrameOutOfRange,
     InvalidArgument,
-    KeymapError,
     ShortArrayError,
     Unavailable,
 )
@@ -41,6 +38,8 @@ from episerve_server.plan.assemble import (
     empty32,
     gather_cached,
 )
+from episerve_server.plan.checks import Budget, check_keys, output_bytes
+from episerve_server.plan.compiled import Compiled, Warm
 from episerve_server.plan.misses import Fetcher, Need
 from episerve_server.plan.options import ReadOptions, too_big
 from episerve_server.storage.annotations import load_spans
@@ -66,26 +65,75 @@ class Planner:
         # Per keymap: the episodes already checked against it (a keymap x episode check
         # runs once, not on every batch). Bounded; an episode reopened is checked again.
         self._checked: OrderedDict[Keymap, dict[str, Episode]] = OrderedDict()
+        self.compiled = Compiled(catalog, cache)
+        #: False: every batch takes the general path (the differential test's reference).
+        self.use_compiled = True
 
     async def read(self, keymap: Keymap, samples: Sequence[tuple[str, int]],
                    options: ReadOptions = DEFAULT_OPTIONS) -> BatchResult:
         if not samples:
             raise InvalidArgument("a read needs at least one sample")
+        # The compiled plan is chosen before anything changes, so either path leaves the
+        # same answer, LRU state and counters.
+        warm = self.compiled.plan(keymap, samples, options) if self.use_compiled else None
+        if warm is not None:
+            return await self._read_warm(warm, keymap, samples, options)
         batch = self._resolve(keymap, samples)
-        # refuse before building anything large
-        out_bytes = _output_bytes(keymap, batch, options.all_masks)
+        out_bytes, empty = await self._admit(keymap, batch, options, len(samples))
+        return await self._read_general(keymap, samples, options, batch, out_bytes, empty)
+
+    async def _admit(self, keymap: Keymap, batch: Batch, options: ReadOptions,
+                     n: int) -> tuple[int, Empty]:
+        """The size checks, the admission hook and the arena, before building anything."""
+        out_bytes = output_bytes(keymap, batch, options.all_masks)
+        return out_bytes, await self._admit_bytes(out_bytes, keymap, options, n)
+
+    async def _admit_bytes(self, out_bytes: int, keymap: Keymap, options: ReadOptions,
+                           n: int) -> Empty:
         if options.max_response_bytes and out_bytes > options.max_response_bytes:
-            raise too_big(out_bytes, options.max_response_bytes, len(samples))
+            raise too_big(out_bytes, options.max_response_bytes, n)
         if options.admit is not None:
             options.admit(out_bytes)
-        empty: Empty = empty32
         if options.arena is not None:
             await options.arena.open(out_bytes, len(keymap))
-            empty = options.arena.empty
+            return options.arena.empty
+        return empty32
+
+    async def _read_warm(self, warm: Warm, keymap: Keymap, samples: Sequence[tuple[str, int]],
+                         options: ReadOptions) -> BatchResult:
+        empty = await self._admit_bytes(warm.out_bytes, keymap, options, len(samples))
+        if not self.compiled.still_valid(warm):  # the cache changed during the await
+            again = self.compiled.plan(keymap, samples, options)
+            if again is None:
+                batch = self._resolve(keymap, samples)
+                return await self._read_general(keymap, samples, options, batch,
+                                                warm.out_bytes, empty)
+            warm = again
+        budget = Budget(options.max_response_bytes, warm.out_bytes, len(samples))
+        distinct = self.compiled.stamp(warm, budget.add, bool(options.max_response_bytes))
+        if warm.out_bytes >= GATHER_OFFLOAD_BYTES:  # a large gather runs off the event loop
+            self.cache.hold()
+            try:
+                arrays = await asyncio.to_thread(self.compiled.gather, warm, empty)
+            finally:
+                self.cache.unhold()
+        else:
+            arrays = self.compiled.gather(warm, empty)
+        result = self.compiled.result(warm, keymap, arrays, distinct, options.all_masks)
+        if options.max_response_bytes and result.nbytes > options.max_response_bytes:
+            raise too_big(result.nbytes, options.max_response_bytes, len(samples))
+        for h in self.compiled.episodes_first_seen(warm):
+            self.stats.episodes[h].read_rpcs += 1
+        self.stats.samples_read += len(samples)
+        return result
+
+    async def _read_general(self, keymap: Keymap, samples: Sequence[tuple[str, int]],
+                            options: ReadOptions, batch: Batch, out_bytes: int,
+                            empty: Empty) -> BatchResult:
         spans = await self._spans(keymap, batch, options)
         windows = self._windows(keymap, batch, spans, options)
         tables = {key: self._table(key, keymap, batch, windows) for key in sorted(keymap.zarr_keys)}
-        budget = _Budget(options.max_response_bytes, out_bytes, len(samples))
+        budget = Budget(options.max_response_bytes, out_bytes, len(samples))
         self._lookup(tables, batch)
         offload = out_bytes >= GATHER_OFFLOAD_BYTES
         if offload:  # a large gather runs off the event loop
@@ -152,7 +200,7 @@ class Planner:
             if pos is None:
                 episode = self.catalog.lookup(episode_id)
                 if checked.get(episode_id) is not episode:
-                    _check_keys(keymap, episode)
+                    check_keys(keymap, episode)
                     checked[episode_id] = episode
                 pos = position[episode_id] = len(episodes)
                 episodes.append(episode)
@@ -241,7 +289,7 @@ class Planner:
             hits = int((table.slab >= 0).sum())
             self.cache.count(hits, len(table.packed) - hits)
 
-    async def _load(self, tables: dict[str, Table], batch: Batch, budget: _Budget,
+    async def _load(self, tables: dict[str, Table], batch: Batch, budget: Budget,
                     recheck: bool = False) -> None:
         """Fill every chunk the cache lacks, through the fetcher: one job for the batch,
         and chunks other reads are already fetching taken from their jobs. ``recheck``:
@@ -329,57 +377,6 @@ def distinct(values: np.ndarray) -> np.ndarray:
     keep[0] = True
     np.not_equal(s[1:], s[:-1], out=keep[1:])
     return s[keep]
-
-
-class _Budget:
-    """The response byte limit, charged with the numeric outputs (known before fetching)
-    and then with each frame's bytes as they arrive, so a batch of huge frames is refused
-    early instead of after everything was loaded."""
-
-    def __init__(self, limit: int, numeric_bytes: int, batch: int) -> None:
-        self.limit, self.used, self.batch = limit, numeric_bytes, batch
-
-    def add(self, nbytes: int) -> None:
-        self.used += nbytes
-        if self.limit and self.used > self.limit:
-            raise too_big(self.used, self.limit, self.batch, at_least=True)
-
-
-def _output_bytes(keymap: Keymap, batch: Batch, all_masks: bool = False) -> int:
-    """Bytes of the numeric outputs and frame indexes (and with ``all_masks``, of the
-    ``_is_pad`` masks and total_frames), known before any window is built."""
-    total = 8 * len(batch.ep) if all_masks else 0
-    for e in keymap:
-        if e.rule is Rule.ANNOTATION:
-            continue
-        info = batch.episodes[0].readers[e.zarr_key].info
-        per_row = 4 if info.is_bytes else 4 * math.prod(info.feature)
-        per_row += 1 if all_masks and e.time_axis else 0
-        total += len(batch.ep) * e.length * per_row
-    return total
-
-
-def _check_keys(keymap: Keymap, episode: Episode) -> None:
-    for e in keymap:
-        reader = episode.readers.get(e.zarr_key)
-        if reader is None and e.zarr_key in episode.problems:  # the data is broken, not the keymap
-            raise BrokenEpisodeError(
-                f"output key {e.name!r}: episode {episode.hash!r} cannot serve zarr_key "
-                f"{e.zarr_key!r}: {episode.problems[e.zarr_key]}",
-                episode=episode.hash, key=e.zarr_key,
-            )
-        if reader is None:
-            why = "it has no such array"
-            raise KeymapError(
-                f"output key {e.name!r}: episode {episode.hash!r} cannot serve zarr_key "
-                f"{e.zarr_key!r} ({why})", episode=episode.hash, key=e.zarr_key,
-            )
-        if e.rule is Rule.ANNOTATION and not reader.info.is_bytes:
-            raise KeymapError(
-                f"output key {e.name!r}: annotation_keys needs an array of JSON annotations, "
-                f"but {e.zarr_key!r} in episode {episode.hash!r} holds numbers",
-                episode=episode.hash, key=e.zarr_key,
-            )
 
 
 def _key_rows(key: str, keymap: Keymap, batch: Batch,

@@ -42,6 +42,7 @@ from episerve_proto.errors import (
 )
 from episerve_server.core.collector import COLLECTOR
 from episerve_server.core.spans import Span
+from episerve_server.storage.directory import Directory
 from episerve_server.storage.readers import ChunkReader, build_reader
 from episerve_server.storage.readers.bounds import DEFAULT_MAX_ITEM_BYTES, MAX_ROWS
 from episerve_server.storage.store import METADATA_NAMES, CountingStore, Refused
@@ -141,6 +142,15 @@ class Catalog:
         self._scans = 0
         self._broken_prints: dict[str, str] = {}  # broken episodes' fingerprints
         self._changes_at = -math.inf  # when the last check for rewritten episodes started
+        #: Bumped whenever the served episodes change (the compiled plan's directory).
+        self.version = 0
+        self._directory: Directory | None = None
+
+    def directory(self) -> Directory:
+        """The served episodes as dense arrays, rebuilt after a change."""
+        if self._directory is None or self._directory.version != self.version:
+            self._directory = Directory.of(self.episodes, self.version)
+        return self._directory
 
     def allowed(self, episode_id: str) -> bool:
         return not self.allow or any(fnmatch.fnmatchcase(episode_id, p) for p in self.allow)
@@ -174,6 +184,7 @@ class Catalog:
     def drop(self, episode_id: str) -> None:
         """Forget an episode whose folder went away while it was served."""
         known = episode_id in self.episodes or episode_id in self.broken
+        self.version += 1
         self.episodes.pop(episode_id, None)
         self.broken.pop(episode_id, None)
         self._broken_prints.pop(episode_id, None)
@@ -299,6 +310,7 @@ class Catalog:
         if isinstance(episode, BaseException) and not isinstance(
                 episode, BrokenEpisodeError | Unavailable):
             raise episode
+        self.version += 1
         self._retry.discard(name)
         if reopen and (name in self.episodes or name in self.broken):
             self.episodes.pop(name, None)

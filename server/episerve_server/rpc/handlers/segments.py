@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import fcntl
 import itertools
+import math
 import mmap
 import os
 from collections.abc import Callable
@@ -97,10 +98,12 @@ class SegmentPool:
                 self.lent[seg.ident] = seg
                 return seg
         async with self._changed:
+            def ready() -> bool:
+                return self._closed or bool(self.free) or len(self) < self.limit
+
             try:
-                await asyncio.wait_for(
-                    self._changed.wait_for(lambda: self._closed or bool(self.free)
-                                           or len(self) < self.limit), wait_s)
+                if not ready():  # a free segment is taken without a timer (or a task)
+                    await asyncio.wait_for(self._changed.wait_for(ready), wait_s)
             except TimeoutError:
                 raise Overloaded(
                     f"the client holds all {self.limit} shared-memory segments of its "
@@ -228,7 +231,7 @@ class SegmentArena:
 
     def empty(self, shape: tuple[int, ...]) -> np.ndarray:
         """A float32 array of ``shape`` in the segment (a private one if it is full)."""
-        n = 4 * int(np.prod(shape, dtype=np.int64))
+        n = 4 * math.prod(shape)
         seg = self.segment
         if seg is None or self.used + n > seg.size:
             return np.empty(shape, np.float32)

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import grpc
 
-from episerve_server.rpc.wire.convert import read_batch_size
+from episerve_server.rpc.wire.convert import read_samples_seen
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ class LoggingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         if self.observer is not None:
             self.observer.observe(method, code, seconds)
         if method.startswith("/episerve.") and log.isEnabledFor(logging.INFO):
-            batch = read_batch_size(request) if method.endswith("/Read") else 0
+            batch = read_samples_seen(request) if method.endswith("/Read") else 0
             if log.isEnabledFor(logging.DEBUG):
                 _log_rpc(rid, method, code, seconds, peer(), batch, sent)
             self.summary.add(method, code, seconds, batch, sent)

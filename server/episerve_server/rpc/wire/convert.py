@@ -12,6 +12,7 @@ import bisect
 import hashlib
 import json
 from collections.abc import Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -119,6 +120,21 @@ def parse_list(data: bytes) -> PageRequest:
                        frozenset(hashes) if hashes else None)
 
 
+#: The samples of the Read that ``parse_read`` parsed last in this context, -1 for none:
+#: the accounting reads it instead of parsing the request a second time.
+READ_SAMPLES: ContextVar[int] = ContextVar("read_samples", default=-1)
+
+
+def read_samples_seen(data: object) -> int:
+    """The samples of the Read this context served (parsed again only if the handler never
+    parsed it, as when it was refused first); clears what it read."""
+    seen = READ_SAMPLES.get()
+    if seen < 0:
+        return read_batch_size(data)
+    READ_SAMPLES.set(-1)
+    return seen
+
+
 def read_batch_size(data: object) -> int:
     """The samples a Read request asks for (for its log line); 0 if it does not parse."""
     if not isinstance(data, bytes):
@@ -160,6 +176,7 @@ def unchecked_register(data: bytes) -> bytes:
 
 def parse_read(data: bytes, limits: Limits) -> ReadCall:
     req = parse_message(pb.ReadRequest(), data, "Read")
+    READ_SAMPLES.set(len(req.frames))
     if len(req.episodes) != len(req.frames):
         raise InvalidArgument(
             f"episodes and frames must pair up: got {len(req.episodes)} episodes "

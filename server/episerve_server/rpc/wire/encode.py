@@ -36,14 +36,32 @@ def varint(n: int) -> bytes:
     return bytes(out)
 
 
+_TABLE_MAX = 1 << 16  # varints of values below this come from a table (built on first use)
+_table: list[bytes] = []
+
+
+def _varint_table() -> list[bytes]:
+    if not _table:
+        _table.extend(varint(n) for n in range(_TABLE_MAX))
+    return _table
+
+
 def varints(values: np.ndarray) -> bytes:
     """The varints of an integer array, concatenated (a packed repeated int field's body).
     Negative values take ten bytes, as protobuf writes an ``int64``."""
     v = np.ascontiguousarray(values).astype(np.int64, copy=False).view(np.uint64).ravel()
     if v.size == 0:
         return b""
-    if int(v.max()) < 0x80:
+    top = int(v.max())
+    if top < 0x80:
         return v.astype(np.uint8).tobytes()
+    if top < _TABLE_MAX and v.size <= 4096:  # a batch's frame indexes: one join
+        return b"".join(map(_varint_table().__getitem__, v.tolist()))
+    return _varints_wide(v)
+
+
+def _varints_wide(v: np.ndarray) -> bytes:
+    """``varints`` by byte position, vectorized (values of any size)."""
     width = np.ones(v.size, np.int64)
     rest = v >> np.uint64(7)
     while rest.any():

@@ -1,0 +1,101 @@
+"""The daemon's CPU per 1,000 warm samples against the code before the compiled plan.
+
+    python benchmarks/bench_warm_daemon.py [--root data/bench] [--seconds 5] [--rounds 2]
+                                           [--before a8cd8f7]
+
+Two daemons on unix sockets at once over the same root, warm (8 GiB cache, one pass
+first): this tree's and the one of commit ``--before`` (``git archive`` of it into a
+temporary folder, run with that folder first on ``PYTHONPATH``). ``episerve loadtest``
+(16 clients x batch 64, first 24 episodes) runs against each in turn, over gRPC and over
+the local plane, round by round; the daemon's CPU (every thread, /proc) per 1,000
+samples. The numeric mecka keymap and the full one (camera bytes, not decoded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+from io import BytesIO
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import numpy as np
+import yaml
+from bench_local import EPISODES, cpu_s, loadtest
+from common import MECKA, NUMERIC_MECKA, ensure_dataset, table
+
+from episerve_tools.launch import DaemonProcess
+
+REPO = Path(__file__).resolve().parents[1]
+TRANSPORTS = ("grpc", "local")
+
+
+def checkout(commit: str, into: Path) -> dict[str, str]:
+    """The tree of ``commit`` under ``into``; the environment that runs its daemon."""
+    blob = subprocess.run(["git", "-C", str(REPO), "archive", "--format=tar", commit],
+                          capture_output=True, check=True).stdout
+    with tarfile.open(fileobj=BytesIO(blob)) as tar:
+        tar.extractall(into, filter="data")
+    paths = [str(into / d) for d in ("server", "protos", "client", "tools")]
+    return {"PYTHONPATH": os.pathsep.join([*paths, os.environ.get("PYTHONPATH", "")])}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--root", default="data/bench")
+    p.add_argument("--seconds", type=float, default=5.0)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--before", default="a8cd8f7")
+    opts = p.parse_args()
+    ensure_dataset(opts.root, EPISODES)
+    root = str(Path(opts.root).resolve())
+    rows = []
+    loads = []
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {"after": {}, "before": checkout(opts.before, Path(tmp) / "before")}
+        for label, km in (("numeric", NUMERIC_MECKA), ("with camera bytes", MECKA)):
+            keymap = Path(tmp) / "keymap.yaml"
+            keymap.write_text(yaml.safe_dump(km))
+            cpu: dict[tuple[str, str], list[float]] = {}
+            daemons = {
+                code: DaemonProcess(root, "--cache-bytes", "8GiB", "--log-level", "WARNING",
+                                    "--rescan-s", "0", unix=f"{tmp}/{code}.sock",
+                                    env=env[code])
+                for code in env}
+            try:
+                for d in daemons.values():
+                    loadtest(d.target, keymap, opts.seconds, "grpc", tmp)  # fill the cache
+                for _ in range(opts.rounds):
+                    for transport in TRANSPORTS:
+                        for code, d in daemons.items():
+                            before = cpu_s(d.pid)
+                            samples, _ = loadtest(d.target, keymap, opts.seconds, transport,
+                                                  tmp)
+                            ms = (cpu_s(d.pid) - before) / samples * 1e6
+                            cpu.setdefault((code, transport), []).append(ms)
+                            loads.append(os.getloadavg()[0])
+                            print(label, code, transport, f"{ms:.1f}", flush=True)
+            finally:
+                for d in daemons.values():
+                    d.stop()
+            med = {k: float(np.median(v)) for k, v in cpu.items()}
+            rows.append((label, f"{med[('before', 'grpc')]:.1f}",
+                         f"{med[('before', 'local')]:.1f}", f"{med[('after', 'grpc')]:.1f}",
+                         f"{med[('after', 'local')]:.1f}",
+                         f"{med[('after', 'local')] / med[('after', 'grpc')]:.2f}x",
+                         f"{med[('after', 'local')] / med[('before', 'local')]:.2f}x"))
+    print(f"loadtest: 16 clients x batch 64, first {EPISODES} episodes, warm, "
+          f"{opts.seconds:g} s per run, median of {opts.rounds} rounds; daemon CPU in ms per "
+          f"1,000 samples; before = {opts.before}; load average (1 min) "
+          f"{min(loads):.1f}-{max(loads):.1f}")
+    print(table(rows, ("keymap", "before gRPC", "before local", "after gRPC", "after local",
+                       "after local / after gRPC", "after local / before local")))
+
+
+if __name__ == "__main__":
+    main()

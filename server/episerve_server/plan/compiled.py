@@ -1,0 +1,353 @@
+"""The compiled read plan: a warm batch resolved in a few array operations per key.
+
+What the planner works out per batch in Python (which episodes can serve the keymap, each
+key's feature shape, array length and chunk size per episode) depends only on the keymap
+and the catalog's episodes, so it is compiled once per (keymap, catalog version) into
+arrays indexed by the catalog directory's dense episode ids. A batch then costs one dict
+lookup per sample and a handful of numpy calls per key: the rows of every window, the
+slots from the cache's slot table (``flat[base[uid] + row // chunk_rows]``), one ``take``
+per output into the answer's buffer, one stamp per key for the LRU.
+
+``Compiled.plan`` has no side effect and returns None for anything it does not cover
+(a miss, ``annotation_cutoff``, numeric chunk sizes or feature shapes that differ within
+the batch, several slabs, annotations not loaded yet, any sample the planner would
+refuse): the planner then
+takes its general path, so the answer, the cache's LRU state and its counters are the
+same either way (``tests/unit/test_compiled_plan.py`` compares both).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from episerve_server.core.cache import ChunkCache, ChunkKey
+from episerve_server.core.keymap import Keymap, Rule
+from episerve_server.core.result import BatchResult, ImageColumn
+from episerve_server.core.windows import Window
+from episerve_server.plan.assemble import PACK, Empty, add_is_pad, add_masks
+from episerve_server.plan.geometry import KeyGeometry, KeymapPlan, compile_keymap, windows_of
+from episerve_server.plan.options import ReadOptions
+from episerve_server.plan.texts import TextTables
+from episerve_server.storage.catalog import Catalog
+from episerve_server.storage.directory import Directory
+
+MAX_PLANS = 64  # keymaps compiled at once (least recently used go first)
+
+
+@dataclass(frozen=True, slots=True)
+class _Gather:
+    name: str
+    slab: int
+    index: np.ndarray  # (B, W) or (B,): rows of the slab viewed as rows
+    shape: tuple[int, ...]  # the output's shape
+    feature: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class _Frames:
+    """One camera key: its cached chunks in the general path's order (episode by first
+    appearance, then chunk) and, per distinct frame, its chunk and row within it."""
+
+    key: str
+    chunks: tuple[ChunkKey, ...]
+    chunk_of: list[int]  # per distinct frame
+    within: list[int]
+    needed: np.ndarray  # sorted packed (episode position, row) of the distinct frames
+
+
+@dataclass(frozen=True, slots=True)
+class Warm:
+    """A batch the compiled plan serves: everything but the side effects, worked out."""
+
+    hashes: list[str]
+    ids: np.ndarray
+    frame: np.ndarray
+    total: np.ndarray
+    fps: np.ndarray
+    windows: dict[str, Window]
+    gathers: tuple[_Gather, ...]
+    stamps: tuple[tuple[int, list[np.ndarray]], ...]  # per numeric key, sorted: slab, slots
+    frames: tuple[_Frames, ...]  # camera keys, sorted
+    position: np.ndarray  # per sample: its episode's rank by first appearance
+    order: np.ndarray  # per rank: the episode's dense id
+    out_bytes: int
+    cache_version: int
+    directory: Directory
+
+
+class Compiled:
+    def __init__(self, catalog: Catalog, cache: ChunkCache) -> None:
+        self.catalog, self.cache = catalog, cache
+        self._plans: OrderedDict[Keymap, KeymapPlan] = OrderedDict()
+        self._uids = np.empty(0, np.int64)
+        self._uids_for: tuple[int, int] = (-1, -1)
+        self.texts = TextTables()
+        self._rows: dict[tuple[int, tuple[int, ...]], np.ndarray] = {}
+        self.warm_batches = 0  # batches served here (the rest took the general path)
+
+    def plan(self, keymap: Keymap, samples: Sequence[tuple[str, int]],
+             options: ReadOptions) -> Warm | None:
+        """The warm plan of a batch, or None if the planner's general path must serve it.
+        Changes nothing."""
+        if options.annotation_cutoff or not self.cache.enabled:
+            return None
+        directory = self.catalog.directory()
+        kp = self._keymap_plan(keymap, directory)
+        try:
+            hashes = [h for h, _ in samples]
+            given = [f for _, f in samples]
+            if set(map(type, given)) != {int}:
+                return None
+            index = directory.index
+            ids = np.fromiter(map(index.get, hashes, [-1] * len(hashes)), np.int64,
+                              len(hashes))
+            frame = np.array(given, np.int64)
+        except (TypeError, ValueError, OverflowError):
+            return None  # not plain (str, int) pairs: the general path says why
+        if ids.min() < 0 or not kp.servable[ids].all():
+            return None
+        total = directory.total[ids]
+        if frame.min() < 0 or (frame >= total).any():
+            return None
+        for e in keymap:
+            if e.rule is Rule.ANNOTATION and not self.texts.ready(directory, ids, e.zarr_key):
+                return None
+        uids = self._batch_uids(directory, ids)
+        if uids is None:
+            return None
+        fps = directory.fps[ids]
+        windows = windows_of(keymap, kp, frame, total, fps)
+        gathers: list[_Gather] = []
+        stamps: list[tuple[int, list[np.ndarray]]] = []
+        frames: list[_Frames] = []
+        split: dict[tuple[tuple[Any, ...], int], tuple[np.ndarray, np.ndarray]] = {}
+        position, order = _first_seen(ids) if kp.camera else (ids, ids)
+        out_bytes = 8 * len(ids) if options.all_masks else 0
+        for key in sorted(keymap.zarr_keys):
+            geo = kp.keys[key]
+            if not geo.shapes:
+                return None
+            if geo.one_shape:
+                feature, is_bytes = geo.shapes[0]
+            else:
+                shape_id = geo.shape_id[ids]
+                if shape_id.min() != shape_id.max():
+                    return None  # the general path names the shapes
+                feature, is_bytes = geo.shapes[int(shape_id[0])]
+            if is_bytes:
+                got_frames = self._frames(key, kp, geo, ids, position, order, windows,
+                                         directory)
+                if got_frames is None:
+                    return None
+                frames.append(got_frames)
+            else:
+                got = self._key(key, kp, geo, feature, ids, uids, windows, split, gathers)
+                if got is None:
+                    return None
+                stamps.append(got)
+            per_row = 4 if is_bytes else 4 * math.prod(feature)
+            for e in kp.entries[key]:
+                pad = 1 if options.all_masks and e.time_axis else 0
+                out_bytes += len(ids) * e.length * (per_row + pad)
+        return Warm(hashes, ids, frame, total, fps, windows, tuple(gathers), tuple(stamps),
+                    tuple(frames), position, order, out_bytes, self.cache.version, directory)
+
+    def still_valid(self, warm: Warm) -> bool:
+        return warm.cache_version == self.cache.version \
+            and warm.directory.version == self.catalog.version
+
+    def stamp(self, warm: Warm, charge: Callable[[int], None],
+              limited: bool) -> dict[str, list[bytes]]:
+        """The cache's side of the read: per numeric key what ``lookup`` and ``count`` do,
+        then per camera key each chunk taken as ``get`` takes it (with a response limit,
+        ``limited``, ``charge`` is told each chunk's bytes as it is taken, in the general
+        path's order). Returns each camera key's distinct frames."""
+        by_slab: dict[int, list[np.ndarray]] = {}
+        for slab, slots in warm.stamps:
+            self.cache.stamp(slab, slots)
+            by_slab.setdefault(slab, []).extend(slots)
+        # keys never share a slot, so one count per slab is the sum of the keys' counts
+        self.cache.count(sum(self.cache.distinct(s, p) for s, p in by_slab.items()), 0)
+        self.warm_batches += 1
+        out: dict[str, list[bytes]] = {}
+        for f in warm.frames:
+            if limited:  # a chunk over the limit raises before the next one is taken
+                chunks = []
+                for k in f.chunks:
+                    chunks.extend(self.cache.take_frames((k,)))
+                    charge(sum(map(len, chunks[-1])))
+            else:
+                chunks = self.cache.take_frames(f.chunks)
+            out[f.key] = [chunks[c][r] for c, r in zip(f.chunk_of, f.within)]
+        return out
+
+    def gather(self, warm: Warm, empty: Empty) -> dict[str, np.ndarray]:
+        """Every numeric output, one ``take`` each into an array from ``empty``."""
+        out: dict[str, np.ndarray] = {}
+        rows = self._rows
+        for g in warm.gathers:
+            flat = rows.get((g.slab, g.feature))
+            if flat is None:  # a slab's memory never moves: its rows view is kept
+                flat = rows[(g.slab, g.feature)] = \
+                    self.cache.slab_data(g.slab).reshape(-1, *g.feature)
+            dest = empty(g.shape)
+            flat.take(g.index, axis=0, out=dest, mode="clip")
+            out[g.name] = dest
+        return out
+
+    def result(self, warm: Warm, keymap: Keymap, arrays: dict[str, np.ndarray],
+               distinct: dict[str, list[bytes]], all_masks: bool) -> BatchResult:
+        texts: dict[str, list[list[str]]] = {}
+        images: dict[str, ImageColumn] = {}
+        frames: dict[str, list[bytes]] = {}
+        needed = {f.key: f.needed for f in warm.frames}
+        for e in keymap:
+            if e.rule is Rule.ANNOTATION:
+                texts[e.name] = self.texts.at(warm.directory, e.zarr_key, warm.ids, warm.frame)
+            elif e.zarr_key in needed:
+                frames.setdefault(e.zarr_key, distinct[e.zarr_key])
+                w = warm.windows[e.name].rows
+                rows = w if e.time_axis else w[:, 0]
+                pos = warm.position[:, None] if e.time_axis else warm.position
+                index = np.searchsorted(needed[e.zarr_key], pos * PACK + rows)
+                images[e.name] = ImageColumn(e.zarr_key, index.astype(np.int32))
+        add_masks(keymap, warm.windows, arrays)
+        if all_masks:
+            add_is_pad(keymap, warm.windows, arrays)
+        ordered = {e.name: arrays[e.name] for e in keymap if e.name in arrays}
+        ordered.update(arrays)  # the general path's order: outputs, then masks
+        return BatchResult(
+            episodes=warm.hashes, frame_index=warm.frame, fps=warm.fps.astype(np.float32),
+            embodiments=warm.directory.embodiment[warm.ids].tolist(),
+            arrays=ordered, images=images, frames=frames, texts=texts,
+            total_frames=warm.total.copy() if all_masks else None,
+        )
+
+    def episodes_first_seen(self, warm: Warm) -> list[str]:
+        """The batch's distinct episodes in first-seen order (the general path's)."""
+        return list(dict.fromkeys(warm.hashes))
+
+    # -- compiling ----------------------------------------------------------------------------
+
+    def _keymap_plan(self, keymap: Keymap, directory: Directory) -> KeymapPlan:
+        kp = self._plans.get(keymap)
+        if kp is not None and kp.directory is directory:
+            self._plans.move_to_end(keymap)
+            return kp
+        kp = self._plans[keymap] = compile_keymap(keymap, directory)
+        self._plans.move_to_end(keymap)
+        while len(self._plans) > MAX_PLANS:
+            self._plans.popitem(last=False)
+        return kp
+
+    def _batch_uids(self, directory: Directory, ids: np.ndarray) -> np.ndarray | None:
+        """The cache uid of each sample's episode, or None if one has none yet."""
+        want = (directory.version, self.cache.drops)
+        if self._uids_for != want:
+            self._uids_for = want
+            self._uids = np.full(len(directory.episodes), -1, np.int64)
+        uids = self._uids[ids]
+        if uids.min() < 0:
+            for i in np.unique(ids[uids < 0]).tolist():
+                self._uids[i] = self.cache.known_uid(directory.episodes[i].hash)
+            uids = self._uids[ids]
+            if uids.min() < 0:
+                return None
+        out: np.ndarray = uids
+        return out
+
+    def _frames(self, key: str, kp: KeymapPlan, geo: KeyGeometry, ids: np.ndarray,
+                position: np.ndarray, order: np.ndarray, windows: dict[str, Window],
+                directory: Directory) -> _Frames | None:
+        """One camera key's cached chunks and distinct frames, or None (a short array, a
+        chunk not cached)."""
+        cap, c = geo.rows[ids][:, None], geo.chunk_rows[ids][:, None]
+        rows, chunks = [], []
+        for e in kp.entries[key]:
+            w = windows[e.name].rows
+            if (w >= cap).any():
+                return None  # the general path's ShortArrayError
+            rows.append((position[:, None] * PACK + w).ravel())
+            chunks.append((position[:, None] * PACK + w // c).ravel())
+        needed = _distinct(np.concatenate(rows))
+        packed = _distinct(np.concatenate(chunks))
+        ep_pos, chunk = np.divmod(packed, PACK)
+        hashes = directory.hashes[order[ep_pos]].tolist()
+        keys = tuple(zip(hashes, [key] * len(hashes), chunk.tolist()))
+        if not all(map(self.cache.has_frames, keys)):
+            return None
+        f_pos, f_row = np.divmod(needed, PACK)
+        f_c = geo.chunk_rows[order[f_pos]]
+        chunk_of = np.searchsorted(packed, f_pos * PACK + f_row // f_c)
+        return _Frames(key, keys, chunk_of.tolist(), (f_row % f_c).tolist(), needed)
+
+    def _key(self, key: str, kp: KeymapPlan, geo: KeyGeometry, feature: tuple[int, ...],
+             ids: np.ndarray, uids: np.ndarray, windows: dict[str, Window],
+             split: dict[tuple[tuple[Any, ...], int], tuple[np.ndarray, np.ndarray]],
+             gathers: list[_Gather]) -> tuple[int, list[np.ndarray]] | None:
+        """One numeric key's gathers (appended to ``gathers``) and the slots to stamp, or
+        None. ``split`` keeps each (window, chunk rows)'s chunk and row within it, shared
+        by the keys that read the same window."""
+        c = geo.uniform_rows
+        if not c:
+            c_of = geo.chunk_rows[ids]
+            c = int(c_of[0])
+            if c_of.max() != c or c_of.min() != c:
+                return None
+        table = self.cache.slot_table(key)
+        if table is None or int(uids.max()) >= len(table.base):
+            return None
+        base, size, slab_of = table.base[uids], table.size[uids], table.slab[uids]
+        slab = int(slab_of[0])
+        if base.min() < 0 or slab < 0 or slab_of.min() != slab_of.max():
+            return None
+        # rows past the array are the general path's ShortArrayError, chunks past the
+        # table its misses: either way not served here
+        limit = np.minimum(geo.rows[ids], size * c)[:, None]
+        rows_per_slot = self.cache.slab_data(slab).shape[1]
+        every: list[np.ndarray] = []
+        for e in kp.entries[key]:
+            w = windows[e.name].rows
+            if (w >= limit).any():
+                return None
+            sig = (kp.signatures[e.name], c)
+            parts = split.get(sig)
+            if parts is None:
+                parts = split[sig] = np.divmod(w, c)
+            chunk, within = parts
+            slots = table.flat[base[:, None] + chunk]
+            if slots.min() < 0:
+                return None
+            every.append(slots)
+            if e.time_axis:
+                idx = slots * rows_per_slot + within
+            else:
+                idx = slots[:, 0] * rows_per_slot + within[:, 0]
+            gathers.append(_Gather(e.name, slab, idx, (*idx.shape, *feature), feature))
+        return slab, every
+
+
+def _first_seen(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per sample, its episode's rank by first appearance in the batch (the general
+    path's episode positions), and per rank the episode's dense id."""
+    listed = ids.tolist()
+    order = list(dict.fromkeys(listed))
+    rank = {dense: r for r, dense in enumerate(order)}
+    position = np.fromiter(map(rank.__getitem__, listed), np.int64, len(listed))
+    return position, np.array(order, np.int64)
+
+
+def _distinct(values: np.ndarray) -> np.ndarray:
+    s = np.sort(values)
+    if s.size == 0:
+        return s
+    keep = np.empty(s.size, dtype=bool)
+    keep[0] = True
+    np.not_equal(s[1:], s[:-1], out=keep[1:])
+    return s[keep]

@@ -1,0 +1,100 @@
+"""What the compiled read plan knows of a keymap before any batch: per (keymap, catalog
+version), which episodes can serve it and each key's geometry per episode, as arrays
+indexed by the directory's dense ids (plan/compiled.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from episerve_proto.errors import EpiserveError
+from episerve_server.core.keymap import Keymap, KeySpec, Rule
+from episerve_server.core.windows import Window, window
+from episerve_server.plan.checks import check_keys
+from episerve_server.storage.catalog import Episode
+from episerve_server.storage.directory import Directory
+
+
+@dataclass(frozen=True, slots=True)
+class KeyGeometry:
+    """One zarr key over the directory: per dense id, which (feature, is_bytes) it has,
+    its array's rows and its chunk rows."""
+
+    shape_id: np.ndarray  # (N,) int64 index into ``shapes``
+    shapes: tuple[tuple[tuple[int, ...], bool], ...]
+    rows: np.ndarray  # (N,) int64
+    chunk_rows: np.ndarray  # (N,) int64
+    # the same for every servable episode (no per-batch check): chunk rows (0: not), and
+    # whether there is one (feature, is_bytes)
+    uniform_rows: int
+    one_shape: bool
+
+
+@dataclass(frozen=True, slots=True)
+class KeymapPlan:
+    directory: Directory
+    servable: np.ndarray  # (N,) bool: every entry's key checks pass for that episode
+    keys: dict[str, KeyGeometry]  # windowed zarr keys
+    signatures: dict[str, tuple[Any, ...]]  # output -> its window's parameters
+    entries: dict[str, tuple[KeySpec, ...]]  # windowed zarr key -> its entries, keymap order
+    camera: bool  # some key holds frame bytes in some episode
+
+
+def compile_keymap(keymap: Keymap, directory: Directory) -> KeymapPlan:
+    n = len(directory.episodes)
+    servable = np.zeros(n, bool)
+    for i, episode in enumerate(directory.episodes):
+        try:
+            check_keys(keymap, episode)
+        except EpiserveError:
+            continue
+        servable[i] = True
+    keys = {key: _geometry(key, directory.episodes, servable) for key in keymap.zarr_keys}
+    signatures = {e.name: _signature(e) for e in keymap if e.rule is not Rule.ANNOTATION}
+    entries = {key: tuple(e for e in keymap if e.zarr_key == key and e.rule is not Rule.ANNOTATION)
+               for key in keymap.zarr_keys}
+    camera = any(is_bytes for g in keys.values() for _, is_bytes in g.shapes)
+    return KeymapPlan(directory, servable, keys, signatures, entries, camera)
+
+
+def _geometry(key: str, episodes: tuple[Episode, ...], servable: np.ndarray) -> KeyGeometry:
+    n = len(episodes)
+    shape_id = np.zeros(n, np.int64)
+    rows = np.zeros(n, np.int64)
+    chunk_rows = np.ones(n, np.int64)
+    shapes: dict[tuple[tuple[int, ...], bool], int] = {}
+    for i, episode in enumerate(episodes):
+        if not servable[i]:
+            continue
+        info = episode.readers[key].info
+        sig = (tuple(info.feature), bool(info.is_bytes))
+        shape_id[i] = shapes.setdefault(sig, len(shapes))
+        rows[i], chunk_rows[i] = info.rows, info.chunk_rows
+    served = chunk_rows[servable]
+    uniform = int(served[0]) if served.size and served.min() == served.max() else 0
+    return KeyGeometry(shape_id, tuple(shapes), rows, chunk_rows, uniform, len(shapes) <= 1)
+
+
+def _signature(e: KeySpec) -> tuple[Any, ...]:
+    """What an entry's window depends on: entries with equal signatures share one window
+    (the annotation cutoff, which treats action keys apart, is never compiled)."""
+    return (e.rule, e.horizon, e.history, e.history_stride, e.history_stride_s, e.lag_s,
+            e.offsets_s)
+
+
+def windows_of(keymap: Keymap, kp: KeymapPlan, frame: np.ndarray, total: np.ndarray,
+               fps: np.ndarray) -> dict[str, Window]:
+    """Every windowed output's window, computed once per distinct signature."""
+    by_signature: dict[tuple[Any, ...], Window] = {}
+    out: dict[str, Window] = {}
+    for e in keymap:
+        if e.rule is Rule.ANNOTATION:
+            continue
+        sig = kp.signatures[e.name]
+        w = by_signature.get(sig)
+        if w is None:
+            w = by_signature[sig] = window(e, frame, total, fps)
+        out[e.name] = w
+    return out

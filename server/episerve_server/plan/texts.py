@@ -1,0 +1,69 @@
+"""Annotation texts per frame as per-episode tables, for the compiled read plan.
+
+``core.spans.texts_at`` compares every sample's frame with every span of its episode. The
+texts at a frame only change where a span starts or ends, so an episode's spans become,
+once, a list with each frame's texts (one shared tuple per run of frames between two span
+boundaries); a batch then reads one entry per sample. Built lazily, per (catalog version,
+key, episode), from the spans the general path loaded and kept on the episode.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from episerve_server.core.spans import Span
+from episerve_server.storage.directory import Directory
+
+#: Segments x spans compared when an episode's table is built; over it the episode's
+#: batches keep the general path (no table).
+MAX_TABLE_WORK = 1 << 22
+
+
+class TextTables:
+    def __init__(self) -> None:
+        self._version = -1
+        self._tables: dict[tuple[str, int], list[tuple[str, ...]] | None] = {}
+
+    def ready(self, directory: Directory, ids: np.ndarray, key: str) -> bool:
+        """Whether every episode of ``ids`` has a table for ``key`` (built here if its
+        spans are loaded)."""
+        if self._version != directory.version:
+            self._version, self._tables = directory.version, {}
+        tables = self._tables
+        for i in set(ids.tolist()):
+            if (key, i) in tables:
+                if tables[(key, i)] is None:
+                    return False
+                continue
+            episode = directory.episodes[i]
+            spans = episode.spans.get(key)
+            if spans is None:
+                return False  # not loaded yet: the general path loads them
+            tables[(key, i)] = per_frame(spans, episode.total_frames)
+            if tables[(key, i)] is None:
+                return False
+        return True
+
+    def at(self, directory: Directory, key: str, ids: np.ndarray,
+           frame: np.ndarray) -> list[list[str]]:
+        tables = self._tables
+        return [list(tables[(key, i)][f])  # type: ignore[index]
+                for i, f in zip(ids.tolist(), frame.tolist())]
+
+
+def per_frame(spans: list[Span], total: int) -> list[tuple[str, ...]] | None:
+    """Per frame of [0, total): the texts of the spans containing it, in listed order (what
+    ``texts_at`` answers); None if the table would cost over ``MAX_TABLE_WORK``."""
+    if not spans:
+        return [()] * total
+    start = np.array([s.start for s in spans], np.int64)
+    end = np.array([s.end for s in spans], np.int64)
+    bounds = np.unique(np.clip(np.concatenate([[0, total], start, end]), 0, total))
+    if len(bounds) * len(spans) > MAX_TABLE_WORK:
+        return None
+    out: list[tuple[str, ...]] = []
+    for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+        inside = np.flatnonzero((start <= lo) & (lo < end)).tolist()
+        texts = tuple(spans[k].text for k in inside)
+        out.extend([texts] * (hi - lo))
+    return out

@@ -1,0 +1,81 @@
+"""The compiled read plan (plan/compiled.py) against the planner's general path: random
+batches through both, every answer, its encoded bytes, the LRU state and the counters
+compared after each one (tests/support/differential.py)."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from episerve_server.core.keymap import Keymap
+from episerve_server.core.spans import Span, texts_at
+from episerve_server.plan.options import ReadOptions
+from episerve_server.plan.texts import per_frame
+from tests.support.differential import NUMERIC, Pair, drive, write_root
+from tests.support.served import LoopRunner
+
+
+@pytest.fixture(scope="module")
+def template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("differential") / "root"
+    write_root(root)
+    return root
+
+
+def fresh(template: Path, tmp_path: Path) -> Path:
+    """A copy of the dataset a test may add episodes to and remove them from."""
+    root = tmp_path / "root"
+    shutil.copytree(template, root)
+    return root
+
+
+@pytest.fixture(scope="module")
+def run() -> Iterator[LoopRunner]:
+    runner = LoopRunner()
+    yield runner
+    runner.close()
+
+
+@pytest.mark.parametrize("cache_bytes", [8 << 20, 1 << 20])
+def test_compiled_plan_answers_as_the_general_path(template: Path, tmp_path: Path,
+                                                   run: LoopRunner, cache_bytes: int) -> None:
+    pair = Pair.open(fresh(template, tmp_path), cache_bytes, run)
+    drive(pair, 300, seed=cache_bytes, max_batch=32)
+    assert pair.warm_batches >= 2, pair  # the warm path was taken, not only the fallback
+
+
+def test_warm_batches_take_the_compiled_plan(template: Path, run: LoopRunner) -> None:
+    pair = Pair.open(template, 8 << 20, run)
+    keymap = Keymap.parse(NUMERIC["mecka"])
+    samples = [("ep003d", f) for f in (0, 5, 99, 100, 256)] + [("ep000a", 36)]
+    pair.read(keymap, samples, ReadOptions())  # cold: both take the general path
+    assert pair.warm_batches == 0
+    for all_masks in (False, True):
+        pair.read(keymap, samples, ReadOptions(all_masks=all_masks))
+    assert pair.warm_batches == 2
+
+
+def test_text_tables_equal_texts_at() -> None:
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        total = int(rng.integers(1, 80))
+        spans = [Span(f"s{k}", int(a), int(a + rng.integers(1, 40)))
+                 for k, a in enumerate(rng.integers(0, 100, int(rng.integers(0, 6))))]
+        table = per_frame(spans, total)
+        assert table is not None and len(table) == total
+        frames = np.arange(total, dtype=np.int64)
+        want = texts_at([spans], np.zeros(total, np.int64), frames)
+        assert [list(t) for t in table] == want
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cache_bytes", [8 << 20, 160 << 10, 1 << 20])
+def test_compiled_plan_answers_as_the_general_path_thousands(
+        template: Path, tmp_path: Path, run: LoopRunner, cache_bytes: int) -> None:
+    pair = Pair.open(fresh(template, tmp_path), cache_bytes, run)
+    drive(pair, 4000, seed=7 + cache_bytes)
+    assert pair.warm_batches >= (1 if cache_bytes < 1 << 20 else 10)
