@@ -54,6 +54,9 @@ PAYLOADS = {
     "GetKeyStats": [convert.key_stats_request(["obs_head_pose"], ["ep000a"])],
 }
 
+# The first fuzz pass (and the check after it) is in the default run's smoke set.
+pytestmark = pytest.mark.slow
+
 
 @dataclass
 class Served:
@@ -222,6 +225,7 @@ FUZZ = settings(deadline=None, database=None, print_blob=True,
                                        HealthCheck.function_scoped_fixture])
 
 
+@pytest.mark.smoke
 @settings(FUZZ, max_examples=EXAMPLES)
 @given(session=sessions)
 def test_fuzzed_frames_get_deliberate_answers(served: Served,
@@ -237,6 +241,7 @@ def test_more_fuzzed_frames_get_deliberate_answers(served: Served,
     _play(served, session)
 
 
+@pytest.mark.smoke
 def test_the_plane_holds_nothing_after_the_fuzz(served: Served) -> None:
     _holds_nothing_once_all_are_gone(served)
 

@@ -219,3 +219,18 @@ def test_a_keymap_check_in_slices_merges_to_the_whole(tmp_path: Path,
             assert got == whole
     assert len(check_keymap(keymap, episodes).frame_sizes) == 2  # two frame sizes
     assert len(check_keymap(Keymap.parse(extra), episodes).problems) == 5
+
+
+@pytest.mark.parametrize("fps", [1e-300, 0.0009, 10_001, -30])
+def test_an_fps_outside_the_sane_range_breaks_the_episode(tmp_path: Path,
+                                                          serve: Callable[..., Any],
+                                                          fps: float) -> None:
+    """A tiny fps made ``i / fps`` overflow and a float32 fps 0 (an answer the client calls
+    malformed); the episode is broken with the value named, the others are served."""
+    for n, h in enumerate(("good1", "tiny")):
+        ramp.write_ramp_episode(tmp_path, h, episode_no=n, total_frames=20)
+    _edit_attrs(tmp_path / "tiny.zarr", lambda a: a.update(fps=fps))
+    served = serve(tmp_path)
+    reason = served.catalog.broken_listing()["tiny"]
+    assert "'fps'" in reason and repr(fps) in reason
+    assert [e.hash for e in served.catalog.healthy()] == ["good1"]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 import time
+from pathlib import Path
 
 import pytest
 from hypothesis import settings
@@ -82,3 +84,14 @@ def test_smoke_first_marks_only_the_first_case() -> None:
     assert cases[0].values == ("offsets", False)
     assert cases[1] == ("offsets", True)
     assert smoke_first(["a", "b"])[0].values == ("a",)
+
+
+def test_every_integration_module_is_in_the_slow_tier() -> None:
+    """An integration module runs real processes or a served plane: the whole module is
+    marked slow, and only the tests it marks smoke join the default run. A new module that
+    forgets the mark would put its every test in the default tier."""
+    folder = Path(__file__).resolve().parents[1] / "integration"
+    unmarked = [p.name for p in sorted(folder.glob("test_*.py"))
+                if not re.search(r"^pytestmark = .*pytest\.mark\.slow", p.read_text(),
+                                 re.MULTILINE)]
+    assert unmarked == [], f"integration modules without pytestmark = pytest.mark.slow: {unmarked}"

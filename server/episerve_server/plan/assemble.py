@@ -17,7 +17,7 @@ from episerve_server.core.keymap import Keymap, KeySpec, Rule
 from episerve_server.core.result import BatchResult, ImageColumn
 from episerve_server.core.spans import texts_at
 from episerve_server.core.windows import Window
-from episerve_server.storage.catalog import Episode
+from episerve_server.storage.episode import Episode
 from episerve_server.storage.readers import ChunkReader
 
 PACK = np.int64(1 << 32)  # packs (episode position, chunk or row) into one sortable int64

@@ -9,7 +9,7 @@ from episerve_proto.errors import BrokenEpisodeError, KeymapError
 from episerve_server.core.keymap import Keymap, Rule
 from episerve_server.plan.assemble import Batch
 from episerve_server.plan.options import too_big
-from episerve_server.storage.catalog import Episode
+from episerve_server.storage.episode import Episode
 
 
 def check_keys(keymap: Keymap, episode: Episode) -> None:

@@ -13,8 +13,8 @@ from episerve_proto.errors import EpiserveError
 from episerve_server.core.keymap import Keymap, KeySpec, Rule
 from episerve_server.core.windows import Window, window
 from episerve_server.plan.checks import check_keys
-from episerve_server.storage.catalog import Episode
 from episerve_server.storage.directory import Directory
+from episerve_server.storage.episode import Episode
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,7 +43,8 @@ from episerve_server.plan.compiled import Compiled, Warm
 from episerve_server.plan.misses import Fetcher, Need
 from episerve_server.plan.options import ReadOptions, too_big
 from episerve_server.storage.annotations import load_spans
-from episerve_server.storage.catalog import Catalog, Episode
+from episerve_server.storage.catalog import Catalog
+from episerve_server.storage.episode import Episode
 from episerve_server.storage.readers import ChunkReader
 
 MAX_CHECKED_KEYMAPS = 64

@@ -48,7 +48,8 @@ from episerve_server.core.keystats import (
     tail_room,
 )
 from episerve_server.plan.planner import Planner
-from episerve_server.storage.catalog import Catalog, Episode
+from episerve_server.storage.catalog import Catalog
+from episerve_server.storage.episode import Episode
 from episerve_server.storage.readers import ChunkReader, decode_chunk
 
 T = TypeVar("T")

@@ -14,7 +14,7 @@ from typing import Any
 
 from episerve_proto.errors import DataLossError
 from episerve_server.core.spans import MAX_ANNOTATION_BYTES, MAX_SPANS, Span, parse_spans
-from episerve_server.storage.catalog import Episode
+from episerve_server.storage.episode import Episode
 from episerve_server.storage.readers import ChunkReader, decode_chunk
 
 

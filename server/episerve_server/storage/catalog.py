@@ -26,7 +26,6 @@ import time
 import unicodedata
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import nullcontext
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import zarr.api.asynchronous as zasync
@@ -41,10 +40,15 @@ from episerve_proto.errors import (
     Unavailable,
 )
 from episerve_server.core.collector import COLLECTOR
-from episerve_server.core.spans import Span
 from episerve_server.storage.directory import Directory
-from episerve_server.storage.readers import ChunkReader, build_reader
-from episerve_server.storage.readers.bounds import DEFAULT_MAX_ITEM_BYTES, MAX_ROWS
+from episerve_server.storage.episode import Episode
+from episerve_server.storage.readers import build_reader
+from episerve_server.storage.readers.bounds import (
+    DEFAULT_MAX_ITEM_BYTES,
+    MAX_FPS,
+    MAX_ROWS,
+    MIN_FPS,
+)
 from episerve_server.storage.store import METADATA_NAMES, CountingStore, Refused
 
 if TYPE_CHECKING:
@@ -91,31 +95,6 @@ def validate_id(episode_id: object) -> str:
             episode=episode_id if ok else "",
         )
     return episode_id
-
-
-@dataclass(slots=True)
-class Episode:
-    hash: str
-    total_frames: int
-    fps: float
-    embodiment: str
-    attrs: dict[str, Any]
-    readers: dict[str, ChunkReader]
-    problems: dict[str, str] = field(default_factory=dict)
-    spans: dict[str, list[Span]] = field(default_factory=dict)
-    content_hash: str = ""  # 16 hex digits over the group's attributes and array metadata
-    fingerprint: str = ""  # what its files were when it was opened (see CountingStore)
-    checked_at: float = 0.0  # when a failed read last had its files checked (monotonic)
-    # Annotation loads in flight: concurrent first reads share one (single-flight).
-    span_loads: dict[str, asyncio.Future[list[Span]]] = field(default_factory=dict)
-
-    @property
-    def features(self) -> dict[str, Any]:
-        feats = self.attrs.get("features")
-        return feats if isinstance(feats, dict) else {}
-
-    def reason(self) -> str:
-        return "; ".join(self.problems.values())
 
 
 class Catalog:
@@ -510,8 +489,8 @@ def _core_attrs(name: str, attrs: Mapping[str, Any]) -> tuple[int, float, str]:
                   f"got {_shown(total)}")
     fps = attrs.get("fps")
     if isinstance(fps, bool) or not isinstance(fps, int | float) or not math.isfinite(fps) \
-            or not 0 < fps < 10_000:
-        raise bad(f"'fps' must be a finite positive number below 10000, got {_shown(fps)}")
+            or not MIN_FPS <= fps <= MAX_FPS:
+        raise bad(f"'fps' must be a number in [{MIN_FPS:g}, {MAX_FPS:g}], got {_shown(fps)}")
     embodiment = attrs.get("embodiment", "")
     if not isinstance(embodiment, str):
         raise bad(f"'embodiment' must be a string, got {_shown(embodiment)}")

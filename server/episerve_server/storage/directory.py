@@ -10,12 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from episerve_server.storage.catalog import Episode
+from episerve_server.storage.episode import Episode
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,7 @@ from typing import Any
 
 from episerve_proto.contract import did_you_mean
 from episerve_server.core.keymap import Keymap, Rule
-from episerve_server.storage.catalog import Episode
+from episerve_server.storage.episode import Episode
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,7 +41,7 @@ from episerve_proto.v1 import episerve_pb2 as pb
 from episerve_server.config import ServerConfig
 from episerve_server.core.keymap import Keymap
 from episerve_server.core.keystats import KeyStats
-from episerve_server.storage.catalog import Episode
+from episerve_server.storage.episode import Episode
 from episerve_server.storage.keycheck import KeymapCheck
 
 #: A broken episode's reason is cut to this many bytes in a listing.

@@ -20,7 +20,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from episerve_proto.contract import MAX_EPISODE_FRAMES
-from episerve_server.storage.readers.bounds import MAX_FEATURE_ELEMENTS, MAX_ROWS
+from episerve_server.storage.readers.bounds import (
+    MAX_FEATURE_ELEMENTS,
+    MAX_FPS,
+    MAX_ROWS,
+    MIN_FPS,
+)
 
 INFO_PATH = "meta/info.json"
 EPISODES_DIR = "meta/episodes"
@@ -37,9 +42,6 @@ DEFAULT_TOLERANCE_S = 1e-4
 NUMERIC_DTYPES = frozenset({"float16", "float32", "float64", "int8", "int16", "int32", "int64",
                             "uint8", "uint16", "uint32", "uint64", "bool"})
 _FIELDS = frozenset({"chunk_index", "file_index", "video_key"})
-#: ``fps`` (a dataset's and a video's): ``r / fps`` must stay a time a video can seek to and
-#: a float32 the answer can carry.
-MIN_FPS, MAX_FPS = 1e-3, 10_000.0
 #: The bounds of the numeric fields of ``info.json`` (low, high, whether an int).
 _NUMBER_BOUNDS: dict[str, tuple[float, float, bool]] = {
     "fps": (MIN_FPS, MAX_FPS, False),

@@ -27,6 +27,9 @@ from episerve_proto.contract import MAX_EPISODE_FRAMES
 MAX_ROWS = MAX_EPISODE_FRAMES  # rows of an array, and total_frames (the contract's bound)
 MAX_NDIM = 8
 MAX_FEATURE_ELEMENTS = 2**24  # values per row
+#: An episode's ``fps`` (zarr and LeRobot alike): ``i / fps`` must stay a time a video can
+#: seek to and ``fps`` a float32 the answer can carry.
+MIN_FPS, MAX_FPS = 1e-3, 10_000.0
 MAX_ROW_BYTES = 64 << 20  # bytes per row of the float32 output
 MAX_CHUNK_BYTES = 256 << 20  # one decoded chunk (stored dtype or float32), and any vlen chunk
 MAX_CHUNKS_PER_SHARD = 2**20  # a shard index of 16 MiB
