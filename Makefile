@@ -63,3 +63,23 @@ protos-check: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis out
+
+# LeRobot in a venv of its own (Python 3.12, its own torch and PyAV), with this project's client
+# installed into it the way a LeRobot user would: `pip install '.[client]'`. The daemon keeps
+# running from .venv; the parity tests and the LeRobot bench section run here.
+LEROBOT_PYTHON ?= $(firstword $(wildcard $(shell pyenv root 2>/dev/null)/versions/3.12*/bin/python3.12))
+LEROBOT_VENV ?= .venv-lerobot
+LEROBOT_SPEC ?= lerobot[dataset]>=0.6,<0.7
+LEROBOT_STAMP := $(LEROBOT_VENV)/.installed
+
+.PHONY: lerobot-env lerobot-parity lerobot-resolve
+
+lerobot-env: $(LEROBOT_STAMP)
+
+$(LEROBOT_STAMP): pyproject.toml
+	@test -n "$(LEROBOT_PYTHON)" || { echo "no Python 3.12 found: set LEROBOT_PYTHON" >&2; exit 1; }
+	$(LEROBOT_PYTHON) -m venv $(LEROBOT_VENV)
+	$(LEROBOT_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(LEROBOT_VENV)/bin/python -m pip install --quiet '$(LEROBOT_SPEC)' 'pytest>=8' 'pytest-timeout>=2.3'
+	$(LEROBOT_VENV)/bin/python -m pip install --quiet '.[client]'
+	touch $(LEROBOT_STAMP)
