@@ -83,3 +83,11 @@ $(LEROBOT_STAMP): pyproject.toml
 	$(LEROBOT_VENV)/bin/python -m pip install --quiet '$(LEROBOT_SPEC)' 'pytest>=8' 'pytest-timeout>=2.3'
 	$(LEROBOT_VENV)/bin/python -m pip install --quiet '.[client]'
 	touch $(LEROBOT_STAMP)
+
+# The parity tests against LeRobotDataset, in LeRobot's venv, on this tree's client; the
+# daemon runs from .venv (tests/integration/test_lerobot_parity.py).
+lerobot-parity: $(LEROBOT_STAMP) $(STAMP)
+	EPISERVE_DAEMON_PYTHON=$(abspath $(PY)) \
+	PYTHONPATH=$(CURDIR)/protos:$(CURDIR)/client:$(CURDIR)/tools:$(CURDIR) \
+	$(LEROBOT_VENV)/bin/python -m pytest -p no:cacheprovider --noconftest -o filterwarnings=error \
+	    tests/integration/test_lerobot_parity.py $(PYTEST_ARGS)
