@@ -125,12 +125,14 @@ def test_items_equal_lerobot_dataset(served: tuple[Path, str], delta: str,
         same((delta, "batch", i), batch[b], theirs[i])
 
 
-def test_an_episode_subset_indexes_as_lerobot_does(served: tuple[Path, str]) -> None:
+def test_an_episode_subset_indexes_as_lerobot_does_over_grpc(
+        served: tuple[Path, str]) -> None:
     root, target = served
     delta = DELTAS["window"]
     theirs = LeRobotDataset("episerve/parity", root=root, episodes=[1, 3],
                             delta_timestamps=delta, video_backend="pyav")
-    ours = LeRobotWindowDataset(target, root, delta, episodes=[1, 3])
+    # over gRPC (the items test above reads through the local plane of a unix socket)
+    ours = LeRobotWindowDataset(target, root, delta, episodes=[1, 3], transport="grpc")
     assert len(ours) == len(theirs) == LENGTHS[1] + LENGTHS[3]
     for i in range(len(theirs)):
         assert same(("subset", i), ours[i], theirs[i]) == 0.0
@@ -168,6 +170,28 @@ def test_default_layout_values_match_lerobot(served: tuple[Path, str]) -> None:
             assert np.array_equal(np.asarray(got[f"{key}_is_pad"]),
                                   want[f"{key}_is_pad"].numpy()), (i, key)
         assert got["task"] == [want["task"]], i
+
+
+def test_grpcio_and_protobuf_are_in_the_claimed_range() -> None:
+    """The runtimes under test are the ones pyproject.toml claims; with
+    ``EPISERVE_CLIENT_FLOOR`` set (``make lerobot-parity-floor``), exactly its pins."""
+    import tomllib
+
+    import grpc
+    from google.protobuf import __version__ as protobuf_version
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    claimed = {r.name: r for r in map(Requirement, project["project"]["dependencies"])}
+    running = {"grpcio": grpc.__version__, "protobuf": protobuf_version}
+    for name, version in running.items():
+        assert claimed[name].specifier.contains(version), (name, version, claimed[name])
+    floor = os.environ.get("EPISERVE_CLIENT_FLOOR")
+    if floor:
+        pins = dict(p.split("==") for p in floor.split())
+        assert running == pins, (running, pins)
+        assert all(claimed[n].specifier.contains(v) and f">={v}" in str(claimed[n].specifier)
+                   for n, v in pins.items()), (pins, claimed)
 
 
 def test_lerobot_stats_match_meta_stats_json(served: tuple[Path, str]) -> None:
