@@ -87,7 +87,7 @@ $(LEROBOT_STAMP): pyproject.toml
 # The parity tests against LeRobotDataset, in LeRobot's venv, on this tree's client; the
 # daemon runs from .venv (tests/integration/test_lerobot_parity.py).
 lerobot-parity: $(LEROBOT_STAMP) $(STAMP)
-	EPISERVE_DAEMON_PYTHON=$(abspath $(PY)) \
+	DAEMON_PYTHON=$(abspath $(PY)) \
 	PYTHONPATH=$(CURDIR)/protos:$(CURDIR)/client:$(CURDIR)/tools:$(CURDIR) \
 	$(LEROBOT_VENV)/bin/python -m pytest -p no:cacheprovider --noconftest -o filterwarnings=error \
 	    tests/integration/test_lerobot_parity.py $(PYTEST_ARGS)
@@ -104,7 +104,7 @@ lerobot-parity-floor: $(LEROBOT_STAMP) $(STAMP)
 	    --target $(FLOOR_VENV)/lib/python3.12/site-packages $(CLIENT_FLOOR)
 	$(LEROBOT_VENV)/bin/python -c "import site; print(site.getsitepackages()[0])" \
 	    > $(FLOOR_VENV)/lib/python3.12/site-packages/zz-lerobot.pth
-	EPISERVE_CLIENT_FLOOR='$(CLIENT_FLOOR)' EPISERVE_DAEMON_PYTHON=$(abspath $(PY)) \
+	CLIENT_FLOOR_PINS='$(CLIENT_FLOOR)' DAEMON_PYTHON=$(abspath $(PY)) \
 	PYTHONPATH=$(CURDIR)/protos:$(CURDIR)/client:$(CURDIR)/tools:$(CURDIR) \
 	$(FLOOR_VENV)/bin/python -m pytest -p no:cacheprovider --noconftest -o filterwarnings=error \
 	    tests/integration/test_lerobot_parity.py $(PYTEST_ARGS)

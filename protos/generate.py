@@ -8,7 +8,7 @@ version is the client's protobuf floor in pyproject.toml: an older generator mea
 floor, so the client installs next to packages that still need protobuf 6. That generator
 needs protobuf < 7 and cannot share the daemon's venv, so unless the running interpreter has
 it already, it gets a venv of its own (``.venv-protoc`` beside this folder, or
-``$EPISERVE_PROTOC_VENV``), made once, and this script runs again in it.
+``$PROTOC_VENV``), made once, and this script runs again in it.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ HERE = Path(__file__).resolve().parent
 #: The generator of the committed stubs: grpcio-tools 1.80.1 writes protobuf gencode 6.31.1,
 #: which every protobuf runtime from 6.31.1 on loads (pyproject's ``protobuf>=6.31.1``).
 GRPCIO_TOOLS = "1.80.1"
-PROTOC_VENV = Path(os.environ.get("EPISERVE_PROTOC_VENV", HERE.parent / ".venv-protoc"))
+PROTOC_VENV = Path(os.environ.get("PROTOC_VENV", HERE.parent / ".venv-protoc"))
 SOURCES = sorted((HERE / "episerve" / "v1").glob("*.proto"))
 # No service stubs: both sides call the methods by path (episerve_proto.contract) and the
 # daemon parses requests itself, so only the messages are generated.

@@ -5,7 +5,7 @@ lengths), served by a real daemon, read by ``LeRobotWindowDataset`` and by
 field by field; ``lerobot_stats()`` against the dataset's ``meta/stats.json``.
 
 It runs in LeRobot's own venv (``make lerobot-env``; ``make lerobot-parity`` runs this file
-there with ``--noconftest``), the daemon in the project's: ``EPISERVE_DAEMON_PYTHON`` names
+there with ``--noconftest``), the daemon in the project's: ``DAEMON_PYTHON`` names
 its interpreter (default: this one). Where ``lerobot`` does not import it is skipped.
 """
 
@@ -82,7 +82,7 @@ def served(request: pytest.FixtureRequest,
     tmp = tmp_path_factory.mktemp(f"parity-{request.param}")
     root = tmp / "root"
     write_with_lerobot(root, request.param)
-    python = os.environ.get("EPISERVE_DAEMON_PYTHON")
+    python = os.environ.get("DAEMON_PYTHON")
     with DaemonProcess(root, "--rescan-s", "0", unix=tmp / "d.sock", python=python) as d:
         yield root, d.target
 
@@ -174,7 +174,7 @@ def test_default_layout_values_match_lerobot(served: tuple[Path, str]) -> None:
 
 def test_grpcio_and_protobuf_are_in_the_claimed_range() -> None:
     """The runtimes under test are the ones pyproject.toml claims; with
-    ``EPISERVE_CLIENT_FLOOR`` set (``make lerobot-parity-floor``), exactly its pins."""
+    ``CLIENT_FLOOR_PINS`` set (``make lerobot-parity-floor``), exactly its pins."""
     import tomllib
 
     import grpc
@@ -186,7 +186,7 @@ def test_grpcio_and_protobuf_are_in_the_claimed_range() -> None:
     running = {"grpcio": grpc.__version__, "protobuf": protobuf_version}
     for name, version in running.items():
         assert claimed[name].specifier.contains(version), (name, version, claimed[name])
-    floor = os.environ.get("EPISERVE_CLIENT_FLOOR")
+    floor = os.environ.get("CLIENT_FLOOR_PINS")
     if floor:
         pins = dict(p.split("==") for p in floor.split())
         assert running == pins, (running, pins)
