@@ -67,7 +67,7 @@ clean:
 # LeRobot in a venv of its own (Python 3.12, its own torch and PyAV), with this project's client
 # installed into it the way a LeRobot user would: `pip install '.[client]'`. The daemon keeps
 # running from .venv; the parity tests and the LeRobot bench section run here.
-LEROBOT_PYTHON ?= $(firstword $(wildcard $(shell pyenv root 2>/dev/null)/versions/3.12*/bin/python3.12))
+LEROBOT_PYTHON ?= $(firstword $(wildcard $(shell pyenv root 2>/dev/null)/versions/3.12*/bin/python3.12) $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12))
 LEROBOT_VENV ?= .venv-lerobot
 LEROBOT_SPEC ?= lerobot[dataset]>=0.6,<0.7
 LEROBOT_STAMP := $(LEROBOT_VENV)/.installed

@@ -129,10 +129,10 @@ def test_an_episode_subset_indexes_as_lerobot_does_over_grpc(
         served: tuple[Path, str]) -> None:
     root, target = served
     delta = DELTAS["window"]
-    theirs = LeRobotDataset("episerve/parity", root=root, episodes=[1, 3],
+    theirs = LeRobotDataset("episerve/parity", root=root, episodes=[3, 1],
                             delta_timestamps=delta, video_backend="pyav")
     # over gRPC (the items test above reads through the local plane of a unix socket)
-    ours = LeRobotWindowDataset(target, root, delta, episodes=[1, 3], transport="grpc")
+    ours = LeRobotWindowDataset(target, root, delta, episodes=[3, 1], transport="grpc")
     assert len(ours) == len(theirs) == LENGTHS[1] + LENGTHS[3]
     for i in range(len(theirs)):
         assert same(("subset", i), ours[i], theirs[i]) == 0.0

@@ -62,9 +62,10 @@ class LeRobotWindowDataset(WindowDataset):
                  tolerance_s: float = DEFAULT_TOLERANCE_S,
                  episodes: Sequence[int] | None = None, return_uint8: bool = False,
                  **options: Any) -> None:
-        for fixed in ("frames", "masks", "on_broken", "manifest"):
+        for fixed in ("frames", "masks", "on_broken", "manifest", "transforms"):
             if fixed in options:
-                raise InvalidArgument(f"LeRobotWindowDataset sets {fixed}= itself")
+                raise InvalidArgument(f"LeRobotWindowDataset takes no {fixed}= (it sets what "
+                                      "LeRobot's items need; apply transforms to the batch)")
         info = _info(root_or_info) if isinstance(root_or_info, Mapping) \
             else _info(Path(root_or_info))
         fps = info.get("fps")
@@ -79,7 +80,8 @@ class LeRobotWindowDataset(WindowDataset):
         keymap[_TASK_INDEX] = {"zarr_key": "task_index", "key_type": PROPRIO_KEYS}
         self.delta_timestamps = delta
         self.fps = float(fps)
-        names = None if episodes is None else [_episode_name(e) for e in episodes]
+        # LeRobot keeps the dataset's own order whatever the order of ``episodes``.
+        names = None if episodes is None else sorted({_episode_name(e) for e in episodes})
         super().__init__(target, keymap, episodes=names, masks="all",
                          frames="uint8" if return_uint8 else "float32", on_broken="error",
                          **options)
