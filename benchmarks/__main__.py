@@ -124,6 +124,17 @@ SUITE: tuple[Bench, ...] = (
           "then warm; frames decoded per sample from the daemon's counter.",
           (Chart("lerobot", "LeRobot root: samples/s", "samples/s",
                  ("episerve samples/s", "baseline samples/s")),)),
+    Bench("lerobot_vs", "LeRobotDataset itself, 96x128",
+          ("benchmarks/bench_lerobot_vs.py", "--size", "96x128", "--batches", "20"),
+          "`LeRobotDataset(video_backend=\"pyav\")` in LeRobot's venv (`make lerobot-env`) "
+          "against `LeRobotWindowDataset` on the same root, written by LeRobot's own writer "
+          "(4 episodes x 200 frames, 2 cameras, h264): 2 workers, batch 32, torch's default "
+          "collate on both sides, cold then warm, float32 and uint8 frames, worker RSS."),
+    Bench("lerobot_vs_large", "LeRobotDataset itself, 480x640, frames over the cache",
+          ("benchmarks/bench_lerobot_vs.py", "--size", "480x640", "--batches", "10",
+           "--cache-bytes", "256MiB"),
+          "As above at 480x640 with 2 cameras, the daemon's cache (256 MiB) smaller than the "
+          "decoded frames (1,600 frames of 0.9 MB)."),
     Bench("front_limit", "The front's response limit", ("benchmarks/bench_front_limit.py",),
           "Reads split over both workers of `--workers 2`, over and under "
           "`--max-response-bytes`: the front's memory and health."),

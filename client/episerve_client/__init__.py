@@ -21,6 +21,7 @@ __all__ = [
     "Client",
     "EpisodeInfo",
     "KeyStats",
+    "LeRobotWindowDataset",
     "Listing",
     "Manifest",
     "MixtureDataset",
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
     from episerve_client.data.dataset import WindowDataset
     from episerve_client.data.episodes import BrokenEpisodesWarning
     from episerve_client.data.frames import to_float
+    from episerve_client.data.lerobot_dataset import LeRobotWindowDataset
     from episerve_client.data.manifest import Manifest
     from episerve_client.data.mixture import MixtureDataset, WeightedMixtureSampler
     from episerve_client.data.sampler import WindowBatch, WindowSampler
@@ -54,6 +56,10 @@ def __getattr__(name: str) -> Any:
         from episerve_client.data.dataset import WindowDataset
 
         return WindowDataset
+    if name == "LeRobotWindowDataset":
+        from episerve_client.data.lerobot_dataset import LeRobotWindowDataset
+
+        return LeRobotWindowDataset
     if name == "collate":
         from episerve_client.data.collation import collate
 

@@ -23,6 +23,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from episerve_client import channel
 from episerve_client.client import Client
 from episerve_client.convert import EpisodeInfo, KeyStats, Listing, only
@@ -33,6 +35,7 @@ from episerve_client.errors import (
     FailedPrecondition,
     KeymapError,
 )
+from episerve_proto.contract import PROPRIO_KEYS
 
 #: Seconds a probe may take beyond the caller's timeout (process start, teardown).
 SLACK_S = 30.0
@@ -65,6 +68,16 @@ def key_stats(target: str | Sequence[str], keys: Sequence[str], episodes: Sequen
     """``Client.key_stats`` from a child process, so the caller still never starts gRPC."""
     reply = _in_child("key_stats", (target, list(keys), list(episodes), timeout_s,
                                     dict(client_options)), target, timeout_s)
+    assert isinstance(reply, dict)
+    return reply
+
+
+def rows(target: str | Sequence[str], keys: Sequence[str], episodes: Sequence[tuple[str, int]],
+         *, timeout_s: float, client_options: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """Every row of numeric ``keys`` in each of ``episodes`` (hash, length), read from a
+    child process: episode -> key -> (length, *feature) array."""
+    reply = _in_child("rows", (target, list(keys), list(episodes), timeout_s,
+                               dict(client_options)), target, timeout_s)
     assert isinstance(reply, dict)
     return reply
 
@@ -179,8 +192,28 @@ def _key_stats(target: Any, keys: list[str], episodes: list[str], timeout_s: flo
         return client.key_stats(keys, episodes=episodes, timeout_s=timeout_s)
 
 
+#: Samples per Read while ``rows`` reads whole episodes.
+ROWS_PER_READ = 2048
+
+
+def _rows(target: Any, keys: list[str], episodes: list[tuple[str, int]], timeout_s: float,
+          options: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    keymap = {k: {"zarr_key": k, "key_type": PROPRIO_KEYS} for k in keys}
+    out: dict[str, dict[str, Any]] = {}
+    with Client(target, **options) as client:
+        for episode, length in episodes:
+            parts: dict[str, list[Any]] = {k: [] for k in keys}
+            for start in range(0, length, ROWS_PER_READ):
+                frames = range(start, min(length, start + ROWS_PER_READ))
+                got = client.read(keymap, [(episode, f) for f in frames], timeout_s=timeout_s)
+                for k in keys:
+                    parts[k].append(got.arrays[k])
+            out[episode] = {k: np.concatenate(v) for k, v in parts.items()}
+    return out
+
+
 _KINDS: dict[str, Callable[..., Any]] = {"probe": _check, "describe": _describe,
-                                         "key_stats": _key_stats}
+                                         "key_stats": _key_stats, "rows": _rows}
 
 
 @dataclass(frozen=True, slots=True)

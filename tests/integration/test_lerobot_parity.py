@@ -1,16 +1,19 @@
-"""Parity with LeRobot's own writer and loader: a dataset written by ``LeRobotDataset``
-(two cameras, several episodes per file), served by a real daemon, read by
-``WindowDataset`` and by ``LeRobotDataset.__getitem__`` with the same ``delta_timestamps``.
+"""Parity with LeRobot itself: datasets written by ``LeRobotDataset``'s own writer (h264 and
+av1, two cameras of different sizes, a task that changes mid-episode, episodes of different
+lengths), served by a real daemon, read by ``LeRobotWindowDataset`` and by
+``LeRobotDataset.__getitem__`` with the same ``delta_timestamps``, every sample compared
+field by field; ``lerobot_stats()`` against the dataset's ``meta/stats.json``.
 
-Runs only where ``lerobot`` (0.4.x, the ``lerobot-tests`` extra) imports with its video
-stack: it needs a torchvision that matches the installed torch, and LeRobot 0.4 asks for
-torch < 2.11. Elsewhere it is skipped with the import error as the reason; the reader's own
-tests (``tests/unit/test_lerobot_reader.py``, ``test_lerobot_daemon.py``) run on a v3 root
-that pyarrow and PyAV write.
+It runs in LeRobot's own venv (``make lerobot-env``; ``make lerobot-parity`` runs this file
+there with ``--noconftest``), the daemon in the project's: ``DAEMON_PYTHON`` names
+its interpreter (default: this one). Where ``lerobot`` does not import it is skipped.
 """
 
 from __future__ import annotations
 
+import json
+import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,67 +23,191 @@ import pytest
 pytestmark = pytest.mark.slow
 
 try:
+    import torch
+    from lerobot.configs.video import RGBEncoderConfig
     from lerobot.datasets.lerobot_dataset import LeRobotDataset
 except Exception as exc:  # ImportError, or a torchvision built for another torch
-    pytest.skip(f"lerobot's dataset module does not import here ({type(exc).__name__}: "
+    pytest.skip(f"lerobot 0.6's dataset module does not import here ({type(exc).__name__}: "
                 f"{str(exc)[:200]})", allow_module_level=True)
 
-from episerve_client import WindowDataset, keymap_from_lerobot
+from episerve_client import LeRobotWindowDataset, WindowDataset, keymap_from_lerobot
+from episerve_client.errors import InvalidArgument
 from episerve_tools.launch import DaemonProcess
 from tests.support import lerobot as lr
 
-LENGTHS = (12, 7, 20)
-SIZE = (32, 48)
-CAMERAS = ("observation.images.top", "observation.images.wrist")
-TASKS = ("pick the cube", "place the cube")
-DELTA = {"observation.state": [-0.2, 0.0], "action": [0.0, 0.1, 0.2, 0.3],
-         "observation.images.top": [-0.1, 0.0]}
+pytestmark = pytest.mark.slow
+
+LENGTHS = (12, 7, 20, 5)
+CAMERAS = {"observation.images.top": (48, 64), "observation.images.wrist": (36, 48)}
+TASKS = ("pick the cube", "place the cube", "wave")
+#: Past and future offsets; one video window of one offset; a camera with none.
+DELTAS: dict[str, dict[str, list[float]]] = {
+    "window": {"observation.state": [-0.2, -0.1, 0.0], "action": [0.0, 0.1, 0.2, 0.3],
+               "observation.images.top": [-0.1, 0.0, 0.1]},
+    "single": {"observation.state": [0.0], "action": [0.1],
+               "observation.images.top": [0.0], "observation.images.wrist": [-0.1]},
+}
 
 
-def write_with_lerobot(root: Path) -> None:
+def task_of(ep: int, f: int) -> str:
+    """Episode 2 switches task halfway through; the others keep one."""
+    if ep == 2:
+        return TASKS[2] if f >= LENGTHS[ep] // 2 else TASKS[0]
+    return TASKS[ep % 2]
+
+
+def write_with_lerobot(root: Path, vcodec: str) -> None:
     features: dict[str, Any] = {
         "observation.state": {"dtype": "float32", "shape": (lr.STATE_DIM,), "names": None},
         "action": {"dtype": "float32", "shape": (lr.ACTION_DIM,), "names": None},
     }
-    for cam in CAMERAS:
-        features[cam] = {"dtype": "video", "shape": (*SIZE, 3),
+    for cam, size in CAMERAS.items():
+        features[cam] = {"dtype": "video", "shape": (*size, 3),
                          "names": ["height", "width", "channels"]}
     ds = LeRobotDataset.create(repo_id="episerve/parity", fps=lr.FPS, root=root,
-                               features=features, use_videos=True, vcodec="h264")
+                               features=features, use_videos=True,
+                               rgb_encoder=RGBEncoderConfig(vcodec=vcodec))
     for ep, n in enumerate(LENGTHS):
         for f in range(n):
             frame: dict[str, Any] = {"observation.state": lr.state_value(ep, f),
-                                     "action": lr.action_value(ep, f),
-                                     "task": TASKS[ep % 2]}
-            for c, cam in enumerate(CAMERAS):
-                frame[cam] = lr.frame_pixels(ep, f, c, SIZE)
+                                     "action": lr.action_value(ep, f), "task": task_of(ep, f)}
+            for c, (cam, size) in enumerate(CAMERAS.items()):
+                frame[cam] = lr.frame_pixels(ep, f, c, size)
             ds.add_frame(frame)
         ds.save_episode()
     ds.finalize()
 
 
-def test_window_dataset_equals_lerobot_dataset(tmp_path: Path) -> None:
-    root = tmp_path / "parity"
-    write_with_lerobot(root)
-    theirs = LeRobotDataset("episerve/parity", root=root, delta_timestamps=DELTA,
+@pytest.fixture(scope="module", params=["h264", "libsvtav1"])
+def served(request: pytest.FixtureRequest,
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, str]]:
+    tmp = tmp_path_factory.mktemp(f"parity-{request.param}")
+    root = tmp / "root"
+    write_with_lerobot(root, request.param)
+    python = os.environ.get("DAEMON_PYTHON")
+    with DaemonProcess(root, "--rescan-s", "0", unix=tmp / "d.sock", python=python) as d:
+        yield root, d.target
+
+
+def same(where: tuple[Any, ...], got: dict[str, Any], want: dict[str, Any]) -> float:
+    """Every key, dtype, shape and value equal; returns the largest frame difference."""
+    assert sorted(got) == sorted(want), where
+    worst = 0.0
+    for key, value in want.items():
+        mine = got[key]
+        if isinstance(value, torch.Tensor):
+            assert isinstance(mine, torch.Tensor), (where, key)
+            assert (mine.dtype, tuple(mine.shape)) == (value.dtype, tuple(value.shape)), \
+                (where, key, mine.dtype, tuple(mine.shape), value.dtype, tuple(value.shape))
+            if key in CAMERAS:
+                worst = max(worst, float((mine.double() - value.double()).abs().max()))
+            else:
+                assert torch.equal(mine, value), (where, key, mine, value)
+        else:
+            assert mine == value, (where, key, mine, value)
+    return worst
+
+
+@pytest.mark.parametrize("delta", sorted(DELTAS))
+@pytest.mark.parametrize("uint8", [False, True], ids=["float32", "uint8"])
+def test_items_equal_lerobot_dataset(served: tuple[Path, str], delta: str,
+                                     uint8: bool) -> None:
+    root, target = served
+    theirs = LeRobotDataset("episerve/parity", root=root, delta_timestamps=DELTAS[delta],
+                            video_backend="pyav", return_uint8=uint8)
+    ours = LeRobotWindowDataset(target, root, DELTAS[delta], return_uint8=uint8)
+    assert len(ours) == len(theirs) == sum(LENGTHS)
+    worst = 0.0
+    for i in range(len(theirs)):
+        worst = max(worst, same((delta, i), ours[i], theirs[i]))
+    assert worst == 0.0, f"frames differ from LeRobot's pyav decode by up to {worst}"
+    # a batch, as a DataLoader asks for one, holds the same items
+    batch = ours.__getitems__([len(ours) - 1, 0, 13])
+    for b, i in enumerate([len(ours) - 1, 0, 13]):
+        same((delta, "batch", i), batch[b], theirs[i])
+
+
+def test_an_episode_subset_indexes_as_lerobot_does_over_grpc(
+        served: tuple[Path, str]) -> None:
+    root, target = served
+    delta = DELTAS["window"]
+    theirs = LeRobotDataset("episerve/parity", root=root, episodes=[3, 1],
+                            delta_timestamps=delta, video_backend="pyav")
+    # over gRPC (the items test above reads through the local plane of a unix socket)
+    ours = LeRobotWindowDataset(target, root, delta, episodes=[3, 1], transport="grpc")
+    assert len(ours) == len(theirs) == LENGTHS[1] + LENGTHS[3]
+    for i in range(len(theirs)):
+        assert same(("subset", i), ours[i], theirs[i]) == 0.0
+
+
+def test_offsets_off_the_grid_are_refused_as_lerobot_refuses_them(
+        served: tuple[Path, str]) -> None:
+    root, target = served
+    off = {"action": [0.0, 0.01]}
+    with pytest.raises(ValueError, match="tolerance"):
+        LeRobotDataset("episerve/parity", root=root, delta_timestamps=off, video_backend="pyav")
+    with pytest.raises(InvalidArgument, match=r"action.*0\.01.*tolerance_s"):
+        LeRobotWindowDataset(target, root, off)
+    # within tolerance_s of the grid: both take it
+    near = {"action": [0.0, 0.1 + 5e-5]}
+    LeRobotDataset("episerve/parity", root=root, delta_timestamps=near, video_backend="pyav")
+    assert len(LeRobotWindowDataset(target, root, near)) == sum(LENGTHS)
+
+
+def test_default_layout_values_match_lerobot(served: tuple[Path, str]) -> None:
+    root, target = served
+    delta = DELTAS["window"]
+    theirs = LeRobotDataset("episerve/parity", root=root, delta_timestamps=delta,
                             video_backend="pyav")
-    keymap = keymap_from_lerobot(root, DELTA, features=[*DELTA, CAMERAS[1], "task"])
-    with DaemonProcess(root, "--rescan-s", "0", unix=tmp_path / "d.sock") as d:
-        ours = WindowDataset(d.target, keymap, masks="all")
-        assert len(ours) == len(theirs) == sum(LENGTHS)
-        worst = 0.0
-        for i in range(len(theirs)):
-            want, got = theirs[i], ours[i]
-            where = (i, int(want["episode_index"]), int(want["frame_index"]))
-            assert ours.locate(i) == (f"episode_{where[1]:06d}", where[2])
-            for key in ("observation.state", "action"):
-                assert np.array_equal(np.asarray(got[key]), want[key].numpy()), (where, key)
-                assert np.array_equal(np.asarray(got[f"{key}_is_pad"]),
-                                      want[f"{key}_is_pad"].numpy()), (where, key)
-            assert np.array_equal(np.asarray(got["observation.images.top_is_pad"]),
-                                  want["observation.images.top_is_pad"].numpy()), where
-            for cam in CAMERAS:
-                diff = np.abs(np.asarray(got[cam]) - want[cam].numpy())
-                worst = max(worst, float(diff.max()))
-            assert got["task"] == [want["task"]], where
-        assert worst == 0.0, f"frames differ from LeRobot's pyav decode by up to {worst}"
+    keymap = keymap_from_lerobot(root, delta)
+    ours = WindowDataset(target, keymap, masks="all")
+    for i in range(len(theirs)):
+        want, got = theirs[i], ours[i]
+        assert ours.locate(i) == (f"episode_{int(want['episode_index']):06d}",
+                                  int(want["frame_index"]))
+        for key in ("observation.state", "action", *CAMERAS):
+            mine = np.asarray(got[key]).reshape(want[key].shape)
+            assert np.array_equal(mine, want[key].numpy()), (i, key)
+        for key in delta:
+            assert np.array_equal(np.asarray(got[f"{key}_is_pad"]),
+                                  want[f"{key}_is_pad"].numpy()), (i, key)
+        assert got["task"] == [want["task"]], i
+
+
+def test_grpcio_and_protobuf_are_in_the_claimed_range() -> None:
+    """The runtimes under test are the ones pyproject.toml claims; with
+    ``CLIENT_FLOOR_PINS`` set (``make lerobot-parity-floor``), exactly its pins."""
+    import tomllib
+
+    import grpc
+    from google.protobuf import __version__ as protobuf_version
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    claimed = {r.name: r for r in map(Requirement, project["project"]["dependencies"])}
+    running = {"grpcio": grpc.__version__, "protobuf": protobuf_version}
+    for name, version in running.items():
+        assert claimed[name].specifier.contains(version), (name, version, claimed[name])
+    floor = os.environ.get("CLIENT_FLOOR_PINS")
+    if floor:
+        pins = dict(p.split("==") for p in floor.split())
+        assert running == pins, (running, pins)
+        assert all(claimed[n].specifier.contains(v) and f">={v}" in str(claimed[n].specifier)
+                   for n, v in pins.items()), (pins, claimed)
+
+
+def test_lerobot_stats_match_meta_stats_json(served: tuple[Path, str]) -> None:
+    root, target = served
+    want = json.loads((root / "meta" / "stats.json").read_text())
+    got = LeRobotWindowDataset(target, root).lerobot_stats()
+    numeric = ["observation.state", "action", "timestamp", "frame_index", "episode_index",
+               "index", "task_index"]
+    assert sorted(got) == sorted(numeric)
+    for key in numeric:
+        names = sorted(want[key])
+        assert sorted(got[key]) == names, key
+        assert {"q01", "q10", "q50", "q90", "q99"} <= set(names)
+        for name in names:
+            mine, theirs = np.asarray(got[key][name]), np.asarray(want[key][name])
+            assert mine.shape == theirs.shape, (key, name)
+            np.testing.assert_allclose(mine, theirs, rtol=1e-9, atol=0, err_msg=f"{key} {name}")

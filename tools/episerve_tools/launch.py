@@ -24,13 +24,15 @@ class DaemonProcess:
 
     ``workers`` is passed as ``--workers`` unless ``args`` name it: 1 by default, so that a
     test or benchmark measures one process whatever the machine's default would be.
+    ``python`` is the interpreter that runs the daemon (default: this one); a client in
+    another venv (LeRobot's) starts the daemon from the project's.
     """
 
     def __init__(self, root: str | Path, *args: str, unix: str | Path | None = None,
                  port: int = 0, env: Mapping[str, str] | None = None,
                  start_timeout_s: float = 120.0, log: IO[str] | None = None,
-                 workers: int = 1) -> None:
-        cmd = [sys.executable, "-m", "episerve_tools.cli", "serve", str(root), *args]
+                 workers: int = 1, python: str | Path | None = None) -> None:
+        cmd = [str(python or sys.executable), "-m", "episerve_tools.cli", "serve", str(root), *args]
         cmd += ["--unix", str(unix)] if unix else ["--port", str(port)]
         if not any(a == "--workers" or a.startswith("--workers=") for a in args):
             cmd += ["--workers", str(workers)]

@@ -40,7 +40,7 @@ class RegisterKeymapRequest(_message.Message):
     CHECK_EPISODES_FIELD_NUMBER: _ClassVar[int]
     keymap: Keymap
     check_episodes: bool
-    def __init__(self, keymap: _Optional[_Union[Keymap, _Mapping]] = ..., check_episodes: _Optional[bool] = ...) -> None: ...
+    def __init__(self, keymap: _Optional[_Union[Keymap, _Mapping]] = ..., check_episodes: bool = ...) -> None: ...
 
 class KeymapProblem(_message.Message):
     __slots__ = ("episode", "reason", "key")
@@ -76,7 +76,7 @@ class RegisterKeymapResponse(_message.Message):
     episodes_checked: int
     problems: _containers.RepeatedCompositeFieldContainer[KeymapProblem]
     frame_sizes: _containers.RepeatedCompositeFieldContainer[FrameSizeGroup]
-    def __init__(self, keymap_id: _Optional[str] = ..., checked: _Optional[bool] = ..., episodes_checked: _Optional[int] = ..., problems: _Optional[_Iterable[_Union[KeymapProblem, _Mapping]]] = ..., frame_sizes: _Optional[_Iterable[_Union[FrameSizeGroup, _Mapping]]] = ...) -> None: ...
+    def __init__(self, keymap_id: _Optional[str] = ..., checked: bool = ..., episodes_checked: _Optional[int] = ..., problems: _Optional[_Iterable[_Union[KeymapProblem, _Mapping]]] = ..., frame_sizes: _Optional[_Iterable[_Union[FrameSizeGroup, _Mapping]]] = ...) -> None: ...
 
 class ReadRequest(_message.Message):
     __slots__ = ("keymap", "keymap_id", "episodes", "frames", "annotation_cutoff", "max_response_bytes", "all_masks", "prefetch")
@@ -96,7 +96,7 @@ class ReadRequest(_message.Message):
     max_response_bytes: int
     all_masks: bool
     prefetch: Samples
-    def __init__(self, keymap: _Optional[_Union[Keymap, _Mapping]] = ..., keymap_id: _Optional[str] = ..., episodes: _Optional[_Iterable[str]] = ..., frames: _Optional[_Iterable[int]] = ..., annotation_cutoff: _Optional[bool] = ..., max_response_bytes: _Optional[int] = ..., all_masks: _Optional[bool] = ..., prefetch: _Optional[_Union[Samples, _Mapping]] = ...) -> None: ...
+    def __init__(self, keymap: _Optional[_Union[Keymap, _Mapping]] = ..., keymap_id: _Optional[str] = ..., episodes: _Optional[_Iterable[str]] = ..., frames: _Optional[_Iterable[int]] = ..., annotation_cutoff: bool = ..., max_response_bytes: _Optional[int] = ..., all_masks: bool = ..., prefetch: _Optional[_Union[Samples, _Mapping]] = ...) -> None: ...
 
 class Samples(_message.Message):
     __slots__ = ("episodes", "frames")
@@ -184,7 +184,7 @@ class ListEpisodesRequest(_message.Message):
     page_size: int
     brief: bool
     hashes: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, page_token: _Optional[str] = ..., page_size: _Optional[int] = ..., brief: _Optional[bool] = ..., hashes: _Optional[_Iterable[str]] = ...) -> None: ...
+    def __init__(self, page_token: _Optional[str] = ..., page_size: _Optional[int] = ..., brief: bool = ..., hashes: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class EpisodeInfo(_message.Message):
     __slots__ = ("hash", "total_frames", "fps", "embodiment", "features_json", "attrs_json", "arrays", "content_hash")

@@ -199,7 +199,10 @@ class LeRobotSource:
         if TASK_INDEX in columns:
             opened.readers[TASK_KEY] = TaskReader(name, self.files, meta.data_path, row0,
                                                   meta.length, self.tasks)
-        opened.attrs = {"features": features, "lerobot_episode_index": meta.index}
+        # LeRobot's episode index and the global index of its first frame
+        # (``dataset_from_index``): a LeRobot-layout sample's ``episode_index`` and ``index``.
+        opened.attrs = {"features": features, "lerobot_episode_index": meta.index,
+                        "lerobot_from_index": meta.from_index}
         digest = hashlib.sha256(json.dumps(
             [repr(meta), info.raw_features, rows], sort_keys=True, default=str).encode())
         opened.content_hash = digest.hexdigest()[:16]
