@@ -116,7 +116,7 @@ $(LEROBOT_STAMP): pyproject.toml
 lerobot-parity: $(LEROBOT_STAMP) $(STAMP)
 	DAEMON_PYTHON=$(abspath $(PY)) \
 	PYTHONPATH=$(CURDIR)/protos:$(CURDIR)/client:$(CURDIR)/tools:$(CURDIR) \
-	$(LEROBOT_VENV)/bin/python -m pytest -p no:cacheprovider --noconftest -o filterwarnings=error \
+	$(LEROBOT_VENV)/bin/python -m pytest -p no:cacheprovider --noconftest -o filterwarnings=error -m slow \
 	    tests/integration/test_lerobot_parity.py $(PYTEST_ARGS)
 
 # The oldest grpcio and protobuf the client claims (pyproject.toml), under the same parity
@@ -133,7 +133,7 @@ lerobot-parity-floor: $(LEROBOT_STAMP) $(STAMP)
 	    > $(FLOOR_VENV)/lib/python3.12/site-packages/zz-lerobot.pth
 	CLIENT_FLOOR_PINS='$(CLIENT_FLOOR)' DAEMON_PYTHON=$(abspath $(PY)) \
 	PYTHONPATH=$(CURDIR)/protos:$(CURDIR)/client:$(CURDIR)/tools:$(CURDIR) \
-	$(FLOOR_VENV)/bin/python -m pytest -p no:cacheprovider --noconftest -o filterwarnings=error \
+	$(FLOOR_VENV)/bin/python -m pytest -p no:cacheprovider --noconftest -o filterwarnings=error -m slow \
 	    tests/integration/test_lerobot_parity.py $(PYTEST_ARGS)
 
 # Does pip's resolver take the client next to each LeRobot? Metadata only (no wheels are

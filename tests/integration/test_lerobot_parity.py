@@ -35,8 +35,6 @@ from episerve_client.errors import InvalidArgument
 from episerve_tools.launch import DaemonProcess
 from tests.support import lerobot as lr
 
-pytestmark = pytest.mark.slow
-
 LENGTHS = (12, 7, 20, 5)
 CAMERAS = {"observation.images.top": (48, 64), "observation.images.wrist": (36, 48)}
 TASKS = ("pick the cube", "place the cube", "wave")
