@@ -8,11 +8,13 @@ more line says the same; when it answers again one line says after how long. Wit
 ``max_outage_s`` a job fails that long after the target stopped answering instead of at
 the deadline.
 
-An attempt at a target in an outage waits at most ``ATTEMPT_S`` (doubling with each
-attempt, up to ``ATTEMPT_MAX_S``) instead of the whole deadline: with ``wait_for_ready`` a
-call to a daemon that is down would otherwise wait out the deadline in one attempt, with
-nothing said meanwhile. A Read that legitimately takes longer still succeeds once the
-doubled wait covers it.
+Over gRPC a call to a target not known to be down does not wait for a connection
+(``wait_for_ready`` off): one that starts after the daemon went away fails at once, and
+that failure starts the outage. An attempt at a target in an outage waits for a connection,
+at most ``ATTEMPT_S`` (doubling with each attempt, up to ``ATTEMPT_MAX_S``) and, until the
+outage is first said, no later than when it is due (``ATTEMPT_MIN_S`` at least): otherwise
+it would wait out the deadline in one attempt, with nothing said meanwhile. A Read that
+legitimately takes longer still succeeds once the doubled wait covers it.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ REMIND_S = 30.0
 #: The first attempt at a target in an outage waits this long at most; each next one twice.
 ATTEMPT_S = 4.0
 ATTEMPT_MAX_S = 64.0
+#: Before the first WARNING an attempt ends when it is due, but never sooner than this.
+ATTEMPT_MIN_S = 0.5
 
 
 def clock(wall: float) -> str:
@@ -60,7 +64,11 @@ class Outages:
         """How long the next attempt at ``target`` may wait, of the ``left_s`` the call has."""
         if target not in self._since:
             return left_s
-        cap = min(ATTEMPT_MAX_S, ATTEMPT_S * 2.0 ** min(self._attempts.get(target, 0), 16))
+        doubled = min(max(self._attempts.get(target, 1) - 1, 0), 16)
+        cap = min(ATTEMPT_MAX_S, ATTEMPT_S * 2.0 ** doubled)
+        if target not in self._reported:  # the first WARNING is said when it is due
+            due = self._since[target][0] + self.warn_after_s - time.monotonic()
+            cap = min(cap, max(due, ATTEMPT_MIN_S))
         return min(left_s, cap)
 
     def as_failure(self, target: str, out: EpiserveError) -> EpiserveError:
