@@ -104,6 +104,7 @@ def test_a_dataloader_that_starts_after_its_tcp_daemon_died_says_so_early(
     err += capfd.readouterr().err
     assert not reader.is_alive()
     assert said is not None and said < SAY_WITHIN_S, (said, err)
+    print(f"a worker started at a dead TCP daemon said so {said:.1f}s after the loader began")
     [line] = [ln for ln in err.splitlines() if "no answer from the daemon" in ln]
     assert f"episerve: no answer from the daemon at {d.target} since " in line, line
     until = re.search(r"retrying until (\d\d):(\d\d):(\d\d)", line)
