@@ -11,10 +11,11 @@ the deadline.
 Over gRPC a call to a target not known to be down does not wait for a connection
 (``wait_for_ready`` off): one that starts after the daemon went away fails at once, and
 that failure starts the outage. An attempt at a target in an outage waits for a connection,
-at most ``ATTEMPT_S`` (doubling with each attempt, up to ``ATTEMPT_MAX_S``) and, until the
-outage is first said, no later than when it is due (``ATTEMPT_MIN_S`` at least): otherwise
-it would wait out the deadline in one attempt, with nothing said meanwhile. A Read that
-legitimately takes longer still succeeds once the doubled wait covers it.
+at most ``ATTEMPT_S`` (doubling with each attempt, up to ``ATTEMPT_MAX_S``), never past
+``max_outage_s`` and, until the outage is first said, never past when that is due (each
+``ATTEMPT_MIN_S`` at least): otherwise it would wait out the deadline in one attempt, with
+nothing said meanwhile. A Read that legitimately takes longer still succeeds once the
+doubled wait covers it.
 """
 
 from __future__ import annotations
@@ -66,9 +67,11 @@ class Outages:
             return left_s
         doubled = min(max(self._attempts.get(target, 1) - 1, 0), 16)
         cap = min(ATTEMPT_MAX_S, ATTEMPT_S * 2.0 ** doubled)
+        since, now = self._since[target][0], time.monotonic()
         if target not in self._reported:  # the first WARNING is said when it is due
-            due = self._since[target][0] + self.warn_after_s - time.monotonic()
-            cap = min(cap, max(due, ATTEMPT_MIN_S))
+            cap = min(cap, max(since + self.warn_after_s - now, ATTEMPT_MIN_S))
+        if self.max_outage_s is not None:  # and the call fails when max_outage_s is over
+            cap = min(cap, max(since + self.max_outage_s - now, ATTEMPT_MIN_S))
         return min(left_s, cap)
 
     def as_failure(self, target: str, out: EpiserveError) -> EpiserveError:

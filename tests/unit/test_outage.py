@@ -82,3 +82,12 @@ def test_attempts_at_a_target_that_is_down_wait_less_than_the_whole_deadline() -
 def test_max_outage_s_must_be_a_duration() -> None:
     with pytest.raises(InvalidArgument, match="max_outage_s"):
         Outages(max_outage_s=-1)
+
+
+def test_an_attempt_at_a_target_that_is_down_ends_when_max_outage_s_is_over() -> None:
+    outages = Outages(max_outage_s=1.0)
+    outages.warn_after_s = 0.0
+    outages.failed(TARGET, REFUSED, time.monotonic() + 120)  # said at once: doubling caps
+    assert 0.5 < outages.attempt_s(TARGET, 120.0) <= 1.0  # not ATTEMPT_S: the call ends then
+    time.sleep(0.6)
+    assert outages.attempt_s(TARGET, 120.0) == ATTEMPT_MIN_S
