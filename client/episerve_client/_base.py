@@ -132,6 +132,13 @@ class BaseClient:
         """A worker never: its samples fail over to the daemon's front instead."""
         return self.wait_for_ready and not self.workers.is_worker(target)
 
+    def waits_for_connection(self, target: str) -> bool:
+        """A gRPC call's ``wait_for_ready``: only once ``target`` is in an outage (each
+        attempt then capped, ``_outage``). Before that a call to a daemon that is gone fails
+        at once instead of waiting, unsaid, until its deadline; the failure starts the
+        outage, and the retries that follow wait for the daemon to come back."""
+        return self.waits_for_ready(target) and self.outages.down(target)
+
     def must_connect(self, target: str) -> bool:
         """Whether a call to ``target`` first waits (``connect_timeout_s`` at most) for a
         connection: a target that never answered, with no other target to fail over to."""
@@ -225,7 +232,7 @@ class BaseClient:
         deadline = time.monotonic() + (timeout_s or self.timeout_s)
         pending, parts = list(range(len(samples))), []
         max_per_call, attempt = len(samples), 0
-        yield from self.workers.learn(self.targets, deadline)
+        yield from self.workers.learn(self.targets, deadline, self.outages.attempt_s)
         hints = self._hints(prefetch)  # after learning the workers: hints go to owners too
         while pending:
             groups = self.workers.split(self.router.route(samples, pending, max_per_call),
@@ -293,16 +300,23 @@ class BaseClient:
         if not need:
             return
         payload = convert.register_request(km)
-        ops: list[Op] = [Call(t, "RegisterKeymap", payload, left(deadline)) for t in need]
+        ops: list[Op] = [Call(t, "RegisterKeymap", payload,
+                              self.outages.attempt_s(t, left(deadline))) for t in need]
         outcomes = yield ops
         for t, out in zip(need, outcomes):
             if isinstance(out, bytes):
+                self.outages.answered(t)
                 self._keymap_ids[(t, km_key)] = convert.keymap_id(out)
-            elif self.workers.is_worker(t):
+                continue
+            if self.workers.is_worker(t) or not isinstance(out, EpiserveError):
                 continue  # a worker that does not answer: its samples go through the front
-            elif isinstance(out, EpiserveError) and not out.transient:
+            out = self.outages.as_failure(t, out)
+            if not out.transient:
                 raise out
-            # a transient failure leaves the id unset: the Read then fails over or retries
+            # a transient failure leaves the id unset: the Read then fails over or retries;
+            # one daemon that does not answer is an outage, as a Read's failure would be
+            if isinstance(out, Unavailable) and self.waits_for_ready(t) and left(deadline) > 0.01:
+                self.outages.failed(t, out, deadline)
 
 
 def _final(err: EpiserveError, deadline: float) -> EpiserveError:

@@ -8,9 +8,12 @@ more line says the same; when it answers again one line says after how long. Wit
 ``max_outage_s`` a job fails that long after the target stopped answering instead of at
 the deadline.
 
-An attempt at a target in an outage waits at most ``ATTEMPT_S`` (doubling with each
-attempt, up to ``ATTEMPT_MAX_S``) instead of the whole deadline: with ``wait_for_ready`` a
-call to a daemon that is down would otherwise wait out the deadline in one attempt, with
+Over gRPC a call to a target not known to be down does not wait for a connection
+(``wait_for_ready`` off): one that starts after the daemon went away fails at once, and
+that failure starts the outage. An attempt at a target in an outage waits for a connection,
+at most ``ATTEMPT_S`` (doubling with each attempt, up to ``ATTEMPT_MAX_S``), never past
+``max_outage_s`` and, until the outage is first said, never past when that is due (each
+``ATTEMPT_MIN_S`` at least): otherwise it would wait out the deadline in one attempt, with
 nothing said meanwhile. A Read that legitimately takes longer still succeeds once the
 doubled wait covers it.
 """
@@ -32,6 +35,8 @@ REMIND_S = 30.0
 #: The first attempt at a target in an outage waits this long at most; each next one twice.
 ATTEMPT_S = 4.0
 ATTEMPT_MAX_S = 64.0
+#: Before the first WARNING an attempt ends when it is due, but never sooner than this.
+ATTEMPT_MIN_S = 0.5
 
 
 def clock(wall: float) -> str:
@@ -60,7 +65,13 @@ class Outages:
         """How long the next attempt at ``target`` may wait, of the ``left_s`` the call has."""
         if target not in self._since:
             return left_s
-        cap = min(ATTEMPT_MAX_S, ATTEMPT_S * 2.0 ** min(self._attempts.get(target, 0), 16))
+        doubled = min(max(self._attempts.get(target, 1) - 1, 0), 16)
+        cap = min(ATTEMPT_MAX_S, ATTEMPT_S * 2.0 ** doubled)
+        since, now = self._since[target][0], time.monotonic()
+        if target not in self._reported:  # the first WARNING is said when it is due
+            cap = min(cap, max(since + self.warn_after_s - now, ATTEMPT_MIN_S))
+        if self.max_outage_s is not None:  # and the call fails when max_outage_s is over
+            cap = min(cap, max(since + self.max_outage_s - now, ATTEMPT_MIN_S))
         return min(left_s, cap)
 
     def as_failure(self, target: str, out: EpiserveError) -> EpiserveError:

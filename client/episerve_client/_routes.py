@@ -11,7 +11,7 @@ import contextlib
 import os
 import stat
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from episerve_client import convert
 from episerve_client._ops import Call, Flow, left
@@ -69,11 +69,15 @@ class WorkerRoutes:
     def is_worker(self, target: str) -> bool:
         return any(target in ws for ws in self.of.values())
 
-    def learn(self, targets: Sequence[str], deadline: float) -> Flow:
+    def learn(self, targets: Sequence[str], deadline: float,
+              attempt_s: Callable[[str, float], float] = lambda _t, s: s) -> Flow:
+        """Each target's workers, asked once it answers; ``attempt_s(target, left_s)``:
+        how long one ask may wait (less than the deadline at a target in an outage)."""
         need = [t for t in targets if t not in self.of]
         if not need:
             return
-        outcomes = yield [Call(t, "GetTopology", b"", left(deadline)) for t in need]
+        outcomes = yield [Call(t, "GetTopology", b"", attempt_s(t, left(deadline)))
+                          for t in need]
         for t, out in zip(need, outcomes):
             if isinstance(out, bytes):
                 workers, rule = convert.topology(out)

@@ -108,7 +108,7 @@ class AsyncClient(BaseClient):
         try:
             data: bytes = await stub(call.payload, timeout=max(call.timeout_s, 0.001),
                                      metadata=self.metadata(),
-                                     wait_for_ready=self.waits_for_ready(call.target))
+                                     wait_for_ready=self.waits_for_connection(call.target))
         except grpc.RpcError as exc:
             return from_rpc_error(exc, call.target)
         self.answered.add(call.target)

@@ -179,7 +179,7 @@ class Client(BaseClient):
         the ``result`` of a future started now; else the call itself, made in this thread
         when asked (a future's helper thread inside gRPC ends only once answered)."""
         options = {"timeout": max(call.timeout_s, 0.001), "metadata": self.metadata(),
-                   "wait_for_ready": self.waits_for_ready(call.target)}
+                   "wait_for_ready": self.waits_for_connection(call.target)}
         if parallel:
             return stub.future(call.payload, **options).result
         return functools.partial(stub, call.payload, **options)

@@ -416,16 +416,20 @@ def test_refusing_a_huge_read_costs_no_more_than_the_request(ramp_roots: dict[st
 # -- a daemon that answered before is waited for, longer than a wrong target would be --------
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", ["auto", "grpc"])
 def test_a_daemon_down_longer_than_the_connect_timeout_is_waited_for(
-        ramp_roots: dict[str, Path], tmp_path: Path) -> None:
+        ramp_roots: dict[str, Path], tmp_path: Path, transport: str) -> None:
     """A target that answered once is restarting when it does not answer: its calls wait
-    until their deadline, past ``connect_timeout_s`` (which only a wrong target gets)."""
+    until their deadline, past ``connect_timeout_s`` (which only a wrong target gets), over
+    the local plane and over gRPC (whose first call fails at once and starts the outage)."""
     root, sock = ramp_roots["sharded"], tmp_path / "down.sock"
     daemons = [DaemonProcess(root, "--rescan-s", "0", unix=sock)]
     restart = threading.Timer(2.0, lambda: daemons.append(
         DaemonProcess(root, "--rescan-s", "0", unix=sock)))
     try:
-        with Client(daemons[0].target, connect_timeout_s=0.5, timeout_s=90) as client:
+        with Client(daemons[0].target, connect_timeout_s=0.5, timeout_s=90,
+                    transport=transport) as client:
             assert client.read(KEYPOINTS, [("ep003d", 4)]).arrays["k"].shape == (1, 63)
             daemons[0].kill()
             client.close()  # the next call opens a new channel to the target, now silent

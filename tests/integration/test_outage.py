@@ -5,6 +5,8 @@ the job fails soon after, instead of silently at the read's deadline."""
 from __future__ import annotations
 
 import logging
+import re
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -65,3 +67,53 @@ def test_a_dataloader_with_max_outage_s_fails_soon_after_its_daemon_dies(
     assert "max_outage_s=3" in str(failed.value) and d.target in str(failed.value)
     err = capfd.readouterr().err
     assert f"episerve: no answer from the daemon at {d.target} since " in err, err
+
+
+def test_a_dataloader_that_starts_after_its_tcp_daemon_died_says_so_early(
+        ramp_roots: dict[str, Path], start_daemon: Any,
+        capfd: pytest.CaptureFixture[str]) -> None:
+    """Over gRPC (TCP): the daemon is gone before the worker's first read starts. The
+    worker says so within seconds, with the time its read gives up, instead of waiting in
+    silence for a connection until the deadline."""
+    d = start_daemon(ramp_roots["sharded"])
+    assert not d.target.startswith("unix:")
+    timeout_s = 3 * SAY_WITHIN_S
+    dataset = WindowDataset(d.target, KEYPOINTS, client_options={"timeout_s": timeout_s})
+    d.kill()
+    capfd.readouterr()
+    loader = DataLoader(dataset, batch_size=4, num_workers=1, collate_fn=collate,
+                        multiprocessing_context="spawn", shuffle=False)
+    outcome: dict[str, BaseException] = {}
+
+    def epoch() -> None:
+        try:
+            next(iter(loader))
+        except BaseException as exc:  # seen by the test, not as a thread's error
+            outcome["error"] = exc
+
+    reader = threading.Thread(target=epoch)
+    started, started_wall = time.monotonic(), time.time()
+    reader.start()
+    said, err = None, ""
+    while said is None and reader.is_alive() and time.monotonic() - started < timeout_s + 30:
+        err += capfd.readouterr().err
+        line = next((ln for ln in err.splitlines() if "no answer from the daemon" in ln), None)
+        said = time.monotonic() - started if line else None
+        time.sleep(0.1)
+    reader.join(timeout_s + 30)
+    err += capfd.readouterr().err
+    assert not reader.is_alive()
+    assert said is not None and said < SAY_WITHIN_S, (said, err)
+    print(f"a worker started at a dead TCP daemon said so {said:.1f}s after the loader began")
+    [line] = [ln for ln in err.splitlines() if "no answer from the daemon" in ln]
+    assert f"episerve: no answer from the daemon at {d.target} since " in line, line
+    until = re.search(r"retrying until (\d\d):(\d\d):(\d\d)", line)
+    assert until is not None, line
+    # The give-up time said is the worker's deadline: the read's start plus timeout_s
+    # (the worker starts its read a few seconds after the loader does).
+    give_up = time.localtime(started_wall + timeout_s)
+    said_s = int(until[1]) * 3600 + int(until[2]) * 60 + int(until[3])
+    expect_s = give_up.tm_hour * 3600 + give_up.tm_min * 60 + give_up.tm_sec
+    assert 0 <= (said_s - expect_s) % 86400 <= SAY_WITHIN_S, (line, time.strftime(
+        "%H:%M:%S", give_up))
+    assert isinstance(outcome.get("error"), errors.DeadlineExceeded), outcome

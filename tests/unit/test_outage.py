@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from episerve_client._outage import Outages
+from episerve_client._outage import ATTEMPT_MAX_S, ATTEMPT_MIN_S, ATTEMPT_S, Outages
 from episerve_client.errors import DeadlineExceeded, InvalidArgument, Unavailable
 
 TARGET = "unix:///run/episerve.sock"
@@ -60,11 +60,16 @@ def test_attempts_at_a_target_that_is_down_wait_less_than_the_whole_deadline() -
     outages = Outages()
     assert outages.attempt_s(TARGET, 120.0) == 120.0
     outages.failed(TARGET, REFUSED, time.monotonic() + 120)
-    waits = [outages.attempt_s(TARGET, 120.0)]
+    # Not said yet: the next attempt ends when the first WARNING is due, 2 s after the
+    # first failure (a call starting at a dead daemon says so then, not at its deadline).
+    assert 1.5 < outages.attempt_s(TARGET, 120.0) <= outages.warn_after_s < ATTEMPT_S
+    outages.warn_after_s = 0.0  # due now: the attempt still gets its floor
+    assert outages.attempt_s(TARGET, 120.0) == ATTEMPT_MIN_S
+    waits = []
     for _ in range(6):
-        outages.failed(TARGET, REFUSED, time.monotonic() + 120)
+        outages.failed(TARGET, REFUSED, time.monotonic() + 120)  # said: doubling from now
         waits.append(outages.attempt_s(TARGET, 120.0))
-    assert waits[0] < 10 and waits == sorted(waits) and waits[-1] <= 120.0
+    assert waits == [min(ATTEMPT_MAX_S, ATTEMPT_S * 2**n) for n in range(1, 7)], waits
     assert outages.attempt_s(TARGET, 1.5) == 1.5
     # A capped attempt that ran out is the target still down, not the call's deadline.
     late = outages.as_failure(TARGET, DeadlineExceeded("deadline", target=TARGET))
@@ -77,3 +82,12 @@ def test_attempts_at_a_target_that_is_down_wait_less_than_the_whole_deadline() -
 def test_max_outage_s_must_be_a_duration() -> None:
     with pytest.raises(InvalidArgument, match="max_outage_s"):
         Outages(max_outage_s=-1)
+
+
+def test_an_attempt_at_a_target_that_is_down_ends_when_max_outage_s_is_over() -> None:
+    outages = Outages(max_outage_s=1.0)
+    outages.warn_after_s = 0.0
+    outages.failed(TARGET, REFUSED, time.monotonic() + 120)  # said at once: doubling caps
+    assert 0.5 < outages.attempt_s(TARGET, 120.0) <= 1.0  # not ATTEMPT_S: the call ends then
+    time.sleep(0.6)
+    assert outages.attempt_s(TARGET, 120.0) == ATTEMPT_MIN_S
