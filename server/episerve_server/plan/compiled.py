@@ -147,7 +147,8 @@ class Compiled:
                     return None
                 frames.append(got_frames)
             else:
-                got = self._key(key, kp, geo, feature, ids, uids, windows, split, gathers)
+                got = self._key(key, kp, geo, feature, ids, uids, total, windows, split,
+                                gathers)
                 if got is None:
                     return None
                 stamps.append(got)
@@ -288,7 +289,7 @@ class Compiled:
         return _Frames(key, keys, chunk_of.tolist(), (f_row % f_c).tolist(), needed)
 
     def _key(self, key: str, kp: KeymapPlan, geo: KeyGeometry, feature: tuple[int, ...],
-             ids: np.ndarray, uids: np.ndarray, windows: dict[str, Window],
+             ids: np.ndarray, uids: np.ndarray, total: np.ndarray, windows: dict[str, Window],
              split: dict[tuple[tuple[Any, ...], int], tuple[np.ndarray, np.ndarray]],
              gathers: list[_Gather]) -> tuple[int, list[np.ndarray]] | None:
         """One numeric key's gathers (appended to ``gathers``) and the slots to stamp, or
@@ -308,20 +309,24 @@ class Compiled:
         if base.min() < 0 or slab < 0 or slab_of.min() != slab_of.max():
             return None
         # rows past the array are the general path's ShortArrayError, chunks past the
-        # table its misses: either way not served here
-        limit = np.minimum(geo.rows[ids], size * c)[:, None]
+        # table its misses: either way not served here. Every window row is below its
+        # episode's total (windows are clamped), so the rows are looked at only where the
+        # limit falls short of the total: one check per key, not one per output.
+        limit = np.minimum(geo.rows[ids], size * c)
+        short = limit[:, None] if (limit < total).any() else None
         rows_per_slot = self.cache.slab_data(slab).shape[1]
         every: list[np.ndarray] = []
+        flat = table.flat
         for e in kp.entries[key]:
             w = windows[e.name].rows
-            if (w >= limit).any():
+            if short is not None and (w >= short).any():
                 return None
             sig = (kp.signatures[e.name], c)
             parts = split.get(sig)
             if parts is None:
                 parts = split[sig] = np.divmod(w, c)
             chunk, within = parts
-            slots = table.flat[base[:, None] + chunk]
+            slots = flat.take(base[:, None] + chunk)
             if slots.min() < 0:
                 return None
             every.append(slots)
