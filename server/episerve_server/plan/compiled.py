@@ -128,6 +128,7 @@ class Compiled:
         frames: list[_Frames] = []
         split: dict[tuple[tuple[Any, ...], int], tuple[np.ndarray, np.ndarray]] = {}
         position, order = _first_seen(ids) if kp.camera else (ids, ids)
+        uid_top = int(uids.max())  # once per batch, not per key
         out_bytes = 8 * len(ids) if options.all_masks else 0
         for key in sorted(keymap.zarr_keys):
             geo = kp.keys[key]
@@ -148,7 +149,7 @@ class Compiled:
                 frames.append(got_frames)
             else:
                 got = self._key(key, kp, geo, feature, ids, uids, total, windows, split,
-                                gathers)
+                                gathers, uid_top)
                 if got is None:
                     return None
                 stamps.append(got)
@@ -291,7 +292,7 @@ class Compiled:
     def _key(self, key: str, kp: KeymapPlan, geo: KeyGeometry, feature: tuple[int, ...],
              ids: np.ndarray, uids: np.ndarray, total: np.ndarray, windows: dict[str, Window],
              split: dict[tuple[tuple[Any, ...], int], tuple[np.ndarray, np.ndarray]],
-             gathers: list[_Gather]) -> tuple[int, list[np.ndarray]] | None:
+             gathers: list[_Gather], uid_top: int) -> tuple[int, list[np.ndarray]] | None:
         """One numeric key's gathers (appended to ``gathers``) and the slots to stamp, or
         None. ``split`` keeps each (window, chunk rows)'s chunk and row within it, shared
         by the keys that read the same window."""
@@ -302,7 +303,7 @@ class Compiled:
             if c_of.max() != c or c_of.min() != c:
                 return None
         table = self.cache.slot_table(key)
-        if table is None or int(uids.max()) >= len(table.base):
+        if table is None or uid_top >= len(table.base):
             return None
         base, size, slab_of = table.base[uids], table.size[uids], table.slab[uids]
         slab = int(slab_of[0])
