@@ -3,12 +3,14 @@ the ctypes path for writable buffers against numpy's address, and the fallback."
 
 from __future__ import annotations
 
+import asyncio
 import mmap
 
 import numpy as np
 import pytest
 
-from episerve_server.rpc.handlers.segments import address
+from episerve_proto import local as lp
+from episerve_server.rpc.handlers.segments import SegmentArena, SegmentPool, address
 
 
 def _numpy_address(blob: memoryview) -> int:
@@ -45,3 +47,21 @@ def test_a_strided_view_is_refused_as_before() -> None:
     strided = memoryview(np.zeros((4, 4), np.float32)[:, ::2])
     with pytest.raises(BufferError):  # as numpy's frombuffer refuses it
         address(strided)
+
+
+def test_the_arena_finds_its_own_arrays_and_nothing_else() -> None:
+    async def run() -> None:
+        pool = SegmentPool(1, lambda segments, nbytes: None)
+        arena = SegmentArena(pool, keep=False)
+        await arena.open(4096, 2)
+        first, second = arena.empty((4, 8)), arena.empty((3,))
+        outside = np.zeros((4, 8), np.float32)
+        frame = bytes(128)
+        assert arena.offset_of(memoryview(first), first.nbytes) == 0
+        assert arena.offset_of(memoryview(second), second.nbytes) == lp.aligned(first.nbytes)
+        assert arena.offset_of(memoryview(outside), outside.nbytes) is None
+        assert arena.offset_of(memoryview(frame), len(frame)) is None
+        del first, second
+        await arena.release()
+
+    asyncio.run(run())

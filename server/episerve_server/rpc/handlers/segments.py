@@ -242,8 +242,8 @@ class SegmentArena:
 
     def offset_of(self, blob: memoryview, nbytes: int) -> int | None:
         """The offset of ``blob`` in the segment if it is one of the arrays handed out."""
-        if self.segment is None or not nbytes:
-            return None
+        if self.segment is None or not nbytes or type(blob.obj) is bytes:
+            return None  # (a bytes object, such as a cached frame, owns its memory)
         off = address(blob) - self._base
         return off if off >= 0 and off + nbytes <= self.used else None
 
