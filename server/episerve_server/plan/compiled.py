@@ -142,8 +142,8 @@ class Compiled:
                     return None  # the general path names the shapes
                 feature, is_bytes = geo.shapes[int(shape_id[0])]
             if is_bytes:
-                got_frames = self._frames(key, kp, geo, ids, position, order, windows,
-                                         directory)
+                got_frames = self._frames(key, kp, geo, ids, total, position, order,
+                                         windows, directory)
                 if got_frames is None:
                     return None
                 frames.append(got_frames)
@@ -265,15 +265,17 @@ class Compiled:
         return out
 
     def _frames(self, key: str, kp: KeymapPlan, geo: KeyGeometry, ids: np.ndarray,
-                position: np.ndarray, order: np.ndarray, windows: dict[str, Window],
-                directory: Directory) -> _Frames | None:
+                total: np.ndarray, position: np.ndarray, order: np.ndarray,
+                windows: dict[str, Window], directory: Directory) -> _Frames | None:
         """One camera key's cached chunks and distinct frames, or None (a short array, a
         chunk not cached)."""
-        cap, c = geo.rows[ids][:, None], geo.chunk_rows[ids][:, None]
+        cap, c = geo.rows[ids], geo.chunk_rows[ids][:, None]
+        # window rows are below the episode's total: only a shorter array needs a look
+        short = cap[:, None] if (cap < total).any() else None
         rows, chunks = [], []
         for e in kp.entries[key]:
             w = windows[e.name].rows
-            if (w >= cap).any():
+            if short is not None and (w >= short).any():
                 return None  # the general path's ShortArrayError
             rows.append((position[:, None] * PACK + w).ravel())
             chunks.append((position[:, None] * PACK + w // c).ravel())
