@@ -135,3 +135,35 @@ def test_varints_from_the_table_equal_the_vectorized_ones() -> None:
         v = rng.integers(0, top, 300).astype(np.int64)
         assert encode.varints(v) == encode._varints_wide(v.view(np.uint64))
     assert encode.varints(np.array([0x7F, 0x80, 0xFFFF], np.int64)) == b"\x7f\x80\x01\xff\xff\x03"
+
+
+@settings(max_examples=scaled(100), deadline=None)
+@given(b=st.integers(1, 40), n_frames=st.integers(0, 60), seed=st.integers(0, 2**32 - 1),
+       pool=st.lists(st.lists(st.text(max_size=12), max_size=3), min_size=1, max_size=3))
+def test_the_local_plane_s_metadata_and_blobs_encode_like_the_generated_class(
+        b: int, n_frames: int, seed: int, pool: list[list[str]]) -> None:
+    # Samples share texts (as a run of frames between span boundaries does) and the frames'
+    # bytes go to the sink: the message keeps every field, the bulk ones empty.
+    rng = np.random.default_rng(seed)
+    frames = [rng.bytes(int(rng.integers(0, 200))) for _ in range(n_frames)]
+    result = BatchResult(
+        episodes=[f"e{int(i)}" for i in rng.integers(0, 4, b)],
+        frame_index=rng.integers(0, 2**20, size=b), fps=np.full(b, 30, np.float32),
+        embodiments=["m"] * b, arrays={"x": rng.standard_normal((b, 2)).astype(np.float32)},
+        images={"cam": ImageColumn("src", rng.integers(0, max(n_frames, 1), b).astype(np.int32))},
+        frames={"src": frames},
+        texts={"t": [pool[int(i)] for i in rng.integers(0, len(pool), b)]},
+        total_frames=None)
+    blobs: list[encode.Buf] = []
+    meta = encode.encode_result(result, blobs.append)
+    emptied = dataclasses.replace(
+        result, arrays={"x": np.empty((b, 0), np.float32)},
+        images={"cam": ImageColumn("src", np.empty((b, 0), np.int32))},
+        frames={"src": [b""] * n_frames})
+    expected = reference(emptied)
+    expected.arrays[0].shape[:] = [b, 2]
+    expected.images[0].shape[:] = [b]
+    assert pb.ReadResponse.FromString(meta) == expected
+    assert [bytes(x) for x in blobs] == [result.arrays["x"].tobytes(),
+                                         result.images["cam"].index.tobytes(), *frames]
+    assert pb.ReadResponse.FromString(encode.encode_result(result)) == reference(result)

@@ -128,6 +128,7 @@ class Compiled:
         frames: list[_Frames] = []
         split: dict[tuple[tuple[Any, ...], int], tuple[np.ndarray, np.ndarray]] = {}
         position, order = _first_seen(ids) if kp.camera else (ids, ids)
+        uid_top = int(uids.max())  # once per batch, not per key
         out_bytes = 8 * len(ids) if options.all_masks else 0
         for key in sorted(keymap.zarr_keys):
             geo = kp.keys[key]
@@ -141,13 +142,14 @@ class Compiled:
                     return None  # the general path names the shapes
                 feature, is_bytes = geo.shapes[int(shape_id[0])]
             if is_bytes:
-                got_frames = self._frames(key, kp, geo, ids, position, order, windows,
-                                         directory)
+                got_frames = self._frames(key, kp, geo, ids, total, position, order,
+                                         windows, directory)
                 if got_frames is None:
                     return None
                 frames.append(got_frames)
             else:
-                got = self._key(key, kp, geo, feature, ids, uids, windows, split, gathers)
+                got = self._key(key, kp, geo, feature, ids, uids, total, windows, split,
+                                gathers, uid_top)
                 if got is None:
                     return None
                 stamps.append(got)
@@ -263,15 +265,17 @@ class Compiled:
         return out
 
     def _frames(self, key: str, kp: KeymapPlan, geo: KeyGeometry, ids: np.ndarray,
-                position: np.ndarray, order: np.ndarray, windows: dict[str, Window],
-                directory: Directory) -> _Frames | None:
+                total: np.ndarray, position: np.ndarray, order: np.ndarray,
+                windows: dict[str, Window], directory: Directory) -> _Frames | None:
         """One camera key's cached chunks and distinct frames, or None (a short array, a
         chunk not cached)."""
-        cap, c = geo.rows[ids][:, None], geo.chunk_rows[ids][:, None]
+        cap, c = geo.rows[ids], geo.chunk_rows[ids][:, None]
+        # window rows are below the episode's total: only a shorter array needs a look
+        short = cap[:, None] if (cap < total).any() else None
         rows, chunks = [], []
         for e in kp.entries[key]:
             w = windows[e.name].rows
-            if (w >= cap).any():
+            if short is not None and (w >= short).any():
                 return None  # the general path's ShortArrayError
             rows.append((position[:, None] * PACK + w).ravel())
             chunks.append((position[:, None] * PACK + w // c).ravel())
@@ -288,9 +292,9 @@ class Compiled:
         return _Frames(key, keys, chunk_of.tolist(), (f_row % f_c).tolist(), needed)
 
     def _key(self, key: str, kp: KeymapPlan, geo: KeyGeometry, feature: tuple[int, ...],
-             ids: np.ndarray, uids: np.ndarray, windows: dict[str, Window],
+             ids: np.ndarray, uids: np.ndarray, total: np.ndarray, windows: dict[str, Window],
              split: dict[tuple[tuple[Any, ...], int], tuple[np.ndarray, np.ndarray]],
-             gathers: list[_Gather]) -> tuple[int, list[np.ndarray]] | None:
+             gathers: list[_Gather], uid_top: int) -> tuple[int, list[np.ndarray]] | None:
         """One numeric key's gathers (appended to ``gathers``) and the slots to stamp, or
         None. ``split`` keeps each (window, chunk rows)'s chunk and row within it, shared
         by the keys that read the same window."""
@@ -301,27 +305,31 @@ class Compiled:
             if c_of.max() != c or c_of.min() != c:
                 return None
         table = self.cache.slot_table(key)
-        if table is None or int(uids.max()) >= len(table.base):
+        if table is None or uid_top >= len(table.base):
             return None
         base, size, slab_of = table.base[uids], table.size[uids], table.slab[uids]
         slab = int(slab_of[0])
         if base.min() < 0 or slab < 0 or slab_of.min() != slab_of.max():
             return None
         # rows past the array are the general path's ShortArrayError, chunks past the
-        # table its misses: either way not served here
-        limit = np.minimum(geo.rows[ids], size * c)[:, None]
+        # table its misses: either way not served here. Every window row is below its
+        # episode's total (windows are clamped), so the rows are looked at only where the
+        # limit falls short of the total: one check per key, not one per output.
+        limit = np.minimum(geo.rows[ids], size * c)
+        short = limit[:, None] if (limit < total).any() else None
         rows_per_slot = self.cache.slab_data(slab).shape[1]
         every: list[np.ndarray] = []
+        flat = table.flat
         for e in kp.entries[key]:
             w = windows[e.name].rows
-            if (w >= limit).any():
+            if short is not None and (w >= short).any():
                 return None
             sig = (kp.signatures[e.name], c)
             parts = split.get(sig)
             if parts is None:
                 parts = split[sig] = np.divmod(w, c)
             chunk, within = parts
-            slots = table.flat[base[:, None] + chunk]
+            slots = flat.take(base[:, None] + chunk)
             if slots.min() < 0:
                 return None
             every.append(slots)

@@ -373,8 +373,10 @@ class LocalPlane:
             raise ResponseTooLarge(f"the batch's metadata takes {len(meta)} bytes, over the "
                                    f"local plane's limit of {lp.MAX_ANSWER_BODY}; split the "
                                    "batch")
-        sizes = [memoryview(b).nbytes for b in blobs]
-        at: list[int | None] = [arena.offset_of(memoryview(b), n) for b, n in zip(blobs, sizes)]
+        views = [memoryview(b) for b in blobs]
+        sizes = [v.nbytes for v in views]
+        at: list[int | None] = [arena.offset_of(v, n) for v, n in zip(views, sizes)]
+        del views
         rest = [k for k, off in enumerate(at) if off is None]
         after, rest_bytes = lp.layout([sizes[k] for k in rest])
         total = arena.used + rest_bytes

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import fcntl
 import itertools
 import math
@@ -241,9 +242,9 @@ class SegmentArena:
 
     def offset_of(self, blob: memoryview, nbytes: int) -> int | None:
         """The offset of ``blob`` in the segment if it is one of the arrays handed out."""
-        if self.segment is None or not nbytes:
-            return None
-        off = int(np.frombuffer(blob, np.uint8).ctypes.data) - self._base
+        if self.segment is None or not nbytes or type(blob.obj) is bytes:
+            return None  # (a bytes object, such as a cached frame, owns its memory)
+        off = address(blob) - self._base
         return off if off >= 0 and off + nbytes <= self.used else None
 
     async def release(self) -> None:
@@ -251,3 +252,13 @@ class SegmentArena:
         seg, self.segment, self.used = self.segment, None, 0
         if seg is not None:
             await (self.pool.give_away(seg.ident) if self.keep else self.pool.put_back(seg.ident))
+
+
+def address(blob: memoryview) -> int:
+    """Where ``blob``'s first byte lies in memory. A writable buffer (every array handed
+    out of a segment) goes through ctypes without building an array (~0.5 us, against
+    ~3 us for numpy's ``.ctypes``); a read-only one through numpy."""
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(blob))
+    except (TypeError, ValueError):  # read-only, or not C-contiguous, or empty
+        return int(np.frombuffer(blob, np.uint8).ctypes.data)

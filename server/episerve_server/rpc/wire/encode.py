@@ -136,6 +136,9 @@ def _message(field: int, parts: list[Buf]) -> list[Buf]:
     return _field(field, parts)
 
 
+_EMPTY_FRAME = _tag(2) + varint(0)  # a frame's field with its bytes sent apart
+
+
 def encode_result(result: BatchResult, sink: Callable[[Buf], None] | None = None) -> bytes:
     """The response's bytes. With ``sink`` (the local plane), each bulk blob (every array,
     image index and frame, in this order) goes to ``sink`` instead and its field is left
@@ -160,15 +163,24 @@ def encode_result(result: BatchResult, sink: Callable[[Buf], None] | None = None
                               *bulk(4, _raw(index))])
     for key, frames in result.frames.items():
         body: list[Buf] = [*_string(1, key)]
-        for frame in frames:
-            body += _field(2, [frame] if sink is None else [])
-            if sink is not None:
+        if sink is None:
+            for frame in frames:
+                body += _field(2, [frame])
+        else:  # every frame's field is empty: one run of them
+            body.append(_EMPTY_FRAME * len(frames))
+            for frame in frames:
                 sink(frame)
         parts += _message(7, body)
     for name, per_sample in result.texts.items():
         body = [*_string(1, name)]
+        done: dict[tuple[str, ...], bytes] = {}  # samples with the same texts: encoded once
         for texts in per_sample:
-            body += _message(2, [p for t in texts for p in _string(1, t)])
+            seen = tuple(texts)
+            enc = done.get(seen)
+            if enc is None:
+                enc = done[seen] = b"".join(
+                    _message(2, [p for t in texts for p in _string(1, t)]))
+            body.append(enc)
         parts += _message(8, body)
     if result.total_frames is not None:  # all_masks only: default responses are unchanged
         parts += _packed_ints(9, result.total_frames)
