@@ -24,7 +24,14 @@ from episerve_server.core.result import BatchResult, ImageColumn
 from episerve_server.preflight import StartupError, bind_private_socket
 from episerve_server.rpc.handlers.buffers import ResponseBuffers
 from episerve_server.rpc.handlers.local import SegmentPool
-from episerve_server.rpc.handlers.local_guard import ConnectionCaps, descriptor_cap, recv_body
+from episerve_server.rpc.handlers.local_guard import (
+    BODY_CHUNK,
+    BODY_PIECE,
+    BODY_READ,
+    ConnectionCaps,
+    descriptor_cap,
+    recv_body,
+)
 from episerve_server.rpc.wire import encode
 
 # -- framing ----------------------------------------------------------------------------
@@ -444,6 +451,38 @@ def test_a_body_is_charged_as_it_arrives_and_dropped_past_the_budget() -> None:
             await loop.sock_sendall(b, b"z" * 300_000)
             assert await asyncio.wait_for(dropped, 5) == (None, 0)
             assert buffers.total == charged + (2 << 20)  # nothing of the dropped body left
+        finally:
+            a.close()
+            b.close()
+
+    asyncio.run(run())
+
+
+def test_a_body_in_pieces_is_received_whole_whatever_its_size() -> None:
+    """Bodies around each piece boundary, sent in writes of odd sizes, come back byte for
+    byte, charged exactly."""
+    sizes = [1, BODY_CHUNK - 1, BODY_CHUNK, BODY_CHUNK + 1, 2 * BODY_CHUNK + 3,
+             BODY_PIECE + BODY_READ + 5, 3 * BODY_PIECE + 7]
+
+    async def run() -> None:
+        buffers = ResponseBuffers(64 << 20, 64 << 20)
+        a, b = socket.socketpair()
+        a.setblocking(False)
+        b.setblocking(False)
+        loop = asyncio.get_running_loop()
+        rng = np.random.default_rng(5)
+        try:
+            for n in sizes:
+                data = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+                got = asyncio.create_task(recv_body(a, n, buffers, "a call body"))
+                at = 0
+                while at < n:
+                    step = int(rng.integers(1, 300_000))
+                    await loop.sock_sendall(b, data[at:at + step])
+                    at += step
+                body, charged = await asyncio.wait_for(got, 5)
+                assert body == data and charged == n == buffers.total, n
+                buffers.charge(-charged)
         finally:
             a.close()
             b.close()
