@@ -526,6 +526,27 @@ def test_a_release_is_honoured_only_for_a_segment_the_client_holds() -> None:
     asyncio.run(run())
 
 
+def test_a_release_sent_before_the_segments_latest_batch_is_ignored() -> None:
+    """A segment returned, lent again and sent: a second RELEASE of its id that the client
+    sent before that batch (its frame before the fence) is ignored; one sent after it is
+    honoured (before: honoured, and the next Read was answered in the same segment)."""
+    async def run() -> None:
+        pool = SegmentPool(2, Gauge())
+        seg = await pool.acquire(100)
+        pool.sent_out(seg, fence=0)
+        assert await pool.give_back(seg.ident, at=16)
+        again = await pool.acquire(100)
+        assert again is seg
+        pool.sent_out(again, fence=64)  # 64 bytes of the client's were in before it
+        assert not await pool.give_back(seg.ident, at=32)  # the stale one: still lent
+        assert seg.ident in pool.lent and seg.out
+        assert await pool.give_back(seg.ident, at=64)  # sent once it had the batch
+        assert seg.ident in pool.free
+        await pool.close()
+
+    asyncio.run(run())
+
+
 def test_segments_are_made_only_with_room_in_the_budget() -> None:
     """Every segment the pool makes is first admitted (the daemon's budget); a refusal
     leaves nothing made, and free segments can be given back when the budget is short."""
