@@ -72,7 +72,9 @@ class Connection:
 
 
 def queued(sock: socket.socket) -> int:
-    """Bytes the peer has sent on ``sock`` that are not read yet."""
+    """Bytes the peer has sent on ``sock`` that are not read yet (0 once closed)."""
+    if sock.fileno() < 0:
+        return 0
     raw = fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0")
     n: int = struct.unpack("i", raw)[0]
     return n
