@@ -24,7 +24,14 @@ from episerve_server.core.result import BatchResult, ImageColumn
 from episerve_server.preflight import StartupError, bind_private_socket
 from episerve_server.rpc.handlers.buffers import ResponseBuffers
 from episerve_server.rpc.handlers.local import SegmentPool
-from episerve_server.rpc.handlers.local_guard import ConnectionCaps, descriptor_cap, recv_body
+from episerve_server.rpc.handlers.local_guard import (
+    BODY_CHUNK,
+    BODY_PIECE,
+    BODY_READ,
+    ConnectionCaps,
+    descriptor_cap,
+    recv_body,
+)
 from episerve_server.rpc.wire import encode
 
 # -- framing ----------------------------------------------------------------------------
@@ -451,6 +458,38 @@ def test_a_body_is_charged_as_it_arrives_and_dropped_past_the_budget() -> None:
     asyncio.run(run())
 
 
+def test_a_body_in_pieces_is_received_whole_whatever_its_size() -> None:
+    """Bodies around each piece boundary, sent in writes of odd sizes, come back byte for
+    byte, charged exactly."""
+    sizes = [1, BODY_CHUNK - 1, BODY_CHUNK, BODY_CHUNK + 1, 2 * BODY_CHUNK + 3,
+             BODY_PIECE + BODY_READ + 5, 3 * BODY_PIECE + 7]
+
+    async def run() -> None:
+        buffers = ResponseBuffers(64 << 20, 64 << 20)
+        a, b = socket.socketpair()
+        a.setblocking(False)
+        b.setblocking(False)
+        loop = asyncio.get_running_loop()
+        rng = np.random.default_rng(5)
+        try:
+            for n in sizes:
+                data = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+                got = asyncio.create_task(recv_body(a, n, buffers, "a call body"))
+                at = 0
+                while at < n:
+                    step = int(rng.integers(1, 300_000))
+                    await loop.sock_sendall(b, data[at:at + step])
+                    at += step
+                body, charged = await asyncio.wait_for(got, 5)
+                assert body == data and charged == n == buffers.total, n
+                buffers.charge(-charged)
+        finally:
+            a.close()
+            b.close()
+
+    asyncio.run(run())
+
+
 def test_a_kept_segment_is_made_at_once_and_forgotten_when_given_away() -> None:
     async def run() -> None:
         gauge = Gauge()
@@ -482,6 +521,27 @@ def test_a_release_is_honoured_only_for_a_segment_the_client_holds() -> None:
         other = await pool.acquire(100, wait_s=0.05)
         assert other is not writing and other.ident in pool.lent and writing.ident in pool.lent
         assert not await pool.give_back(other.ident)  # never sent: ignored too
+        await pool.close()
+
+    asyncio.run(run())
+
+
+def test_a_release_sent_before_the_segments_latest_batch_is_ignored() -> None:
+    """A segment returned, lent again and sent: a second RELEASE of its id that the client
+    sent before that batch (its frame before the fence) is ignored; one sent after it is
+    honoured (before: honoured, and the next Read was answered in the same segment)."""
+    async def run() -> None:
+        pool = SegmentPool(2, Gauge())
+        seg = await pool.acquire(100)
+        pool.sent_out(seg, fence=0)
+        assert await pool.give_back(seg.ident, at=16)
+        again = await pool.acquire(100)
+        assert again is seg
+        pool.sent_out(again, fence=64)  # 64 bytes of the client's were in before it
+        assert not await pool.give_back(seg.ident, at=32)  # the stale one: still lent
+        assert seg.ident in pool.lent and seg.out
+        assert await pool.give_back(seg.ident, at=64)  # sent once it had the batch
+        assert seg.ident in pool.free
         await pool.close()
 
     asyncio.run(run())

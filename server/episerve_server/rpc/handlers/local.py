@@ -74,6 +74,7 @@ from episerve_server.rpc.handlers.local_io import (
     ConnectionClosed,
     LocalContext,
     error_body,
+    queued,
     recv_exact,
     recv_head,
     send,
@@ -262,10 +263,12 @@ class LocalPlane:
         while True:
             head = await recv_head(conn.sock, lp.MAX_CALL_BODY)
             conn.active = time.monotonic()
+            at = conn.consumed
+            conn.consumed += lp.HEAD_BYTES  # a body counts once it is read
             if head.kind == lp.RELEASE:
                 if head.length:
                     raise lp.FrameError("a RELEASE frame has no body")
-                await conn.pool.give_back(head.ident)
+                await conn.pool.give_back(head.ident, at)
             elif head.kind == lp.CALL:
                 # One call at a time, and only once every earlier answer is received.
                 if conn.tasks:
@@ -274,6 +277,7 @@ class LocalPlane:
                 self.keeper.kept_received(conn)
                 body, charged = await guard.recv_body(conn.sock, head.length, self.budget,
                                                       "a call body")
+                conn.consumed += head.length
                 if body is None:
                     await self._send_error(conn, head.ident, Overloaded(
                         f"no room for a call body of {head.length} bytes: the daemon holds "
@@ -350,9 +354,13 @@ class LocalPlane:
         body = lp.batch_body(seg.ident, seg.size, placed.blobs, placed.meta)
         with_fd = keep or not seg.sent
         try:
+            # What the client sent before this answer could reach it: a RELEASE in there
+            # is of an earlier lending of this segment (measured before the send, so a
+            # release sent once the client has the answer is never mistaken for one).
+            fence = conn.consumed + queued(conn.sock)
             await self._send(conn, lp.frame(lp.BATCH, ident, body, lp.FLAG_FD if with_fd else 0),
                              (seg.fd,) if with_fd else ())
-            conn.pool.sent_out(seg)
+            conn.pool.sent_out(seg, fence)
         except BaseException:
             await conn.pool.put_back(seg.ident)
             raise

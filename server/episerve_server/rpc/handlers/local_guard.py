@@ -34,8 +34,12 @@ from episerve_server.rpc.handlers.local_io import Connection, ConnectionClosed, 
 
 log = logging.getLogger(__name__)
 
-#: Bytes of a call body received at a time (and the scratch buffer of a dropped one).
+#: A call body's first piece (and the most a head alone makes the daemon allocate).
 BODY_CHUNK = 64 << 10
+#: Its largest piece: a body's pieces grow with what has arrived, up to this.
+BODY_PIECE = 1 << 20
+#: Bytes asked of the socket at once: about what a unix socket's queue holds.
+BODY_READ = 256 << 10
 #: Descriptors kept for everything but local-plane connections (gRPC, stores, logs).
 SPARE_FDS = 256
 #: How often a connection whose answers are unread is looked at again, at most.
@@ -177,30 +181,46 @@ async def recv_body(sock: socket.socket, n: int, buffers: ResponseBuffers,
                     what: str) -> tuple[bytes | None, int]:
     """A body of ``n`` bytes, allocated and charged to ``buffers`` as it arrives; returns it
     and the bytes still charged for it (the caller discharges them once served), or None
-    and 0 when the budget had no room (the body was read and dropped)."""
+    and 0 when the budget had no room (the body was read and dropped).
+
+    The bytes are received straight into the pieces that make the body (each at most as
+    large as what came before it, from ``BODY_CHUNK`` to ``BODY_PIECE``), up to
+    ``BODY_READ`` per receive, and joined once at the end (a body used to be copied three
+    times: into a 64 KiB scratch buffer, onto a growing bytearray, into the final bytes).
+    A dropped body is read into its current piece, over and over."""
     loop = asyncio.get_running_loop()
-    scratch = memoryview(bytearray(min(n, BODY_CHUNK)))
-    body: bytearray | None = bytearray()
-    charged, got = 0, 0
+    pieces: list[bytearray] | None = []
+    piece = memoryview(bytearray(min(n, BODY_CHUNK)))
+    filled, charged, got = 0, 0, 0
     try:
         while got < n:
-            k = await loop.sock_recv_into(sock, scratch[:min(BODY_CHUNK, n - got)])
+            if filled == len(piece):  # full: the next piece, sized by what has arrived
+                if pieces is not None:
+                    pieces.append(piece.obj)  # type: ignore[arg-type]
+                    piece = memoryview(bytearray(min(n - got, max(BODY_CHUNK,
+                                                                  min(got, BODY_PIECE)))))
+                filled = 0
+            k = await loop.sock_recv_into(sock, piece[filled:filled + BODY_READ])
             if k == 0:
                 raise ConnectionClosed("the peer closed the connection mid-frame")
             got += k
-            if body is None:
+            filled += k
+            if pieces is None:
                 continue
             try:
                 buffers.room(k, what)
             except Overloaded:
-                body = None  # no room: read the rest and drop it
+                pieces = None  # no room: read the rest into this piece, and drop it
                 buffers.charge(-charged)
                 charged = 0
                 continue
             buffers.charge(k)
             charged += k
-            body += scratch[:k]
     except BaseException:
         buffers.charge(-charged)
         raise
-    return (None, 0) if body is None else (bytes(body), charged)
+    if pieces is None:
+        return None, 0
+    if not pieces:  # the body is one piece
+        return bytes(piece[:filled]), charged
+    return b"".join([*pieces, piece[:filled]]), charged

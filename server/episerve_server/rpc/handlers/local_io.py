@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import array
 import asyncio
+import fcntl
 import socket
+import struct
+import termios
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -65,6 +68,16 @@ class Connection:
     active: float = field(default_factory=time.monotonic)  # when a frame last came
     kept: int = 0  # bytes of kept segments sent, charged until the client has them
     closing: bool = False  # closed for idleness: stop waiting for its peer
+    consumed: int = 0  # bytes of the client's frames read so far (a body once whole)
+
+
+def queued(sock: socket.socket) -> int:
+    """Bytes the peer has sent on ``sock`` that are not read yet (0 once closed)."""
+    if sock.fileno() < 0:
+        return 0
+    raw = fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0")
+    n: int = struct.unpack("i", raw)[0]
+    return n
 
 
 async def send(conn: Connection, data: bytes, fds: Sequence[int] = ()) -> None:

@@ -46,6 +46,9 @@ class Segment:
     view: np.ndarray
     sent: bool = False  # the client has its descriptor
     out: bool = False  # in the client's hands: sent, not yet returned
+    #: Where the client's stream stood when this lending's answer was sent: a RELEASE that
+    #: starts before it was sent before the client could know of this lending.
+    fence: int = 0
 
     @classmethod
     def make(cls, ident: int, size: int) -> Segment:
@@ -126,15 +129,19 @@ class SegmentPool:
             self.lent[seg.ident] = seg
             return seg
 
-    def sent_out(self, seg: Segment) -> None:
-        """``seg``'s batch was sent: it is the client's until it returns it."""
+    def sent_out(self, seg: Segment, fence: int = 0) -> None:
+        """``seg``'s batch was sent: it is the client's until it returns it. ``fence``: the
+        client's bytes received or queued before the batch was sent."""
         seg.sent = seg.out = True
+        seg.fence = fence
 
-    async def give_back(self, ident: int) -> bool:
-        """The client's RELEASE: honoured (True) only for a segment it holds."""
+    async def give_back(self, ident: int, at: int | None = None) -> bool:
+        """The client's RELEASE (its frame at byte ``at`` of the client's stream): honoured
+        (True) only for a segment it holds, and not when the frame was sent before the
+        segment's latest batch (a release of an earlier lending of the same id)."""
         seg = self.lent.get(ident)
-        if seg is None or not seg.out:
-            return False  # never sent, returned already, or being written: ignored
+        if seg is None or not seg.out or (at is not None and at < seg.fence):
+            return False  # never sent, returned already, being written, stale: ignored
         seg.out = False
         await self.put_back(ident)
         return True

@@ -1,0 +1,78 @@
+"""SIGTERM while the local plane waits to send: the daemon stops cleanly.
+
+A peer asks for a Read whose answer frame (the batch's metadata: 65,536 samples) is larger
+than what the daemon's end of a unix socket buffers, and reads nothing, so the daemon's send
+(``loop.sock_sendall``, after a first ``sendmsg`` with the segment's descriptor) waits for
+the socket to become writable. SIGTERM then cancels that send and closes the connection;
+the log must hold no error and the daemon must exit 0.
+
+The wait on ``sendmsg`` itself (``local_io.writable``) is not reached this way: on a unix
+stream socket a ``sendmsg`` into an empty queue sends part of its bytes rather than failing,
+and a connection's next call is served only once its earlier answers are received, so the
+queue is empty whenever a descriptor is sent."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from episerve_client import convert
+from episerve_proto import local as lp
+from episerve_tools.launch import DaemonProcess
+from tests.support.localpeer import LocalPeer, inq
+
+pytestmark = pytest.mark.slow
+
+SAMPLES = 65536
+#: Log words that mean the stop was not clean.
+UNCLEAN = ("remove_writer", "Exception", "Traceback", "Error in", "exception")
+
+
+def _waiting_to_send(peer: LocalPeer, timeout_s: float = 60.0) -> int:
+    """Bytes queued for the peer once the daemon's sends stop (its send then waits)."""
+    deadline, last, steady = time.monotonic() + timeout_s, -1, 0
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        queued = inq(peer.sock)
+        steady = steady + 1 if queued and queued == last else 0
+        last = queued
+        if steady >= 5:
+            return queued
+    raise AssertionError(f"the daemon did not start its answer ({last} bytes queued)")
+
+
+def _drained(peer: LocalPeer) -> bytes:
+    """Everything the peer can read until the daemon's end closes."""
+    got = bytearray()
+    while chunk := peer.sock.recv(1 << 20):
+        got += chunk
+    return bytes(got)
+
+
+def test_sigterm_while_a_send_waits_for_the_socket(tmp_path: Path,
+                                                   ramp_roots: dict[str, Path]) -> None:
+    sock = tmp_path / "d.sock"
+    request = convert.read_request(
+        [("ep003d", k % 200) for k in range(SAMPLES)],
+        keymap={"h": {"zarr_key": "obs_head_pose", "key_type": "proprio_keys"}})
+    daemon = DaemonProcess(ramp_roots["sharded"], "--rescan-s", "0", "--grace-s", "1",
+                           "--max-batch", str(SAMPLES), unix=sock)
+    try:
+        with LocalPeer(str(sock) + lp.LOCAL_SUFFIX) as peer:
+            peer.call("Read", request, 1)  # not kept: the frame is its metadata
+            queued = _waiting_to_send(peer)
+            assert daemon.proc.poll() is None
+            code = daemon.stop(timeout_s=30)
+            # The peer had only part of the answer: the daemon was waiting to send the rest.
+            got = _drained(peer)
+            head = lp.parse_head(got[:lp.HEAD_BYTES], lp.TO_CLIENT, lp.MAX_ANSWER_BODY)
+            assert head.kind == lp.BATCH and len(got) >= queued
+            assert len(got) < lp.HEAD_BYTES + head.length, "the whole answer was sent"
+    finally:
+        daemon.kill()
+    log = "".join(daemon.lines)
+    bad = [line for line in daemon.lines if any(word in line for word in UNCLEAN)]
+    assert not bad, log[-4000:]
+    assert code == 0, log[-4000:]
