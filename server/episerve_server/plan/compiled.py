@@ -30,7 +30,7 @@ from episerve_server.core.cache import ChunkCache, ChunkKey
 from episerve_server.core.keymap import Keymap, Rule
 from episerve_server.core.result import BatchResult, ImageColumn
 from episerve_server.core.windows import Window
-from episerve_server.plan.assemble import PACK, Empty, add_is_pad, add_masks
+from episerve_server.plan.assemble import PACK, Empty, add_is_pad, add_masks, distinct
 from episerve_server.plan.geometry import KeyGeometry, KeymapPlan, compile_keymap, windows_of
 from episerve_server.plan.options import ReadOptions
 from episerve_server.plan.texts import TextTables
@@ -279,8 +279,8 @@ class Compiled:
                 return None  # the general path's ShortArrayError
             rows.append((position[:, None] * PACK + w).ravel())
             chunks.append((position[:, None] * PACK + w // c).ravel())
-        needed = _distinct(np.concatenate(rows))
-        packed = _distinct(np.concatenate(chunks))
+        needed = distinct(np.concatenate(rows))
+        packed = distinct(np.concatenate(chunks))
         ep_pos, chunk = np.divmod(packed, PACK)
         hashes = directory.hashes[order[ep_pos]].tolist()
         keys = tuple(zip(hashes, [key] * len(hashes), chunk.tolist()))
@@ -349,13 +349,3 @@ def _first_seen(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     rank = {dense: r for r, dense in enumerate(order)}
     position = np.fromiter(map(rank.__getitem__, listed), np.int64, len(listed))
     return position, np.array(order, np.int64)
-
-
-def _distinct(values: np.ndarray) -> np.ndarray:
-    s = np.sort(values)
-    if s.size == 0:
-        return s
-    keep = np.empty(s.size, dtype=bool)
-    keep[0] = True
-    np.not_equal(s[1:], s[:-1], out=keep[1:])
-    return s[keep]

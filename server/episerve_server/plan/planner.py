@@ -35,6 +35,7 @@ from episerve_server.plan.assemble import (
     Empty,
     Table,
     assemble,
+    distinct,
     empty32,
     gather_cached,
 )
@@ -366,18 +367,6 @@ class Planner:
         if nbytes >= self.offload_bytes:
             return await asyncio.to_thread(fn, *args)
         return fn(*args)
-
-
-def distinct(values: np.ndarray) -> np.ndarray:
-    """The sorted distinct values: ``np.unique`` without its hash path, which numpy 2.4
-    takes for integers and which costs ~9x a sort on the few thousand keys of a batch."""
-    s = np.sort(values, kind="stable")
-    if s.size == 0:
-        return s
-    keep = np.empty(s.size, dtype=bool)
-    keep[0] = True
-    np.not_equal(s[1:], s[:-1], out=keep[1:])
-    return s[keep]
 
 
 def _key_rows(key: str, keymap: Keymap, batch: Batch,
