@@ -13,6 +13,7 @@ import pytest
 
 from episerve_server.core.keymap import Keymap
 from episerve_server.core.spans import Span, texts_at
+from episerve_server.plan import compiled as compiled_module
 from episerve_server.plan.options import ReadOptions
 from episerve_server.plan.texts import per_frame
 from tests.support.differential import NUMERIC, Pair, drive, write_root
@@ -57,6 +58,31 @@ def test_warm_batches_take_the_compiled_plan(template: Path, run: LoopRunner) ->
     for all_masks in (False, True):
         pair.read(keymap, samples, ReadOptions(all_masks=all_masks))
     assert pair.warm_batches == 2
+
+
+def test_a_warm_batch_over_the_response_limit_is_declined_before_its_windows(
+        template: Path, run: LoopRunner, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Read over ``max_response_bytes`` is refused by the general path before anything
+    large is built; the compiled plan must decline it before it computes a window (a warm
+    2 GB Read held +240 MB of window rows in a daemon before it was refused)."""
+    pair = Pair.open(template, 8 << 20, run)
+    keymap = Keymap.parse(NUMERIC["mecka"])
+    samples = [("ep003d", f) for f in (0, 5, 99)]
+    pair.read(keymap, samples, ReadOptions())  # warm the cache
+    compiled = pair.new.planner.compiled
+    built: list[int] = []
+    real = compiled_module.windows_of
+    monkeypatch.setattr(compiled_module, "windows_of",
+                        lambda *a, **k: built.append(1) or real(*a, **k))
+    assert compiled.plan(keymap, samples, ReadOptions()) is not None
+    assert built == [1]
+    warm = compiled.plan(keymap, samples, ReadOptions())
+    assert warm is not None
+    over = ReadOptions(max_response_bytes=warm.out_bytes - 1)
+    assert compiled.plan(keymap, samples, over) is None
+    assert built == [1, 1]  # no window for the refused one
+    assert compiled.plan(keymap, samples, ReadOptions(max_response_bytes=warm.out_bytes)) \
+        is not None
 
 
 def test_text_tables_equal_texts_at() -> None:

@@ -121,6 +121,26 @@ class Compiled:
         uids = self._batch_uids(directory, ids)
         if uids is None:
             return None
+        kinds: dict[str, tuple[tuple[int, ...], bool]] = {}
+        out_bytes = 8 * len(ids) if options.all_masks else 0
+        for key in sorted(keymap.zarr_keys):
+            geo = kp.keys[key]
+            if not geo.shapes:
+                return None
+            if geo.one_shape:
+                kinds[key] = geo.shapes[0]
+            else:
+                shape_id = geo.shape_id[ids]
+                if shape_id.min() != shape_id.max():
+                    return None  # the general path names the shapes
+                kinds[key] = geo.shapes[int(shape_id[0])]
+            feature, is_bytes = kinds[key]
+            per_row = 4 if is_bytes else 4 * math.prod(feature)
+            for e in kp.entries[key]:
+                pad = 1 if options.all_masks and e.time_axis else 0
+                out_bytes += len(ids) * e.length * (per_row + pad)
+        if options.max_response_bytes and out_bytes > options.max_response_bytes:
+            return None  # refused by the general path, before any window is built
         fps = directory.fps[ids]
         windows = windows_of(keymap, kp, frame, total, fps)
         gathers: list[_Gather] = []
@@ -129,18 +149,9 @@ class Compiled:
         split: dict[tuple[tuple[Any, ...], int], tuple[np.ndarray, np.ndarray]] = {}
         position, order = _first_seen(ids) if kp.camera else (ids, ids)
         uid_top = int(uids.max())  # once per batch, not per key
-        out_bytes = 8 * len(ids) if options.all_masks else 0
         for key in sorted(keymap.zarr_keys):
             geo = kp.keys[key]
-            if not geo.shapes:
-                return None
-            if geo.one_shape:
-                feature, is_bytes = geo.shapes[0]
-            else:
-                shape_id = geo.shape_id[ids]
-                if shape_id.min() != shape_id.max():
-                    return None  # the general path names the shapes
-                feature, is_bytes = geo.shapes[int(shape_id[0])]
+            feature, is_bytes = kinds[key]
             if is_bytes:
                 got_frames = self._frames(key, kp, geo, ids, total, position, order,
                                          windows, directory)
@@ -153,10 +164,6 @@ class Compiled:
                 if got is None:
                     return None
                 stamps.append(got)
-            per_row = 4 if is_bytes else 4 * math.prod(feature)
-            for e in kp.entries[key]:
-                pad = 1 if options.all_masks and e.time_axis else 0
-                out_bytes += len(ids) * e.length * (per_row + pad)
         return Warm(hashes, ids, frame, total, fps, windows, tuple(gathers), tuple(stamps),
                     tuple(frames), position, order, out_bytes, self.cache.version, directory)
 
