@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -42,7 +43,11 @@ def test_setup_says_each_step_before_it_runs(tmp_path: Path) -> None:
     """``make setup`` (run by ``make demo`` and ``make test`` on a fresh clone) announces
     what it installs and how long it takes before the first pip, and the large installs
     show their packages as they go instead of running quiet for minutes."""
-    done = subprocess.run(["make", "-n", "-B", "setup", f"VENV={tmp_path}/venv"], cwd=REPO,
+    # Run from a make target (make test-slow), make passes -w down through MAKEFLAGS and
+    # the dry run would start with "Entering directory": the child gets neither.
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
+    done = subprocess.run(["make", "--no-print-directory", "-n", "-B", "setup",
+                           f"VENV={tmp_path}/venv"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=60, check=True)
     lines = done.stdout.splitlines()
     assert lines[0].startswith("echo") and "minutes" in lines[0], lines[:2]
