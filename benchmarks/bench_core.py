@@ -11,26 +11,12 @@ random batches of 64 over the whole dataset.
 
 from __future__ import annotations
 
-import asyncio
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 import numpy as np
 from baselines import PerEntryReader, PerKeyReader, read_all
 from common import MECKA, args, ensure_dataset, median, random_batches, table, timed
+from daemons import planner_for
 
-from episerve_server.config import ServerConfig
 from episerve_server.core.keymap import Keymap
-from episerve_server.plan.planner import Planner
-from episerve_server.wiring import build_read_core
-
-
-def planner_for(root: str, cache_bytes: int, loop: asyncio.AbstractEventLoop) -> Planner:
-    core = build_read_core(ServerConfig(root=root, cache_bytes=cache_bytes))
-    loop.run_until_complete(core.catalog.scan())
-    return core.planner
 
 
 def check_equal(planned: object, baseline: list[dict[str, object]]) -> None:

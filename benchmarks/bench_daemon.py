@@ -8,13 +8,8 @@ batch, MB/s, and the share of time spent outside the planner (gRPC, serializatio
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_core import planner_for
 from common import MECKA, args, ensure_dataset, median, random_batches, table, timed
+from daemons import planner_for
 
 from episerve_client import Client
 from episerve_server.core.keymap import Keymap

@@ -17,12 +17,9 @@ import argparse
 import os
 import pickle
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np
 import simplejpeg

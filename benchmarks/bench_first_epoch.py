@@ -25,14 +25,11 @@ hint and preload traffic.
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np
 from common import NUMERIC_MECKA, ensure_dataset, table

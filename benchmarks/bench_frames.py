@@ -15,17 +15,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 import numpy as np
-from bench_client import BATCH, run
-from common import MECKA, ensure_dataset, table
+from common import BATCH, MECKA, ensure_dataset, table
+from loaders import run
 
 from episerve_client import WindowDataset, collate, to_float
 from episerve_tools.launch import DaemonProcess

@@ -32,7 +32,6 @@ from torch.utils.data import DataLoader, Dataset
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
 
 from common import table
 

@@ -14,50 +14,19 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 import numpy as np
 import yaml
-from bench_client import BATCH, Index, run
-from common import MECKA, NUMERIC_MECKA, ensure_dataset, table
+from common import BATCH, MECKA, NUMERIC_MECKA, ensure_dataset, table
+from daemons import CLIENTS, EPISODES, cpu_s, loadtest
+from loaders import Index, run
 
 from episerve_client import WindowDataset, collate
 from episerve_tools.launch import DaemonProcess
 
-CLIENTS = 16
-EPISODES = 24
 TRANSPORTS = ("grpc", "local")
-
-
-def cpu_s(pid: int) -> float:
-    """CPU seconds of every thread of ``pid`` so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def loadtest(target: str, keymap: Path, seconds: float, transport: str,
-             tmp: str) -> tuple[float, float]:
-    """(samples in all, the loadtest process's CPU seconds)."""
-    out = f"{tmp}/lt.json"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "episerve_tools.cli", "loadtest", target, "--episodes",
-         str(EPISODES), "-c", str(CLIENTS), "--batch", str(BATCH), "--duration", str(seconds),
-         "--warmup", "0", "--keymap", str(keymap), "--json", out, "--timeout-s", "120",
-         "--quiet", "--transport", transport], stdout=subprocess.DEVNULL)
-    _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode != 0:
-        raise RuntimeError(f"loadtest exited with {proc.returncode}")
-    report = json.loads(Path(out).read_text())
-    return float(report["samples_per_s"]) * float(report["elapsed_s"]), \
-        usage.ru_utime + usage.ru_stime
 
 
 def bench_loadtest(root: str, rounds: int, seconds: float, tmp: str) -> None:

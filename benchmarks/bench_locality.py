@@ -15,12 +15,9 @@ repetition, so they share the machine's state (the OS page cache is warm after t
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np
 from common import NUMERIC_MECKA, ensure_dataset, table

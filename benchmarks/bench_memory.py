@@ -24,10 +24,7 @@ import sys
 import threading
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_rescan import replicate
-from common import table
+from common import replicate, table
 
 from episerve_client import Client
 from episerve_tools.launch import DaemonProcess

@@ -11,12 +11,8 @@ its samples from each daemon.
 
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np
 from common import MECKA, NUMERIC_MECKA, args, ensure_dataset

@@ -25,8 +25,6 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 import numpy as np
 import yaml
 from common import MECKA, NUMERIC_MECKA, args, ensure_dataset, table

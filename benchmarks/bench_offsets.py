@@ -12,11 +12,7 @@ cache off; then warm reads are timed interleaved, and all_masks on against off.
 from __future__ import annotations
 
 import asyncio
-import sys
-from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np
 from common import NUMERIC_MECKA, args, ensure_dataset, median, random_batches, table

@@ -15,11 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import MECKA, args, ensure_dataset, median, random_batches, table
 

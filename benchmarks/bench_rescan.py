@@ -20,39 +20,14 @@ import multiprocessing
 import os
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import MECKA, random_batches, table
+from common import MECKA, random_batches, replicate, table
 
 from episerve_client import Client, convert
 from episerve_tools.launch import DaemonProcess
-
-
-def replicate(base: Path, root: Path, n: int) -> None:
-    """``n`` episodes under ``root``, hard-linked from the episodes of ``base``."""
-    sources = sorted(base.glob("*.zarr"))
-    if not sources:  # the base of the docstring, written once
-        from episerve_tools.synth.writer import make_dataset
-
-        print(f"writing the base episodes under {base}", flush=True)
-        make_dataset(base, episodes=100, min_frames=30, max_frames=60, seed=1)
-        sources = sorted(base.glob("*.zarr"))
-    root.mkdir(parents=True, exist_ok=True)
-    for k in range(n):
-        src = sources[k % len(sources)]
-        dst = root / f"{src.name[:-5]}x{k // len(sources):03d}.zarr"
-        if dst.exists():
-            continue
-        for folder, _, files in os.walk(src):
-            out = dst / Path(folder).relative_to(src)
-            out.mkdir(parents=True, exist_ok=True)
-            for f in files:
-                os.link(Path(folder) / f, out / f)
 
 
 def _read_loop(target: str, batches: list[list[tuple[str, int]]], stop: Any, out: Any) -> None:

@@ -26,8 +26,6 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 import numpy as np
 from common import MECKA, ensure_dataset, random_batches, table
 

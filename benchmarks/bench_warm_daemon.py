@@ -16,18 +16,15 @@ from __future__ import annotations
 import argparse
 import os
 import subprocess
-import sys
 import tarfile
 import tempfile
 from io import BytesIO
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 import numpy as np
 import yaml
-from bench_local import EPISODES, cpu_s, loadtest
 from common import MECKA, NUMERIC_MECKA, ensure_dataset, table
+from daemons import EPISODES, cpu_s, loadtest
 
 from episerve_tools.launch import DaemonProcess
 

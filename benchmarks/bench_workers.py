@@ -22,12 +22,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 import numpy as np
 import yaml
-from bench_client import BATCH, Index, TensorStoreDataset, run
-from common import NUMERIC_MECKA, ensure_dataset, table
+from common import BATCH, NUMERIC_MECKA, ensure_dataset, table
+from loaders import Index, TensorStoreDataset, run
 from torch.utils.data import default_collate
 
 from episerve_client import WindowDataset, collate

@@ -1,8 +1,11 @@
-"""Shared benchmark setup: the dataset, the keymap, random batches, timing, tables."""
+"""Shared benchmark setup: the dataset (and copies of it), the keymap, random batches, timing,
+tables. Each benchmark runs as ``python benchmarks/bench_NAME.py``, so this folder is on the
+path and these modules import by name; none imports another benchmark."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -17,6 +20,8 @@ MECKA = yaml.safe_load((REPO / "client/episerve_client/keymaps/mecka_keypoints_k
                        .read_text())
 NUMERIC_MECKA = {k: v for k, v in MECKA.items()
                  if v["key_type"] not in ("camera_keys", "annotation_keys")}
+#: Samples per batch unless a benchmark says otherwise.
+BATCH = 64
 
 
 def args(description: str) -> argparse.Namespace:
@@ -76,3 +81,25 @@ def table(rows: list[tuple[str, ...]], header: tuple[str, ...]) -> str:
     sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
     body = ["| " + " | ".join(str(c).ljust(w) for c, w in zip(r, widths)) + " |" for r in rows]
     return "\n".join([line, sep, *body])
+
+
+def replicate(base: Path, root: Path, n: int) -> None:
+    """``n`` episodes under ``root``, hard-linked from the episodes of ``base``."""
+    sources = sorted(base.glob("*.zarr"))
+    if not sources:  # the base of the docstring, written once
+        from episerve_tools.synth.writer import make_dataset
+
+        print(f"writing the base episodes under {base}", flush=True)
+        make_dataset(base, episodes=100, min_frames=30, max_frames=60, seed=1)
+        sources = sorted(base.glob("*.zarr"))
+    root.mkdir(parents=True, exist_ok=True)
+    for k in range(n):
+        src = sources[k % len(sources)]
+        dst = root / f"{src.name[:-5]}x{k // len(sources):03d}.zarr"
+        if dst.exists():
+            continue
+        for folder, _, files in os.walk(src):
+            out = dst / Path(folder).relative_to(src)
+            out.mkdir(parents=True, exist_ok=True)
+            for f in files:
+                os.link(Path(folder) / f, out / f)

@@ -1,82 +1,73 @@
-"""``episerve serve --help`` laid out for a reader: the flags grouped by topic, each with its
-default (taken from ``ServerConfig``, never retyped) and the variable it is also read from.
+"""A settings dataclass as an ``argparse`` parser laid out for a reader: the flags grouped by
+topic, in declaration order, each with its default and the variable it is also read from.
 
-The parser itself (``config._parser``) declares the flags; ``finish`` only rearranges and
-annotates them, so a new flag needs no entry here: a topic is then picked from its name.
+Everything comes from the declarations (``settings.declared``); the only thing listed here is
+the topics themselves, in the order ``--help`` shows them.
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NoReturn
+
+from episerve_server.settings import Declared, declared, shown
 
 USAGE = "episerve serve [ROOT] [--FLAG VALUE ...]"
-#: Topic title, what it covers, and the settings listed under it, in the order shown.
-TOPICS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
-    ("listening", "where the daemon listens and how it treats connections",
-     ("host", "port", "unix", "workers", "local_plane", "grace_s", "max_connection_age_s",
-      "max_connection_idle_s")),
-    ("data", "what is served and how storage is read",
-     ("root", "allow", "rescan_s", "s3_endpoint", "store_timeout_s", "max_store_concurrency",
-      "video_tolerance_s")),
-    ("cache", "memory kept to serve reads faster",
-     ("cache_bytes", "prefetch_bytes", "preload", "stats_cache_bytes")),
-    ("limits", "what one request, one file or all clients together may take",
-     ("max_batch", "max_window", "max_response_bytes", "max_concurrent_reads",
-      "max_streams_per_connection", "max_buffered_bytes", "max_buffered_bytes_per_peer",
-      "max_item_bytes", "max_metadata_bytes", "max_keymap_entries", "max_keymap_bytes",
-      "max_registry_bytes", "local_segments")),
-    ("security", "who may read",
-     ("token", "tls_cert", "tls_key", "tls_client_ca", "local_uids", "metrics_host")),
-    ("observability", "logs, metrics and health",
-     ("log_level", "log_format", "log_summary_s", "metrics_port", "health_port")),
+#: Topic title and what it covers, in the order shown. A setting names its topic.
+TOPICS: tuple[tuple[str, str], ...] = (
+    ("listening", "where the daemon listens and how it treats connections"),
+    ("data", "what is served and how storage is read"),
+    ("cache", "memory kept to serve reads faster"),
+    ("limits", "what one request, one file or all clients together may take"),
+    ("security", "who may read"),
+    ("observability", "logs, metrics and health"),
 )
-#: How an empty default reads (an empty string or tuple means "not set").
-UNSET = {
-    "unix": "none: TCP on --host and --port",
-    "allow": "none: every episode",
-    "token": "none: no authentication",
-    "tls_cert": "none: plaintext",
-    "tls_key": "none",
-    "tls_client_ca": "none: no client certificates asked for",
-    "s3_endpoint": "none: AWS S3 itself",
-    "local_uids": "none: the daemon's own uid only",
-    "health_port": "0: off",
-}
 
 
-def topic_of(dest: str) -> str:
-    """The topic of a setting: its entry in ``TOPICS``, else one picked from its name (a
-    bound is a limit; a local-plane or connection setting is about listening)."""
-    for title, _, dests in TOPICS:
-        if dest in dests:
-            return title
-    if dest.startswith("max_") or dest.endswith("_bytes"):
-        return "limits"
-    if dest.startswith(("log_", "metrics_")):
-        return "observability"
-    return "listening"
+class _Parser(argparse.ArgumentParser):
+    """Bad flags are one ``ValueError`` line, like every other refused setting."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ValueError(f"{message} (see {self.prog} --help)")
 
 
-def finish(p: argparse.ArgumentParser, defaults: Mapping[str, Any], env_prefix: str,
-           shown: Callable[[str, Any], str]) -> None:
-    """Give every flag its default and variable, then group the flags by topic."""
-    p.usage = USAGE
-    for action in p._actions:
-        if action.dest == "help" or action.help in (None, argparse.SUPPRESS):
-            continue
-        if "(default" not in action.help and action.dest in defaults:
-            default = defaults[action.dest]
-            unset = default in ("", ()) or (action.dest in UNSET and not default)
-            said = UNSET.get(action.dest, "none") if unset else shown(action.dest, default)
-            action.help = f"{action.help} (default {said})"
-        action.help = f"{action.help} [{env_prefix}{action.dest.upper()}]"
-    groups = {title: p.add_argument_group(title, about) for title, about, _ in TOPICS}
-    order = {d: i for i, d in enumerate(d for _, _, ds in TOPICS for d in ds)}
-    moved = [a for a in p._actions if a.dest != "help" and a.help != argparse.SUPPRESS]
-    for action in sorted(moved, key=lambda a: order.get(a.dest, len(order))):
-        for holder in (p._positionals, p._optionals):
-            if action in holder._group_actions:
-                holder._group_actions.remove(action)
-        groups[topic_of(action.dest)]._group_actions.append(action)
+def parser(cls: type, *, prog: str, description: str, prefix: str) -> argparse.ArgumentParser:
+    """The parser of every setting of ``cls``; a value not given parses as None."""
+    p = _Parser(prog=prog, description=description, usage=USAGE, argument_default=None,
+                epilog=f"Every flag can also be set in the environment as {prefix}<FLAG> "
+                       f"(--cache-bytes as {prefix}CACHE_BYTES=4GiB); a flag given on the "
+                       f"command line wins. An unknown {prefix}* variable is reported at "
+                       "start-up.")
+    groups = {title: p.add_argument_group(title, about) for title, about in TOPICS}
+    for item in declared(cls):
+        if item.spec.topic not in groups:
+            raise ValueError(f"{cls.__name__}.{item.name}: topic must be one of "
+                             f"{', '.join(groups)}, got {item.spec.topic!r}")
+        groups[item.spec.topic].add_argument(item.flag, **_how(item, prefix))
+    return p
+
+
+def help_of(item: Declared, prefix: str) -> str:
+    """The help line of a setting: its text, its default (and what that means), its variable."""
+    default = shown(item) + (f": {item.spec.says}" if item.spec.says else "")
+    env = f" [{item.variable(prefix)}]" if item.spec.env else ""
+    return f"{item.spec.help} (default {default}){env}"
+
+
+def _how(item: Declared, prefix: str) -> dict[str, Any]:
+    how: dict[str, Any] = {
+        "help": argparse.SUPPRESS if item.spec.hidden else help_of(item, prefix)}
+    kind = item.spec.kind
+    if item.spec.positional:
+        how["nargs"] = "?"
+    else:
+        how["dest"] = item.name
+    if kind == "switch":
+        how.update(action="store_const", const=not item.default)
+    elif kind in ("list", "uids"):
+        how["action"] = "append"
+    elif kind in ("whole", "port"):
+        how["type"] = int
+    elif kind == "seconds":
+        how["type"] = float
+    return how

@@ -115,7 +115,7 @@ def test_serve_help_groups_every_flag_by_topic_with_its_true_default() -> None:
 
     parser = _parser()
     text = parser.format_help()
-    titles = [title for title, _, _ in TOPICS]
+    titles = [title for title, _ in TOPICS]
     assert titles == ["listening", "data", "cache", "limits", "security", "observability"]
     assert [text.index(f"\n{t}:\n") for t in titles] == sorted(
         text.index(f"\n{t}:\n") for t in titles)

@@ -116,44 +116,47 @@ class WindowDataset(Dataset[dict[str, Any]]):
         self.max_decoded_bytes = max_decoded_bytes
         self._client: Client | None = None
         self._timeout_s = connect_timeout_s
-        # Filled by the probe: the frame size each episode declares per camera zarr key.
-        self._sizes: dict[str, dict[str, tuple[int, int]]] = {}
         self._full: list[EpisodeInfo] | None = None  # ``episodes``, once asked for
-        self._brief = self._choose(episodes, as_manifest(manifest), sync_ranks)
+        self._brief, survey = self._choose(episodes, as_manifest(manifest), sync_ranks)
         self.manifest = Manifest(tuple((e.hash, e.total_frames) for e in self._brief))
         self._lengths = dict(self.manifest.episodes)
+        # The frame size each of the dataset's episodes declares, per camera zarr key.
         self._sizes = {key: {h: size for h, size in by_episode.items() if h in self._lengths}
-                       for key, by_episode in self._sizes.items()}
+                       for key, by_episode in survey.frame_sizes.items()}
         self.camera_keys = {
             name for name, spec in self.keymap.items() if spec.get("key_type") == CAMERA_KEYS
         }
         self._rng = random.Random()
 
     def _choose(self, episodes: Sequence[str] | None, manifest: Manifest | None,
-                sync_ranks: bool) -> list[EpisodeInfo]:
-        if manifest is not None:
-            return explicit(self._survey(), manifest.hashes, dict(manifest.episodes))
-        if episodes is not None:
-            return explicit(self._survey(), list(dict.fromkeys(episodes)))
-        if not (sync_ranks and ranks.distributed()):
-            return whole_root(self._survey(), self.on_broken, self.target)
+                sync_ranks: bool) -> tuple[list[EpisodeInfo], Survey]:
+        """The dataset's episodes, and the survey of the daemon they were chosen from."""
+        if manifest is not None or episodes is not None or not (
+                sync_ranks and ranks.distributed()):
+            survey = self._survey()
+            if manifest is not None:
+                return explicit(survey, manifest.hashes, dict(manifest.episodes)), survey
+            if episodes is not None:
+                return explicit(survey, list(dict.fromkeys(episodes))), survey
+            return whole_root(survey, self.on_broken, self.target), survey
         mine: list[EpisodeInfo] = []
+        surveyed: list[Survey] = []
 
         def choose() -> Manifest:
-            mine.extend(whole_root(self._survey(), self.on_broken, self.target))
+            surveyed.append(self._survey())
+            mine.extend(whole_root(surveyed[0], self.on_broken, self.target))
             return Manifest(tuple((e.hash, e.total_frames) for e in mine))
 
         agreed = ranks.from_rank0(choose)
         if agreed is None:  # rank 0
-            return mine
-        return explicit(self._survey(), agreed.hashes, dict(agreed.episodes))
+            return mine, surveyed[0]
+        survey = self._survey()
+        return explicit(survey, agreed.hashes, dict(agreed.episodes)), survey
 
     def _survey(self) -> Survey:
-        """The daemon's brief listing and keymap check; keeps the declared frame sizes."""
-        survey = probe(self.target, self.keymap, timeout_s=self._timeout_s,
-                       client_options=self.client_options)
-        self._sizes = survey.frame_sizes
-        return survey
+        """The daemon's brief listing, the keymap's check and the declared frame sizes."""
+        return probe(self.target, self.keymap, timeout_s=self._timeout_s,
+                     client_options=self.client_options)
 
     @property
     def episodes(self) -> list[EpisodeInfo]:

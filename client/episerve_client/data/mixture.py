@@ -30,6 +30,7 @@ from episerve_client.data.sampler import (
     WindowBatch,
     bounded,
     check_format,
+    world,
 )
 from episerve_client.errors import InvalidArgument
 
@@ -224,7 +225,7 @@ class WeightedMixtureSampler(EpochCursor, Sampler[list[int]]):
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_SAMPLES:
             raise InvalidArgument(f"num_samples must be an integer in [1, {MAX_SAMPLES}], "
                                   f"got {n!r}")
-        rank, num_replicas = _world(rank, num_replicas)
+        num_replicas, rank = world(self._owner, num_replicas, rank)
         if not batch_by_source:
             _same_outputs(mixture)
         self.mixture, self.weights = mixture, w / w.sum()
@@ -241,6 +242,10 @@ class WeightedMixtureSampler(EpochCursor, Sampler[list[int]]):
     def _steps(self, start: int) -> int:
         left = self._total_batches() - start
         return left // self.num_replicas if self.drop_last else -(-left // self.num_replicas)
+
+    def _stride(self) -> int:
+        """Batches of the epoch's list one step consumes (``position`` counts batches)."""
+        return self.num_replicas
 
     def __len__(self) -> int:
         """Batches of a whole epoch on this rank (a resumed iteration yields the rest)."""
@@ -298,20 +303,6 @@ class WeightedMixtureSampler(EpochCursor, Sampler[list[int]]):
 
     # -- state ------------------------------------------------------------------------------
 
-    def position(self, steps: int | None = None) -> tuple[int, int]:
-        """(epoch, batches of its list consumed) after ``steps`` batches of this rank in the
-        current iteration (by default, those it has yielded); a finished epoch is (next, 0)."""
-        if self._cur is None:
-            return self.epoch, self._resume_at
-        epoch, start, _ = self._cur
-        steps = self._yielded if steps is None else steps
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-            raise InvalidArgument(f"WeightedMixtureSampler: steps must be an int >= 0 (batches "
-                                  f"trained on since this iteration began), got {steps!r}")
-        if steps >= self._steps(start):
-            return epoch + 1, 0
-        return epoch, start + steps * self.num_replicas
-
     def state_dict(self, steps: int | None = None) -> dict[str, Any]:
         """The resume point; pass ``steps`` (batches trained on since this iteration began)
         when DataLoader workers prefetch, as for ``WindowSampler.state_dict``."""
@@ -364,16 +355,3 @@ def _split(total: int, weights: np.ndarray) -> np.ndarray:
     if left:
         counts[np.argsort(-(exact - counts), kind="stable")[:left]] += 1
     return counts
-
-
-def _world(rank: int | None, num_replicas: int | None) -> tuple[int, int]:
-    if rank is None or num_replicas is None:
-        import torch.distributed as dist
-
-        ready = dist.is_available() and dist.is_initialized()
-        rank = rank if rank is not None else (dist.get_rank() if ready else 0)
-        num_replicas = num_replicas if num_replicas is not None else (
-            dist.get_world_size() if ready else 1)
-    if num_replicas < 1 or not 0 <= rank < num_replicas:
-        raise InvalidArgument(f"rank {rank!r} must lie in [0, num_replicas={num_replicas!r})")
-    return rank, num_replicas

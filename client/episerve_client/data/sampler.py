@@ -110,15 +110,17 @@ bytes a sample. A ``WindowSampler``'s epoch is its manifest, bounded when that i
 MAX_EPOCH = (1 << 32) - 1
 
 
-def _world(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
+def world(owner: str, num_replicas: int | None, rank: int | None) -> tuple[int, int]:
+    """(num_replicas, rank): those given, else the initialized process group's (1 and 0
+    without one), checked for ``0 <= rank < num_replicas``."""
     live = dist.is_available() and dist.is_initialized()
     if num_replicas is None:
         num_replicas = dist.get_world_size() if live else 1
     if rank is None:
         rank = dist.get_rank() if live else 0
     if num_replicas < 1 or not 0 <= rank < num_replicas:
-        raise InvalidArgument(f"WindowSampler: rank {rank!r} of num_replicas "
-                              f"{num_replicas!r}: expected 0 <= rank < num_replicas")
+        raise InvalidArgument(f"{owner}: rank {rank!r} of num_replicas {num_replicas!r}: "
+                              "expected 0 <= rank < num_replicas")
     return num_replicas, rank
 
 
@@ -188,6 +190,28 @@ class EpochCursor:
     def _restore(self, epoch: int, resume_at: int) -> None:
         self.epoch, self._resume_at, self._cur, self._yielded = epoch, resume_at, None, 0
 
+    def _steps(self, start: int) -> int:
+        """This rank's steps in an iteration that starts at ``start``."""
+        raise NotImplementedError
+
+    def _stride(self) -> int:
+        """How far one step moves every rank together, in the unit of ``_resume_at``."""
+        raise NotImplementedError
+
+    def position(self, steps: int | None = None) -> tuple[int, int]:
+        """(epoch, consumed in it, in the sampler's unit) after ``steps`` steps of the current
+        iteration (by default, the batches it has yielded); a finished epoch is (next, 0)."""
+        if self._cur is None:
+            return self.epoch, self._resume_at
+        epoch, start, _ = self._cur
+        steps = self._yielded if steps is None else steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise InvalidArgument(f"{self._owner}: steps must be an int >= 0 (batches trained "
+                                  f"on since this iteration began), got {steps!r}")
+        if steps >= self._steps(start):
+            return epoch + 1, 0
+        return epoch, start + steps * self._stride()
+
 
 class WindowSampler(EpochCursor, Sampler[list[int]]):
     """A batch sampler (``DataLoader(dataset, batch_sampler=WindowSampler(...))``).
@@ -217,7 +241,7 @@ class WindowSampler(EpochCursor, Sampler[list[int]]):
                                   "but shuffle=False (the order is sequential already)")
         self.batch_size, self.shuffle, self.seed = batch_size, shuffle, int(seed)
         self.drop_last, self.locality, self.lookahead = drop_last, locality, lookahead
-        self.num_replicas, self.rank = _world(num_replicas, rank)
+        self.num_replicas, self.rank = world(self._owner, num_replicas, rank)
         self._order: tuple[int, np.ndarray] | None = None
 
     # -- order ------------------------------------------------------------------------------
@@ -231,8 +255,12 @@ class WindowSampler(EpochCursor, Sampler[list[int]]):
         return self._order[1]
 
     def _steps(self, start: int) -> int:
-        left, per_step = len(self.manifest) - start, self.batch_size * self.num_replicas
+        left, per_step = len(self.manifest) - start, self._stride()
         return left // per_step if self.drop_last else -(-left // per_step)
+
+    def _stride(self) -> int:
+        """Samples of the global order one step consumes (``position`` counts samples)."""
+        return self.batch_size * self.num_replicas
 
     def __len__(self) -> int:
         """Batches of a whole epoch on this rank. An iteration resumed mid-epoch yields the
@@ -272,20 +300,6 @@ class WindowSampler(EpochCursor, Sampler[list[int]]):
             self._handed(cur, 0, last=True)
 
     # -- state ------------------------------------------------------------------------------
-
-    def position(self, steps: int | None = None) -> tuple[int, int]:
-        """(epoch, global samples consumed in it) after ``steps`` steps of the current
-        iteration (by default, the batches it has yielded); a finished epoch is (next, 0)."""
-        if self._cur is None:
-            return self.epoch, self._resume_at
-        epoch, start, _ = self._cur
-        steps = self._yielded if steps is None else steps
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-            raise InvalidArgument(f"WindowSampler: steps must be an int >= 0 (batches trained "
-                                  f"on since this iteration began), got {steps!r}")
-        if steps >= self._steps(start):
-            return epoch + 1, 0
-        return epoch, start + steps * self.batch_size * self.num_replicas
 
     def state_dict(self, steps: int | None = None) -> dict[str, Any]:
         """The resume point. With a plain DataLoader whose workers prefetch, pass ``steps``:

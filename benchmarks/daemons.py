@@ -1,0 +1,50 @@
+"""A daemon measured from outside: its process's CPU, an ``episerve loadtest`` run against it,
+and the read core in process (the planner the daemon would use)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from common import BATCH
+
+from episerve_server.config import ServerConfig
+from episerve_server.plan.planner import Planner
+from episerve_server.wiring import build_read_core
+
+CLIENTS = 16
+EPISODES = 24
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds of every thread of ``pid`` so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def loadtest(target: str, keymap: Path, seconds: float, transport: str,
+             tmp: str) -> tuple[float, float]:
+    """(samples in all, the loadtest process's CPU seconds)."""
+    out = f"{tmp}/lt.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "episerve_tools.cli", "loadtest", target, "--episodes",
+         str(EPISODES), "-c", str(CLIENTS), "--batch", str(BATCH), "--duration", str(seconds),
+         "--warmup", "0", "--keymap", str(keymap), "--json", out, "--timeout-s", "120",
+         "--quiet", "--transport", transport], stdout=subprocess.DEVNULL)
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        raise RuntimeError(f"loadtest exited with {proc.returncode}")
+    report = json.loads(Path(out).read_text())
+    return float(report["samples_per_s"]) * float(report["elapsed_s"]), \
+        usage.ru_utime + usage.ru_stime
+
+
+def planner_for(root: str, cache_bytes: int, loop: asyncio.AbstractEventLoop) -> Planner:
+    core = build_read_core(ServerConfig(root=root, cache_bytes=cache_bytes))
+    loop.run_until_complete(core.catalog.scan())
+    return core.planner
