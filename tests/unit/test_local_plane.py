@@ -521,6 +521,35 @@ def test_what_a_body_allocates_is_charged_before_it_is_allocated() -> None:
     asyncio.run(run())
 
 
+def test_bodies_arriving_at_once_on_many_connections_keep_their_own_bytes() -> None:
+    """Eight connections waiting for their bodies, whose first bytes all arrive in the same
+    loop iteration: each call gets its own method and request (a first receive into one
+    buffer shared by the connections gave a call another's bytes)."""
+    async def run() -> None:
+        buffers = ResponseBuffers(64 << 20, 64 << 20)
+        pairs = [socket.socketpair() for _ in range(8)]
+        for a, _ in pairs:
+            a.setblocking(False)
+        bodies = [_call("Read" if k % 2 else "GetStats", bytes([k]) * (100 + k))
+                  for k in range(8)]
+        try:
+            calls = [asyncio.create_task(recv_call(a, len(body), buffers, "a call body"))
+                     for (a, _), body in zip(pairs, bodies, strict=True)]
+            await asyncio.sleep(0.01)  # every one waits for its socket
+            for (_, b), body in zip(pairs, bodies, strict=True):
+                b.sendall(body)
+            got = await asyncio.wait_for(asyncio.gather(*calls), 5)
+            for k, result in enumerate(got):
+                assert result is not None
+                assert result[:2] == ("Read" if k % 2 else "GetStats", bytes([k]) * (100 + k))
+        finally:
+            for a, b in pairs:
+                a.close()
+                b.close()
+
+    asyncio.run(run())
+
+
 def test_a_body_in_pieces_is_received_whole_whatever_its_size() -> None:
     """Bodies around each piece boundary, sent in writes of odd sizes, come back byte for
     byte, charged exactly (the request bytes, once the pieces are freed)."""

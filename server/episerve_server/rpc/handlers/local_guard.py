@@ -7,8 +7,8 @@ answers sent but not yet received.
   health need. A connection over a cap is answered ``Overloaded`` and closed.
 - A call body is allocated as its bytes arrive and charged to the daemon's budget
   (``buffers.ResponseBuffers``) while it is received and served: a head that declares
-  8 MiB and sends nothing holds nothing. A body that finds no room is read into a small
-  scratch buffer and dropped, and its call answered ``Overloaded``.
+  8 MiB and sends nothing holds 256 bytes. A body that finds no room is read into a
+  buffer the plane shares and dropped, and its call answered ``Overloaded``.
 - ``unread`` is what the kernel still queues for the client (``SIOCOUTQ``: bytes, and the
   memfds they carry, that the client has not received); a connection's next call waits
   until it is zero.
@@ -34,7 +34,7 @@ from episerve_server.rpc.handlers.local_io import Connection, ConnectionClosed, 
 
 log = logging.getLogger(__name__)
 
-#: A call body's first piece (and the most a head alone makes the daemon allocate).
+#: A call body's first piece.
 BODY_CHUNK = 64 << 10
 #: Its largest piece: a body's pieces grow with what has arrived, up to this.
 BODY_PIECE = 1 << 20
@@ -177,8 +177,12 @@ class Keeper:
         self.draining.clear()
 
 
+#: A body's first receive, before its first piece is allocated (a head alone holds this).
+FIRST_READ = 256
 #: Where a dropped body's bytes are read (and forgotten): one buffer for every connection,
 #: allocated once, so a body refused for the budget makes the daemon allocate nothing.
+#: (Only for bytes never looked at: a receive completes in the loop's callback, and another
+#: connection's receive may fill the buffer before the coroutine that asked resumes.)
 _DROPPED = memoryview(bytearray(BODY_READ))
 
 
@@ -192,7 +196,8 @@ async def recv_call(sock: socket.socket, n: int, buffers: ResponseBuffers,
     is received into (from ``BODY_CHUNK``, growing with what has arrived, to
     ``BODY_PIECE``, up to ``BODY_READ`` per receive), and the request bytes joined from
     them once the body is whole (the method name is cut off in that join, not by a second
-    copy). A body that finds no room is read into one shared buffer and dropped."""
+    copy). The first piece is allocated once the first bytes (at most ``FIRST_READ``)
+    have arrived. A body that finds no room is read into one shared buffer and dropped."""
     loop = asyncio.get_running_loop()
     pieces: list[memoryview] = []
     charged = got = filled = 0
@@ -201,9 +206,10 @@ async def recv_call(sock: socket.socket, n: int, buffers: ResponseBuffers,
         while got < n:
             if filled == len(piece):  # full: the next piece, sized by what has arrived
                 size = min(n - got, BODY_CHUNK if not got else min(got, BODY_PIECE))
-                early = 0
-                if not got:  # the first bytes first: a head alone allocates nothing
-                    early = await _recv(loop, sock, _DROPPED[:size])
+                early, first = 0, memoryview(b"")
+                if not got:  # the first bytes first: a head alone allocates next to nothing
+                    first = memoryview(bytearray(min(size, FIRST_READ)))
+                    early = await _recv(loop, sock, first)
                 if charged < 0 or not _charge(buffers, size, what):
                     buffers.charge(-max(charged, 0))
                     pieces, charged = [], -1  # no room: drop the rest
@@ -211,7 +217,7 @@ async def recv_call(sock: socket.socket, n: int, buffers: ResponseBuffers,
                 else:
                     charged += size
                     piece = memoryview(bytearray(size))
-                    piece[:early] = _DROPPED[:early]
+                    piece[:early] = first[:early]
                     pieces.append(piece)
                 got, filled = got + early, early
                 if filled == len(piece):  # the first bytes filled it
