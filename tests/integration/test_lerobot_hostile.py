@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from episerve_client import Client
-from episerve_client.errors import DataLossError
+from episerve_client.errors import BrokenEpisodeError, DataLossError
 from episerve_tools.launch import DaemonProcess
 from tests.support import hostile
 from tests.support import lerobot as lr
@@ -124,3 +124,28 @@ def test_tasks_of_4_mib_texts_refuse_the_dataset_at_start_within_the_limit(
                    "rss_growth_mib": round((rss - clean_rss) / MiB, 1)})
     assert names == []
     assert peak - clean_peak < LIMIT and rss - clean_rss < LIMIT, REPORT[-1]
+
+
+def test_a_refused_dataset_reaches_clients_with_its_reason(tmp_path: Path) -> None:
+    """``fps`` 1e-300 in ``info.json`` refuses the dataset whole (before: clients saw an
+    empty listing, the reason only in the daemon's log). Over a real daemon the listing
+    holds one broken entry with the reason, GetStats counts it, and a Read of one of its
+    episodes is a BrokenEpisodeError naming the reason, over gRPC and the local plane."""
+    root = lr.write(tmp_path / "ds", lr.Layout(lengths=(5, 5), cameras=()))
+    doc = json.loads((root / "meta/info.json").read_text())
+    doc["fps"] = 1e-300
+    (root / "meta/info.json").write_text(json.dumps(doc))
+    with DaemonProcess(root, "--rescan-s", "0.2", unix=tmp_path / "r.sock") as d:
+        for transport in ("grpc", "local"):
+            with Client(d.target, transport=transport, timeout_s=30) as c:
+                listing = c.list_episodes()
+                assert not listing.episodes
+                assert list(listing.broken) == ["lerobot_dataset"], listing.broken
+                assert "'fps' must be a number" in listing.broken["lerobot_dataset"]
+                assert c.stats()["episodes_broken"] == 1
+                with pytest.raises(BrokenEpisodeError) as caught:
+                    c.read(STATE, [("episode_000001", 0)])
+                assert caught.value.episode == "episode_000001", caught.value
+                assert "'fps' must be a number" in caught.value.message, caught.value
+        assert d.proc.poll() is None
+    assert any("0 episodes, 1 broken" in line for line in d.lines), "".join(d.lines)[-2000:]

@@ -6,13 +6,17 @@ than what the daemon's end of a unix socket buffers, and reads nothing, so the d
 the socket to become writable. SIGTERM then cancels that send and closes the connection;
 the log must hold no error and the daemon must exit 0.
 
-The wait on ``sendmsg`` itself (``local_io.writable``) is not reached this way: on a unix
-stream socket a ``sendmsg`` into an empty queue sends part of its bytes rather than failing,
-and a connection's next call is served only once its earlier answers are received, so the
-queue is empty whenever a descriptor is sent."""
+The second test fills the queue with many small answers instead: 400 kept Reads pipelined,
+none read. On a8cd8f7 (where they were served at once) an answer's ``sendmsg`` with its
+descriptor met the full queue, waited for it to be writable, and the stop logged uvloop's
+``remove_writer`` (fd -1) from that wait. A connection's next call is now served only once
+its earlier answers are received, so a descriptor is only ever sent into an empty queue,
+and that wait is gone (``local_io.send`` refuses a full queue as a bug instead)."""
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 from pathlib import Path
 
@@ -26,6 +30,8 @@ from tests.support.localpeer import LocalPeer, inq
 pytestmark = pytest.mark.slow
 
 SAMPLES = 65536
+#: Kept Reads pipelined: their answer frames (a few KiB each) more than a socket queues.
+CALLS = 400
 #: Log words that mean the stop was not clean.
 UNCLEAN = ("remove_writer", "Exception", "Traceback", "Error in", "exception")
 
@@ -51,6 +57,11 @@ def _drained(peer: LocalPeer) -> bytes:
     return bytes(got)
 
 
+def _send_quietly(peer: LocalPeer, data: bytes) -> None:
+    with contextlib.suppress(OSError):
+        peer.sock.sendall(data)
+
+
 def test_sigterm_while_a_send_waits_for_the_socket(tmp_path: Path,
                                                    ramp_roots: dict[str, Path]) -> None:
     sock = tmp_path / "d.sock"
@@ -70,6 +81,37 @@ def test_sigterm_while_a_send_waits_for_the_socket(tmp_path: Path,
             head = lp.parse_head(got[:lp.HEAD_BYTES], lp.TO_CLIENT, lp.MAX_ANSWER_BODY)
             assert head.kind == lp.BATCH and len(got) >= queued
             assert len(got) < lp.HEAD_BYTES + head.length, "the whole answer was sent"
+    finally:
+        daemon.kill()
+    log = "".join(daemon.lines)
+    bad = [line for line in daemon.lines if any(word in line for word in UNCLEAN)]
+    assert not bad, log[-4000:]
+    assert code == 0, log[-4000:]
+
+
+def test_sigterm_while_kept_answers_wait_for_a_full_socket(tmp_path: Path,
+                                                          ramp_roots: dict[str, Path]) -> None:
+    """16 Reads that keep their segments, pipelined on one connection, none of the answers
+    read, then SIGTERM. On a8cd8f7 the daemon served them all at once, so an answer's
+    ``sendmsg`` with its descriptor met a full socket and waited for it to be writable,
+    and the stop logged uvloop's ``remove_writer`` on the closed socket. Now only the first
+    is answered until the peer reads it; the stop is clean."""
+    sock = tmp_path / "d.sock"
+    request = convert.read_request(
+        [("ep003d", k % 200) for k in range(256)],
+        keymap={"h": {"zarr_key": "obs_head_pose", "key_type": "proprio_keys"}})
+    daemon = DaemonProcess(ramp_roots["sharded"], "--rescan-s", "0", "--grace-s", "1",
+                           unix=sock)
+    try:
+        with LocalPeer(str(sock) + lp.LOCAL_SUFFIX) as peer:
+            calls = b"".join(lp.frame(lp.CALL, k + 1, lp.call_body("Read", request),
+                                      lp.FLAG_KEEP) for k in range(CALLS))
+            sender = threading.Thread(target=_send_quietly, args=(peer, calls), daemon=True)
+            sender.start()  # (its send waits too once both queues are full)
+            _waiting_to_send(peer)
+            time.sleep(1.0)  # the later answers, were they served, would be waiting now
+            assert daemon.proc.poll() is None
+            code = daemon.stop(timeout_s=30)
     finally:
         daemon.kill()
     log = "".join(daemon.lines)

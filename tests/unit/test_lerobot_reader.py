@@ -269,6 +269,27 @@ def test_a_missing_or_garbage_video_fails_only_its_key(
     assert served.read({"top": KEYMAP["top"]}, [("episode_000000", 1)]).frames  # file-000
 
 
+def test_a_refused_dataset_is_listed_broken_and_its_reads_say_why(
+        small: Path, serve: Callable[..., Served]) -> None:
+    """A dataset refused whole (here ``fps`` 1e-300 in ``info.json``) lists one broken
+    entry with the reason (before: an empty listing, the reason only in the daemon's log);
+    a Read of one of its episodes is refused as a broken episode naming the reason."""
+    rewrite_info(small, lambda d: d.update(fps=1e-300))
+    served = serve(small)
+    assert not served.catalog.episodes
+    broken = served.catalog.broken_listing()
+    assert list(broken) == ["lerobot_dataset"], broken
+    assert "'fps' must be a number" in broken["lerobot_dataset"]
+    with pytest.raises(BrokenEpisodeError) as caught:
+        served.read({"s": {"zarr_key": "observation.state", "key_type": "proprio_keys"}},
+                    [("episode_000001", 0)])
+    assert caught.value.episode == "episode_000001"
+    assert "'fps' must be a number" in caught.value.message
+    assert "LeRobot dataset cannot be served" in caught.value.message
+    served.run(served.catalog.scan())  # a rescan keeps it listed
+    assert list(served.catalog.broken_listing()) == ["lerobot_dataset"]
+
+
 def test_a_corrupt_episodes_file_serves_nothing_and_says_why(
         small: Path, serve: Callable[..., Served]) -> None:
     path = small / "meta/episodes/chunk-000/file-000.parquet"

@@ -9,6 +9,7 @@ import os
 import socket
 import stat
 import threading
+import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
 
@@ -30,7 +31,7 @@ from episerve_server.rpc.handlers.local_guard import (
     BODY_READ,
     ConnectionCaps,
     descriptor_cap,
-    recv_body,
+    recv_call,
 )
 from episerve_server.rpc.wire import encode
 
@@ -429,8 +430,12 @@ def test_the_connection_cap_stays_within_the_descriptor_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
+def _call(method: str, request: bytes) -> bytes:
+    return lp.call_body(method, request)
+
+
 def test_a_body_is_charged_as_it_arrives_and_dropped_past_the_budget() -> None:
-    """A body is allocated and charged chunk by chunk (a head alone costs nothing); one
+    """A body is allocated and charged piece by piece (a head alone costs nothing); one
     that finds the budget full is read, dropped and reported as None."""
     async def run() -> None:
         buffers = ResponseBuffers(1 << 20, 1 << 20)
@@ -438,18 +443,24 @@ def test_a_body_is_charged_as_it_arrives_and_dropped_past_the_budget() -> None:
         a.setblocking(False)
         b.setblocking(False)
         loop = asyncio.get_running_loop()
+        body = _call("Read", b"x" * 100_000 + b"y" * 200_000)
+        view = memoryview(body)
         try:
-            got = asyncio.create_task(recv_body(a, 300_000, buffers, "a call body"))
-            await loop.sock_sendall(b, b"x" * 100_000)
+            got = asyncio.create_task(recv_call(a, len(body), buffers, "a call body"))
             await asyncio.sleep(0.05)
-            assert not got.done() and 0 < buffers.total <= 100_000  # only what arrived
-            await loop.sock_sendall(b, b"y" * 200_000)
-            body, charged = await asyncio.wait_for(got, 5)
-            assert body == b"x" * 100_000 + b"y" * 200_000 and charged == buffers.total
+            assert buffers.total == 0  # nothing arrived: nothing held
+            await loop.sock_sendall(b, body[:100_000])
+            await asyncio.sleep(0.05)
+            assert not got.done() and 100_000 <= buffers.total <= 200_000  # its pieces
+            await loop.sock_sendall(b, body[100_000:])
+            method, request, charged = await asyncio.wait_for(got, 5)
+            assert method == "Read" and request == b"x" * 100_000 + b"y" * 200_000
+            assert charged == len(request) == buffers.total  # the pieces freed, uncounted
             buffers.charge(2 << 20)  # the budget is full
-            dropped = asyncio.create_task(recv_body(a, 300_000, buffers, "a call body"))
-            await loop.sock_sendall(b, b"z" * 300_000)
-            assert await asyncio.wait_for(dropped, 5) == (None, 0)
+            dropped = asyncio.create_task(recv_call(a, len(body), buffers, "a call body"))
+            for at in range(0, len(body), 77_777):
+                await loop.sock_sendall(b, view[at:at + 77_777])
+            assert await asyncio.wait_for(dropped, 5) is None
             assert buffers.total == charged + (2 << 20)  # nothing of the dropped body left
         finally:
             a.close()
@@ -458,10 +469,91 @@ def test_a_body_is_charged_as_it_arrives_and_dropped_past_the_budget() -> None:
     asyncio.run(run())
 
 
+def test_what_a_body_allocates_is_charged_before_it_is_allocated() -> None:
+    """Traced by tracemalloc while a 3 MiB body arrives in odd writes: what the intake has
+    allocated never exceeds what it has charged (before: each piece was allocated whole and
+    charged as its bytes arrived, 1 MiB ahead of its charge; a dropped body's piece was
+    never charged; the joined copy was not counted)."""
+    async def run() -> None:
+        buffers = ResponseBuffers(64 << 20, 64 << 20)
+        a, b = socket.socketpair()
+        a.setblocking(False)
+        b.setblocking(False)
+        loop = asyncio.get_running_loop()
+        body = _call("Read", bytes(range(256)) * (3 * 4096))
+        view = memoryview(body)
+        worst = 0
+        try:
+            got = asyncio.create_task(recv_call(a, len(body), buffers, "a call body"))
+            await asyncio.sleep(0)
+            tracemalloc.start()
+            base = tracemalloc.get_traced_memory()[0]
+            at = 0
+            while at < len(body):
+                await loop.sock_sendall(b, view[at:at + 77_777])
+                at += 77_777
+                await asyncio.sleep(0.002)
+                worst = max(worst, tracemalloc.get_traced_memory()[0] - base - buffers.total)
+            result = await asyncio.wait_for(got, 5)
+            peak = tracemalloc.get_traced_memory()[1] - base
+            assert result is not None and result[1] == body[1 + len("Read"):]
+            charged_peak = buffers.peak
+            buffers.charge(-result[2])
+            del result
+            # Past the budget: the body is read into the shared buffer, nothing allocated.
+            buffers.charge(64 << 20)  # full
+            tracemalloc.reset_peak()
+            base = tracemalloc.get_traced_memory()[0]
+            dropped = asyncio.create_task(recv_call(a, len(body), buffers, "a call body"))
+            for at in range(0, len(body), 77_777):
+                await loop.sock_sendall(b, view[at:at + 77_777])
+            assert await asyncio.wait_for(dropped, 5) is None
+            dropped_peak = tracemalloc.get_traced_memory()[1] - base
+        finally:
+            tracemalloc.stop()
+            a.close()
+            b.close()
+        slack = 64 << 10  # the loop's and the test's own small objects
+        assert worst < slack, worst
+        assert peak < charged_peak + slack, (peak, charged_peak)
+        assert dropped_peak < slack, dropped_peak
+
+    asyncio.run(run())
+
+
+def test_bodies_arriving_at_once_on_many_connections_keep_their_own_bytes() -> None:
+    """Eight connections waiting for their bodies, whose first bytes all arrive in the same
+    loop iteration: each call gets its own method and request (a first receive into one
+    buffer shared by the connections gave a call another's bytes)."""
+    async def run() -> None:
+        buffers = ResponseBuffers(64 << 20, 64 << 20)
+        pairs = [socket.socketpair() for _ in range(8)]
+        for a, _ in pairs:
+            a.setblocking(False)
+        bodies = [_call("Read" if k % 2 else "GetStats", bytes([k]) * (100 + k))
+                  for k in range(8)]
+        try:
+            calls = [asyncio.create_task(recv_call(a, len(body), buffers, "a call body"))
+                     for (a, _), body in zip(pairs, bodies, strict=True)]
+            await asyncio.sleep(0.01)  # every one waits for its socket
+            for (_, b), body in zip(pairs, bodies, strict=True):
+                b.sendall(body)
+            got = await asyncio.wait_for(asyncio.gather(*calls), 5)
+            for k, result in enumerate(got):
+                assert result is not None
+                assert result[:2] == ("Read" if k % 2 else "GetStats", bytes([k]) * (100 + k))
+        finally:
+            for a, b in pairs:
+                a.close()
+                b.close()
+
+    asyncio.run(run())
+
+
 def test_a_body_in_pieces_is_received_whole_whatever_its_size() -> None:
     """Bodies around each piece boundary, sent in writes of odd sizes, come back byte for
-    byte, charged exactly."""
-    sizes = [1, BODY_CHUNK - 1, BODY_CHUNK, BODY_CHUNK + 1, 2 * BODY_CHUNK + 3,
+    byte, charged exactly (the request bytes, once the pieces are freed)."""
+    sizes = [6, BODY_CHUNK - 1, BODY_CHUNK, BODY_CHUNK + 1, 2 * BODY_CHUNK + 3,
              BODY_PIECE + BODY_READ + 5, 3 * BODY_PIECE + 7]
 
     async def run() -> None:
@@ -473,16 +565,25 @@ def test_a_body_in_pieces_is_received_whole_whatever_its_size() -> None:
         rng = np.random.default_rng(5)
         try:
             for n in sizes:
-                data = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
-                got = asyncio.create_task(recv_body(a, n, buffers, "a call body"))
+                request = rng.integers(0, 256, n - 5, dtype=np.uint8).tobytes()
+                data = _call("Read", request)
+                got = asyncio.create_task(recv_call(a, n, buffers, "a call body"))
                 at = 0
                 while at < n:
                     step = int(rng.integers(1, 300_000))
                     await loop.sock_sendall(b, data[at:at + step])
                     at += step
-                body, charged = await asyncio.wait_for(got, 5)
-                assert body == data and charged == n == buffers.total, n
+                result = await asyncio.wait_for(got, 5)
+                assert result is not None, n
+                method, body, charged = result
+                assert method == "Read" and body == request, n
+                assert charged == n - 5 == buffers.total, n
                 buffers.charge(-charged)
+            bad = asyncio.create_task(recv_call(a, 4, buffers, "a call body"))
+            await loop.sock_sendall(b, b"\x09Rea")
+            with pytest.raises(lp.FrameError):
+                await asyncio.wait_for(bad, 5)
+            assert buffers.total == 0
         finally:
             a.close()
             b.close()

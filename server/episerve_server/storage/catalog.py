@@ -152,6 +152,10 @@ class Catalog:
                 f"episode {episode_id!r} is broken: {self.broken[episode_id]}",
                 episode=episode_id,
             )
+        refused = self.lerobot.refusal() if self.lerobot is not None else ""
+        if refused:
+            raise BrokenEpisodeError(f"episode {episode_id!r} is broken: {refused}",
+                                     episode=episode_id)
         raise EpisodeNotFound(f"episode {episode_id!r} is not in the dataset", episode=episode_id)
 
     def current(self, episode_id: str, key: str, reader: object) -> bool:
@@ -266,7 +270,10 @@ class Catalog:
             self._detected = True
             self.lerobot = await _lerobot_source(self.store, self.video_tolerance_s)
         if self.lerobot is not None:
-            return {n for n in await self.lerobot.names() if self.allowed(n)}
+            listed = await self.lerobot.names()
+            if self.lerobot.problem:  # its one broken entry, whatever --allow says
+                return listed
+            return {n for n in listed if self.allowed(n)}
         names = set()
         for entry in entries:
             if not entry.endswith(SUFFIX):

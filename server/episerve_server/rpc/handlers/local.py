@@ -275,23 +275,21 @@ class LocalPlane:
                     await asyncio.wait(set(conn.tasks))
                 await guard.received(conn)
                 self.keeper.kept_received(conn)
-                body, charged = await guard.recv_body(conn.sock, head.length, self.budget,
-                                                      "a call body")
-                conn.consumed += head.length
-                if body is None:
+                try:
+                    call = await guard.recv_call(conn.sock, head.length, self.budget,
+                                                 "a call body")
+                finally:
+                    conn.consumed += head.length
+                if call is None:
                     await self._send_error(conn, head.ident, Overloaded(
                         f"no room for a call body of {head.length} bytes: the daemon holds "
                         f"{self.budget.total} bytes for its clients, its limit is "
                         f"{self.budget.max_bytes} (--max-buffered-bytes); back off and retry"))
                     continue
-                try:
-                    method, payload = lp.parse_call(body)
-                    if head.flags & lp.FLAG_KEEP and method != "Read":
-                        raise lp.FrameError(f"a {method} call cannot keep a segment")
-                except BaseException:
+                method, payload, charged = call
+                if head.flags & lp.FLAG_KEEP and method != "Read":
                     self.budget.charge(-charged)
-                    raise
-                del body
+                    raise lp.FrameError(f"a {method} call cannot keep a segment")
                 task = asyncio.create_task(self._call(conn, head.ident, method, payload,
                                                       bool(head.flags & lp.FLAG_KEEP)))
                 conn.tasks.add(task)

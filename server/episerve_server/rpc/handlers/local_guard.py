@@ -7,8 +7,8 @@ answers sent but not yet received.
   health need. A connection over a cap is answered ``Overloaded`` and closed.
 - A call body is allocated as its bytes arrive and charged to the daemon's budget
   (``buffers.ResponseBuffers``) while it is received and served: a head that declares
-  8 MiB and sends nothing holds nothing. A body that finds no room is read into a small
-  scratch buffer and dropped, and its call answered ``Overloaded``.
+  8 MiB and sends nothing holds 256 bytes. A body that finds no room is read into a
+  buffer the plane shares and dropped, and its call answered ``Overloaded``.
 - ``unread`` is what the kernel still queues for the client (``SIOCOUTQ``: bytes, and the
   memfds they carry, that the client has not received); a connection's next call waits
   until it is zero.
@@ -34,7 +34,7 @@ from episerve_server.rpc.handlers.local_io import Connection, ConnectionClosed, 
 
 log = logging.getLogger(__name__)
 
-#: A call body's first piece (and the most a head alone makes the daemon allocate).
+#: A call body's first piece.
 BODY_CHUNK = 64 << 10
 #: Its largest piece: a body's pieces grow with what has arrived, up to this.
 BODY_PIECE = 1 << 20
@@ -177,50 +177,86 @@ class Keeper:
         self.draining.clear()
 
 
-async def recv_body(sock: socket.socket, n: int, buffers: ResponseBuffers,
-                    what: str) -> tuple[bytes | None, int]:
-    """A body of ``n`` bytes, allocated and charged to ``buffers`` as it arrives; returns it
-    and the bytes still charged for it (the caller discharges them once served), or None
-    and 0 when the budget had no room (the body was read and dropped).
+#: A body's first receive, before its first piece is allocated (a head alone holds this).
+FIRST_READ = 256
+#: Where a dropped body's bytes are read (and forgotten): one buffer for every connection,
+#: allocated once, so a body refused for the budget makes the daemon allocate nothing.
+#: (Only for bytes never looked at: a receive completes in the loop's callback, and another
+#: connection's receive may fill the buffer before the coroutine that asked resumes.)
+_DROPPED = memoryview(bytearray(BODY_READ))
 
-    The bytes are received straight into the pieces that make the body (each at most as
-    large as what came before it, from ``BODY_CHUNK`` to ``BODY_PIECE``), up to
-    ``BODY_READ`` per receive, and joined once at the end (a body used to be copied three
-    times: into a 64 KiB scratch buffer, onto a growing bytearray, into the final bytes).
-    A dropped body is read into its current piece, over and over."""
+
+async def recv_call(sock: socket.socket, n: int, buffers: ResponseBuffers,
+                    what: str) -> tuple[str, bytes, int] | None:
+    """A CALL body of ``n`` bytes: its method, its request bytes and the bytes still
+    charged to ``buffers`` for them (the caller discharges them once served), or None when
+    the budget had no room (the body was read and dropped).
+
+    Every allocation is charged before it is made, at its full size: each piece the body
+    is received into (from ``BODY_CHUNK``, growing with what has arrived, to
+    ``BODY_PIECE``, up to ``BODY_READ`` per receive), and the request bytes joined from
+    them once the body is whole (the method name is cut off in that join, not by a second
+    copy). The first piece is allocated once the first bytes (at most ``FIRST_READ``)
+    have arrived. A body that finds no room is read into one shared buffer and dropped."""
     loop = asyncio.get_running_loop()
-    pieces: list[bytearray] | None = []
-    piece = memoryview(bytearray(min(n, BODY_CHUNK)))
-    filled, charged, got = 0, 0, 0
+    pieces: list[memoryview] = []
+    charged = got = filled = 0
+    piece = _DROPPED[:0]
     try:
         while got < n:
             if filled == len(piece):  # full: the next piece, sized by what has arrived
-                if pieces is not None:
-                    pieces.append(piece.obj)  # type: ignore[arg-type]
-                    piece = memoryview(bytearray(min(n - got, max(BODY_CHUNK,
-                                                                  min(got, BODY_PIECE)))))
-                filled = 0
-            k = await loop.sock_recv_into(sock, piece[filled:filled + BODY_READ])
-            if k == 0:
-                raise ConnectionClosed("the peer closed the connection mid-frame")
+                size = min(n - got, BODY_CHUNK if not got else min(got, BODY_PIECE))
+                early, first = 0, memoryview(b"")
+                if not got:  # the first bytes first: a head alone allocates next to nothing
+                    first = memoryview(bytearray(min(size, FIRST_READ)))
+                    early = await _recv(loop, sock, first)
+                if charged < 0 or not _charge(buffers, size, what):
+                    buffers.charge(-max(charged, 0))
+                    pieces, charged = [], -1  # no room: drop the rest
+                    piece = _DROPPED[:min(n - got, BODY_READ)]
+                else:
+                    charged += size
+                    piece = memoryview(bytearray(size))
+                    piece[:early] = first[:early]
+                    pieces.append(piece)
+                got, filled = got + early, early
+                if filled == len(piece):  # the first bytes filled it
+                    continue
+            k = await _recv(loop, sock, piece[filled:filled + BODY_READ])
             got += k
             filled += k
-            if pieces is None:
-                continue
-            try:
-                buffers.room(k, what)
-            except Overloaded:
-                pieces = None  # no room: read the rest into this piece, and drop it
-                buffers.charge(-charged)
-                charged = 0
-                continue
-            buffers.charge(k)
-            charged += k
-    except BaseException:
-        buffers.charge(-charged)
-        raise
-    if pieces is None:
-        return None, 0
-    if not pieces:  # the body is one piece
-        return bytes(piece[:filled]), charged
-    return b"".join([*pieces, piece[:filled]]), charged
+        if charged < 0:
+            return None
+        method, skip = _method(pieces[0] if pieces else _DROPPED[:0])
+        if not _charge(buffers, n - skip, what):  # the joined copy, before it is made
+            return None  # (the pieces are discharged below)
+        request = b"".join([pieces[0][skip:], *pieces[1:]])
+        return method, request, n - skip
+    finally:
+        pieces.clear()
+        buffers.charge(-max(charged, 0))  # the pieces are freed
+
+
+async def _recv(loop: asyncio.AbstractEventLoop, sock: socket.socket,
+                into: memoryview) -> int:
+    k = await loop.sock_recv_into(sock, into)
+    if k == 0:
+        raise ConnectionClosed("the peer closed the connection mid-frame")
+    return k
+
+
+def _charge(buffers: ResponseBuffers, nbytes: int, what: str) -> bool:
+    try:
+        buffers.room(nbytes, what)
+    except Overloaded:
+        return False
+    buffers.charge(nbytes)
+    return True
+
+
+def _method(first: memoryview) -> tuple[str, int]:
+    """A CALL body's method (from its first piece, which holds the name whole) and where
+    its request bytes start."""
+    n = first[0] if len(first) else 0
+    method, _ = lp.parse_call(bytes(first[:1 + n]))
+    return method, 1 + n

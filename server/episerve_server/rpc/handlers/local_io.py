@@ -87,12 +87,15 @@ async def send(conn: Connection, data: bytes, fds: Sequence[int] = ()) -> None:
         view = memoryview(data)
         if fds:
             rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
-            while True:
-                try:
-                    sent = conn.sock.sendmsg([view], rights)
-                    break
-                except BlockingIOError:
-                    await writable(loop, conn.sock)
+            try:
+                sent = conn.sock.sendmsg([view], rights)
+            except BlockingIOError as exc:
+                # Never waited for: a call is served only once the client has received
+                # every earlier answer, so the queue is empty here and a unix stream
+                # socket takes part of the frame (a wait here, cancelled by a stop, was
+                # uvloop's remove_writer on a closed socket).
+                raise RuntimeError(f"{conn.peer}: a descriptor met a full socket queue, "
+                                   "with earlier answers unread") from exc
             view = view[sent:]
         if view:
             await loop.sock_sendall(conn.sock, view)
@@ -101,22 +104,6 @@ async def send(conn: Connection, data: bytes, fds: Sequence[int] = ()) -> None:
 def error_body(error: EpiserveError) -> bytes:
     return lp.error_body(error.code, type(error).__name__, clipped(error.message),
                          clipped(error.episode, 1024), clipped(error.key, 1024))
-
-
-async def writable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
-    ready: asyncio.Future[None] = loop.create_future()
-
-    def wake() -> None:
-        if not ready.done():
-            ready.set_result(None)
-
-    fd = sock.fileno()
-    loop.add_writer(fd, wake)
-    try:
-        await ready
-    finally:
-        if sock.fileno() == fd:  # closed meanwhile (a stop): the loop has dropped it
-            loop.remove_writer(fd)
 
 
 async def recv_exact(sock: socket.socket, n: int) -> bytes:

@@ -5,7 +5,9 @@ and opens each through :meth:`LeRobotSource.open`: the episode's row of ``meta/e
 checked, its data file's row count checked against the rows the episode claims, each
 numeric feature a :class:`ParquetReader`, each video feature a :class:`VideoReader`, and the
 tasks a :class:`TaskReader` under the key ``task``. A problem of one episode's metadata makes
-that episode broken (listed with its reason), never the dataset.
+that episode broken (listed with its reason), never the dataset. A dataset refused whole
+(its ``info.json``, tasks or episode files) lists one broken entry, ``lerobot_dataset``,
+with the reason, and a read of any episode of it is refused with that reason.
 """
 
 from __future__ import annotations
@@ -54,6 +56,9 @@ from episerve_server.storage.store import CountingStore, Refused
 
 log = logging.getLogger(__name__)
 
+#: The one entry a refused dataset lists, broken with its reason (it has no episodes).
+REFUSED_ENTRY = "lerobot_dataset"
+
 
 @dataclass(slots=True)
 class Opened:
@@ -94,7 +99,13 @@ class LeRobotSource:
                 self.episodes = {}
             if self.problem:
                 log.error("LeRobot dataset cannot be served: %s", self.problem)
+        if self.problem:  # listed (and opened) as one broken entry that says why
+            return {REFUSED_ENTRY}
         return set(self.episodes)
+
+    def refusal(self) -> str:
+        """Why the dataset as a whole is refused, as a broken entry says it ("" if not)."""
+        return f"the LeRobot dataset cannot be served: {self.problem}" if self.problem else ""
 
     async def _load(self) -> None:
         cap = self.store.max_metadata_bytes
@@ -165,6 +176,8 @@ class LeRobotSource:
 
     async def open(self, name: str) -> Opened:
         """One episode; ``MetaError`` or a file problem says why it cannot be served."""
+        if self.problem:
+            raise MetaError(self.refusal())
         info = self.info
         meta = self.episodes.get(name)
         if info is None or meta is None:
