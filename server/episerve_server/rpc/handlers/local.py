@@ -43,6 +43,7 @@ import contextlib
 import hmac
 import itertools
 import logging
+import mmap
 import os
 import socket
 import struct
@@ -397,12 +398,12 @@ class LocalPlane:
         for k, off in zip(rest, after, strict=True):
             at[k] = arena.used + off
         offsets = [int(off) for off in at if off is not None]
-        copied = [(offsets[k], blobs[k]) for k in rest]
+        copied = [(offsets[k], sizes[k], blobs[k]) for k in rest]
         try:
             if sum(sizes[k] for k in rest) >= OFFLOAD_ENCODE_BYTES:
-                await asyncio.to_thread(_copy, seg.view, copied)
+                await asyncio.to_thread(_copy, seg.mm, copied)
             else:
-                _copy(seg.view, copied)
+                _copy(seg.mm, copied)
         except BaseException:
             await arena.release()
             raise
@@ -425,7 +426,8 @@ class LocalPlane:
 
     async def _send(self, conn: Connection, data: bytes, fds: Sequence[int] = ()) -> None:
         await send(conn, data, fds)
-def _copy(dst: np.ndarray, blobs: list[tuple[int, encode.Buf]]) -> None:
-    for off, blob in blobs:
-        src = np.frombuffer(blob, np.uint8)
-        dst[off:off + src.size] = src
+def _copy(dst: mmap.mmap, blobs: list[tuple[int, int, encode.Buf]]) -> None:
+    """Each blob into ``dst`` at its offset: the mapping's own slice assignment, one
+    memcpy per blob (a frame is a blob: no array is made per frame)."""
+    for off, size, blob in blobs:
+        dst[off:off + size] = blob
