@@ -138,3 +138,21 @@ def oracle_memo() -> Callable[..., dict[str, Any]]:
 def same_sample() -> Callable[..., None]:
     """``same_sample(got, want, where)``: the comparison ``matches_oracle`` makes."""
     return assert_same_sample
+
+
+@pytest.fixture(params=["compiled", "numpy"])
+def loops(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The warm path's inner loops, each way: the compiled extension, then numpy. Where
+    the extension is not built its case skips, saying so; with EPITEST_KERNEL=required
+    (CI) it fails instead."""
+    from episerve_server.core import kernel
+
+    if request.param == "compiled" and not kernel.BUILT:
+        why = "episerve_server.core._kernel is not built (no C compiler at install)"
+        if os.environ.get("EPITEST_KERNEL") == "required":
+            pytest.fail(why)
+        pytest.skip(why)
+    was = kernel.COMPILED
+    kernel.use(request.param == "compiled")
+    yield request.param
+    kernel.use(was)

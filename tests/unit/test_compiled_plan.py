@@ -43,13 +43,15 @@ def run() -> Iterator[LoopRunner]:
 
 @pytest.mark.parametrize("cache_bytes", [8 << 20, 1 << 20])
 def test_compiled_plan_answers_as_the_general_path(template: Path, tmp_path: Path,
-                                                   run: LoopRunner, cache_bytes: int) -> None:
+                                                   run: LoopRunner, cache_bytes: int,
+                                                   loops: str) -> None:
     pair = Pair.open(fresh(template, tmp_path), cache_bytes, run)
     drive(pair, 300, seed=cache_bytes, max_batch=32)
     assert pair.warm_batches >= 2, pair  # the warm path was taken, not only the fallback
 
 
-def test_warm_batches_take_the_compiled_plan(template: Path, run: LoopRunner) -> None:
+def test_warm_batches_take_the_compiled_plan(template: Path, run: LoopRunner,
+                                            loops: str) -> None:
     pair = Pair.open(template, 8 << 20, run)
     keymap = Keymap.parse(NUMERIC["mecka"])
     samples = [("ep003d", f) for f in (0, 5, 99, 100, 256)] + [("ep000a", 36)]
@@ -101,7 +103,8 @@ def test_text_tables_equal_texts_at() -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("cache_bytes", [8 << 20, 160 << 10, 1 << 20])
 def test_compiled_plan_answers_as_the_general_path_thousands(
-        template: Path, tmp_path: Path, run: LoopRunner, cache_bytes: int) -> None:
+        template: Path, tmp_path: Path, run: LoopRunner, cache_bytes: int,
+        loops: str) -> None:
     pair = Pair.open(fresh(template, tmp_path), cache_bytes, run)
     drive(pair, 4000, seed=7 + cache_bytes)
     assert pair.warm_batches >= (1 if cache_bytes < 1 << 20 else 10)

@@ -22,6 +22,7 @@ from typing import Any, TypeAlias
 
 import numpy as np
 
+from episerve_server.core import kernel
 from episerve_server.core.stats import Stats
 
 ChunkKey: TypeAlias = tuple[str, str, int]
@@ -94,7 +95,7 @@ class _Table:
         self.index = index
         self.base = np.full(16, -1, np.int64)  # per uid: start in ``flat``; -1 unregistered
         self.size = np.zeros(16, np.int64)  # per uid: chunks indexed
-        self.slab = np.full(16, -1, np.int16)  # per uid: its chunks' slab
+        self.slab = np.full(16, -1, np.int64)  # per uid: its chunks' slab
         self.flat = np.full(1024, -1, np.int64)
         self.used = 0
 
@@ -105,7 +106,7 @@ class _Table:
             grow = max(uid + 1, 2 * len(self.base)) - len(self.base)
             self.base = np.concatenate([self.base, np.full(grow, -1, np.int64)])
             self.size = np.concatenate([self.size, np.zeros(grow, np.int64)])
-            self.slab = np.concatenate([self.slab, np.full(grow, -1, np.int16)])
+            self.slab = np.concatenate([self.slab, np.full(grow, -1, np.int64)])
         if self.base[uid] >= 0 and self.size[uid] >= n_chunks:
             return bool(self.slab[uid] == slab), -1, -1
         if n_chunks > MAX_TABLE_CHUNKS or (self.base[uid] >= 0 and self.slab[uid] != slab):
@@ -207,24 +208,16 @@ class ChunkCache:
     def slot_table(self, key: str) -> _Table | None:
         return self._tables.get(key) if self.enabled else None
 
-    def stamp(self, slab: int, slots: Sequence[np.ndarray]) -> None:
+    def stamp(self, slab: int, slots: Sequence[np.ndarray]) -> int:
         """What ``lookup`` does to chunks all found in ``slab`` at ``slots`` (repeats
-        allowed): one tick of the clock, the slots stamped with it. The caller counts the
-        hits (``distinct``, then ``count``)."""
+        allowed): one tick of the clock, the slots stamped with it. Returns how many
+        distinct slots were stamped; the caller counts the hits (``count``)."""
         self._clock += 1
-        stamp = self._slabs[slab].stamp
-        for part in slots:
-            stamp[part] = self._clock
-
-    def distinct(self, slab: int, slots: Sequence[np.ndarray]) -> int:
-        """How many distinct slots of ``slab`` ``slots`` name, without a sort: each
-        position writes its number into a per-slab scratch array, and of the positions
-        naming one slot exactly one is left there."""
-        flat = slots[0].ravel() if len(slots) == 1 else np.concatenate([p.ravel() for p in slots])
-        order = np.arange(flat.size, dtype=np.int64)
-        scratch = self._slabs[slab].scratch
-        scratch[flat] = order
-        return int(np.count_nonzero(scratch[flat] == order))
+        s = self._slabs[slab]
+        got = kernel.stamp(s.stamp, slots, self._clock, s.scratch)
+        if got < 0:
+            raise RuntimeError(f"a slot outside slab {slab} was stamped")
+        return got
 
     def hold(self) -> None:
         """While held, no slot is handed out again: a gather in a worker thread can read

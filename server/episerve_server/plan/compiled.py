@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from episerve_server.core import kernel
 from episerve_server.core.cache import ChunkCache, ChunkKey
 from episerve_server.core.keymap import Keymap, Rule
 from episerve_server.core.result import BatchResult, ImageColumn
@@ -177,12 +178,8 @@ class Compiled:
         then per camera key each chunk taken as ``get`` takes it (with a response limit,
         ``limited``, ``charge`` is told each chunk's bytes as it is taken, in the general
         path's order). Returns each camera key's distinct frames."""
-        by_slab: dict[int, list[np.ndarray]] = {}
-        for slab, slots in warm.stamps:
-            self.cache.stamp(slab, slots)
-            by_slab.setdefault(slab, []).extend(slots)
-        # keys never share a slot, so one count per slab is the sum of the keys' counts
-        self.cache.count(sum(self.cache.distinct(s, p) for s, p in by_slab.items()), 0)
+        # keys never share a slot, so the batch's hits are the sum of the keys' counts
+        self.cache.count(sum(self.cache.stamp(slab, slots) for slab, slots in warm.stamps), 0)
         self.warm_batches += 1
         out: dict[str, list[bytes]] = {}
         for f in warm.frames:
@@ -314,9 +311,10 @@ class Compiled:
         table = self.cache.slot_table(key)
         if table is None or uid_top >= len(table.base):
             return None
-        base, size, slab_of = table.base[uids], table.size[uids], table.slab[uids]
-        slab = int(slab_of[0])
-        if base.min() < 0 or slab < 0 or slab_of.min() != slab_of.max():
+        n = len(ids)
+        base, size = np.empty(n, np.int64), np.empty(n, np.int64)
+        slab = kernel.key_base(table.base, table.size, table.slab, uids, base, size)
+        if slab < 0:
             return None
         # rows past the array are the general path's ShortArrayError, chunks past the
         # table its misses: either way not served here. Every window row is below its
@@ -336,14 +334,12 @@ class Compiled:
             if parts is None:
                 parts = split[sig] = np.divmod(w, c)
             chunk, within = parts
-            slots = flat.take(base[:, None] + chunk)
-            if slots.min() < 0:
+            slots = np.empty(chunk.shape, np.int64)
+            idx = np.empty(chunk.shape if e.time_axis else (n,), np.int64)
+            if kernel.resolve(flat, base, chunk, within, rows_per_slot, e.time_axis,
+                              slots, idx) < 0:
                 return None
             every.append(slots)
-            if e.time_axis:
-                idx = slots * rows_per_slot + within
-            else:
-                idx = slots[:, 0] * rows_per_slot + within[:, 0]
             gathers.append(_Gather(e.name, slab, idx, (*idx.shape, *feature), feature))
         return slab, every
 

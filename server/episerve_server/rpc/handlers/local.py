@@ -53,8 +53,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
-import numpy as np
-
 from episerve_proto import local as lp
 from episerve_proto.contract import EPISODE_TRAILER, ERROR_TRAILER, KEY_TRAILER, SERVICE_PATH
 from episerve_proto.errors import (
