@@ -47,19 +47,25 @@ def test_key_base_matches_numpy(seed: int) -> None:
     tbase = rng.integers(-1, 500, m)
     tsize = rng.integers(0, 40, m)
     tslab = np.where(rng.random(m) < 0.9, 2, rng.integers(-1, 4, m))
-    n = int(rng.integers(1, 50))
+    n, d = int(rng.integers(1, 50)), int(rng.integers(1, 20))
     uids = rng.integers(-1 if seed % 7 == 0 else 0, m + (2 if seed % 5 == 0 else 0), n)
+    ids = rng.integers(0, d + (1 if seed % 9 == 0 else 0), n)
+    rows_of = rng.integers(0, 400, d)
+    total = rng.integers(1, 300, n)
     if seed % 2:  # mostly servable: all indexed, one slab
         tbase, tslab = np.abs(tbase), np.full(m, 3)
         uids = np.clip(uids, 0, m - 1)
-    (c, ca), (p, pa) = both(kernel.key_base, tbase, tsize, tslab, uids,
-                            np.zeros(n, np.int64), np.zeros(n, np.int64))
+        ids = np.clip(ids, 0, d - 1)
+    (c, ca), (p, pa) = both(kernel.key_base, tbase, tsize, tslab, uids, rows_of, ids, total,
+                            8, np.zeros(n, np.int64), np.zeros(n, np.int64))
     assert c == p
-    if c >= 0:
+    if c[0] >= 0:
         assert same(ca, pa)
-        assert np.array_equal(ca[4], tbase[uids]) and np.array_equal(ca[5], tsize[uids])
-    if seed % 2:
-        assert c == 3
+        limit = np.minimum(rows_of[ids], tsize[uids] * 8)
+        assert np.array_equal(ca[8], tbase[uids]) and np.array_equal(ca[9], limit)
+        assert c[1] == bool((limit < total).any())
+    if seed % 2 and seed % 9:
+        assert c[0] == 3
 
 
 @pytest.mark.parametrize("time_axis", [True, False])
@@ -69,23 +75,60 @@ def test_resolve_matches_numpy(seed: int, time_axis: bool) -> None:
     flat = rng.integers(0, 1000, 200)
     if seed % 3 == 0:
         flat[rng.integers(0, 200, 5)] = -1  # chunks not cached
-    n, w = int(rng.integers(1, 40)), int(rng.integers(1, 20))
+    n, w, c = int(rng.integers(1, 40)), int(rng.integers(1, 20)), int(rng.integers(1, 9))
     base = rng.integers(0, 150, n)
-    chunk = rng.integers(0, 50 if seed % 4 else 80, (n, w))  # past ``flat`` at times
-    within = rng.integers(0, 7, (n, w))
+    rows = rng.integers(-1 if seed % 11 == 0 else 0, c * (50 if seed % 4 else 80), (n, w))
     idx_shape = (n, w) if time_axis else (n,)
-    (c, ca), (p, pa) = both(kernel.resolve, flat, base, chunk, within, 7, time_axis,
+    (r, ra), (p, pa) = both(kernel.resolve, flat, base, rows, c, 7, time_axis,
                             np.zeros((n, w), np.int64), np.zeros(idx_shape, np.int64))
-    assert c == p
+    assert r == p
+    chunk, within = np.divmod(rows, c)
     pos = base[:, None] + chunk
-    ok = pos.max() < len(flat) and flat[np.minimum(pos, len(flat) - 1)].min() >= 0
-    assert c == (0 if ok else -1)
-    if c == 0:
-        assert same(ca, pa)
+    ok = rows.min() >= 0 and pos.max() < len(flat) \
+        and flat[np.clip(pos, 0, len(flat) - 1)].min() >= 0
+    assert r == (0 if ok else -1)
+    if r == 0:
+        assert same(ra, pa)
         slots = flat[pos]
-        assert np.array_equal(ca[6], slots)
+        assert np.array_equal(ra[6], slots)
         want = slots * 7 + within if time_axis else slots[:, 0] * 7 + within[:, 0]
-        assert np.array_equal(ca[7], want)
+        assert np.array_equal(ra[7], want)
+
+
+def horizon_oracle(h: int, frame: np.ndarray, total: np.ndarray) -> tuple[list, list]:
+    rows, mask = [], []
+    for f, t in zip(frame.tolist(), total.tolist()):
+        end = min(f + h, t)
+        rows.append([min(f + j, end - 1) for j in range(h)])
+        mask.append([f + j < end for j in range(h)])
+    return rows, mask
+
+
+def history_oracle(k: int, newest: np.ndarray, stride: np.ndarray) -> tuple[list, list]:
+    rows, mask = [], []
+    for f, s in zip(newest.tolist(), stride.tolist()):
+        idx = [f - s * (k - 1 - j) for j in range(k)]
+        real = [i for i in idx if i >= 0]
+        rows.append([i if i >= 0 else (real[0] if real else 0) for i in idx])
+        mask.append([i >= 0 for i in idx])
+    return rows, mask
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_horizon_and_history_match_numpy_and_a_per_entry_oracle(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    n, h = int(rng.integers(1, 70)), int(rng.integers(1, 60))
+    total = rng.integers(1, 200, n)
+    frame = (rng.random(n) * total).astype(np.int64)
+    (hc, _), (hp, _) = both(kernel.horizon, h, frame, total)
+    assert same(list(hc), list(hp)) and hc[1].dtype == hp[1].dtype == np.bool_
+    assert [a.tolist() for a in hc] == list(horizon_oracle(h, frame, total))
+    newest = frame - rng.integers(0, 30, n)  # lagged: some before the episode's start
+    for stride in (int(rng.integers(1, 6)), rng.integers(1, 6, n)):
+        (kc, _), (kp, _) = both(kernel.history, h, newest, stride)
+        assert same(list(kc), list(kp)) and kc[1].dtype == kp[1].dtype == np.bool_
+        steps = stride if isinstance(stride, np.ndarray) else np.full(n, stride)
+        assert [a.tolist() for a in kc] == list(history_oracle(h, newest, steps))
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -110,6 +153,12 @@ def test_stamp_matches_numpy(seed: int) -> None:
 def test_the_kernel_refuses_other_dtypes() -> None:
     with pytest.raises(TypeError, match="int64"):
         kernel._c.stamp(np.zeros(4, np.int32), np.zeros(2, np.int64), 1)
+    with pytest.raises(TypeError, match="bool"):
+        kernel._c.horizon(np.zeros(2, np.int64), np.ones(2, np.int64), 3,
+                          np.zeros(6, np.int64), np.zeros(6, np.int64))
+    z = np.zeros(3, np.int64)
     with pytest.raises(ValueError, match="too short"):
         kernel._c.key_base(np.zeros(4, np.int64), np.zeros(2, np.int64), np.zeros(4, np.int64),
-                           np.zeros(3, np.int64), np.zeros(3, np.int64), np.zeros(3, np.int64))
+                           z, z, z, z, 8, z, np.zeros(2, np.int64))
+    with pytest.raises(ValueError, match="do not match"):
+        kernel._c.resolve(z, z, np.zeros(7, np.int64), 2, 1, True, z, z)

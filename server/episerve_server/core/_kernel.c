@@ -29,6 +29,19 @@ static int get_i64(PyObject *obj, I64 *out, int writable) {
     return 0;
 }
 
+/* A contiguous writable buffer of one-byte items (numpy bool or uint8). */
+static int get_u8(PyObject *obj, Py_buffer *view) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) < 0)
+        return -1;
+    if (view->itemsize != 1 || view->format == NULL
+        || (strcmp(view->format, "?") != 0 && strcmp(view->format, "B") != 0)) {
+        PyBuffer_Release(view);
+        PyErr_SetString(PyExc_TypeError, "the kernel takes contiguous bool buffers only");
+        return -1;
+    }
+    return 0;
+}
+
 static void release(I64 *bufs, int n) {
     for (int i = 0; i < n; i++)
         if (bufs[i].p != NULL) PyBuffer_Release(&bufs[i].view);
@@ -46,74 +59,160 @@ static int get_all(PyObject **objs, I64 *bufs, const int *writable, int n) {
     return 0;
 }
 
-/* key_base(tbase, tsize, tslab, uids, base_out, size_out) -> slab, or -1 if a uid is past
- * the table, not indexed there, or the uids' chunks lie in more than one slab. */
+/* key_base(tbase, tsize, tslab, uids, rows_of, ids, total, chunk_rows, base_out, limit_out)
+ * -> 2 * slab + short, or -1 if a uid is past the table or not indexed there, an id is past
+ * ``rows_of``, or the uids' chunks lie in more than one slab. Per sample i:
+ *   base_out[i] = tbase[uids[i]]   (its episode's start in the slot table)
+ *   limit_out[i] = min(rows_of[ids[i]], tsize[uids[i]] * chunk_rows)   (rows it can serve)
+ * and ``short`` is 1 if any limit falls below its episode's ``total``. */
 static PyObject *key_base(PyObject *self, PyObject *args) {
-    PyObject *o[6];
-    if (!PyArg_ParseTuple(args, "OOOOOO", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5]))
+    PyObject *o[9];
+    long long c;
+    if (!PyArg_ParseTuple(args, "OOOOOOOLOO", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5],
+                          &o[6], &c, &o[7], &o[8]))
         return NULL;
-    static const int w[6] = {0, 0, 0, 0, 1, 1};
-    I64 b[6];
-    if (get_all(o, b, w, 6) < 0) return NULL;
-    int64_t n = b[3].n, slab = -2, tn = b[0].n;
-    if (b[4].n < n || b[5].n < n || b[1].n < tn || b[2].n < tn) {
-        release(b, 6);
+    static const int w[9] = {0, 0, 0, 0, 0, 0, 0, 1, 1};
+    I64 b[9];
+    if (get_all(o, b, w, 9) < 0) return NULL;
+    int64_t n = b[3].n, slab = -2, tn = b[0].n, rn = b[4].n, shorter = 0;
+    if (b[5].n < n || b[6].n < n || b[7].n < n || b[8].n < n || b[1].n < tn || b[2].n < tn) {
+        release(b, 9);
         PyErr_SetString(PyExc_ValueError, "key_base: output or table buffers too short");
         return NULL;
     }
+    const int64_t *tbase = b[0].p, *tsize = b[1].p, *tslab = b[2].p, *uids = b[3].p;
+    const int64_t *rows_of = b[4].p, *ids = b[5].p, *total = b[6].p;
     for (int64_t i = 0; i < n; i++) {
-        int64_t u = b[3].p[i];
-        if (u < 0 || u >= tn || b[0].p[u] < 0) { slab = -1; break; }
-        int64_t s = b[2].p[u];
-        if (slab == -2) slab = s;
-        if (s != slab || s < 0) { slab = -1; break; }
-        b[4].p[i] = b[0].p[u];
-        b[5].p[i] = b[1].p[u];
+        int64_t u = uids[i], d = ids[i];
+        if (u < 0 || u >= tn || tbase[u] < 0 || d < 0 || d >= rn) { slab = -1; break; }
+        if (slab == -2) slab = tslab[u];
+        if (tslab[u] != slab || slab < 0) { slab = -1; break; }
+        int64_t limit = tsize[u] * c;
+        if (rows_of[d] < limit) limit = rows_of[d];
+        b[7].p[i] = tbase[u];
+        b[8].p[i] = limit;
+        if (limit < total[i]) shorter = 1;
     }
-    release(b, 6);
-    return PyLong_FromLongLong(n ? slab : -1);
+    release(b, 9);
+    return PyLong_FromLongLong(n && slab >= 0 ? 2 * slab + shorter : -1);
 }
 
-/* resolve(flat, base, chunk, within, width, rows_per_slot, time_axis, slots_out, idx_out)
- * -> 0, or -1 if a chunk is not cached (a slot < 0) or a position is outside ``flat``.
- * Per sample i and window step j (chunk and within are (B, width)):
- *   slots_out[i, j] = flat[base[i] + chunk[i, j]]
- *   idx_out[i, j] = slots_out[i, j] * rows_per_slot + within[i, j]   (time_axis)
- *   idx_out[i] = slots_out[i, 0] * rows_per_slot + within[i, 0]       (otherwise) */
+/* resolve(flat, base, rows, chunk_rows, rows_per_slot, time_axis, slots_out, idx_out)
+ * -> 0, or -1 if a chunk is not cached (a slot < 0), a row is negative or a position is
+ * outside ``flat``. Per sample i and window step j (rows is (B, W)), with
+ * chunk = rows[i, j] / chunk_rows and within = rows[i, j] % chunk_rows:
+ *   slots_out[i, j] = flat[base[i] + chunk]
+ *   idx_out[i, j] = slots_out[i, j] * rows_per_slot + within   (time_axis)
+ *   idx_out[i] = the same for j = 0                               (otherwise) */
 static PyObject *resolve(PyObject *self, PyObject *args) {
-    PyObject *o[6];
-    long long width, rps;
+    PyObject *o[5];
+    long long c, rps;
     int time_axis;
-    if (!PyArg_ParseTuple(args, "OOOOLLpOO", &o[0], &o[1], &o[2], &o[3], &width, &rps,
-                          &time_axis, &o[4], &o[5]))
+    if (!PyArg_ParseTuple(args, "OOOLLpOO", &o[0], &o[1], &o[2], &c, &rps, &time_axis,
+                          &o[3], &o[4]))
         return NULL;
-    static const int w[6] = {0, 0, 0, 0, 1, 1};
-    I64 b[6];
-    if (get_all(o, b, w, 6) < 0) return NULL;
+    static const int w[5] = {0, 0, 0, 1, 1};
+    I64 b[5];
+    if (get_all(o, b, w, 5) < 0) return NULL;
     int64_t n = b[1].n, nflat = b[0].n;
-    const int64_t *flat = b[0].p, *base = b[1].p, *chunk = b[2].p, *within = b[3].p;
-    int64_t *slots = b[4].p, *idx = b[5].p;
-    if (width <= 0 || b[2].n < n * width || b[3].n < n * width || b[4].n < n * width
-        || b[5].n < (time_axis ? n * width : n)) {
-        release(b, 6);
+    int64_t width = n ? b[2].n / n : 0;
+    const int64_t *flat = b[0].p, *base = b[1].p, *rows = b[2].p;
+    int64_t *slots = b[3].p, *idx = b[4].p;
+    if (c <= 0 || (n && (width <= 0 || b[2].n != n * width)) || b[3].n < n * width
+        || b[4].n < (time_axis ? n * width : n)) {
+        release(b, 5);
         PyErr_SetString(PyExc_ValueError, "resolve: buffers do not match the batch");
         return NULL;
     }
     long rc = 0;
     for (int64_t i = 0; i < n && !rc; i++) {
-        const int64_t *c = chunk + i * width, *r = within + i * width;
+        const int64_t *r = rows + i * width;
         int64_t *s = slots + i * width;
         for (int64_t j = 0; j < width; j++) {
-            int64_t pos = base[i] + c[j];
+            if (r[j] < 0) { rc = -1; break; }
+            int64_t pos = base[i] + r[j] / c;
             int64_t slot = (pos >= 0 && pos < nflat) ? flat[pos] : -1;
             if (slot < 0) { rc = -1; break; }
             s[j] = slot;
-            if (time_axis) idx[i * width + j] = slot * rps + r[j];
+            if (time_axis) idx[i * width + j] = slot * rps + r[j] % c;
         }
-        if (!rc && !time_axis) idx[i] = s[0] * rps + r[0];
+        if (!rc && !time_axis) idx[i] = s[0] * rps + r[0] % c;
     }
-    release(b, 6);
+    release(b, 5);
     return PyLong_FromLong(rc);
+}
+
+/* horizon(frame, total, h, rows_out, mask_out): the next ``h`` frames, clamped to the
+ * episode: with end = min(frame[i] + h, total[i]),
+ *   rows_out[i, j] = min(frame[i] + j, end - 1), mask_out[i, j] = frame[i] + j < end. */
+static PyObject *horizon(PyObject *self, PyObject *args) {
+    PyObject *o[3], *m;
+    long long h;
+    if (!PyArg_ParseTuple(args, "OOLOO", &o[0], &o[1], &h, &o[2], &m)) return NULL;
+    static const int w[3] = {0, 0, 1};
+    I64 b[3];
+    if (get_all(o, b, w, 3) < 0) return NULL;
+    Py_buffer mv;
+    if (get_u8(m, &mv) < 0) { release(b, 3); return NULL; }
+    int64_t n = b[0].n;
+    if (h <= 0 || b[1].n < n || b[2].n < n * h || mv.len < n * h) {
+        PyBuffer_Release(&mv);
+        release(b, 3);
+        PyErr_SetString(PyExc_ValueError, "horizon: buffers do not match the batch");
+        return NULL;
+    }
+    unsigned char *mask = (unsigned char *)mv.buf;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t f = b[0].p[i], end = f + h < b[1].p[i] ? f + h : b[1].p[i];
+        int64_t *r = b[2].p + i * h;
+        unsigned char *k = mask + i * h;
+        for (int64_t j = 0; j < h; j++) {
+            r[j] = f + j < end - 1 ? f + j : end - 1;
+            k[j] = f + j < end;
+        }
+    }
+    PyBuffer_Release(&mv);
+    release(b, 3);
+    Py_RETURN_NONE;
+}
+
+/* history(newest, stride, stride_all, k, rows_out, mask_out): ``k`` frames back from
+ * ``newest``, oldest first, ``stride`` apart (per sample; ``stride_all`` for all when
+ * ``stride`` is empty): idx = newest[i] - stride * (k - 1 - j); mask_out = idx >= 0;
+ * rows_out = idx where real, else the sample's first real row (0 if none is). */
+static PyObject *history(PyObject *self, PyObject *args) {
+    PyObject *o[3], *m;
+    long long all, k;
+    if (!PyArg_ParseTuple(args, "OOLLOO", &o[0], &o[1], &all, &k, &o[2], &m)) return NULL;
+    static const int w[3] = {0, 0, 1};
+    I64 b[3];
+    if (get_all(o, b, w, 3) < 0) return NULL;
+    Py_buffer mv;
+    if (get_u8(m, &mv) < 0) { release(b, 3); return NULL; }
+    int64_t n = b[0].n;
+    int per_sample = b[1].n > 0;
+    if (k <= 0 || (per_sample && b[1].n < n) || b[2].n < n * k || mv.len < n * k) {
+        PyBuffer_Release(&mv);
+        release(b, 3);
+        PyErr_SetString(PyExc_ValueError, "history: buffers do not match the batch");
+        return NULL;
+    }
+    unsigned char *mask = (unsigned char *)mv.buf;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t stride = per_sample ? b[1].p[i] : all, fill = 0, found = 0;
+        int64_t *r = b[2].p + i * k;
+        unsigned char *q = mask + i * k;
+        for (int64_t j = 0; j < k; j++) {
+            r[j] = b[0].p[i] - stride * (k - 1 - j);
+            q[j] = r[j] >= 0;
+            if (q[j] && !found) { fill = r[j]; found = 1; }
+        }
+        for (int64_t j = 0; j < k; j++)
+            if (!q[j]) r[j] = fill;
+    }
+    PyBuffer_Release(&mv);
+    release(b, 3);
+    Py_RETURN_NONE;
 }
 
 /* stamp(stamps, slots, clock) -> how many distinct slots ``slots`` names; each gets
@@ -140,6 +239,8 @@ static PyObject *stamp(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"key_base", key_base, METH_VARARGS, "per sample, its episode's table start and size"},
     {"resolve", resolve, METH_VARARGS, "slots and gather rows of one output"},
+    {"horizon", horizon, METH_VARARGS, "rows and mask of a horizon window"},
+    {"history", history, METH_VARARGS, "rows and mask of a history window"},
     {"stamp", stamp, METH_VARARGS, "stamp slots, count the distinct ones"},
     {NULL, NULL, 0, NULL},
 };

@@ -37,38 +37,47 @@ def use(compiled: bool) -> None:
 
 
 def key_base(tbase: np.ndarray, tsize: np.ndarray, tslab: np.ndarray, uids: np.ndarray,
-             base_out: np.ndarray, size_out: np.ndarray) -> int:
-    """Per sample, its episode's start in the slot table and chunks indexed there
-    (into ``base_out``, ``size_out``); returns the slab all of them are in, or -1 (a uid
-    past the table or not indexed, or several slabs)."""
+             rows_of: np.ndarray, ids: np.ndarray, total: np.ndarray, chunk_rows: int,
+             base_out: np.ndarray, limit_out: np.ndarray) -> tuple[int, bool]:
+    """Per sample, its episode's start in the slot table (into ``base_out``) and the rows
+    the key can serve it, ``min(rows_of[ids], tsize[uids] * chunk_rows)`` (into
+    ``limit_out``). Returns (the slab all of them are in, whether a limit falls below its
+    episode's ``total``), or (-1, False): a uid past the table or not indexed, an id past
+    ``rows_of``, or several slabs."""
     if COMPILED:
-        return int(_c.key_base(tbase, tsize, tslab, uids, base_out, size_out))
+        got = int(_c.key_base(tbase, tsize, tslab, uids, rows_of, ids, total, chunk_rows,
+                              base_out, limit_out))
+        return (-1, False) if got < 0 else (got >> 1, bool(got & 1))
     n = len(uids)
-    if not n or uids.min() < 0 or uids.max() >= len(tbase):
-        return -1
+    if not n or uids.min() < 0 or uids.max() >= len(tbase) or ids.min() < 0 \
+            or ids.max() >= len(rows_of):
+        return -1, False
     base = tbase[uids]
     slab = tslab[uids]
     s = int(slab[0])
     if base.min() < 0 or s < 0 or slab.min() != slab.max():
-        return -1
+        return -1, False
     base_out[:n] = base
-    size_out[:n] = tsize[uids]
-    return s
+    np.minimum(rows_of[ids], tsize[uids] * chunk_rows, out=limit_out[:n])
+    return s, bool((limit_out[:n] < total).any())
 
 
-def resolve(flat: np.ndarray, base: np.ndarray, chunk: np.ndarray, within: np.ndarray,
+def resolve(flat: np.ndarray, base: np.ndarray, rows: np.ndarray, chunk_rows: int,
             rows_per_slot: int, time_axis: bool, slots_out: np.ndarray,
             idx_out: np.ndarray) -> int:
-    """One output's slots, ``flat[base[i] + chunk[i, j]]`` (into ``slots_out``, (B, W)),
-    and its rows in the slab viewed as rows, ``slot * rows_per_slot + within`` (into
-    ``idx_out``: (B, W) with a time axis, else (B,) from the window's first step).
-    Returns 0, or -1 if a chunk is not cached or a position lies outside ``flat``."""
-    width = chunk.shape[1]
+    """One output's slots (into ``slots_out``, (B, W)): with ``chunk, within =
+    divmod(rows, chunk_rows)``, ``flat[base[i] + chunk[i, j]]``; and its rows in the slab
+    viewed as rows, ``slot * rows_per_slot + within`` (into ``idx_out``: (B, W) with a time
+    axis, else (B,) from the window's first step). Returns 0, or -1 if a chunk is not
+    cached, a row is negative or a position lies outside ``flat``."""
     if COMPILED:
-        return int(_c.resolve(flat, base, chunk, within, width, rows_per_slot, time_axis,
+        return int(_c.resolve(flat, base, rows, chunk_rows, rows_per_slot, time_axis,
                               slots_out, idx_out))
+    if rows.size and rows.min() < 0:
+        return -1
+    chunk, within = np.divmod(rows, chunk_rows)
     pos = base[:, None] + chunk
-    if pos.size and (pos.min() < 0 or pos.max() >= len(flat)):
+    if pos.size and pos.max() >= len(flat):
         return -1
     slots = flat.take(pos)
     if slots.size and slots.min() < 0:
@@ -79,6 +88,50 @@ def resolve(flat: np.ndarray, base: np.ndarray, chunk: np.ndarray, within: np.nd
     else:
         np.add(slots[:, 0] * rows_per_slot, within[:, 0], out=idx_out)
     return 0
+
+
+def horizon(h: int, frame: np.ndarray, total: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The next ``h`` frames from each ``frame``, clamped into its episode (``total``
+    frames): (rows, mask), both (B, h); mask says which rows are real."""
+    if COMPILED and _ok(frame, total):
+        rows = np.empty((len(frame), h), np.int64)
+        mask = np.empty((len(frame), h), np.bool_)
+        _c.horizon(frame, total, h, rows, mask)
+        return rows, mask
+    end = np.minimum(frame + h, total)
+    rows = frame[:, None] + np.arange(h, dtype=np.int64)[None, :]
+    mask = rows < end[:, None]
+    return np.minimum(rows, (end - 1)[:, None]), mask
+
+
+def history(k: int, newest: np.ndarray, stride: np.ndarray | int) -> tuple[np.ndarray,
+                                                                           np.ndarray]:
+    """``k`` frames back from ``newest``, oldest first, ``stride`` apart (an int or one per
+    sample): (rows, mask), both (B, k). A frame before 0 is not real: its row is the
+    sample's first real one (0 if none is)."""
+    per_sample = isinstance(stride, np.ndarray)
+    if COMPILED and _ok(newest) and (not per_sample or _ok(stride)):  # type: ignore[arg-type]
+        rows = np.empty((len(newest), k), np.int64)
+        mask = np.empty((len(newest), k), np.bool_)
+        _c.history(newest, stride if per_sample else _EMPTY, 0 if per_sample else stride,
+                   k, rows, mask)
+        return rows, mask
+    steps = stride if per_sample else np.full_like(newest, stride)
+    back = np.arange(k - 1, -1, -1, dtype=np.int64)
+    idx = newest[:, None] - steps[:, None] * back[None, :]  # type: ignore[index]
+    mask = idx >= 0
+    has_real = mask.any(axis=1)
+    first_real = idx[np.arange(len(idx)), mask.argmax(axis=1)]
+    fill = np.where(has_real, first_real, 0)
+    return np.where(mask, idx, fill[:, None]), mask
+
+
+_EMPTY = np.empty(0, np.int64)
+
+
+def _ok(*arrays: np.ndarray) -> bool:
+    """Whether the compiled loops take these arrays as they are (contiguous int64)."""
+    return all(a.dtype == np.int64 and a.flags.c_contiguous for a in arrays)
 
 
 def stamp(stamps: np.ndarray, parts: Sequence[np.ndarray], clock: int,

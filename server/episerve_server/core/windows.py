@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from episerve_server.core import kernel
 from episerve_server.core.keymap import KeySpec, Rule
 
 IntArray = np.ndarray
@@ -53,25 +54,14 @@ def _offsets(offsets: tuple[float, ...], frame: IntArray, total: IntArray,
 
 
 def _horizon(h: int, frame: IntArray, total: IntArray, cutoff_end: IntArray | None) -> Window:
-    end = np.minimum(frame + h, total)
     if cutoff_end is not None:
-        end = np.minimum(end, cutoff_end)
-    rows = frame[:, None] + np.arange(h, dtype=np.int64)[None, :]
-    mask = rows < end[:, None]
-    return Window(np.minimum(rows, (end - 1)[:, None]), mask)
+        total = np.minimum(total, cutoff_end)
+    return Window(*kernel.horizon(h, frame, total))
 
 
 def _history(spec: KeySpec, frame: IntArray, fps: IntArray) -> Window:
     k = spec.history or 1
     newest = frame - frames(spec.lag_s, fps) if spec.lag_s is not None else frame
-    if spec.history_stride_s is not None:
-        stride = frames(spec.history_stride_s, fps)
-    else:
-        stride = np.full_like(frame, spec.history_stride)
-    back = np.arange(k - 1, -1, -1, dtype=np.int64)
-    idx = newest[:, None] - stride[:, None] * back[None, :]
-    mask = idx >= 0
-    has_real = mask.any(axis=1)
-    first_real = idx[np.arange(len(idx)), mask.argmax(axis=1)]
-    fill = np.where(has_real, first_real, 0)
-    return Window(np.where(mask, idx, fill[:, None]), mask)
+    stride = frames(spec.history_stride_s, fps) if spec.history_stride_s is not None \
+        else spec.history_stride
+    return Window(*kernel.history(k, newest, stride))

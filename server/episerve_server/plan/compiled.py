@@ -22,7 +22,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import NamedTuple
 
 import numpy as np
 
@@ -41,8 +41,7 @@ from episerve_server.storage.directory import Directory
 MAX_PLANS = 64  # keymaps compiled at once (least recently used go first)
 
 
-@dataclass(frozen=True, slots=True)
-class _Gather:
+class _Gather(NamedTuple):  # one per output and batch: a tuple is the cheapest to make
     name: str
     slab: int
     index: np.ndarray  # (B, W) or (B,): rows of the slab viewed as rows
@@ -147,7 +146,6 @@ class Compiled:
         gathers: list[_Gather] = []
         stamps: list[tuple[int, list[np.ndarray]]] = []
         frames: list[_Frames] = []
-        split: dict[tuple[tuple[Any, ...], int], tuple[np.ndarray, np.ndarray]] = {}
         position, order = _first_seen(ids) if kp.camera else (ids, ids)
         uid_top = int(uids.max())  # once per batch, not per key
         for key in sorted(keymap.zarr_keys):
@@ -160,7 +158,7 @@ class Compiled:
                     return None
                 frames.append(got_frames)
             else:
-                got = self._key(key, kp, geo, feature, ids, uids, total, windows, split,
+                got = self._key(key, kp, geo, feature, ids, uids, total, windows,
                                 gathers, uid_top)
                 if got is None:
                     return None
@@ -297,11 +295,9 @@ class Compiled:
 
     def _key(self, key: str, kp: KeymapPlan, geo: KeyGeometry, feature: tuple[int, ...],
              ids: np.ndarray, uids: np.ndarray, total: np.ndarray, windows: dict[str, Window],
-             split: dict[tuple[tuple[Any, ...], int], tuple[np.ndarray, np.ndarray]],
              gathers: list[_Gather], uid_top: int) -> tuple[int, list[np.ndarray]] | None:
         """One numeric key's gathers (appended to ``gathers``) and the slots to stamp, or
-        None. ``split`` keeps each (window, chunk rows)'s chunk and row within it, shared
-        by the keys that read the same window."""
+        None."""
         c = geo.uniform_rows
         if not c:
             c_of = geo.chunk_rows[ids]
@@ -312,32 +308,25 @@ class Compiled:
         if table is None or uid_top >= len(table.base):
             return None
         n = len(ids)
-        base, size = np.empty(n, np.int64), np.empty(n, np.int64)
-        slab = kernel.key_base(table.base, table.size, table.slab, uids, base, size)
-        if slab < 0:
-            return None
+        base, limit = np.empty(n, np.int64), np.empty(n, np.int64)
         # rows past the array are the general path's ShortArrayError, chunks past the
         # table its misses: either way not served here. Every window row is below its
-        # episode's total (windows are clamped), so the rows are looked at only where the
+        # episode's total (windows are clamped), so the rows are looked at only where a
         # limit falls short of the total: one check per key, not one per output.
-        limit = np.minimum(geo.rows[ids], size * c)
-        short = limit[:, None] if (limit < total).any() else None
+        slab, short = kernel.key_base(table.base, table.size, table.slab, uids, geo.rows,
+                                      ids, total, c, base, limit)
+        if slab < 0:
+            return None
         rows_per_slot = self.cache.slab_data(slab).shape[1]
         every: list[np.ndarray] = []
         flat = table.flat
         for e in kp.entries[key]:
             w = windows[e.name].rows
-            if short is not None and (w >= short).any():
+            if short and (w >= limit[:, None]).any():
                 return None
-            sig = (kp.signatures[e.name], c)
-            parts = split.get(sig)
-            if parts is None:
-                parts = split[sig] = np.divmod(w, c)
-            chunk, within = parts
-            slots = np.empty(chunk.shape, np.int64)
-            idx = np.empty(chunk.shape if e.time_axis else (n,), np.int64)
-            if kernel.resolve(flat, base, chunk, within, rows_per_slot, e.time_axis,
-                              slots, idx) < 0:
+            slots = np.empty(w.shape, np.int64)
+            idx = np.empty(w.shape if e.time_axis else (n,), np.int64)
+            if kernel.resolve(flat, base, w, c, rows_per_slot, e.time_axis, slots, idx) < 0:
                 return None
             every.append(slots)
             gathers.append(_Gather(e.name, slab, idx, (*idx.shape, *feature), feature))
