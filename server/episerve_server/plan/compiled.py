@@ -44,7 +44,7 @@ MAX_PLANS = 64  # keymaps compiled at once (least recently used go first)
 class _Gather(NamedTuple):  # one per output and batch: a tuple is the cheapest to make
     name: str
     slab: int
-    index: np.ndarray  # (B, W) or (B,): rows of the slab viewed as rows
+    rows: np.ndarray  # (B, W) or (B,): rows of the slab viewed as rows
     shape: tuple[int, ...]  # the output's shape
     feature: tuple[int, ...]
 
@@ -201,7 +201,7 @@ class Compiled:
                 flat = rows[(g.slab, g.feature)] = \
                     self.cache.slab_data(g.slab).reshape(-1, *g.feature)
             dest = empty(g.shape)
-            flat.take(g.index, axis=0, out=dest, mode="clip")
+            flat.take(g.rows, axis=0, out=dest, mode="clip")
             out[g.name] = dest
         return out
 
