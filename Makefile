@@ -12,7 +12,7 @@ setup: $(STAMP)
 # then already satisfied, so nothing large is downloaded.
 # Each step says what it installs; pip shows each package as it goes (no --quiet): the
 # first run took 2 min 5 s here with the wheels on local disk, longer when they download.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py server/episerve_server/core/_kernel.c
 	@echo "setup: creating $(VENV) with episerve and every extra; about 2-5 minutes, once"
 	@echo "setup [1/4]: a Python venv in $(VENV)"
 	$(PYTHON) -m venv $(VENV)

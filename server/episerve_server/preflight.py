@@ -49,6 +49,18 @@ def empty_root(config: ServerConfig, episodes: int, broken: int) -> str | None:
             f"nor a LeRobot v3 dataset): every listing is empty until some appear; {again}")
 
 
+def kernel_missing() -> str | None:
+    """The warning when the warm path's compiled loops were not built (no C compiler when
+    installed): answers are the same, the daemon's CPU per sample is higher."""
+    from episerve_server.core import kernel
+
+    if kernel.BUILT:
+        return None
+    return ("the warm read path's compiled loops are not built (episerve_server.core._kernel):"
+            " serving with their numpy versions: the same answers, more CPU per warm"
+            " sample; install a C compiler and run `pip install -e .` again to build them")
+
+
 def claim_unix_socket(path: Path) -> None:
     """Make ``path`` free for our socket: refuse a file that is not a socket and a socket
     that answers (a live daemon); remove a stale socket (one that refuses connections)."""

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from episerve_server import preflight
+from episerve_server.core import kernel
 from episerve_server.preflight import StartupError, claim_private_dir, private_folder_refusal
 
 
@@ -50,3 +52,12 @@ def test_the_workers_folder_is_refused_by_the_same_rule(tmp_path: Path) -> None:
         claim_private_dir(path, "--unix")
     os.chmod(path, 0o700)
     claim_private_dir(path, "--unix")  # ours and private: reused
+
+
+def test_kernel_missing_warns_only_without_the_compiled_loops(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kernel, "BUILT", True)
+    assert preflight.kernel_missing() is None
+    monkeypatch.setattr(kernel, "BUILT", False)
+    said = preflight.kernel_missing()
+    assert said is not None and "_kernel" in said and "pip install -e ." in said

@@ -1,7 +1,7 @@
 """The warm read path's inner loops: compiled when the extension is built, numpy otherwise.
 
 Each function here is what the warm path does per key of a batch; ``_kernel.c`` has the
-same three as C loops (one call instead of five to ten numpy calls, no temporaries). Both
+same five as C loops (one call instead of five to ten numpy calls, no temporaries). Both
 give the same results on the same arrays (``tests/unit/test_kernel.py`` checks every
 function both ways, bad indexes included); the extension is optional: without a C
 compiler the package installs and runs on the numpy versions.

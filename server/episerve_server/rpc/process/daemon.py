@@ -57,6 +57,8 @@ async def serve(config: ServerConfig, announce: Callable[[str], None]) -> int:
     empty = preflight.empty_root(config, healthy, broken)
     if empty is not None:
         log.warning("%s", empty)
+    if (missing := preflight.kernel_missing()) is not None:
+        log.warning("%s", missing)
     await server.serve_until_stopped(srv, tasks=[rescan_loop(service, config.rescan_s)])
     return 0
 

@@ -364,6 +364,8 @@ async def serve(config: ServerConfig, announce: Callable[[str], None]) -> int:
                                  counters.get("episodes_broken", 0))
     if empty is not None:
         log.warning("%s", empty)
+    if (missing := preflight.kernel_missing()) is not None:
+        log.warning("%s", missing)
     stop = asyncio.Event()
     exit_code = 0
 
