@@ -5,7 +5,8 @@
 
 Two daemons on unix sockets at once over the same root, warm (8 GiB cache, one pass
 first): this tree's and the one of commit ``--before`` (``git archive`` of it into a
-temporary folder, run with that folder first on ``PYTHONPATH``). ``episerve loadtest``
+temporary folder, its compiled loops built there if it has them, run with that folder
+first on ``PYTHONPATH``). ``episerve loadtest``
 (16 clients x batch 64, first 24 episodes) runs against each in turn, over gRPC and over
 the local plane, round by round; the daemon's CPU (every thread, /proc) per 1,000
 samples. The numeric mecka keymap and the full one (camera bytes, not decoded).
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import subprocess
+import sys
 import tarfile
 import tempfile
 from io import BytesIO
@@ -38,6 +40,9 @@ def checkout(commit: str, into: Path) -> dict[str, str]:
                           capture_output=True, check=True).stdout
     with tarfile.open(fileobj=BytesIO(blob)) as tar:
         tar.extractall(into, filter="data")
+    if (into / "setup.py").exists():  # its compiled loops, built in place as this tree's are
+        subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=into,
+                       check=True, capture_output=True)
     paths = [str(into / d) for d in ("server", "protos", "client", "tools")]
     return {"PYTHONPATH": os.pathsep.join([*paths, os.environ.get("PYTHONPATH", "")])}
 
