@@ -27,6 +27,7 @@ if str(REPO) not in sys.path:
 from episerve_server.config import ServerConfig
 from episerve_server.wiring import build_read_core
 from tests.support import budget, profiles, ramp
+from tests.support.kernel import need_kernel
 from tests.support.served import (
     LAYOUTS,
     LoopRunner,
@@ -147,11 +148,8 @@ def loops(request: pytest.FixtureRequest) -> Iterator[str]:
     (CI) it fails instead."""
     from episerve_server.core import kernel
 
-    if request.param == "compiled" and not kernel.BUILT:
-        why = "episerve_server.core._kernel is not built (no C compiler at install)"
-        if os.environ.get("EPITEST_KERNEL") == "required":
-            pytest.fail(why)
-        pytest.skip(why)
+    if request.param == "compiled":
+        need_kernel()
     was = kernel.COMPILED
     kernel.use(request.param == "compiled")
     yield request.param

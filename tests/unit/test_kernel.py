@@ -3,18 +3,23 @@ same arrays, bad indexes included (a -1 answer, nothing read or written out of r
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from episerve_server.core import kernel
+from tests.support.kernel import need_kernel
 
 pytestmark = pytest.mark.usefixtures("built")
 
 
 @pytest.fixture
 def built() -> None:
-    if not kernel.BUILT:
-        pytest.skip("episerve_server.core._kernel is not built")
+    need_kernel()
 
 
 def both(fn, *arrays, **kw):  # type: ignore[no-untyped-def]
@@ -162,3 +167,32 @@ def test_the_kernel_refuses_other_dtypes() -> None:
                            z, z, z, z, 8, z, np.zeros(2, np.int64))
     with pytest.raises(ValueError, match="do not match"):
         kernel._c.resolve(z, z, np.zeros(7, np.int64), 2, 1, True, z, z)
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_without_a_compiler_the_build_goes_on_and_the_numpy_loops_serve(
+        tmp_path: Path) -> None:
+    """What a machine without a C compiler gets: setup.py's build of the extension fails
+    and says so, the build succeeds without it, and the package imports the numpy loops."""
+    env = {**os.environ, "CC": "/bin/false"}
+    built = subprocess.run([sys.executable, "setup.py", "-q", "build_ext",
+                            "--build-temp", str(tmp_path / "tmp"),
+                            "--build-lib", str(tmp_path / "lib")],
+                           cwd=REPO, env=env, capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr
+    assert "episerve_server.core._kernel" in built.stderr and "failed" in built.stderr
+    assert not list((tmp_path / "lib").rglob("*.so"))
+    probe = ("import sys; sys.modules['episerve_server.core._kernel'] = None\n"
+             "import numpy as np\n"
+             "from episerve_server.core import kernel\n"
+             "from episerve_server.preflight import kernel_missing\n"
+             "assert not kernel.BUILT and not kernel.COMPILED\n"
+             "rows, mask = kernel.history(3, np.array([5, 1], np.int64), 2)\n"
+             "print(rows.tolist(), mask.tolist())\n"
+             "print(kernel_missing() is not None)\n")
+    ran = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.split("\n")[:2] == [
+        "[[1, 3, 5], [1, 1, 1]] [[True, True, True], [False, False, True]]", "True"]

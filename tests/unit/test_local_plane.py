@@ -112,7 +112,7 @@ def _batch() -> BatchResult:
 def _placed(result: BatchResult) -> tuple[bytes, list[tuple[int, int]], np.ndarray]:
     """What the daemon writes: the metadata, the table and the segment."""
     blobs: list[encode.Buf] = []
-    meta = encode.encode_result(result, blobs.append)
+    meta = encode.encode_result(result, blobs)
     sizes = [memoryview(b).nbytes for b in blobs]
     offsets, total = lp.layout(sizes)
     segment = np.zeros(total, np.uint8)

@@ -155,7 +155,7 @@ def test_the_local_plane_s_metadata_and_blobs_encode_like_the_generated_class(
         texts={"t": [pool[int(i)] for i in rng.integers(0, len(pool), b)]},
         total_frames=None)
     blobs: list[encode.Buf] = []
-    meta = encode.encode_result(result, blobs.append)
+    meta = encode.encode_result(result, blobs)
     emptied = dataclasses.replace(
         result, arrays={"x": np.empty((b, 0), np.float32)},
         images={"cam": ImageColumn("src", np.empty((b, 0), np.int32))},

@@ -373,15 +373,16 @@ class LocalPlane:
         An answer that does not fit its arena's segment is written whole into one of its
         size: the gathered arrays are then copied a second time."""
         blobs: list[encode.Buf] = []
-        meta = encode.encode_result(result, blobs.append)
+        meta = encode.encode_result(result, blobs)
         if len(meta) + len(blobs) * lp.BLOB.size + 64 > lp.MAX_ANSWER_BODY:
             raise ResponseTooLarge(f"the batch's metadata takes {len(meta)} bytes, over the "
                                    f"local plane's limit of {lp.MAX_ANSWER_BODY}; split the "
                                    "batch")
-        views = [memoryview(b) for b in blobs]
-        sizes = [v.nbytes for v in views]
-        at: list[int | None] = [arena.offset_of(v, n) for v, n in zip(views, sizes)]
-        del views
+        # A bulk blob is bytes (a cached frame: never in the segment) or a byte view.
+        sizes = [len(b) for b in blobs]
+        offset_of = arena.offset_of
+        at: list[int | None] = [None if isinstance(b, bytes) else offset_of(b, n)
+                                for b, n in zip(blobs, sizes)]
         rest = [k for k, off in enumerate(at) if off is None]
         after, rest_bytes = lp.layout([sizes[k] for k in rest])
         total = arena.used + rest_bytes

@@ -12,7 +12,7 @@ Python call per value.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -139,15 +139,15 @@ def _message(field: int, parts: list[Buf]) -> list[Buf]:
 _EMPTY_FRAME = _tag(2) + varint(0)  # a frame's field with its bytes sent apart
 
 
-def encode_result(result: BatchResult, sink: Callable[[Buf], None] | None = None) -> bytes:
+def encode_result(result: BatchResult, sink: list[Buf] | None = None) -> bytes:
     """The response's bytes. With ``sink`` (the local plane), each bulk blob (every array,
-    image index and frame, in this order) goes to ``sink`` instead and its field is left
-    empty: the message is then only the batch's metadata."""
+    image index and frame, in this order) is appended to ``sink`` instead and its field is
+    left empty: the message is then only the batch's metadata."""
 
     def bulk(field: int, blob: Buf) -> list[Buf]:
         if sink is None:
             return _field(field, [blob])
-        sink(blob)
+        sink.append(blob)
         return []
 
     parts: list[Buf] = [_strings(1, result.episodes)]
@@ -168,8 +168,7 @@ def encode_result(result: BatchResult, sink: Callable[[Buf], None] | None = None
                 body += _field(2, [frame])
         else:  # every frame's field is empty: one run of them
             body.append(_EMPTY_FRAME * len(frames))
-            for frame in frames:
-                sink(frame)
+            sink.extend(frames)
         parts += _message(7, body)
     for name, per_sample in result.texts.items():
         body = [*_string(1, name)]
