@@ -59,6 +59,11 @@ SUITE: tuple[Bench, ...] = (
           "This tree's daemon and one of commit a8cd8f7 (`git archive`), side by side over one "
           "root, warm: `episerve loadtest` (16 clients, batch 64) over gRPC and the local "
           "plane, round by round; the daemon's CPU per 1,000 samples from /proc."),
+    Bench("profile", "Where the warm daemon's CPU goes", ("benchmarks/bench_profile.py",),
+          "py-spy sampling the daemon (200 Hz, without pausing it) while `episerve loadtest` "
+          "(16 clients, batch 64) reads warm over the local plane: the daemon's CPU per "
+          "1,000 samples and, per episerve function, its inclusive share of the busy "
+          "samples and the part of that CPU figure it stands for."),
     Bench("daemon", "Daemon on loopback", ("benchmarks/bench_daemon.py",),
           "One client reading batches of 64 from a daemon on loopback, warm cache: what the "
           "RPC adds to the planner's own time."),

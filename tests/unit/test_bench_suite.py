@@ -113,3 +113,25 @@ def test_an_unknown_benchmark_name_is_refused_naming_the_suite() -> None:
                                            ("-3 ms", -3.0), ("n/a", None)])
 def test_numbers_in_cells(cell: str, value: float | None) -> None:
     assert report.number(cell) == value
+
+
+def test_profile_shares_count_each_function_once_per_sample_below_the_loop(
+        tmp_path: Path) -> None:
+    import bench_profile
+
+    raw = tmp_path / "spy.txt"
+    loop = ("<module> (episerve_tools/cli.py:1);run (episerve_server/rpc/process/main.py:2);"
+            "Runner.run (asyncio/runners.py:118)")
+    raw.write_text("\n".join([
+        f"{loop};Planner.read (episerve_server/plan/planner.py:5);"
+        "Compiled.plan (episerve_server/plan/compiled.py:9) 6",
+        # recursion: counted once for the sample
+        f"{loop};Planner.read (episerve_server/plan/planner.py:5);"
+        "Planner.read (episerve_server/plan/planner.py:7);take (numpy/core.py:3) 3",
+        f"{loop};select (selectors.py:1) 1",  # nothing of episerve's under the loop
+        "_bootstrap (threading.py:1);_copy (episerve_server/rpc/handlers/local.py:4) 2",
+    ]) + "\n")
+    total, inclusive = bench_profile.shares(raw)
+    assert total == 12
+    assert inclusive == {"planner.Planner.read": 9, "compiled.Compiled.plan": 6,
+                         "(the event loop itself)": 1, "local._copy": 2}
