@@ -509,7 +509,8 @@ def test_a_growing_reservation_never_counts_against_itself() -> None:
 
 def test_the_end_of_a_burst_of_held_responses_gives_the_heap_back_once() -> None:
     """``on_drained`` runs when the bytes held fall to a quarter of a peak of 64 MiB or
-    more (a stuck client let go), once per burst; small peaks never trigger it."""
+    more (a stuck client let go), and once more when nothing is held; small peaks never
+    trigger it."""
     from episerve_server.rpc.handlers.buffers import DRAINED_PEAK_BYTES, ResponseBuffers
     from episerve_server.rpc.handlers.buffers import HELD_COPIES as K
 
@@ -529,7 +530,27 @@ def test_the_end_of_a_burst_of_held_responses_gives_the_heap_back_once() -> None
     assert drained == [16 << 20]  # 16 MiB counted: the burst is over
     for release in burst[6:]:
         release(None)
-    assert drained == [16 << 20]  # once per burst
+    assert drained == [16 << 20, 0]  # once more when the rest is let go
+    again = [buffers.hold("unix:", mb) for _ in range(8)]
+    for release in again:
+        release(None)
+    assert drained == [16 << 20, 0]  # no burst since
+
+
+def test_under_a_small_limit_a_burst_of_half_of_it_gives_the_heap_back() -> None:
+    """At --max-buffered-bytes 64 MiB nothing held ever reaches a 64 MiB peak (the limit
+    refuses first); half the limit is then a burst."""
+    from episerve_server.rpc.handlers.buffers import ResponseBuffers
+
+    drained: list[int] = []
+    buffers = ResponseBuffers(max_bytes=64 << 20, max_per_peer=64 << 20,
+                              on_drained=lambda: drained.append(buffers.total))
+    buffers.charge(31 << 20)
+    buffers.charge(-(31 << 20))
+    assert drained == []  # under half the limit: no burst
+    buffers.charge(60 << 20)
+    buffers.charge(-(50 << 20))
+    assert drained == [10 << 20]
 
 
 def test_heap_trim_runs_and_is_counted() -> None:

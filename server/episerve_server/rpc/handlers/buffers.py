@@ -30,8 +30,9 @@ kept segments it sent that the client has not yet received, and asks for ``room`
 makes a segment or takes a body. Before it refuses anything it calls ``reclaim`` (the local
 plane then closes the segments free in its pools).
 
-When the bytes held fall to a quarter of a peak of at least ``DRAINED_PEAK_BYTES``, a burst
-is over: ``on_drained`` runs once (the daemon gives the heap's free pages back).
+When the bytes held fall to a quarter of a peak of at least ``DRAINED_PEAK_BYTES`` (or half
+the limit, when that is less), a burst is over: ``on_drained`` runs (the daemon gives
+the heap's free pages back), and once more when nothing is held any more.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ class ResponseBuffers:
         self.on_drained = on_drained
         self.total = 0
         self.peak = 0  # the most held since the last burst ended
+        self._trim_at_zero = False  # a burst ended with bytes still held
         self.by_peer: dict[str, int] = {}
         self._latest: dict[str, int] = {}  # a holding peer's latest response size
         #: Called before a refusal, to give back what can be given back (free segments).
@@ -87,8 +89,16 @@ class ResponseBuffers:
                 "call bodies); back off and retry")
 
     def _fell(self) -> None:
-        if self.peak >= DRAINED_PEAK_BYTES and self.total <= self.peak // 4:
+        # Half the limit too: under a small limit a burst never reaches 64 MiB, and what it
+        # held (pieces of call bodies below the heap's mmap threshold) stayed with the process.
+        burst = min(DRAINED_PEAK_BYTES, self.max_bytes // 2)
+        if self.peak >= burst and self.total <= self.peak // 4:
             self.peak = self.total
+            self._trim_at_zero = self.total > 0
+            self.on_drained()
+        elif self._trim_at_zero and self.total <= 0:
+            # What was still held at the first trim is freed after it: once more.
+            self._trim_at_zero = False
             self.on_drained()
 
     def check(self, peer: str) -> None:
