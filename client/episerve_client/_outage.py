@@ -13,8 +13,8 @@ Over gRPC a call to a target not known to be down does not wait for a connection
 that failure starts the outage. An attempt at a target in an outage waits for a connection,
 at most ``ATTEMPT_S`` (doubling with each attempt, up to ``ATTEMPT_MAX_S``), never past
 ``max_outage_s`` and, until the outage is first said, never past when that is due (each
-``ATTEMPT_MIN_S`` at least): otherwise it would wait out the deadline in one attempt, with
-nothing said meanwhile. A Read that legitimately takes longer still succeeds once the
+``ATTEMPT_MIN_S`` at least), and after that never past when the next reminder is due:
+otherwise it would wait out the deadline in one attempt, with nothing said meanwhile. A Read that legitimately takes longer still succeeds once the
 doubled wait covers it.
 """
 
@@ -68,8 +68,12 @@ class Outages:
         doubled = min(max(self._attempts.get(target, 1) - 1, 0), 16)
         cap = min(ATTEMPT_MAX_S, ATTEMPT_S * 2.0 ** doubled)
         since, now = self._since[target][0], time.monotonic()
-        if target not in self._reported:  # the first WARNING is said when it is due
-            cap = min(cap, max(since + self.warn_after_s - now, ATTEMPT_MIN_S))
+        said = self._reported.get(target)
+        # A line is said when it is due: the first WARNING warn_after_s in, then a reminder
+        # every remind_s; an attempt never waits past the next one (doubled attempts would
+        # otherwise leave up to ATTEMPT_MAX_S between two lines).
+        due = since + self.warn_after_s if said is None else said + self.remind_s
+        cap = min(cap, max(due - now, ATTEMPT_MIN_S))
         if self.max_outage_s is not None:  # and the call fails when max_outage_s is over
             cap = min(cap, max(since + self.max_outage_s - now, ATTEMPT_MIN_S))
         return min(left_s, cap)

@@ -65,6 +65,7 @@ def test_attempts_at_a_target_that_is_down_wait_less_than_the_whole_deadline() -
     assert 1.5 < outages.attempt_s(TARGET, 120.0) <= outages.warn_after_s < ATTEMPT_S
     outages.warn_after_s = 0.0  # due now: the attempt still gets its floor
     assert outages.attempt_s(TARGET, 120.0) == ATTEMPT_MIN_S
+    outages.remind_s = 1000.0  # reminders far apart: only the doubling caps an attempt
     waits = []
     for _ in range(6):
         outages.failed(TARGET, REFUSED, time.monotonic() + 120)  # said: doubling from now
@@ -91,3 +92,22 @@ def test_an_attempt_at_a_target_that_is_down_ends_when_max_outage_s_is_over() ->
     assert 0.5 < outages.attempt_s(TARGET, 120.0) <= 1.0  # not ATTEMPT_S: the call ends then
     time.sleep(0.6)
     assert outages.attempt_s(TARGET, 120.0) == ATTEMPT_MIN_S
+
+
+def test_an_attempt_never_waits_past_the_next_reminder(caplog: pytest.LogCaptureFixture) -> None:
+    """Doubled attempts (up to ATTEMPT_MAX_S) would leave a minute between two lines; each
+    attempt ends when the next reminder is due instead, so one comes every remind_s."""
+    outages = Outages()
+    outages.warn_after_s = 0.0
+    with caplog.at_level(logging.WARNING, logger="episerve_client._outage"):
+        for _ in range(8):  # attempts 1..8: doubled, they would be allowed 64 s
+            outages.failed(TARGET, REFUSED, time.monotonic() + 600)
+    assert len(caplog.records) == 1  # said once; the reminder is 30 s away
+    wait = outages.attempt_s(TARGET, 600.0)
+    assert outages.remind_s - 1 < wait <= outages.remind_s < ATTEMPT_MAX_S, wait
+    outages.remind_s = 0.2  # due in 0.2 s: the attempt ends then (never below its floor)
+    assert outages.attempt_s(TARGET, 600.0) == ATTEMPT_MIN_S
+    time.sleep(0.25)
+    with caplog.at_level(logging.WARNING, logger="episerve_client._outage"):
+        outages.failed(TARGET, REFUSED, time.monotonic() + 600)
+    assert len(caplog.records) == 2 and "still no answer" in caplog.records[1].getMessage()

@@ -93,15 +93,10 @@ def _string(field: int, text: str) -> list[Buf]:
 
 
 def _strings(field: int, texts: Sequence[str]) -> bytes:
-    """A repeated string field, each distinct string encoded once."""
-    done: dict[str, bytes] = {}
-    parts = []
-    for t in texts:
-        enc = done.get(t)
-        if enc is None:
-            enc = done[t] = b"".join(_string(field, t))
-        parts.append(enc)
-    return b"".join(parts)
+    """A repeated string field, each distinct string encoded once (the join looks each
+    sample's up in C, not in a Python loop)."""
+    enc = {t: b"".join(_string(field, t)) for t in set(texts)}
+    return b"".join(map(enc.__getitem__, texts))
 
 
 def _packed_ints(field: int, values: np.ndarray) -> list[Buf]:
@@ -172,14 +167,12 @@ def encode_result(result: BatchResult, sink: list[Buf] | None = None) -> bytes:
         parts += _message(7, body)
     for name, per_sample in result.texts.items():
         body = [*_string(1, name)]
-        done: dict[tuple[str, ...], bytes] = {}  # samples with the same texts: encoded once
-        for texts in per_sample:
-            seen = tuple(texts)
-            enc = done.get(seen)
-            if enc is None:
-                enc = done[seen] = b"".join(
-                    _message(2, [p for t in texts for p in _string(1, t)]))
-            body.append(enc)
+        # Samples with the same texts are encoded once; tuple() of a tuple (what the text
+        # tables hand out) is the tuple itself.
+        keys = list(map(tuple, per_sample))
+        done = {texts: b"".join(_message(2, [p for t in texts for p in _string(1, t)]))
+                for texts in set(keys)}
+        body += map(done.__getitem__, keys)
         parts += _message(8, body)
     if result.total_frames is not None:  # all_masks only: default responses are unchanged
         parts += _packed_ints(9, result.total_frames)
