@@ -187,11 +187,11 @@ def parse_read(data: bytes, limits: Limits) -> ReadCall:
             f"a batch of {len(req.episodes)} samples is over the limit of "
             f"{limits.max_batch}; split it into smaller reads"
         )
-    for i, episode in enumerate(req.episodes):
-        if len(episode) > MAX_NAME_CHARS:
-            raise InvalidEpisodeId(
-                f"episodes[{i}]: episode id {shown(episode)} is {len(episode)} characters "
-                f"long, over the limit of {MAX_NAME_CHARS}")
+    if req.episodes and max(map(len, req.episodes)) > MAX_NAME_CHARS:  # looked at in C
+        i, episode = next((i, e) for i, e in enumerate(req.episodes) if len(e) > MAX_NAME_CHARS)
+        raise InvalidEpisodeId(
+            f"episodes[{i}]: episode id {shown(episode)} is {len(episode)} characters "
+            f"long, over the limit of {MAX_NAME_CHARS}")
     ref = req.WhichOneof("keymap_ref")
     if ref is None:
         raise InvalidArgument("a Read needs a keymap or a keymap_id")
@@ -365,11 +365,11 @@ def parse_key_stats(data: bytes, max_keys: int) -> KeyStatsCall:
     if len(req.keys) > max_keys:
         raise LimitExceeded(f"{len(req.keys)} keys asked for, over the limit of {max_keys}; "
                             "ask for fewer keys at a time")
-    for i, episode in enumerate(req.episodes):
-        if len(episode) > MAX_NAME_CHARS:
-            raise InvalidEpisodeId(
-                f"episodes[{i}]: episode id {shown(episode)} is {len(episode)} characters "
-                f"long, over the limit of {MAX_NAME_CHARS}")
+    if req.episodes and max(map(len, req.episodes)) > MAX_NAME_CHARS:  # looked at in C
+        i, episode = next((i, e) for i, e in enumerate(req.episodes) if len(e) > MAX_NAME_CHARS)
+        raise InvalidEpisodeId(
+            f"episodes[{i}]: episode id {shown(episode)} is {len(episode)} characters "
+            f"long, over the limit of {MAX_NAME_CHARS}")
     return KeyStatsCall(list(req.keys), list(req.episodes))
 
 

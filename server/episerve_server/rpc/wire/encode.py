@@ -6,7 +6,7 @@ mirror ``protos/episerve/v1/episerve.proto``; a unit test parses the output with
 generated class and compares it with a message built the ordinary way.
 
 A batch repeats its few episode hashes and embodiments once per sample, so each distinct
-string is encoded once per response; packed integers are encoded with numpy, not one
+string is encoded once and kept; packed integers are encoded with numpy, not one
 Python call per value.
 """
 
@@ -92,11 +92,30 @@ def _string(field: int, text: str) -> list[Buf]:
     return _field(field, [text.encode()])
 
 
+class _Encoded(dict[str, bytes]):
+    """One string field's encodings by text, made on first use and kept (a bounded memo):
+    a batch's episode hashes and embodiments come back batch after batch, so the join
+    finds each in C and Python encodes only a text it has not seen."""
+
+    def __init__(self, field: int) -> None:
+        super().__init__()
+        self.field = field
+
+    def __missing__(self, text: str) -> bytes:
+        if len(self) >= MAX_STRINGS:
+            self.clear()
+        got = self[text] = b"".join(_string(self.field, text))
+        return got
+
+
+MAX_STRINGS = 1 << 16
+_ENCODED = {1: _Encoded(1), 4: _Encoded(4)}  # ReadResponse's episodes and embodiments
+
+
 def _strings(field: int, texts: Sequence[str]) -> bytes:
-    """A repeated string field, each distinct string encoded once (the join looks each
-    sample's up in C, not in a Python loop)."""
-    enc = {t: b"".join(_string(field, t)) for t in set(texts)}
-    return b"".join(map(enc.__getitem__, texts))
+    """A repeated string field (episodes or embodiments), each text's encoding from the
+    field's memo."""
+    return b"".join(map(_ENCODED[field].__getitem__, texts))
 
 
 def _packed_ints(field: int, values: np.ndarray) -> list[Buf]:
