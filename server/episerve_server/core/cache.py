@@ -10,12 +10,11 @@ Recency is one clock for both kinds: every hit and every store stamps its chunks
 eviction takes the least recently stamped chunks first, numeric or bytes, until the
 budget holds. The scalar ``get``/``put`` and the batched ``lookup``/``store`` share it.
 
-One job, the cache and its eviction, hence its length.
+The slabs and slot tables themselves are in ``slots``.
 """
 
 from __future__ import annotations
 
-import mmap
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, TypeAlias
@@ -23,6 +22,7 @@ from typing import Any, TypeAlias
 import numpy as np
 
 from episerve_server.core import kernel
+from episerve_server.core.slots import Slab, SlotTable
 from episerve_server.core.stats import Stats
 
 ChunkKey: TypeAlias = tuple[str, str, int]
@@ -30,108 +30,12 @@ Chunk: TypeAlias = np.ndarray | list[bytes]
 
 BYTES_OVERHEAD = 64  # per frame: the bytes object and its list slot
 MAX_SLABS = 32  # distinct numeric chunk shapes cached; chunks of further shapes are not
-MAX_TABLE_CHUNKS = 1 << 22  # chunks of one (episode, key) the slot table will index
-_PAGE = mmap.PAGESIZE
 
 
 def chunk_nbytes(chunk: Chunk) -> int:
     if isinstance(chunk, np.ndarray):
         return int(chunk.nbytes)
     return sum(len(b) for b in chunk) + BYTES_OVERHEAD * len(chunk)
-
-
-class _Slab:
-    """Slots for float32 chunks of one shape, backed by a reserved anonymous mapping."""
-
-    def __init__(self, shape: tuple[int, ...], capacity: int) -> None:
-        self.shape = shape
-        self.slot_bytes = int(np.prod(shape)) * 4
-        self.capacity = capacity
-        flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0x20) \
-            | getattr(mmap, "MAP_NORESERVE", 0)
-        self._map = mmap.mmap(-1, max(1, capacity * self.slot_bytes), flags=flags)
-        self.data = np.frombuffer(self._map, np.float32,
-                                  count=capacity * int(np.prod(shape))).reshape(capacity, *shape)
-        self.stamp = np.full(capacity, -1, np.int64)  # -1: free
-        self.owner_table = np.full(capacity, -1, np.int32)
-        self.owner_pos = np.full(capacity, -1, np.int64)
-        self._scratch: np.ndarray | None = None
-        self._free = list(range(capacity - 1, -1, -1))  # low slots first: memory grows in order
-
-    def take(self, n: int) -> np.ndarray:
-        out = np.array(self._free[-n:][::-1], np.int64) if n else np.empty(0, np.int64)
-        del self._free[len(self._free) - n:]
-        return out
-
-    @property
-    def scratch(self) -> np.ndarray:
-        """One int64 per slot, for counting distinct slots (made on first use)."""
-        if self._scratch is None:
-            self._scratch = np.zeros(self.capacity, np.int64)
-        return self._scratch
-
-    @property
-    def free(self) -> int:
-        return len(self._free)
-
-    def release(self, slots: np.ndarray) -> None:
-        self.stamp[slots] = -1
-        self.owner_table[slots] = -1
-        self._free.extend(slots.tolist())
-        madvise = getattr(self._map, "madvise", None)
-        if madvise is None or self.slot_bytes < 2 * _PAGE:
-            return
-        for s in slots.tolist():  # give the memory back: evicted slots are not resident
-            start = -(-(s * self.slot_bytes) // _PAGE) * _PAGE
-            stop = ((s + 1) * self.slot_bytes // _PAGE) * _PAGE
-            if stop > start:
-                madvise(mmap.MADV_DONTNEED, start, stop - start)
-
-
-class _Table:
-    """(episode uid, chunk) -> (slab, slot) for one zarr key."""
-
-    def __init__(self, index: int) -> None:
-        self.index = index
-        self.base = np.full(16, -1, np.int64)  # per uid: start in ``flat``; -1 unregistered
-        self.size = np.zeros(16, np.int64)  # per uid: chunks indexed
-        self.slab = np.full(16, -1, np.int64)  # per uid: its chunks' slab
-        self.flat = np.full(1024, -1, np.int64)
-        self.used = 0
-
-    def ensure(self, uid: int, n_chunks: int, slab: int) -> tuple[bool, int, int]:
-        """Index ``n_chunks`` chunks of ``uid``; returns (ok, old start, new start): a uid
-        indexed before with fewer chunks moves to a new region, and its slots' owners with it."""
-        if uid >= len(self.base):
-            grow = max(uid + 1, 2 * len(self.base)) - len(self.base)
-            self.base = np.concatenate([self.base, np.full(grow, -1, np.int64)])
-            self.size = np.concatenate([self.size, np.zeros(grow, np.int64)])
-            self.slab = np.concatenate([self.slab, np.full(grow, -1, np.int64)])
-        if self.base[uid] >= 0 and self.size[uid] >= n_chunks:
-            return bool(self.slab[uid] == slab), -1, -1
-        if n_chunks > MAX_TABLE_CHUNKS or (self.base[uid] >= 0 and self.slab[uid] != slab):
-            return False, -1, -1
-        old_start = int(self.base[uid])
-        old = self.flat[old_start: old_start + self.size[uid]] \
-            if old_start >= 0 else np.empty(0, np.int64)
-        if self.used + n_chunks > len(self.flat):
-            self.flat = np.concatenate(
-                [self.flat, np.full(max(n_chunks, len(self.flat)), -1, np.int64)])
-        start = self.used
-        self.flat[start: start + len(old)] = old
-        if old_start >= 0:
-            self.flat[old_start: old_start + len(old)] = -1
-        self.base[uid], self.size[uid], self.slab[uid] = start, n_chunks, slab
-        self.used += n_chunks
-        return True, old_start, start
-
-    def positions(self, uids: np.ndarray, chunks: np.ndarray) -> np.ndarray:
-        """Flat positions of (uid, chunk) pairs; -1 where the table does not index them."""
-        known = uids < len(self.base)
-        base = np.where(known, self.base[np.where(known, uids, 0)], -1)
-        size = np.where(known, self.size[np.where(known, uids, 0)], 0)
-        ok = (base >= 0) & (chunks < size)
-        return np.where(ok, base + chunks, -1)
 
 
 class ChunkCache:
@@ -147,14 +51,14 @@ class ChunkCache:
         self._entries = 0
         self._uids: dict[str, int] = {}
         self._next_uid = 0
-        self._tables: dict[str, _Table] = {}
-        self._table_list: list[_Table] = []
-        self._slabs: list[_Slab] = []
+        self._tables: dict[str, SlotTable] = {}
+        self._table_list: list[SlotTable] = []
+        self._slabs: list[Slab] = []
         self._slab_of: dict[tuple[int, ...], int] = {}
         self._frames: OrderedDict[ChunkKey, tuple[list[bytes], int, int]] = OrderedDict()
         self._frames_of: dict[str, set[ChunkKey]] = {}  # per episode, so a drop is cheap
         self._holds = 0  # gathers running in worker threads: slots are not reused meanwhile
-        self._deferred: list[tuple[_Slab, np.ndarray]] = []
+        self._deferred: list[tuple[Slab, np.ndarray]] = []
         #: Bumped by every change of what is cached (a plan made before an await checks it).
         self.version = 0
         self.drops = 0  # episodes dropped (their uids are gone)
@@ -175,10 +79,10 @@ class ChunkCache:
     def uids(self, episodes: Sequence[str]) -> np.ndarray:
         return np.fromiter((self.uid(e) for e in episodes), np.int64, len(episodes))
 
-    def _table(self, key: str) -> _Table:
+    def _table(self, key: str) -> SlotTable:
         table = self._tables.get(key)
         if table is None:
-            table = self._tables[key] = _Table(len(self._table_list))
+            table = self._tables[key] = SlotTable(len(self._table_list))
             self._table_list.append(table)
         return table
 
@@ -189,7 +93,7 @@ class ChunkCache:
             if len(self._slabs) >= MAX_SLABS or slot_bytes > self.budget_bytes:
                 return -1
             try:
-                slab = _Slab(shape, self.budget_bytes // slot_bytes)
+                slab = Slab(shape, self.budget_bytes // slot_bytes)
             except (OSError, ValueError, MemoryError):
                 return -1  # the reservation was refused (strict overcommit): not cached
             sid = self._slab_of[shape] = len(self._slabs)
@@ -205,7 +109,7 @@ class ChunkCache:
         """The episode's uid, or -1 if it has none (nothing of it was ever cached)."""
         return self._uids.get(episode, -1)
 
-    def slot_table(self, key: str) -> _Table | None:
+    def slot_table(self, key: str) -> SlotTable | None:
         return self._tables.get(key) if self.enabled else None
 
     def stamp(self, slab: int, slots: Sequence[np.ndarray]) -> int:

@@ -1,0 +1,111 @@
+"""The chunk cache's numeric storage: slabs of slots and the per-key slot tables.
+
+A slab holds float32 chunks of one shape in one reserved anonymous mapping (memory is
+committed as slots are written and given back when a slot is released); each slot carries
+its LRU stamp and the table position that owns it. A slot table maps (episode uid, chunk)
+of one zarr key to a slot through one flat array, so a batch resolves all of a key's chunks
+with a few array operations. ``cache.ChunkCache`` decides what lives here and when it goes.
+"""
+
+from __future__ import annotations
+
+import mmap
+
+import numpy as np
+
+MAX_TABLE_CHUNKS = 1 << 22  # chunks of one (episode, key) the slot table will index
+_PAGE = mmap.PAGESIZE
+
+
+class Slab:
+    """Slots for float32 chunks of one shape, backed by a reserved anonymous mapping."""
+
+    def __init__(self, shape: tuple[int, ...], capacity: int) -> None:
+        self.shape = shape
+        self.slot_bytes = int(np.prod(shape)) * 4
+        self.capacity = capacity
+        flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0x20) \
+            | getattr(mmap, "MAP_NORESERVE", 0)
+        self._map = mmap.mmap(-1, max(1, capacity * self.slot_bytes), flags=flags)
+        self.data = np.frombuffer(self._map, np.float32,
+                                  count=capacity * int(np.prod(shape))).reshape(capacity, *shape)
+        self.stamp = np.full(capacity, -1, np.int64)  # -1: free
+        self.owner_table = np.full(capacity, -1, np.int32)
+        self.owner_pos = np.full(capacity, -1, np.int64)
+        self._scratch: np.ndarray | None = None
+        self._free = list(range(capacity - 1, -1, -1))  # low slots first: memory grows in order
+
+    def take(self, n: int) -> np.ndarray:
+        out = np.array(self._free[-n:][::-1], np.int64) if n else np.empty(0, np.int64)
+        del self._free[len(self._free) - n:]
+        return out
+
+    @property
+    def scratch(self) -> np.ndarray:
+        """One int64 per slot, for counting distinct slots (made on first use)."""
+        if self._scratch is None:
+            self._scratch = np.zeros(self.capacity, np.int64)
+        return self._scratch
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    def release(self, slots: np.ndarray) -> None:
+        self.stamp[slots] = -1
+        self.owner_table[slots] = -1
+        self._free.extend(slots.tolist())
+        madvise = getattr(self._map, "madvise", None)
+        if madvise is None or self.slot_bytes < 2 * _PAGE:
+            return
+        for s in slots.tolist():  # give the memory back: evicted slots are not resident
+            start = -(-(s * self.slot_bytes) // _PAGE) * _PAGE
+            stop = ((s + 1) * self.slot_bytes // _PAGE) * _PAGE
+            if stop > start:
+                madvise(mmap.MADV_DONTNEED, start, stop - start)
+
+
+class SlotTable:
+    """(episode uid, chunk) -> (slab, slot) for one zarr key."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.base = np.full(16, -1, np.int64)  # per uid: start in ``flat``; -1 unregistered
+        self.size = np.zeros(16, np.int64)  # per uid: chunks indexed
+        self.slab = np.full(16, -1, np.int64)  # per uid: its chunks' slab
+        self.flat = np.full(1024, -1, np.int64)
+        self.used = 0
+
+    def ensure(self, uid: int, n_chunks: int, slab: int) -> tuple[bool, int, int]:
+        """Index ``n_chunks`` chunks of ``uid``; returns (ok, old start, new start): a uid
+        indexed before with fewer chunks moves to a new region, and its slots' owners with it."""
+        if uid >= len(self.base):
+            grow = max(uid + 1, 2 * len(self.base)) - len(self.base)
+            self.base = np.concatenate([self.base, np.full(grow, -1, np.int64)])
+            self.size = np.concatenate([self.size, np.zeros(grow, np.int64)])
+            self.slab = np.concatenate([self.slab, np.full(grow, -1, np.int64)])
+        if self.base[uid] >= 0 and self.size[uid] >= n_chunks:
+            return bool(self.slab[uid] == slab), -1, -1
+        if n_chunks > MAX_TABLE_CHUNKS or (self.base[uid] >= 0 and self.slab[uid] != slab):
+            return False, -1, -1
+        old_start = int(self.base[uid])
+        old = self.flat[old_start: old_start + self.size[uid]] \
+            if old_start >= 0 else np.empty(0, np.int64)
+        if self.used + n_chunks > len(self.flat):
+            self.flat = np.concatenate(
+                [self.flat, np.full(max(n_chunks, len(self.flat)), -1, np.int64)])
+        start = self.used
+        self.flat[start: start + len(old)] = old
+        if old_start >= 0:
+            self.flat[old_start: old_start + len(old)] = -1
+        self.base[uid], self.size[uid], self.slab[uid] = start, n_chunks, slab
+        self.used += n_chunks
+        return True, old_start, start
+
+    def positions(self, uids: np.ndarray, chunks: np.ndarray) -> np.ndarray:
+        """Flat positions of (uid, chunk) pairs; -1 where the table does not index them."""
+        known = uids < len(self.base)
+        base = np.where(known, self.base[np.where(known, uids, 0)], -1)
+        size = np.where(known, self.size[np.where(known, uids, 0)], 0)
+        ok = (base >= 0) & (chunks < size)
+        return np.where(ok, base + chunks, -1)
