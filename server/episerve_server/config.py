@@ -54,7 +54,7 @@ class ServerConfig:
         "cache; 1: one process", "listening", low=0, high=MAX_WORKERS,
         says=f"one per four usable cores, 1 to {AUTO_WORKERS_MAX}",
         why=f"0: one per four usable cores, at most {AUTO_WORKERS_MAX}")
-    # The local plane (rpc/handlers/local.py): shared-memory Reads on ``<unix>.local``.
+    # The local plane (rpc/local/): shared-memory Reads on ``<unix>.local``.
     local_plane: bool = setting(True, "with --unix: do not open the local shared-memory "
                                 "plane beside the socket", "listening",
                                 says="the plane opens at PATH.local")

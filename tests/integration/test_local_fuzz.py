@@ -34,8 +34,8 @@ from episerve_client.local import LocalChannel
 from episerve_proto import local as lp
 from episerve_proto.contract import METHODS
 from episerve_server.config import ServerConfig
-from episerve_server.rpc.handlers.local import LocalPlane
 from episerve_server.rpc.handlers.service import EpiserveService
+from episerve_server.rpc.local.plane import LocalPlane
 from episerve_server.wiring import build_read_core
 from tests.support.localpeer import Answer
 

@@ -11,7 +11,7 @@ none read. On a8cd8f7 (where they were served at once) an answer's ``sendmsg`` w
 descriptor met the full queue, waited for it to be writable, and the stop logged uvloop's
 ``remove_writer`` (fd -1) from that wait. A connection's next call is now served only once
 its earlier answers are received, so a descriptor is only ever sent into an empty queue,
-and that wait is gone (``local_io.send`` refuses a full queue as a bug instead)."""
+and that wait is gone (``conn.send`` of ``rpc/local/`` refuses a full queue as a bug instead)."""
 
 from __future__ import annotations
 

@@ -29,8 +29,9 @@ RULES = [
     ("episerve_server.plan", {"grpc", "google", "grpc_health"}),
     ("episerve_client", {"episerve_server", "episerve_tools", "zarr"}),
 ]
-CLIENT_PROPER = ["_base", "_ops", "_probe", "_routes", "aio", "channel", "client", "convert",
-                 "errors"]
+CLIENT_PROPER = ["_base", "_ops", "_probe", "_routes", "aio", "answer_wire", "channel", "client",
+                 "convert", "errors", "keystats", "listing", "local_answer", "read_answer",
+                 "tensors"]
 # (module prefix, inner modules it must never import)
 LAYERS = [
     ("episerve_server.core", ("episerve_server.storage", "episerve_server.plan",
@@ -38,9 +39,12 @@ LAYERS = [
     ("episerve_server.storage", ("episerve_server.plan", "episerve_server.rpc",
                                  "episerve_server.wiring")),
     ("episerve_server.plan", ("episerve_server.rpc", "episerve_server.wiring")),
-    # Inside rpc, the codec <- the handlers <- the process lifecycle.
-    ("episerve_server.rpc.wire", ("episerve_server.rpc.handlers", "episerve_server.rpc.process")),
-    ("episerve_server.rpc.handlers", ("episerve_server.rpc.process",)),
+    # Inside rpc, the codec <- the handlers <- the local plane (a transport) <- the process
+    # lifecycle; the handlers know no transport.
+    ("episerve_server.rpc.wire", ("episerve_server.rpc.handlers", "episerve_server.rpc.local",
+                                  "episerve_server.rpc.process")),
+    ("episerve_server.rpc.handlers", ("episerve_server.rpc.local", "episerve_server.rpc.process")),
+    ("episerve_server.rpc.local", ("episerve_server.rpc.process",)),
 ]
 
 

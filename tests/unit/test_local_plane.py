@@ -16,16 +16,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from episerve_client.convert import read_result_local
 from episerve_client.errors import DataLossError
+from episerve_client.local_answer import read_result_local
 from episerve_proto import local as lp
 from episerve_proto.errors import Overloaded
 from episerve_proto.v1 import episerve_pb2 as pb
 from episerve_server.core.result import BatchResult, ImageColumn
 from episerve_server.preflight import StartupError, bind_private_socket
 from episerve_server.rpc.handlers.buffers import ResponseBuffers
-from episerve_server.rpc.handlers.local import SegmentPool
-from episerve_server.rpc.handlers.local_guard import (
+from episerve_server.rpc.local.guard import (
     BODY_CHUNK,
     BODY_PIECE,
     BODY_READ,
@@ -33,6 +32,7 @@ from episerve_server.rpc.handlers.local_guard import (
     descriptor_cap,
     recv_call,
 )
+from episerve_server.rpc.local.segments import SegmentPool
 from episerve_server.rpc.wire import encode
 
 # -- framing ----------------------------------------------------------------------------
@@ -122,7 +122,7 @@ def _placed(result: BatchResult) -> tuple[bytes, list[tuple[int, int]], np.ndarr
 
 
 def test_local_result_equals_the_grpc_result_and_views_the_segment() -> None:
-    from episerve_client.convert import read_result
+    from episerve_client.read_answer import read_result
 
     result = _batch()
     meta, table, segment = _placed(result)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from episerve_proto import local as lp
-from episerve_server.rpc.handlers.segments import SegmentArena, SegmentPool, address
+from episerve_server.rpc.local.segments import SegmentArena, SegmentPool, address
 
 
 def _numpy_address(blob: memoryview) -> int:

@@ -229,7 +229,7 @@ class EpiserveService:
         """One Read, whatever carries it: admission (drain, concurrency, the peer's
         buffers), parsing, the planner, then ``encode`` (which returns the answer and the
         bytes it sends), the prefetch hint and the counters. The gRPC handler and the local
-        plane (``rpc/handlers/local.py``) differ only in ``encode``, and in the ``arena``
+        plane (``rpc/local/``) differ only in ``encode``, and in the ``arena``
         the local plane has the numeric outputs gathered into."""
         if self.draining:
             raise Unavailable("the daemon is shutting down; retry against another replica")

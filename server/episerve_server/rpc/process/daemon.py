@@ -11,8 +11,8 @@ from episerve_server import preflight
 from episerve_server.config import ServerConfig
 from episerve_server.core.collector import COLLECTOR
 from episerve_server.core.stats import Stats
-from episerve_server.rpc.handlers.local import LocalPlane
 from episerve_server.rpc.handlers.service import EpiserveService
+from episerve_server.rpc.local.plane import LocalPlane
 from episerve_server.rpc.process import server
 from episerve_server.wiring import build_read_core
 

@@ -33,7 +33,8 @@ total and per uid (``local_guard.ConnectionCaps``), and one that stays idle for
 ``--local-idle-s`` is closed; one closed with answers still unread keeps them counted until
 its peer reads or closes.
 
-One job, the local plane's transport (frames, credentials, segments), hence its length.
+Here: listening, connections and their calls. A Read's answer is laid out by ``answer``;
+frames go through ``conn``; limits and caps are ``guard``'s; segments ``segments``'.
 """
 
 from __future__ import annotations
@@ -43,13 +44,11 @@ import contextlib
 import hmac
 import itertools
 import logging
-import mmap
 import os
 import socket
 import struct
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -59,14 +58,16 @@ from episerve_proto.errors import (
     EpiserveError,
     Overloaded,
     PermissionDenied,
-    ResponseTooLarge,
     Unauthenticated,
 )
 from episerve_server.config import ServerConfig
 from episerve_server.core.result import BatchResult
 from episerve_server.preflight import MAX_UNIX_PATH_BYTES, bind_private_socket
-from episerve_server.rpc.handlers import local_guard as guard
-from episerve_server.rpc.handlers.local_io import (
+from episerve_server.rpc.handlers.service import EpiserveService
+from episerve_server.rpc.handlers.status import answered
+from episerve_server.rpc.local import guard
+from episerve_server.rpc.local.answer import Placed, place
+from episerve_server.rpc.local.conn import (
     Aborted,
     CallLog,
     Connection,
@@ -79,10 +80,7 @@ from episerve_server.rpc.handlers.local_io import (
     send,
     text,
 )
-from episerve_server.rpc.handlers.segments import Segment, SegmentArena, SegmentPool
-from episerve_server.rpc.handlers.service import OFFLOAD_ENCODE_BYTES, EpiserveService
-from episerve_server.rpc.handlers.status import answered
-from episerve_server.rpc.wire import encode
+from episerve_server.rpc.local.segments import SegmentArena, SegmentPool
 
 log = logging.getLogger(__name__)
 
@@ -96,13 +94,6 @@ _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 def local_path(unix: str) -> Path:
     return Path(str(Path(unix).resolve()) + lp.LOCAL_SUFFIX)
-
-
-@dataclass(eq=False)
-class Placed:
-    segment: Segment
-    blobs: list[tuple[int, int]]
-    meta: bytes
 
 
 class LocalPlane:
@@ -368,49 +359,11 @@ class LocalPlane:
 
     async def _place(self, conn: Connection, result: BatchResult,
                      arena: SegmentArena) -> tuple[Placed, int]:
-        """The batch's blobs in the segment of ``arena``: its numeric outputs are there
-        already (gathered into it), the rest (frames, indexes, masks) is written after them.
-        An answer that does not fit its arena's segment is written whole into one of its
-        size: the gathered arrays are then copied a second time."""
-        blobs: list[encode.Buf] = []
-        meta = encode.encode_result(result, blobs)
-        if len(meta) + len(blobs) * lp.BLOB.size + 64 > lp.MAX_ANSWER_BODY:
-            raise ResponseTooLarge(f"the batch's metadata takes {len(meta)} bytes, over the "
-                                   f"local plane's limit of {lp.MAX_ANSWER_BODY}; split the "
-                                   "batch")
-        # A bulk blob is bytes (a cached frame: never in the segment) or a byte view.
-        sizes = [len(b) for b in blobs]
-        offset_of = arena.offset_of
-        at: list[int | None] = [None if isinstance(b, bytes) else offset_of(b, n)
-                                for b, n in zip(blobs, sizes)]
-        rest = [k for k, off in enumerate(at) if off is None]
-        after, rest_bytes = lp.layout([sizes[k] for k in rest])
-        total = arena.used + rest_bytes
-        seg = arena.segment
-        if seg is None or total > seg.size:  # write it all into a segment of its size
-            blobs = [b if off is None else bytes(b) for b, off in zip(blobs, at)]
-            await arena.release()
-            at, rest = [None] * len(blobs), list(range(len(blobs)))
-            after, total = lp.layout(sizes)
-            seg = await conn.pool.acquire(max(total, 1), keep=arena.keep)
-            arena.segment, arena.used = seg, 0
-        for k, off in zip(rest, after, strict=True):
-            at[k] = arena.used + off
-        offsets = [int(off) for off in at if off is not None]
-        copied = [(offsets[k], sizes[k], blobs[k]) for k in rest]
-        try:
-            if sum(sizes[k] for k in rest) >= OFFLOAD_ENCODE_BYTES:
-                await asyncio.to_thread(_copy, seg.mm, copied)
-            else:
-                _copy(seg.mm, copied)
-        except BaseException:
-            await arena.release()
-            raise
-        self.copied_bytes += sum(sizes[k] for k in rest)
-        self.gathered_bytes += sum(sizes) - sum(sizes[k] for k in rest)
-        conn.last_total = total
+        placed, total, copied = await place(conn, result, arena)
+        self.copied_bytes += copied
+        self.gathered_bytes += sum(size for _, size in placed.blobs) - copied
         await self._retired(conn)
-        return Placed(seg, list(zip(offsets, sizes, strict=True)), meta), total
+        return placed, total
 
     async def _retired(self, conn: Connection) -> None:
         while conn.pool.retired:
@@ -425,8 +378,3 @@ class LocalPlane:
 
     async def _send(self, conn: Connection, data: bytes, fds: Sequence[int] = ()) -> None:
         await send(conn, data, fds)
-def _copy(dst: mmap.mmap, blobs: list[tuple[int, int, encode.Buf]]) -> None:
-    """Each blob into ``dst`` at its offset: the mapping's own slice assignment, one
-    memcpy per blob (a frame is a blob: no array is made per frame)."""
-    for off, size, blob in blobs:
-        dst[off:off + size] = blob

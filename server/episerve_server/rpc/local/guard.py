@@ -30,7 +30,7 @@ from episerve_proto import local as lp
 from episerve_proto.errors import EpiserveError, Overloaded
 from episerve_server.config import ServerConfig
 from episerve_server.rpc.handlers.buffers import ResponseBuffers
-from episerve_server.rpc.handlers.local_io import Connection, ConnectionClosed, error_body
+from episerve_server.rpc.local.conn import Connection, ConnectionClosed, error_body
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 from episerve_proto import local as lp
 from episerve_proto.errors import EpiserveError, clipped
-from episerve_server.rpc.handlers.segments import SegmentPool
+from episerve_server.rpc.local.segments import SegmentPool
 
 
 class ConnectionClosed(Exception):

@@ -1,0 +1,1 @@
+"""The shared-memory plane: a transport for clients on the daemon's host, beside gRPC."""

@@ -1,0 +1,79 @@
+"""A Read's answer on the local plane: the batch's blobs laid out in a shared-memory
+segment, and the metadata that says where each one is.
+
+The numeric outputs are already in the segment (the planner gathered them into its
+``SegmentArena``); what is left (frames, image indexes, masks) is written after them,
+one memcpy per blob. An answer that does not fit the arena's segment is written whole
+into a segment of its size, and the gathered arrays are then copied a second time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import mmap
+from dataclasses import dataclass
+
+from episerve_proto import local as lp
+from episerve_proto.errors import ResponseTooLarge
+from episerve_server.core.result import BatchResult
+from episerve_server.rpc.handlers.service import OFFLOAD_ENCODE_BYTES
+from episerve_server.rpc.local.conn import Connection
+from episerve_server.rpc.local.segments import Segment, SegmentArena
+from episerve_server.rpc.wire import encode
+
+
+@dataclass(eq=False)
+class Placed:
+    segment: Segment
+    blobs: list[tuple[int, int]]  # (offset, size) of each blob, in the answer's order
+    meta: bytes
+
+
+async def place(conn: Connection, result: BatchResult,
+                arena: SegmentArena) -> tuple[Placed, int, int]:
+    """The batch's blobs in the segment of ``arena``: (where they are, the bytes of the
+    segment the answer uses, the bytes copied rather than gathered in place)."""
+    blobs: list[encode.Buf] = []
+    meta = encode.encode_result(result, blobs)
+    if len(meta) + len(blobs) * lp.BLOB.size + 64 > lp.MAX_ANSWER_BODY:
+        raise ResponseTooLarge(f"the batch's metadata takes {len(meta)} bytes, over the "
+                               f"local plane's limit of {lp.MAX_ANSWER_BODY}; split the "
+                               "batch")
+    # A bulk blob is bytes (a cached frame: never in the segment) or a byte view.
+    sizes = [len(b) for b in blobs]
+    offset_of = arena.offset_of
+    at: list[int | None] = [None if isinstance(b, bytes) else offset_of(b, n)
+                            for b, n in zip(blobs, sizes)]
+    rest = [k for k, off in enumerate(at) if off is None]
+    after, rest_bytes = lp.layout([sizes[k] for k in rest])
+    total = arena.used + rest_bytes
+    seg = arena.segment
+    if seg is None or total > seg.size:  # write it all into a segment of its size
+        blobs = [b if off is None else bytes(b) for b, off in zip(blobs, at)]
+        await arena.release()
+        at, rest = [None] * len(blobs), list(range(len(blobs)))
+        after, total = lp.layout(sizes)
+        seg = await conn.pool.acquire(max(total, 1), keep=arena.keep)
+        arena.segment, arena.used = seg, 0
+    for k, off in zip(rest, after, strict=True):
+        at[k] = arena.used + off
+    offsets = [int(off) for off in at if off is not None]
+    copied = [(offsets[k], sizes[k], blobs[k]) for k in rest]
+    copied_bytes = sum(sizes[k] for k in rest)
+    try:
+        if copied_bytes >= OFFLOAD_ENCODE_BYTES:
+            await asyncio.to_thread(_copy, seg.mm, copied)
+        else:
+            _copy(seg.mm, copied)
+    except BaseException:
+        await arena.release()
+        raise
+    conn.last_total = total
+    return Placed(seg, list(zip(offsets, sizes, strict=True)), meta), total, copied_bytes
+
+
+def _copy(dst: mmap.mmap, blobs: list[tuple[int, int, encode.Buf]]) -> None:
+    """Each blob into ``dst`` at its offset: the mapping's own slice assignment, one
+    memcpy per blob (a frame is a blob: no array is made per frame)."""
+    for off, size, blob in blobs:
+        dst[off:off + size] = blob
