@@ -2,7 +2,9 @@
 
 - ``episerve_proto``'s hand-written modules import neither grpc nor protobuf;
 - the daemon's ``core`` imports no zarr, grpc or protobuf; ``storage`` adds zarr; ``plan``
-  builds on both; only ``rpc`` speaks gRPC; nothing in the daemon imports torch;
+  builds on both; only ``rpc`` speaks gRPC, and inside it the handlers and the local plane
+  do not (gRPC is one transport of the handlers, in ``rpc.grpc``, the local plane the
+  other); nothing in the daemon imports torch;
 - the client imports nothing of the daemon or the tools, and its client proper no torch;
 - ``episerve_tools`` sits on top and may import everything.
 """
@@ -27,6 +29,8 @@ RULES = [
     ("episerve_server.core", {"zarr", "numcodecs", "grpc", "google", "grpc_health"}),
     ("episerve_server.storage", {"grpc", "google", "grpc_health"}),
     ("episerve_server.plan", {"grpc", "google", "grpc_health"}),
+    ("episerve_server.rpc.handlers", {"grpc", "grpc_health"}),
+    ("episerve_server.rpc.local", {"grpc", "grpc_health"}),
     ("episerve_client", {"episerve_server", "episerve_tools", "zarr"}),
 ]
 CLIENT_PROPER = ["_base", "_ops", "_probe", "_routes", "aio", "answer_wire", "channel", "client",
@@ -39,12 +43,15 @@ LAYERS = [
     ("episerve_server.storage", ("episerve_server.plan", "episerve_server.rpc",
                                  "episerve_server.wiring")),
     ("episerve_server.plan", ("episerve_server.rpc", "episerve_server.wiring")),
-    # Inside rpc, the codec <- the handlers <- the local plane (a transport) <- the process
-    # lifecycle; the handlers know no transport.
-    ("episerve_server.rpc.wire", ("episerve_server.rpc.handlers", "episerve_server.rpc.local",
-                                  "episerve_server.rpc.process")),
-    ("episerve_server.rpc.handlers", ("episerve_server.rpc.local", "episerve_server.rpc.process")),
-    ("episerve_server.rpc.local", ("episerve_server.rpc.process",)),
+    # Inside rpc, the codec <- the handlers <- the transports (gRPC, the local plane) <- the
+    # process lifecycle; the handlers know no transport.
+    ("episerve_server.rpc.wire", ("episerve_server.rpc.handlers", "episerve_server.rpc.grpc",
+                                  "episerve_server.rpc.local", "episerve_server.rpc.process")),
+    ("episerve_server.rpc.handlers", ("episerve_server.rpc.grpc", "episerve_server.rpc.local",
+                                      "episerve_server.rpc.process")),
+    # The two transports are peers: neither imports the other.
+    ("episerve_server.rpc.grpc", ("episerve_server.rpc.local", "episerve_server.rpc.process")),
+    ("episerve_server.rpc.local", ("episerve_server.rpc.grpc", "episerve_server.rpc.process")),
 ]
 
 

@@ -14,10 +14,10 @@ from episerve_client._base import BaseClient
 from episerve_client._ops import Call, Sleep
 from episerve_client._routes import Router, merge_results
 from episerve_client.channel import KEEPALIVE_TIME_MS, check_token_transport, is_local
-from episerve_client.convert import ReadResult
+from episerve_client.read_answer import ReadResult
 from episerve_proto import errors as shared_errors
 from episerve_proto.contract import MIN_PING_INTERVAL_MS
-from episerve_server.rpc.handlers.status import error_metadata
+from episerve_server.rpc.grpc.adapter import error_metadata
 from episerve_server.rpc.process.server import SERVER_OPTIONS
 from episerve_server.rpc.process.workers import worker_error
 
@@ -320,7 +320,7 @@ def test_pages_stay_consistent_when_episodes_appear_between_them() -> None:
 
 
 def test_one_episode_with_huge_attributes_is_listed_with_a_marker() -> None:
-    from episerve_client.convert import listing
+    from episerve_client.listing import listing
     from episerve_proto.contract import (
         MAX_LISTED_ATTRS_BYTES,
         TOO_LARGE_ATTR,

@@ -1,5 +1,5 @@
-"""The gRPC service: request bytes in, response bytes out, every error mapped to a status
-(``handlers/status``).
+"""The service's handlers: request bytes in, response bytes out, the project's errors
+raised (each transport answers them its own way: ``handlers/servicer``).
 
 Handlers take raw bytes (no generated deserializer), so a request that is not a valid
 message becomes INVALID_ARGUMENT here instead of an opaque INTERNAL inside grpc.
@@ -10,23 +10,18 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
-
-import grpc
+from typing import TypeVar
 
 from episerve_proto import routing
-from episerve_proto.contract import METHODS, SERVICE_NAME
+from episerve_proto.contract import METHODS
 from episerve_proto.errors import (
     DataLossError,
     EpisodeNotFound,
     LimitExceeded,
-    Overloaded,
-    Unavailable,
     UnknownKeymap,
     shown,
 )
 from episerve_server.config import ServerConfig
-from episerve_server.core import heap
 from episerve_server.core.keymap import Keymap
 from episerve_server.core.result import BatchResult
 from episerve_server.core.stats import Stats
@@ -34,9 +29,11 @@ from episerve_server.plan.background import Background
 from episerve_server.plan.options import Arena, ReadOptions
 from episerve_server.plan.planner import Planner
 from episerve_server.plan.statistics import MAX_KEYS, KeyStatsEngine
+from episerve_server.rpc.handlers.admission import Admission
 from episerve_server.rpc.handlers.buffers import ResponseBuffers
 from episerve_server.rpc.handlers.registry import KeymapRegistry
-from episerve_server.rpc.handlers.status import release_chain, rpc_method
+from episerve_server.rpc.handlers.servicer import Call, Handler
+from episerve_server.rpc.handlers.status import release_chain
 from episerve_server.rpc.wire import convert
 from episerve_server.rpc.wire.encode import encode_result
 from episerve_server.storage.catalog import Catalog
@@ -74,8 +71,7 @@ class EpiserveService:
         self.buffers = ResponseBuffers(config.max_buffered_bytes,
                                        config.max_buffered_bytes_per_peer)
         self.limits = convert.Limits.of(config)
-        self.draining = False
-        self.inflight = 0
+        self.admission = Admission(config.max_concurrent_reads, self.buffers)
         #: The local plane's socket once it listens (``GetTopology`` advertises it).
         self.local_plane = ""
         self.on_batch: Callable[[int], None] | None = None  # samples per successful Read
@@ -86,9 +82,9 @@ class EpiserveService:
         self._registrations = asyncio.Semaphore(KEYMAP_REGISTRATIONS)
         self._heavy_parse = asyncio.Semaphore(1)
 
-    def handlers_by_name(self) -> dict[str, Callable[[bytes, Any], Awaitable[bytes]]]:
+    def methods(self) -> dict[str, Handler]:
         """Every method of the contract, by name (the gRPC server and the local plane)."""
-        methods: dict[str, Callable[[bytes, Any], Awaitable[bytes]]] = {
+        methods: dict[str, Handler] = {
             "ListEpisodes": self.list_episodes,
             "RegisterKeymap": self.register_keymap,
             "Read": self.read,
@@ -98,13 +94,6 @@ class EpiserveService:
         }
         assert tuple(methods) == METHODS  # every method of the contract is served
         return methods
-
-    def handlers(self) -> grpc.GenericRpcHandler:
-        methods = self.handlers_by_name()
-        return grpc.method_handlers_generic_handler(
-            SERVICE_NAME,
-            {name: grpc.unary_unary_rpc_method_handler(fn) for name, fn in methods.items()},
-        )
 
     async def rescan(self, since: float | None = None) -> None:
         """Rescan the root, unless a scan that started after ``since`` already ran.
@@ -119,8 +108,7 @@ class EpiserveService:
             self._last_scan = time.monotonic()
             await self.catalog.scan()
 
-    @rpc_method
-    async def list_episodes(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+    async def list_episodes(self, request: bytes, rpc: Call) -> bytes:
         if len(request) > OFFLOAD_PARSE_BYTES:
             async with self._heavy_parse:
                 page = await asyncio.to_thread(convert.parse_list, request)
@@ -137,8 +125,7 @@ class EpiserveService:
         return await asyncio.to_thread(convert.encode_listing, healthy, broken, page,
                                        LIST_PAGE_BYTES)
 
-    @rpc_method
-    async def register_keymap(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+    async def register_keymap(self, request: bytes, rpc: Call) -> bytes:
         # One registration at a time: parsing a keymap of 128 entries is ~10-30 ms of
         # Python, and 64 parsed back to back kept health waiting for all of them. A large
         # one is parsed in a worker thread (the loop keeps its turns at the GIL).
@@ -165,13 +152,12 @@ class EpiserveService:
             self.stats.keymap_checks += 1
         return convert.encode_keymap_check(kid, check)
 
-    @rpc_method
-    async def get_stats(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+    async def get_stats(self, request: bytes, rpc: Call) -> bytes:
         convert.parse_empty(request, "GetStats")
         snapshot = self.stats.snapshot()
         snapshot["episodes_open"] = len(self.catalog.healthy())
         snapshot["episodes_broken"] = len(self.catalog.broken_listing())
-        snapshot["reads_in_flight"] = self.inflight
+        snapshot["reads_in_flight"] = self.admission.inflight
         snapshot["buffered_bytes"] = self.buffers.total
         snapshot["keymaps_registered"] = len(self.keymaps)
         snapshot["keymap_registry_bytes"] = self.keymaps.nbytes
@@ -181,8 +167,7 @@ class EpiserveService:
             snapshot.update(gauge())
         return convert.encode_stats(snapshot)
 
-    @rpc_method
-    async def get_key_stats(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+    async def get_key_stats(self, request: bytes, rpc: Call) -> bytes:
         arrived = time.monotonic()
         call = convert.parse_key_stats(request, MAX_KEYS)
         if not call.episodes:  # every episode: pick up the ones added since the last scan
@@ -195,25 +180,15 @@ class EpiserveService:
             results = await self.key_stats.compute(call.keys, call.episodes)
         return convert.encode_key_stats(results)
 
-    @rpc_method
-    async def get_topology(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+    async def get_topology(self, request: bytes, rpc: Call) -> bytes:
         """One process serves every episode: no workers to route to; and its local plane."""
         convert.parse_empty(request, "GetTopology")
         return convert.encode_topology((), routing.ROUTING, self.local_plane)
 
-    @rpc_method
-    async def read(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        peer = context.peer() or ""
-        data = await self.serve_read(request, peer, self._encode)
-        # gRPC holds the response until the client's window lets it out: count it till then.
-        try:
-            self.buffers.admit(peer, len(data))
-        except Overloaded:
-            del data  # built and refused: give its memory back, not only to the heap
-            heap.trim_soon()
-            raise
-        context.add_done_callback(self.buffers.hold(peer, len(data)))
-        return data
+    async def read(self, request: bytes, rpc: Call) -> bytes:
+        """A Read's answer as the protobuf message's bytes (gRPC's; the local plane calls
+        ``serve_read`` with its own encoding)."""
+        return await self.serve_read(request, rpc.peer() or "", self._encode)
 
     @staticmethod
     async def _encode(result: BatchResult) -> tuple[bytes, int]:
@@ -231,15 +206,7 @@ class EpiserveService:
         bytes it sends), the prefetch hint and the counters. The gRPC handler and the local
         plane (``rpc/local/``) differ only in ``encode``, and in the ``arena``
         the local plane has the numeric outputs gathered into."""
-        if self.draining:
-            raise Unavailable("the daemon is shutting down; retry against another replica")
-        if self.inflight >= self.config.max_concurrent_reads:
-            raise Overloaded(
-                f"{self.inflight} reads in flight, the limit is "
-                f"{self.config.max_concurrent_reads}; back off and retry"
-            )
-        self.buffers.check(peer)
-        self.inflight += 1
+        self.admission.enter(peer)
         start = time.perf_counter_ns()
         reserved: list[Callable[[object], None]] = []
 
@@ -249,7 +216,7 @@ class EpiserveService:
         try:
             out = await self._read(request, admit, encode, peer, arena)
         finally:
-            self.inflight -= 1
+            self.admission.leave()
             for release in reserved:
                 release(None)
         self.stats.read_ns += time.perf_counter_ns() - start

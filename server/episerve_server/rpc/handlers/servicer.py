@@ -1,23 +1,43 @@
-"""What a set of handlers offers the one server that runs it (``rpc/process/server``):
-the single-process ``EpiserveService`` and the ``--workers N`` front alike."""
+"""What a set of handlers offers the transports that carry its calls: the single-process
+``EpiserveService`` and the ``--workers N`` front alike.
+
+A handler takes a request's bytes and the ``Call`` it came in, returns the answer's bytes,
+and raises the project's errors (``episerve_proto.errors``); it knows no transport. Each
+transport maps those errors its own way: gRPC to a status and trailers (``rpc/grpc``), the
+local plane to an error frame (``rpc/local``).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Protocol
 
-import grpc
-
 from episerve_server.config import ServerConfig
+from episerve_server.rpc.handlers.admission import Admission
+from episerve_server.rpc.handlers.buffers import ResponseBuffers
+
+
+class Call(Protocol):
+    """What a handler may know of the call it serves. gRPC's servicer context has both
+    methods; the local plane gives its own."""
+
+    def peer(self) -> str: ...
+
+    def time_remaining(self) -> float | None: ...
+
+
+Handler = Callable[[bytes, Call], Awaitable[bytes]]
 
 
 class Servicer(Protocol):
     config: ServerConfig
-    #: True once drain began: new reads are refused.
-    draining: bool
-    #: Reads in progress; drain waits for them (up to ``--grace-s``).
-    inflight: int
+    #: Which Reads may start; drain sets its ``draining`` and waits for its ``inflight``.
+    admission: Admission
+    #: Answers built and not yet taken by their client (gRPC holds a response until then).
+    buffers: ResponseBuffers
     #: Called with the samples of each successful Read (the metrics' batch histogram).
     on_batch: Callable[[int], None] | None
 
-    def handlers(self) -> grpc.GenericRpcHandler: ...
+    def methods(self) -> dict[str, Handler]:
+        """Every method it serves, by the contract's name."""
+        ...

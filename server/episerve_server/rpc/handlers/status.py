@@ -1,41 +1,23 @@
-"""Errors to gRPC statuses, once for every handler (the service, the front, the local plane).
+"""The error a failed call is answered with, whatever transport carries it (gRPC in
+``rpc/grpc``, the local plane in ``rpc/local``).
 
-A domain error is answered with its code, its message and the trailers that name its class,
-episode and key; anything else is a bug, logged with its traceback and answered
-``INTERNAL``. Messages and trailers are cut to sizes every client accepts, and the error's
-chain is released before the answer goes out, so nothing of a failed request outlives it.
+A domain error is answered as it is (its code, message, class, episode and key); anything
+else is a bug, logged with its traceback and answered ``INTERNAL``. Messages are cut to
+sizes every client accepts, and the error's chain is released before the answer goes out,
+so nothing of a failed request outlives it.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import traceback
-from collections.abc import Awaitable, Callable
-from typing import Any
 
-import grpc
-
-from episerve_proto.contract import EPISODE_TRAILER, ERROR_TRAILER, KEY_TRAILER, MAX_NAME_CHARS
 from episerve_proto.errors import EpiserveError, InternalError, clipped, shown
 
 log = logging.getLogger(__name__)
 
 #: Traceback lines longer than this are cut in the log.
 LOG_LINE_CHARS = 400
-
-# The service object is an ``EpiserveService`` or, with ``--workers N``, a ``FrontService``.
-Handler = Callable[[Any, bytes, grpc.aio.ServicerContext], Awaitable[bytes]]
-
-
-def error_metadata(exc: EpiserveError) -> tuple[tuple[str, str | bytes], ...]:
-    """The trailers of an error answer; the episode and key are cut to a name's length."""
-    return (
-        (ERROR_TRAILER, type(exc).__name__),
-        (EPISODE_TRAILER, clipped(exc.episode, MAX_NAME_CHARS * 4).encode()),
-        (KEY_TRAILER, clipped(exc.key, MAX_NAME_CHARS * 4).encode()),
-    )
-
 
 def release_chain(exc: BaseException | None) -> None:
     """Break what keeps a failed request's memory alive once its error is answered.
@@ -76,25 +58,3 @@ def answered(exc: Exception, where: str) -> EpiserveError:
     if error.code not in ("CANCELLED", "UNAVAILABLE", "RESOURCE_EXHAUSTED", "INTERNAL"):
         log.warning("%s failed: %s %s", where, error.code, clipped(error.message))
     return error
-
-
-def rpc_method(fn: Handler) -> Handler:
-    """Run a handler; map domain errors to their status, and anything else to a clear one."""
-
-    @functools.wraps(fn)
-    async def run(self: Any, request: bytes,
-                  context: grpc.aio.ServicerContext) -> bytes:
-        try:
-            return await fn(self, request, context)
-        except grpc.aio.AbortError:
-            raise
-        except Exception as exc:
-            error = answered(exc, fn.__name__)
-        del request
-        code, message = grpc.StatusCode[error.code], clipped(error.message)
-        trailers = error_metadata(error)
-        del error
-        await context.abort(code, message, trailers)
-        raise AssertionError("unreachable")  # abort raises
-
-    return run

@@ -1,6 +1,6 @@
 """The local plane's frame I/O: a connection's state, sending a frame whole (with its
-descriptor), receiving a head or an exact count of bytes, and the context the gRPC
-handlers are given for a call that came over the plane."""
+descriptor), receiving a head or an exact count of bytes, and what a handler is told of a
+call that came over the plane."""
 
 from __future__ import annotations
 
@@ -31,9 +31,11 @@ class CallLog(Protocol):
                  peer: Callable[[], str], sent: int) -> None: ...
 
 
-class LocalContext:
-    """What the gRPC handlers use of their context, for a call over the local plane: the
-    peer's name, and ``abort``, which raises the error's code, message and trailers."""
+class LocalCall:
+    """What a handler knows of a call over the local plane (``handlers/servicer.Call``):
+    its peer; a local call has no deadline of its own."""
+
+    __slots__ = ("_peer",)
 
     def __init__(self, peer: str) -> None:
         self._peer = peer
@@ -41,19 +43,8 @@ class LocalContext:
     def peer(self) -> str:
         return self._peer
 
-    async def abort(self, code: Any, message: str,
-                    trailers: Sequence[tuple[str, str | bytes]]) -> None:
-        raise Aborted(str(code.name), message, dict(trailers))
-
-
-class Aborted(Exception):
-    def __init__(self, code: str, message: str, trailers: dict[str, str | bytes]) -> None:
-        super().__init__(message)
-        self.code, self.message, self.trailers = code, message, trailers
-
-
-def text(value: str | bytes) -> str:
-    return value.decode(errors="replace") if isinstance(value, bytes) else value
+    def time_remaining(self) -> float | None:
+        return None
 
 
 @dataclass(eq=False)

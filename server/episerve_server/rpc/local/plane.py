@@ -7,7 +7,8 @@ it has one. A Read's request bytes are those of the gRPC path and go through the
 ``EpiserveService.serve_read`` (admission, parsing, the planner, hints, counters); only the
 encoding differs: the batch's blobs are written once, by the daemon, into a segment, and the
 answer is the metadata and a table of offsets (``episerve_proto.local``). The other methods
-run the gRPC handlers themselves, so every error is the same class, code and trailers.
+run the same handlers as over gRPC; a handler's error is answered in an ERROR frame with
+the class, code, episode and key gRPC gives in its status and trailers.
 
 Segments are memfds (no name in any filesystem), sealed against shrinking, lent from a
 pool per connection: at most ``--local-segments`` at once. The client returns a segment
@@ -50,10 +51,9 @@ import struct
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, cast
 
 from episerve_proto import local as lp
-from episerve_proto.contract import EPISODE_TRAILER, ERROR_TRAILER, KEY_TRAILER, SERVICE_PATH
+from episerve_proto.contract import SERVICE_PATH
 from episerve_proto.errors import (
     EpiserveError,
     Overloaded,
@@ -68,17 +68,15 @@ from episerve_server.rpc.handlers.status import answered
 from episerve_server.rpc.local import guard
 from episerve_server.rpc.local.answer import Placed, place
 from episerve_server.rpc.local.conn import (
-    Aborted,
     CallLog,
     Connection,
     ConnectionClosed,
-    LocalContext,
+    LocalCall,
     error_body,
     queued,
     recv_exact,
     recv_head,
     send,
-    text,
 )
 from episerve_server.rpc.local.segments import SegmentArena, SegmentPool
 
@@ -100,6 +98,7 @@ class LocalPlane:
     def __init__(self, config: ServerConfig, service: EpiserveService, path: Path,
                  sock: socket.socket) -> None:
         self.config, self.service, self.path, self._sock = config, service, path, sock
+        self._methods = service.methods()
         self._inode = os.stat(path).st_ino
         self.uids = {os.getuid(), *(int(u) for u in config.local_uids)}
         self.connections: set[Connection] = set()
@@ -300,17 +299,9 @@ class LocalPlane:
             if method == "Read":
                 code, sent = await self._read(conn, ident, payload, keep)
                 return
-            handler = self.service.handlers_by_name()[method]
-            data = await handler(payload, cast(Any, LocalContext(conn.peer)))
+            data = await self._methods[method](payload, LocalCall(conn.peer))
             sent = len(data)
             await self._send(conn, lp.frame(lp.REPLY, ident, data))
-        except Aborted as exc:
-            t = exc.trailers
-            code = exc.code
-            body = lp.error_body(exc.code, text(t.get(ERROR_TRAILER, "")), exc.message,
-                                 text(t.get(EPISODE_TRAILER, b"")),
-                                 text(t.get(KEY_TRAILER, b"")))
-            await self._send_quietly(conn, lp.frame(lp.ERROR, ident, body))
         except (OSError, ConnectionClosed):
             code = "CANCELLED"  # the connection is gone; _serve frees what it held
         except Exception as exc:

@@ -24,25 +24,24 @@ drain their own reads, then everything stops. A worker that exits is restarted; 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
-import grpc
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from episerve_proto import routing
-from episerve_proto.contract import METHODS, SERVICE_NAME
-from episerve_proto.errors import Overloaded, ResponseTooLarge, Unavailable
+from episerve_proto.contract import METHODS
+from episerve_proto.errors import ResponseTooLarge, Unavailable
 from episerve_server import preflight
 from episerve_server.config import ServerConfig
 from episerve_server.plan.options import too_big
+from episerve_server.rpc.handlers.admission import Admission
 from episerve_server.rpc.handlers.buffers import Reservation, ResponseBuffers
 from episerve_server.rpc.handlers.service import OFFLOAD_ENCODE_BYTES
-from episerve_server.rpc.handlers.status import rpc_method
+from episerve_server.rpc.handlers.servicer import Call, Handler
 from episerve_server.rpc.process import server
 from episerve_server.rpc.process.metrics import PREFIX, counter_families
 from episerve_server.rpc.process.workers import WorkerPool
@@ -69,8 +68,8 @@ class FrontService:
         # Merged responses wait in gRPC until the client reads them, as a worker's do.
         self.buffers = ResponseBuffers(config.max_buffered_bytes,
                                        config.max_buffered_bytes_per_peer)
-        self.draining = False
-        self.inflight = 0
+        self.admission = Admission(config.max_concurrent_reads, self.buffers,
+                                   " through the front")
         self.on_batch: Callable[[int], None] | None = None
         owners, n = routing.OwnerCache(), len(pool.workers)
         self._owner: Callable[[str], int] = lambda episode: owners(episode, n)
@@ -85,8 +84,8 @@ class FrontService:
         # Reads of a kind whose size is not known yet go one at a time (``_learner``).
         self._learning: dict[bytes, asyncio.Event] = {}
 
-    def handlers(self) -> grpc.GenericRpcHandler:
-        methods: dict[str, Callable[..., Any]] = {
+    def methods(self) -> dict[str, Handler]:
+        methods: dict[str, Handler] = {
             "RegisterKeymap": self.register_keymap,
             "Read": self.read,
             "GetStats": self.get_stats,
@@ -95,10 +94,7 @@ class FrontService:
         for name in PASSED_THROUGH:
             methods[name] = _pass_through(self, name)
         assert set(methods) <= set(METHODS)
-        return grpc.method_handlers_generic_handler(
-            SERVICE_NAME,
-            {name: grpc.unary_unary_rpc_method_handler(fn) for name, fn in methods.items()},
-        )
+        return methods
 
     async def counters(self) -> dict[str, int]:
         return forward.stats_counters(await self._stats(5.0))
@@ -116,26 +112,23 @@ class FrontService:
                  "workers_hung": self.pool.hung,
                  "worker_restarts": self.pool.restarts_total,
                  "worker_hangs": self.pool.hangs_total,
-                 "front_reads_in_flight": self.inflight,
+                 "front_reads_in_flight": self.admission.inflight,
                  "front_buffered_bytes": self.buffers.total}
         return forward.merge_stats(replies, extra)
 
-    @rpc_method
-    async def get_topology(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+    async def get_topology(self, request: bytes, rpc: Call) -> bytes:
         convert.parse_empty(request, "GetTopology")
         return convert.encode_topology(self.pool.addresses, routing.ROUTING)
 
-    @rpc_method
-    async def get_stats(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+    async def get_stats(self, request: bytes, rpc: Call) -> bytes:
         convert.parse_empty(request, "GetStats")
-        return await self._stats(_timeout(context), complete=False)
+        return await self._stats(_timeout(rpc), complete=False)
 
-    @rpc_method
-    async def register_keymap(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+    async def register_keymap(self, request: bytes, rpc: Call) -> bytes:
         """On every worker; the answer is worker 0's. Every worker opens every episode, so
         worker 0's check (``check_episodes``) covers all of them, from the same catalog that
         answers ``ListEpisodes``; the other workers only register the keymap."""
-        timeout_s = _timeout(context)
+        timeout_s = _timeout(rpc)
         others = convert.unchecked_register(request)
         replies = await _all([self.pool.call(w.index, "RegisterKeymap",
                                              request if w.index == 0 else others, timeout_s)
@@ -157,16 +150,9 @@ class FrontService:
         it serves again: clients holding their ids never meet ``UnknownKeymap``."""
         await self.pool.replay(index, list(self.registered))
 
-    @rpc_method
-    async def read(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        if self.draining:
-            raise Unavailable("the daemon is shutting down; retry against another replica")
-        if self.inflight >= self.config.max_concurrent_reads:
-            raise Overloaded(f"{self.inflight} reads in flight through the front, the limit "
-                             f"is {self.config.max_concurrent_reads}; back off and retry")
-        peer = context.peer() or ""
-        self.buffers.check(peer)
-        self.inflight += 1
+    async def read(self, request: bytes, rpc: Call) -> bytes:
+        peer = rpc.peer() or ""
+        self.admission.enter(peer)
         held = Reservation(self.buffers, peer)
         learning: asyncio.Event | None = None
         try:
@@ -179,7 +165,7 @@ class FrontService:
             if learning is None:  # refused here if over the budget, before any part is asked
                 held.grow_to(copies * self._sizes[facts.size_key] * facts.samples)
             limit = facts.limit if len(parts) > 1 else self.config.max_response_bytes
-            replies = await self._forward(parts, _timeout(context), limit, held.add)
+            replies = await self._forward(parts, _timeout(rpc), limit, held.add)
             pieces = [(idx, data) for (_, idx, _), data in zip(parts, replies)]
             del replies
             n = sum(len(idx) for idx, _ in pieces)
@@ -193,14 +179,12 @@ class FrontService:
                 data = forward.merge_read_responses(pieces, n)
             del pieces
         finally:
-            self.inflight -= 1
+            self.admission.leave()
             held.release()
             if learning is not None:
                 if self._learning.get(facts.size_key) is learning:
                     del self._learning[facts.size_key]
                 learning.set()
-        self.buffers.admit(peer, len(data))
-        context.add_done_callback(self.buffers.hold(peer, len(data)))
         if self.on_batch is not None:
             self.on_batch(n)
         return data
@@ -270,18 +254,17 @@ class FrontService:
         return [got for got in first if isinstance(got, bytes)]
 
 
-def _pass_through(front: FrontService, method: str) -> Callable[..., Any]:
+def _pass_through(front: FrontService, method: str) -> Handler:
     """A handler that answers ``method`` from worker 0 (which opens every episode)."""
 
-    async def handler(self: FrontService, request: bytes,
-                      context: grpc.aio.ServicerContext) -> bytes:
-        return await self.pool.call(0, method, request, _timeout(context))
+    async def handler(request: bytes, rpc: Call) -> bytes:
+        return await front.pool.call(0, method, request, _timeout(rpc))
 
-    return functools.partial(rpc_method(handler), front)
+    return handler
 
 
-def _timeout(context: grpc.aio.ServicerContext) -> float:
-    left = context.time_remaining()
+def _timeout(rpc: Call) -> float:
+    left = rpc.time_remaining()
     return DEFAULT_FORWARD_S if left is None else max(0.001, left)
 
 
@@ -322,7 +305,7 @@ class FrontCollector(Collector):
             ("episodes_broken", "Episodes listed as broken.", got.get("episodes_broken", 0)),
             ("reads_in_flight", "Read RPCs in progress.", got.get("reads_in_flight", 0)),
             ("draining", "1 while the daemon drains before stopping.",
-             int(self.front.draining)),
+             int(self.front.admission.draining)),
             ("workers", "Worker processes (--workers).", len(pool.workers)),
             ("workers_ready", "Worker processes serving.", sum(w.ready for w in pool.workers)),
             ("worker_restarts", "Worker processes restarted after they exited.",
@@ -353,7 +336,7 @@ async def serve(config: ServerConfig, announce: Callable[[str], None]) -> int:
         raise
 
     async def set_health() -> None:
-        await srv.set_serving(pool.all_ready and not front.draining)
+        await srv.set_serving(pool.all_ready and not front.admission.draining)
 
     await set_health()
     counters = await front.counters()

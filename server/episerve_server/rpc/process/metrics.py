@@ -107,10 +107,11 @@ class StatsCollector(Collector):
              service.config.cache_bytes),
             ("episodes_open", "Episodes open and readable.", open_),
             ("episodes_broken", "Episodes listed as broken.", broken),
-            ("reads_in_flight", "Read RPCs in progress.", service.inflight),
+            ("reads_in_flight", "Read RPCs in progress.", service.admission.inflight),
             ("preload_total_chunks", "Chunks --preload means to fetch (progress: "
              "episerve_preload_chunks).", stats.preload_total),
-            ("draining", "1 while the daemon drains before stopping.", int(service.draining)),
+            ("draining", "1 while the daemon drains before stopping.",
+             int(service.admission.draining)),
         )
         for name, text, value in gauges:
             yield GaugeMetricFamily(f"{PREFIX}_{name}", text, value=value)

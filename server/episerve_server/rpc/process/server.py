@@ -37,6 +37,7 @@ from episerve_proto.contract import (
 )
 from episerve_server.config import ServerConfig
 from episerve_server.preflight import StartupError
+from episerve_server.rpc.grpc.adapter import generic_handler
 from episerve_server.rpc.handlers.servicer import Servicer
 from episerve_server.rpc.process import introspection
 from episerve_server.rpc.process.interceptors import LoggingInterceptor, TokenInterceptor
@@ -108,11 +109,11 @@ class Server:
 
     async def drain(self, alongside: Awaitable[None] | None = None) -> None:
         """Health NOT_SERVING, refuse new reads, let in-flight reads finish, then stop."""
-        self.servicer.draining = True
+        self.servicer.admission.draining = True
         await self.health.enter_graceful_shutdown()
         deadline = time.monotonic() + self.config.grace_s
         beside = asyncio.ensure_future(alongside) if alongside is not None else None
-        while self.servicer.inflight and time.monotonic() < deadline:
+        while self.servicer.admission.inflight and time.monotonic() < deadline:
             await asyncio.sleep(DRAIN_POLL_S)
         if beside is not None:
             await beside
@@ -145,7 +146,7 @@ async def start(config: ServerConfig, servicer: Servicer, *,
     if config.token:
         interceptors.append(TokenInterceptor(config.token))
     server = grpc.aio.server(interceptors=interceptors, options=server_options(config))
-    server.add_generic_rpc_handlers((servicer.handlers(),))
+    server.add_generic_rpc_handlers((generic_handler(servicer),))
     health = introspection.add_health(server)
     introspection.add_reflection(server, (SERVICE_NAME,))
     extra: list[grpc.aio.Server] = []
