@@ -7,12 +7,14 @@ from typing import TYPE_CHECKING, Any
 from episerve_client.aio import AsyncClient
 from episerve_client.channel import TLS
 from episerve_client.client import Client
-from episerve_client.convert import EpisodeInfo, KeyStats, Listing, ReadResult
+from episerve_client.keystats import KeyStats
 from episerve_client.lerobot import (
     keymap_from_delta_timestamps,
     keymap_from_lerobot,
     lerobot_stats,
 )
+from episerve_client.listing import EpisodeInfo, Listing
+from episerve_client.read_answer import ReadResult
 
 __all__ = [
     "TLS",

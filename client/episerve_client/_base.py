@@ -28,7 +28,6 @@ from episerve_client.channel import (
     note_grpc_use,
     parse_targets,
 )
-from episerve_client.convert import ReadResult
 from episerve_client.errors import (
     DataLossError,
     DeadlineExceeded,
@@ -38,6 +37,9 @@ from episerve_client.errors import (
     Unavailable,
     UnknownKeymap,
 )
+from episerve_client.listing import Listing, listing_page, merge_listings, only
+from episerve_client.local_answer import check_result
+from episerve_client.read_answer import Expected, ReadResult, read_result
 from episerve_proto.contract import LIST_HASH_OVERHEAD, MAX_LIST_FILTER_BYTES, MAX_LIST_HASHES
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -200,7 +202,7 @@ class BaseClient:
             raise InvalidArgument(f"hashes must be a list of episode hashes, got {hashes!r}")
         wanted = None if hashes is None else [str(h) for h in hashes]
         if wanted == []:
-            return convert.Listing([], {})
+            return Listing([], {})
         deadline = time.monotonic() + (timeout_s or self.timeout_s)
         pages = []
         for group in [()] if wanted is None else _filter_groups(wanted):
@@ -209,7 +211,7 @@ class BaseClient:
                 payload = convert.list_request(token, page_size, brief, group)
                 data = yield from self.unary_flow("ListEpisodes", payload, None,
                                                   max(left(deadline), 0.001))
-                page, next_token = convert.listing_page(data)
+                page, next_token = listing_page(data)
                 pages.append(page)
                 if not next_token:
                     break
@@ -217,8 +219,8 @@ class BaseClient:
                     raise DataLossError(f"the daemon's listing did not advance: page token "
                                         f"{next_token!r} after {token!r}")
                 token = next_token
-        merged = convert.merge_listings(pages)
-        return merged if wanted is None else convert.only(merged, set(wanted))
+        merged = merge_listings(pages)
+        return merged if wanted is None else only(merged, set(wanted))
 
     def read_flow(self, keymap: KeymapLike, samples: Sequence[tuple[str, int]], *,
                   annotation_cutoff: bool = False, timeout_s: float | None = None,
@@ -251,10 +253,10 @@ class BaseClient:
             for (t, idx), out in zip(groups, outcomes):
                 if isinstance(out, bytes | ReadResult):
                     self.outages.answered(t)
-                    expect = convert.Expected.of([samples[i] for i in idx], km, all_masks)
-                    parts.append((idx, convert.check_result(out, expect)
+                    expect = Expected.of([samples[i] for i in idx], km, all_masks)
+                    parts.append((idx, check_result(out, expect)
                                   if isinstance(out, ReadResult)
-                                  else convert.read_result(out, expect)))
+                                  else read_result(out, expect)))
                     continue
                 assert isinstance(out, EpiserveError)
                 out = self.outages.as_failure(t, out)

@@ -8,8 +8,8 @@ from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
-from episerve_client.convert import ReadResult
 from episerve_client.errors import EpiserveError
+from episerve_client.read_answer import ReadResult
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,7 +27,6 @@ import numpy as np
 
 from episerve_client import channel
 from episerve_client.client import Client
-from episerve_client.convert import EpisodeInfo, KeyStats, Listing, only
 from episerve_client.errors import (
     BrokenEpisodeError,
     DeadlineExceeded,
@@ -35,6 +34,8 @@ from episerve_client.errors import (
     FailedPrecondition,
     KeymapError,
 )
+from episerve_client.keystats import KeyStats
+from episerve_client.listing import EpisodeInfo, Listing, only
 from episerve_proto.contract import PROPRIO_KEYS
 
 #: Seconds a probe may take beyond the caller's timeout (process start, teardown).

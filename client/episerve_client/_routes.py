@@ -16,8 +16,8 @@ from collections.abc import Callable, Collection, Sequence
 from episerve_client import convert
 from episerve_client._ops import Call, Flow, left
 from episerve_client.channel import unix_path
-from episerve_client.convert import ReadResult
 from episerve_client.errors import DataLossError, EpiserveError, PermissionDenied
+from episerve_client.read_answer import ReadResult
 from episerve_proto import routing
 
 

@@ -8,12 +8,15 @@ from typing import Any
 
 import grpc
 
-from episerve_client import convert
+from episerve_client import convert, keystats
 from episerve_client._base import BaseClient, KeymapLike, load_keymap
 from episerve_client._ops import Call, Flow, Op, Outcome, Sleep
 from episerve_client.channel import CHANNEL_OPTIONS
-from episerve_client.convert import KeymapCheck, KeyStats, Listing, ReadResult
+from episerve_client.convert import KeymapCheck
 from episerve_client.errors import from_rpc_error
+from episerve_client.keystats import KeyStats
+from episerve_client.listing import Listing
+from episerve_client.read_answer import ReadResult
 from episerve_proto.contract import SERVICE_PATH
 
 
@@ -71,7 +74,7 @@ class AsyncClient(BaseClient):
                         timeout_s: float | None = None) -> dict[str, KeyStats]:
         """Like ``Client.key_stats``."""
         payload = self.key_stats_payload(keys, episodes)
-        return convert.key_stats(await self._run(self.unary_flow("GetKeyStats", payload, None,
+        return keystats.key_stats(await self._run(self.unary_flow("GetKeyStats", payload, None,
                                                                  timeout_s)))
 
     # -- I/O ------------------------------------------------------------------------------

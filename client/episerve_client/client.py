@@ -10,13 +10,16 @@ from typing import Any
 
 import grpc
 
-from episerve_client import convert
+from episerve_client import convert, keystats
 from episerve_client._base import BaseClient, KeymapLike, load_keymap
 from episerve_client._ops import Call, Flow, Op, Outcome, Sleep
 from episerve_client.channel import CHANNEL_OPTIONS, close_at_exit
-from episerve_client.convert import KeymapCheck, KeyStats, Listing, ReadResult
+from episerve_client.convert import KeymapCheck
 from episerve_client.errors import EpiserveError, from_rpc_error
+from episerve_client.keystats import KeyStats
+from episerve_client.listing import Listing
 from episerve_client.local import Adopt, LocalChannel, check_transport, pick_local
+from episerve_client.read_answer import ReadResult
 from episerve_proto.contract import SERVICE_PATH
 
 #: Served by every episerve daemon and front; the probe of a target's first call.
@@ -113,7 +116,7 @@ class Client(BaseClient):
         """Per-feature mean, std, min, max and 1st/99th percentiles of numeric ``keys`` over
         the real rows of ``episodes`` (default: every episode the daemon serves)."""
         payload = self.key_stats_payload(keys, episodes)
-        return convert.key_stats(self._run(self.unary_flow("GetKeyStats", payload, None,
+        return keystats.key_stats(self._run(self.unary_flow("GetKeyStats", payload, None,
                                                            timeout_s)))
 
     # -- I/O ------------------------------------------------------------------------------

@@ -13,8 +13,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from episerve_client.convert import KeyStats
 from episerve_client.errors import KeymapError
+from episerve_client.keystats import KeyStats
 from episerve_proto.contract import (
     ACTION_KEYS,
     ANNOTATION_KEYS,

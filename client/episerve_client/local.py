@@ -41,9 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from episerve_client import convert
 from episerve_client.channel import DEFAULT_CONNECT_TIMEOUT_S, unix_path
-from episerve_client.convert import ReadResult
 from episerve_client.errors import (
     DataLossError,
     DeadlineExceeded,
@@ -52,6 +50,8 @@ from episerve_client.errors import (
     PermissionDenied,
     Unavailable,
 )
+from episerve_client.local_answer import read_result_local
+from episerve_client.read_answer import ReadResult
 from episerve_proto import local as lp
 from episerve_proto.errors import error_class
 
@@ -357,7 +357,7 @@ class LocalChannel:
         base = np.frombuffer(seg.mm, np.uint8)
         seg.lent = True
         weakref.finalize(base, self._returned.append, header.segment)
-        return convert.read_result_local(header.meta, header.blobs, base)
+        return read_result_local(header.meta, header.blobs, base)
 
     def _kept(self, header: lp.BatchHeader, fd: int, adopt: Adopt) -> ReadResult:
         """A batch whose segment the daemon gave away: mapped by ``adopt``, never returned."""
@@ -380,7 +380,7 @@ class LocalChannel:
         if base.dtype != np.uint8 or base.ndim != 1 or base.size != header.size:
             raise DataLossError(f"segment {header.segment}: the adopted mapping is not "
                                 f"{header.size} bytes", target=self.target)
-        return convert.read_result_local(header.meta, header.blobs, base)
+        return read_result_local(header.meta, header.blobs, base)
 
     def _check_fd(self, ident: int, size: int, fd: int) -> None:
         st = os.fstat(fd)

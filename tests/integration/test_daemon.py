@@ -239,6 +239,7 @@ def test_garbage_bytes_are_invalid_argument(method: str,
 def test_keymap_by_id_and_inline_give_the_same_result(
         shared_daemons: dict[str, DaemonProcess]) -> None:
     from episerve_client import convert
+    from episerve_client.read_answer import read_result
 
     target = shared_daemons["tcp"].target
     keymap = KEYMAPS["mecka_keypoints_k4"]
@@ -247,8 +248,8 @@ def test_keymap_by_id_and_inline_give_the_same_result(
         register = ch.unary_unary("/episerve.v1.EpiServe/RegisterKeymap")
         read = ch.unary_unary("/episerve.v1.EpiServe/Read")
         kid = convert.keymap_id(register(convert.register_request(keymap), timeout=5))
-        by_id = convert.read_result(read(convert.read_request(samples, keymap_id=kid), timeout=5))
-        inline = convert.read_result(read(convert.read_request(samples, keymap=keymap),
+        by_id = read_result(read(convert.read_request(samples, keymap_id=kid), timeout=5))
+        inline = read_result(read(convert.read_request(samples, keymap=keymap),
                                           timeout=5))
     assert kid.startswith("km-")
     assert by_id.arrays.keys() == inline.arrays.keys()

@@ -25,7 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from episerve_client import TLS, Client, errors
 from episerve_client._routes import Router
-from episerve_client.convert import ReadResult
+from episerve_client.read_answer import ReadResult
 from tests.support import ramp
 from tests.support.keymaps import KEYMAPS
 

@@ -45,6 +45,7 @@ import pytest
 
 from episerve_client import Client, convert, errors
 from episerve_client.errors import EpiserveError
+from episerve_client.read_answer import read_result
 from episerve_proto.contract import SERVICE_PATH
 from episerve_tools.synth.writer import write_episode
 from tests.support import hostile, ramp
@@ -672,7 +673,7 @@ def test_5000_distinct_keymaps_registered(arena: Arena) -> None:
         violations.append(f"a read by the newest keymap's id failed: {type(err).__name__}: "
                           f"{str(err)[:200]}")
     elif "newest" in seen:
-        got = convert.read_result(seen["newest"]).arrays
+        got = read_result(seen["newest"]).arrays
         want = ramp.ramp_row(1, "obs_head_pose", 5)
         if len(got) != entries or not all((a[0] == want).all() for a in got.values()):
             violations.append(f"the newest keymap read {len(got)} outputs, expected "

@@ -19,6 +19,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from episerve_client import Client, convert, errors
+from episerve_client.listing import listing_page
 from episerve_proto.contract import (
     MAX_LISTED_ATTRS_BYTES,
     MAX_NAME_CHARS,
@@ -280,7 +281,7 @@ def test_listing_pages_over_the_byte_budget_and_caps_one_episodes_attributes(
         _bare_episode(root, f"b{k:04d}", {"notes": blob})
     _bare_episode(root, "c0000", {"notes": "y" * (MAX_LISTED_ATTRS_BYTES + 10)})
     d = start_daemon(root, "--log-level", "WARNING", unix=True)
-    first = convert.listing_page(_call_big(d, convert.list_request()))
+    first = listing_page(_call_big(d, convert.list_request()))
     assert first[1], "one page held everything: the budget did not page"
     with Client(d.target) as c:
         listing = c.list_episodes()
@@ -314,7 +315,7 @@ def test_pages_stay_consistent_when_episodes_are_added_between_them(
     seen: list[str] = []
     token = ""
     for page_no in range(100):
-        page, token = convert.listing_page(_call(d, "ListEpisodes", convert.list_request(token, 3)))
+        page, token = listing_page(_call(d, "ListEpisodes", convert.list_request(token, 3)))
         seen += [e.hash for e in page.episodes] + list(page.broken)
         assert len(page.episodes) + len(page.broken) <= 3
         if page_no == 1:  # between pages: one before the token, one after it

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from episerve_client import Client, convert
+from episerve_client.listing import listing_page
 from episerve_proto.v1 import episerve_pb2 as pb
 from tests.support import ramp
 
@@ -86,8 +87,8 @@ def test_parsing_1600_brief_entries_takes_milliseconds() -> None:
     for i in range(1600):
         msg.episodes.add(hash=f"{i:016x}", total_frames=200 + i, content_hash=f"{i:016x}")
     data = msg.SerializeToString()
-    best = min(_timed(lambda: convert.listing_page(data)) for _ in range(5))
-    listing, token = convert.listing_page(data)
+    best = min(_timed(lambda: listing_page(data)) for _ in range(5))
+    listing, token = listing_page(data)
     assert len(listing.episodes) == 1600 and token == ""
     seventh = listing.episodes[7]
     assert seventh.total_frames == 207 and seventh.content_hash == f"{7:016x}"

@@ -26,6 +26,7 @@ import simplejpeg
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from episerve_client import Client, convert, errors
+from episerve_client.read_answer import read_result
 from episerve_proto.contract import SERVICE_PATH
 from episerve_server.rpc.handlers.buffers import HELD_COPIES
 from episerve_tools.launch import DaemonProcess
@@ -324,14 +325,14 @@ def test_reads_over_the_total_buffer_limit_are_overloaded_and_say_why(
             assert isinstance(err, errors.Overloaded) and err.transient
             assert "--max-buffered-bytes" in str(err) and "slow clients" in str(err)
             small = convert.read_request([("ep003d", 3)], keymap=KEYPOINTS)
-            assert convert.read_result(read(small, timeout=10)).arrays["k"].shape == (1, 63)
+            assert read_result(read(small, timeout=10)).arrays["k"].shape == (1, 63)
         finally:
             stalled.close()  # its connection goes: its response is let go
         deadline = time.monotonic() + 10
         while convert.stats(stats(b"", timeout=5))["buffered_bytes"]:
             assert time.monotonic() < deadline, "a closed connection's buffer was kept"
             time.sleep(0.02)
-        assert len(convert.read_result(read(payload, timeout=30))) == 64
+        assert len(read_result(read(payload, timeout=30))) == 64
 
 
 # -- many idle connections ------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import pytest
 
 from episerve_client import convert
 from episerve_client.errors import from_rpc_error
+from episerve_client.read_answer import read_result
 from episerve_proto.contract import SERVICE_PATH
 from episerve_tools.launch import DaemonProcess
 from tests.support.transports import TransportTests
@@ -77,4 +78,4 @@ class TestForwardedByTheFront(TransportTests):
                 reply = ch.unary_unary(SERVICE_PATH + "Read")(request, timeout=30)
             except grpc.RpcError as exc:
                 raise from_rpc_error(exc, target) from None
-        return convert.read_result(reply)
+        return read_result(reply)

@@ -26,6 +26,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from episerve_client import Client, convert, errors
+from episerve_client.read_answer import ReadResult, read_result
 from episerve_proto import routing
 from episerve_proto.contract import SERVICE_PATH
 from episerve_proto.v1 import episerve_pb2 as pb
@@ -82,15 +83,15 @@ def _topology(target: str) -> tuple[tuple[str, ...], str]:
 
 
 def _forwarded_read(target: str, keymap: dict[str, Any], samples: list[tuple[str, int]],
-                    cutoff: bool = False, all_masks: bool = False) -> convert.ReadResult:
+                    cutoff: bool = False, all_masks: bool = False) -> ReadResult:
     """What grpcurl or an older client does: one Read to the daemon's address."""
     request = convert.read_request(samples, keymap=keymap, annotation_cutoff=cutoff,
                                    all_masks=all_masks)
     with grpc.insecure_channel(target) as ch:
-        return convert.read_result(ch.unary_unary(SERVICE_PATH + "Read")(request, timeout=30))
+        return read_result(ch.unary_unary(SERVICE_PATH + "Read")(request, timeout=30))
 
 
-def _assert_oracle(result: convert.ReadResult, root: Path, keymap: dict[str, Any],
+def _assert_oracle(result: ReadResult, root: Path, keymap: dict[str, Any],
                    samples: list[tuple[str, int]], cutoff: bool = False,
                    all_masks: bool = False) -> None:
     assert len(result) == len(samples)
@@ -198,7 +199,7 @@ def test_register_keymap_reaches_every_worker(workers2: dict[str, DaemonProcess]
                              frames=[f for _, f in BATCH]).SerializeToString()
     for w in _topology(d.target)[0]:
         with grpc.insecure_channel(w) as ch:
-            result = convert.read_result(ch.unary_unary(SERVICE_PATH + "Read")(request,
+            result = read_result(ch.unary_unary(SERVICE_PATH + "Read")(request,
                                                                                  timeout=30))
         assert len(result) == len(BATCH)
 

@@ -23,6 +23,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from episerve_client import Client, convert, errors
+from episerve_client.read_answer import read_result
 from episerve_proto import routing
 from episerve_proto.contract import ERROR_TRAILER, SERVICE_NAME, SERVICE_PATH
 from episerve_proto.v1 import episerve_pb2 as pb
@@ -255,7 +256,7 @@ def test_the_front_refuses_a_merged_answer_over_the_limit_as_one_process_does(
     # each half alone fits, through either
     for d in limited.values():
         for half in (HALVES[:16], HALVES[16:]):
-            assert len(convert.read_result(_raw(d.target, "Read",
+            assert len(read_result(_raw(d.target, "Read",
                                                 convert.read_request(half, keymap=LONG)))) == 16
     # a client's own lower limit is applied to the sum too
     request = convert.read_request(HALVES[:8] + HALVES[16:24], keymap=LONG,
@@ -315,7 +316,7 @@ def test_reads_through_the_front_are_refused_before_their_parts_are_asked_for(
                 data = ch.unary_unary(SERVICE_PATH + "Read")(request, timeout=60)
             except grpc.RpcError as exc:
                 return str(dict(exc.trailing_metadata() or ()).get(ERROR_TRAILER, exc))
-        assert len(convert.read_result(data)) == len(WIDE_HALVES)
+        assert len(read_result(data)) == len(WIDE_HALVES)
         return "OK"
 
     with futures.ThreadPoolExecutor(4) as pool:
@@ -394,17 +395,17 @@ def test_keymaps_registered_through_the_front_survive_a_worker_restart(
     samples = [(OWNED_BY_1, 4), (OWNED_BY_0, 4)]
     request = pb.ReadRequest(keymap_id=kid, episodes=[e for e, _ in samples],
                              frames=[f for _, f in samples]).SerializeToString()
-    before = convert.read_result(_raw(d.target, "Read", request))
+    before = read_result(_raw(d.target, "Read", request))
     old = d.worker_pids()[1]
     os.kill(old, signal.SIGKILL)
     _wait_health(d.target, NOT_SERVING, within_s=10)
     _wait_health(d.target, SERVING, within_s=60)
     assert d.worker_pids()[1] != old
-    after = convert.read_result(_raw(d.target, "Read", request))  # not UnknownKeymap
+    after = read_result(_raw(d.target, "Read", request))  # not UnknownKeymap
     for b in range(len(samples)):
         assert_same_sample(sample_of(after, b), sample_of(before, b), b)
     worker1 = f"unix://{d.target.removeprefix('unix://')}.workers/1.sock"
-    assert len(convert.read_result(_raw(worker1, "Read", request))) == 2
+    assert len(read_result(_raw(worker1, "Read", request))) == 2
 
 
 # -- 8. GetTopology on one process ------------------------------------------------------

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from episerve_client import keymap_from_delta_timestamps
-from episerve_client.convert import ReadResult, keymap_message, read_request, read_result
+from episerve_client.convert import keymap_message, read_request
 from episerve_client.errors import KeymapError
+from episerve_client.read_answer import ReadResult, read_result
 from episerve_proto.v1 import episerve_pb2 as pb
 from episerve_server.core.keymap import Keymap, Rule
 from episerve_server.rpc.wire.convert import Limits, keymap_from_pb, parse_read

@@ -12,11 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from episerve_client import convert as client_convert
 from episerve_client import errors
 from episerve_client._base import BaseClient
 from episerve_client._ops import Call
 from episerve_client._routes import Router, WorkerRoutes, merge_results, reachable
+from episerve_client.read_answer import read_result
 from episerve_proto import routing
 from episerve_proto.v1 import episerve_pb2 as pb
 from episerve_server.config import ServerConfig
@@ -300,8 +300,8 @@ def test_the_front_and_the_client_merge_parts_alike() -> None:
         return msg.SerializeToString()  # type: ignore[no-any-return]
 
     parts = [([3, 0, 4], part([3, 0, 4])), ([1, 2], part([1, 2]))]
-    front = client_convert.read_result(forward.merge_read_responses(parts, 5))
-    client = merge_results([(idx, client_convert.read_result(data)) for idx, data in parts], 5)
+    front = read_result(forward.merge_read_responses(parts, 5))
+    client = merge_results([(idx, read_result(data)) for idx, data in parts], 5)
     for got in (front, client):
         assert got.episodes == [f"e{r}" for r in range(5)]
         assert got.frame_index.tolist() == list(range(5))

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from PIL import Image
 from torch.utils.data import DataLoader, default_collate
 
-from episerve_client.convert import EpisodeInfo
+from episerve_client.listing import EpisodeInfo
 from episerve_client.viz import (
     EpochSchedule,
     PassRenderer,

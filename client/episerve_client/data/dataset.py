@@ -14,7 +14,6 @@ from torch.utils.data import Dataset, get_worker_info
 from episerve_client._base import KeymapLike, load_keymap
 from episerve_client._probe import Survey, describe, key_stats, probe
 from episerve_client.client import Client
-from episerve_client.convert import EpisodeInfo, KeyStats, ReadResult
 from episerve_client.data import ranks
 from episerve_client.data.batch import SampleBatch
 from episerve_client.data.episodes import ON_BROKEN, as_manifest, explicit, whole_root
@@ -34,7 +33,10 @@ from episerve_client.errors import (
     FailedPrecondition,
     InvalidArgument,
 )
+from episerve_client.keystats import KeyStats
+from episerve_client.listing import EpisodeInfo
 from episerve_client.local import TRANSPORTS
+from episerve_client.read_answer import ReadResult
 from episerve_proto.contract import ACTION_KEYS, CAMERA_KEYS, PROPRIO_KEYS
 
 DEFAULT_CONNECT_TIMEOUT_S = 15.0

@@ -15,7 +15,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from episerve_client._probe import Problem, Survey
-from episerve_client.convert import EpisodeInfo
 from episerve_client.data.manifest import Manifest
 from episerve_client.errors import (
     EpiserveError,
@@ -24,6 +23,7 @@ from episerve_client.errors import (
     InvalidArgument,
     KeymapError,
 )
+from episerve_client.listing import EpisodeInfo
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ from typing import Any, Generic, TypeVar
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
-from episerve_client.convert import EpisodeInfo
 from episerve_client.data.collation import collate
+from episerve_client.listing import EpisodeInfo
 
 T = TypeVar("T")
 

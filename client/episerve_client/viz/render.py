@@ -8,7 +8,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from episerve_client.convert import EpisodeInfo
+from episerve_client.listing import EpisodeInfo
 from episerve_client.viz.gate import VideoConfigError, check_viz_config, global_rank
 from episerve_client.viz.mp4 import VideoWriter
 from episerve_client.viz.overlay import batch_overlays

@@ -47,8 +47,8 @@ import numpy as np
 from episerve_client._ops import Call, Op, Outcome
 from episerve_client.aio import AsyncClient
 from episerve_client.client import Client
-from episerve_client.convert import ReadResult
 from episerve_client.errors import EpiserveError
+from episerve_client.read_answer import ReadResult
 from episerve_tools.loadtest.report import (
     PROGRESS_EVERY_S,
     Progress,

@@ -1,0 +1,127 @@
+"""A Read answer's wire form, walked before protobuf parses it: every field's count and
+size bounded by the request, so an answer of ten million tiny elements is refused before
+protobuf builds them."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from episerve_client.errors import DataLossError
+from episerve_client.tensors import MAX_TENSOR_NDIM
+from episerve_proto.contract import (
+    MAX_MESSAGE_BYTES,
+    MAX_NAME_CHARS,
+    MAX_RESPONSE_FRAMES,
+    MAX_RESPONSE_TEXTS,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class _Field:
+    """How often a field may occur in one message, how long one occurrence may be, the
+    message it holds (walked too), and the response-wide pool it also counts against."""
+
+    name: str
+    count: int
+    size: int = MAX_MESSAGE_BYTES
+    inner: Mapping[int, _Field] | None = None
+    pool: str = ""
+
+
+_UNKNOWN = _Field("unknown fields", 64)
+_NAME_BYTES = 4 * MAX_NAME_CHARS
+_SHAPE = _Field("shape", MAX_TENSOR_NDIM + 1, 10 * (MAX_TENSOR_NDIM + 1))
+_TENSOR = {1: _Field("name", 1, _NAME_BYTES), 2: _Field("dtype", 1, 64), 3: _SHAPE,
+           4: _Field("data", 1)}
+_IMAGES = {1: _Field("name", 1, _NAME_BYTES), 2: _Field("source", 1, _NAME_BYTES), 3: _SHAPE,
+           4: _Field("index", 1)}
+_FRAMES = {1: _Field("key", 1, _NAME_BYTES), 2: _Field("frames", MAX_RESPONSE_FRAMES,
+                                                       pool="frames")}
+_TEXTS = {1: _Field("texts", MAX_RESPONSE_TEXTS, pool="texts")}
+
+
+@functools.lru_cache(maxsize=64)
+def _response_fields(b: int, columns: int) -> dict[int, _Field]:
+    def column(name: str, inner: Mapping[int, _Field]) -> _Field:
+        return _Field(name, columns, inner=inner)
+
+    ints = 10 * b  # a packed int64 of b values, or b values one by one
+    return {
+        1: _Field("episodes", b, _NAME_BYTES), 2: _Field("frame_index", b, ints),
+        3: _Field("fps", b, 4 * b), 4: _Field("embodiments", b, _NAME_BYTES),
+        5: column("arrays", _TENSOR), 6: column("images", _IMAGES),
+        7: column("frames", _FRAMES),
+        8: column("texts", {1: _Field("name", 1, _NAME_BYTES),
+                            2: _Field("samples", b, inner=_TEXTS)}),
+        9: _Field("total_frames", b, ints),
+    }
+
+
+def _wire_loss(what: str, path: str) -> DataLossError:
+    return DataLossError(f"the daemon's Read response is malformed: {what} (in {path}); it "
+                         "was refused before parsing")
+
+
+def _varint(buf: bytes, pos: int, end: int, path: str) -> tuple[int, int]:
+    value = shift = 0
+    while pos < end and shift < 64:
+        byte = buf[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+    raise _wire_loss("a varint runs past its message", path)
+
+
+def _walk(buf: bytes, pos: int, end: int, spec: Mapping[int, _Field],
+          pools: dict[str, int], path: str) -> None:
+    """Check one message's fields against ``spec`` (and nested ones), O(fields) with no
+    allocation: so an answer of ten million tiny elements is refused before protobuf
+    builds them."""
+    counts: dict[int, int] = {}
+    while pos < end:
+        tag = buf[pos]  # one byte for field numbers below 16: no call
+        if tag < 0x80:
+            pos += 1
+        else:
+            tag, pos = _varint(buf, pos, end, path)
+        number, kind = tag >> 3, tag & 7
+        field = spec.get(number, _UNKNOWN)
+        slot = number if number in spec else -1
+        n = counts[slot] = counts.get(slot, 0) + 1
+        if n > field.count:
+            raise _wire_loss(f"more than {field.count} {field.name}", path)
+        if field.pool:
+            pools[field.pool] -= 1
+            if pools[field.pool] < 0:
+                raise _wire_loss(f"more than {_POOLS[field.pool]} {field.pool} in all", path)
+        if kind == 0:
+            _, pos = _varint(buf, pos, end, path)
+        elif kind in (1, 5):
+            pos += 8 if kind == 1 else 4
+        elif kind == 2:
+            size = buf[pos] if pos < end else 0x80
+            if size < 0x80:
+                pos += 1
+            else:
+                size, pos = _varint(buf, pos, end, path)
+            if size > field.size or pos + size > end:
+                raise _wire_loss(f"{field.name} of {size} bytes (at most "
+                                 f"{min(field.size, end - pos)})", path)
+            if field.inner is not None:
+                _walk(buf, pos, pos + size, field.inner, pools, f"{path}.{field.name}")
+            pos += size
+        else:
+            raise _wire_loss(f"field {number} has wire type {kind}", path)
+    if pos != end:
+        raise _wire_loss("the last field runs past its message", path)
+
+
+_POOLS = {"frames": MAX_RESPONSE_FRAMES, "texts": MAX_RESPONSE_TEXTS}
+
+
+def check_wire(data: bytes, b: int, columns: int) -> None:
+    _walk(data, 0, len(data), _response_fields(b, columns), dict(_POOLS), "ReadResponse")
