@@ -240,7 +240,7 @@ def test_the_fronts_limits_on_a_forwarded_read() -> None:
     req.max_response_bytes = 200
     assert forward.read_facts(req.SerializeToString(), 1000).limit == 200
     assert forward.read_facts(req.SerializeToString(), 100).limit == 100
-    for share, want in ((500, 500), (0, 1)):  # never 0, which would mean "no limit"
+    for share, want in ((500, 500), (0, 1), (2**40, 2**40)):  # never 0 ("no limit")
         sub = pb.ReadRequest.FromString(forward.limited_read(req.SerializeToString(), share))
         assert sub.max_response_bytes == want
         assert (sub.keymap_id, list(sub.episodes), list(sub.frames), sub.all_masks) \

@@ -17,6 +17,7 @@ import numpy as np
 from episerve_proto import routing
 from episerve_proto.v1 import episerve_pb2 as pb
 from episerve_server.rpc.wire.convert import Limits, parse_message
+from episerve_server.rpc.wire.encode import varint
 
 #: Counters that every worker reports for the whole daemon (each one sees every episode and
 #: every keymap registered through the front): the front reports their largest value, not
@@ -81,11 +82,16 @@ def read_facts(data: bytes | Any, limit: int) -> ReadFacts:
     return ReadFacts(len(req.episodes), limit, bytes([req.all_masks, req.annotation_cutoff]) + ref)
 
 
+# ReadRequest.max_response_bytes's tag (a varint field), from the generated descriptor.
+_LIMIT_TAG = varint(pb.ReadRequest.DESCRIPTOR.fields_by_name["max_response_bytes"].number << 3)
+
+
 def limited_read(data: bytes, max_response_bytes: int) -> bytes:
-    """A forwarded Read with a response limit of its own (at least 1 byte: 0 means none)."""
-    req = parse_message(pb.ReadRequest(), data, "Read")
-    req.max_response_bytes = max(1, max_response_bytes)
-    return req.SerializeToString()  # type: ignore[no-any-return]
+    """A forwarded Read with a response limit of its own (at least 1 byte: 0 means none).
+    The field is appended to the request's bytes, not set on a parsed copy: a parser takes
+    the last value of a singular field it meets, so the part ``split_read`` built is
+    neither parsed nor serialized again."""
+    return data + _LIMIT_TAG + varint(max(1, max_response_bytes))
 
 
 def merge_read_responses(parts: Sequence[tuple[list[int], bytes]], n: int) -> bytes:
