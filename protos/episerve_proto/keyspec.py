@@ -17,7 +17,7 @@ import math
 import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar, overload
 
 from episerve_proto.contract import (
     ANNOTATION_KEYS,
@@ -51,9 +51,21 @@ class EntryFields:
     offsets_s: tuple[float, ...] | None = None
 
 
-def checked_entry(name: object, spec: object) -> EntryFields:
+E = TypeVar("E", bound=EntryFields)
+
+
+@overload
+def checked_entry(name: object, spec: object) -> EntryFields: ...
+
+
+@overload
+def checked_entry(name: object, spec: object, make: type[E]) -> E: ...
+
+
+def checked_entry(name: object, spec: object, make: type[EntryFields] = EntryFields) -> EntryFields:
     """Check one keymap entry (``name: spec``); a ``KeymapError`` names the entry, the field
-    and the value received."""
+    and the value received. ``make``: the class the checked fields are given to (the
+    daemon's ``KeySpec``, a subclass), so each side holds one shape of an entry."""
     if not isinstance(name, str) or not name:
         raise KeymapError(f"output keys are non-empty strings, got {shown(name)}")
     _check_length("output key (entry name)", name)
@@ -81,7 +93,7 @@ def checked_entry(name: object, spec: object) -> EntryFields:
         raise KeymapError(
             f"output key {shown(name)}: key_type {shown(key_type)} is not one of "
             f"{KEY_TYPES!r}{hint}", key=zarr_key)
-    out = EntryFields(
+    out = make(
         name=name,
         zarr_key=zarr_key,
         key_type=key_type,

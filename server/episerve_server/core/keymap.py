@@ -23,7 +23,7 @@ from episerve_proto.contract import (
     TOTAL_FRAMES,
 )
 from episerve_proto.errors import KeymapError, LimitExceeded, shown
-from episerve_proto.keyspec import checked_entry
+from episerve_proto.keyspec import EntryFields, checked_entry
 
 #: Entries of one keymap (the daemon's ``--max-keymap-entries`` default).
 MAX_ENTRIES = 256
@@ -42,25 +42,18 @@ class Rule(Enum):
 
 
 @dataclass(frozen=True, slots=True)
-class KeySpec:
-    """One keymap entry, validated."""
+class KeySpec(EntryFields):
+    """One keymap entry, validated (``keyspec.checked_entry`` makes it), with what the
+    planner asks of it on every batch derived once. ``history_stride`` is 1 when not given."""
 
-    name: str
-    zarr_key: str
-    key_type: str
-    horizon: int | None = None
-    history: int | None = None
-    history_stride: int = 1
-    history_stride_s: float | None = None
-    lag_s: float | None = None
-    offsets_s: tuple[float, ...] | None = None
-    # Derived once, when the entry is made (the planner asks for them on every batch).
     rule: Rule = dataclasses.field(init=False, compare=False, repr=False)
     length: int = dataclasses.field(init=False, compare=False, repr=False)  # rows in the window
     # A windowed output: (W, *feature) per sample, with an ``_is_pad`` mask on request.
     time_axis: bool = dataclasses.field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        if self.history_stride is None:
+            object.__setattr__(self, "history_stride", 1)
         rule = self._rule()
         object.__setattr__(self, "rule", rule)
         object.__setattr__(self, "length", self._length(rule))
@@ -94,7 +87,7 @@ class KeySpec:
         for name in ("horizon", "history", "history_stride_s", "lag_s"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
-        if self.history_stride != 1:
+        if self.history_stride not in (None, 1):
             out["history_stride"] = self.history_stride
         if self.offsets_s is not None:
             out["offsets_s"] = list(self.offsets_s)
@@ -170,7 +163,4 @@ def _reserved_names(entries: tuple[KeySpec, ...]) -> dict[str, str]:
 
 
 def _parse_entry(name: object, spec: object) -> KeySpec:
-    f = checked_entry(name, spec)
-    return KeySpec(name=f.name, zarr_key=f.zarr_key, key_type=f.key_type, horizon=f.horizon,
-                   history=f.history, history_stride=f.history_stride or 1,
-                   history_stride_s=f.history_stride_s, lag_s=f.lag_s, offsets_s=f.offsets_s)
+    return checked_entry(name, spec, KeySpec)

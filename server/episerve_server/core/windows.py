@@ -63,5 +63,5 @@ def _history(spec: KeySpec, frame: IntArray, fps: IntArray) -> Window:
     k = spec.history or 1
     newest = frame - frames(spec.lag_s, fps) if spec.lag_s is not None else frame
     stride = frames(spec.history_stride_s, fps) if spec.history_stride_s is not None \
-        else spec.history_stride
+        else spec.history_stride or 1
     return Window(*kernel.history(k, newest, stride))
