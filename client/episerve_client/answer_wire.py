@@ -10,6 +10,14 @@ from dataclasses import dataclass
 
 from episerve_client.errors import DataLossError
 from episerve_client.tensors import MAX_TENSOR_NDIM
+from episerve_proto.answer import (
+    FRAME_SOURCE,
+    IMAGE_COLUMN,
+    RESPONSE,
+    TENSOR,
+    TEXT_COLUMN,
+    TEXTS,
+)
 from episerve_proto.contract import (
     MAX_MESSAGE_BYTES,
     MAX_NAME_CHARS,
@@ -33,30 +41,36 @@ class _Field:
 _UNKNOWN = _Field("unknown fields", 64)
 _NAME_BYTES = 4 * MAX_NAME_CHARS
 _SHAPE = _Field("shape", MAX_TENSOR_NDIM + 1, 10 * (MAX_TENSOR_NDIM + 1))
-_TENSOR = {1: _Field("name", 1, _NAME_BYTES), 2: _Field("dtype", 1, 64), 3: _SHAPE,
-           4: _Field("data", 1)}
-_IMAGES = {1: _Field("name", 1, _NAME_BYTES), 2: _Field("source", 1, _NAME_BYTES), 3: _SHAPE,
-           4: _Field("index", 1)}
-_FRAMES = {1: _Field("key", 1, _NAME_BYTES), 2: _Field("frames", MAX_RESPONSE_FRAMES,
-                                                       pool="frames")}
-_TEXTS = {1: _Field("texts", MAX_RESPONSE_TEXTS, pool="texts")}
+# Each column message's fields, by their numbers in the generated descriptor.
+_COLUMNS: dict[str, Mapping[int, _Field]] = {
+    "tensors": {TENSOR["name"]: _Field("name", 1, _NAME_BYTES),
+                TENSOR["dtype"]: _Field("dtype", 1, 64), TENSOR["shape"]: _SHAPE,
+                TENSOR["data"]: _Field("data", 1)},
+    "images": {IMAGE_COLUMN["name"]: _Field("name", 1, _NAME_BYTES),
+               IMAGE_COLUMN["source"]: _Field("source", 1, _NAME_BYTES),
+               IMAGE_COLUMN["shape"]: _SHAPE, IMAGE_COLUMN["index"]: _Field("index", 1)},
+    "frames": {FRAME_SOURCE["key"]: _Field("key", 1, _NAME_BYTES),
+               FRAME_SOURCE["frames"]: _Field("frames", MAX_RESPONSE_FRAMES, pool="frames")},
+}
+_TEXTS = {TEXTS["texts"]: _Field("texts", MAX_RESPONSE_TEXTS, pool="texts")}
 
 
 @functools.lru_cache(maxsize=64)
 def _response_fields(b: int, columns: int) -> dict[int, _Field]:
-    def column(name: str, inner: Mapping[int, _Field]) -> _Field:
-        return _Field(name, columns, inner=inner)
-
+    """Each field of ``ReadResponse`` (``episerve_proto.answer``) bounded for ``b`` samples
+    and ``columns`` columns: a per-sample field by the size of ``b`` values of its kind."""
     ints = 10 * b  # a packed int64 of b values, or b values one by one
-    return {
-        1: _Field("episodes", b, _NAME_BYTES), 2: _Field("frame_index", b, ints),
-        3: _Field("fps", b, 4 * b), 4: _Field("embodiments", b, _NAME_BYTES),
-        5: column("arrays", _TENSOR), 6: column("images", _IMAGES),
-        7: column("frames", _FRAMES),
-        8: column("texts", {1: _Field("name", 1, _NAME_BYTES),
-                            2: _Field("samples", b, inner=_TEXTS)}),
-        9: _Field("total_frames", b, ints),
-    }
+    per_sample = {"strings": _NAME_BYTES, "varints": ints, "float32": 4 * b}
+    texts = {TEXT_COLUMN["name"]: _Field("name", 1, _NAME_BYTES),
+             TEXT_COLUMN["samples"]: _Field("samples", b, inner=_TEXTS)}
+    out: dict[int, _Field] = {}
+    for f in RESPONSE:
+        if f.per_sample:
+            out[f.number] = _Field(f.name, b, per_sample[f.kind])
+        else:
+            out[f.number] = _Field(f.name, columns,
+                                   inner=texts if f.kind == "texts" else _COLUMNS[f.kind])
+    return out
 
 
 def _wire_loss(what: str, path: str) -> DataLossError:

@@ -1,9 +1,11 @@
 """Protobuf wire encoding of ``ReadResponse`` without building a message object.
 
 Building the message copies every array into the protobuf arena and serializing copies it
-again; here each array's memory goes straight into one ``bytes.join``. The field numbers
-mirror ``protos/episerve/v1/episerve.proto``; a unit test parses the output with the
-generated class and compares it with a message built the ordinary way.
+again; here each array's memory goes straight into one ``bytes.join``. What each field is
+and its number come from ``episerve_proto.answer`` (the generated descriptor): the answer
+is written field by field in number order, each by the writer of its kind; a unit test
+parses the output with the generated class and compares it with a message built the
+ordinary way.
 
 A batch repeats its few episode hashes and embodiments once per sample, so each distinct
 string is encoded once and kept; packed integers are encoded with numpy, not one
@@ -12,11 +14,13 @@ Python call per value.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
-from episerve_server.core.result import BatchResult
+from episerve_proto.answer import FRAME_SOURCE, IMAGE_COLUMN, RESPONSE, TENSOR, TEXT_COLUMN, TEXTS
+from episerve_server.core.result import BatchResult, ImageColumn
 
 Buf = bytes | memoryview
 _LEN = 2  # wire type: length-delimited
@@ -109,13 +113,16 @@ class _Encoded(dict[str, bytes]):
 
 
 MAX_STRINGS = 1 << 16
-_ENCODED = {1: _Encoded(1), 4: _Encoded(4)}  # ReadResponse's episodes and embodiments
+_ENCODED: dict[int, _Encoded] = {}  # per field number (episodes, embodiments)
 
 
 def _strings(field: int, texts: Sequence[str]) -> bytes:
     """A repeated string field (episodes or embodiments), each text's encoding from the
     field's memo."""
-    return b"".join(map(_ENCODED[field].__getitem__, texts))
+    memo = _ENCODED.get(field)
+    if memo is None:
+        memo = _ENCODED[field] = _Encoded(field)
+    return b"".join(map(memo.__getitem__, texts))
 
 
 def _packed_ints(field: int, values: np.ndarray) -> list[Buf]:
@@ -123,15 +130,17 @@ def _packed_ints(field: int, values: np.ndarray) -> list[Buf]:
     return _field(field, [body]) if body else []
 
 
-def _header(field: int, name: str, kind: str, shape: tuple[int, ...]) -> bytes:
-    """Fields 1-3 of an array or image column (name, dtype or source, shape): the same for
-    every batch of a keymap, so they are encoded once and kept (a bounded memo)."""
+def _header(field: int, numbers: tuple[int, int, int], name: str, kind: str,
+            shape: tuple[int, ...]) -> bytes:
+    """The name, dtype (or source) and shape of an array or image column (``numbers``:
+    those three fields' numbers): the same for every batch of a keymap, so they are
+    encoded once and kept (a bounded memo)."""
     key = (field, name, kind, shape)
     got = _HEADERS.get(key)
     if got is None:
         dims = b"".join(varint(n) for n in shape)
-        got = b"".join([*_string(1, name), *_string(2, kind),
-                        *(_field(3, [dims]) if dims else [])])
+        got = b"".join([*_string(numbers[0], name), *_string(numbers[1], kind),
+                        *(_field(numbers[2], [dims]) if dims else [])])
         if len(_HEADERS) >= MAX_HEADERS:
             _HEADERS.clear()
         _HEADERS[key] = got
@@ -150,7 +159,79 @@ def _message(field: int, parts: list[Buf]) -> list[Buf]:
     return _field(field, parts)
 
 
-_EMPTY_FRAME = _tag(2) + varint(0)  # a frame's field with its bytes sent apart
+_T = (TENSOR["name"], TENSOR["dtype"], TENSOR["shape"])
+_I = (IMAGE_COLUMN["name"], IMAGE_COLUMN["source"], IMAGE_COLUMN["shape"])
+# A frame's field with its bytes sent apart.
+_EMPTY_FRAME = _tag(FRAME_SOURCE["frames"]) + varint(0)
+Bulk = Callable[[int, Buf], list[Buf]]
+
+
+def _per_sample_strings(field: int, texts: Sequence[str], bulk: Bulk) -> list[Buf]:
+    return [_strings(field, texts)]
+
+
+def _per_sample_varints(field: int, values: np.ndarray | None, bulk: Bulk) -> list[Buf]:
+    return [] if values is None else _packed_ints(field, values)
+
+
+def _per_sample_float32(field: int, values: np.ndarray, bulk: Bulk) -> list[Buf]:
+    return _field(field, [_raw(values.astype("<f4"))]) if len(values) else []
+
+
+def _tensors(field: int, arrays: dict[str, np.ndarray], bulk: Bulk) -> list[Buf]:
+    parts: list[Buf] = []
+    for name, arr in arrays.items():
+        le = arr.astype(arr.dtype.newbyteorder("<"), copy=False)
+        parts += _message(field, [_header(field, _T, name, le.dtype.str, arr.shape),
+                                  *bulk(TENSOR["data"], _raw(le))])
+    return parts
+
+
+def _images(field: int, images: dict[str, ImageColumn], bulk: Bulk) -> list[Buf]:
+    parts: list[Buf] = []
+    for name, col in images.items():
+        index = col.index.astype("<i4", copy=False)
+        parts += _message(field, [_header(field, _I, name, col.source, index.shape),
+                                  *bulk(IMAGE_COLUMN["index"], _raw(index))])
+    return parts
+
+
+def _frames(field: int, sources: dict[str, list[bytes]], bulk: Bulk,
+            sink: list[Buf] | None = None) -> list[Buf]:
+    parts: list[Buf] = []
+    for key, frames in sources.items():
+        body: list[Buf] = [*_string(FRAME_SOURCE["key"], key)]
+        if sink is None:
+            for frame in frames:
+                body += _field(FRAME_SOURCE["frames"], [frame])
+        else:  # every frame's field is empty: one run of them
+            body.append(_EMPTY_FRAME * len(frames))
+            sink.extend(frames)
+        parts += _message(field, body)
+    return parts
+
+
+def _texts(field: int, columns: dict[str, list[list[str]]], bulk: Bulk) -> list[Buf]:
+    parts: list[Buf] = []
+    for name, per_sample in columns.items():
+        body = [*_string(TEXT_COLUMN["name"], name)]
+        # Samples with the same texts are encoded once; tuple() of a tuple (what the text
+        # tables hand out) is the tuple itself.
+        keys = list(map(tuple, per_sample))
+        done = {texts: b"".join(_message(TEXT_COLUMN["samples"],
+                                         [p for t in texts for p in _string(TEXTS["texts"], t)]))
+                for texts in set(keys)}
+        body += map(done.__getitem__, keys)
+        parts += _message(field, body)
+    return parts
+
+
+_WRITERS: dict[str, Callable[[int, Any, Bulk], list[Buf]]] = {
+    "strings": _per_sample_strings, "varints": _per_sample_varints,
+    "float32": _per_sample_float32, "tensors": _tensors, "images": _images,
+    "frames": _frames, "texts": _texts,
+}
+_PLAN = tuple((f.name, f.number, _WRITERS[f.kind], f.kind == "frames") for f in RESPONSE)
 
 
 def encode_result(result: BatchResult, sink: list[Buf] | None = None) -> bytes:
@@ -164,35 +245,10 @@ def encode_result(result: BatchResult, sink: list[Buf] | None = None) -> bytes:
         sink.append(blob)
         return []
 
-    parts: list[Buf] = [_strings(1, result.episodes)]
-    parts += _packed_ints(2, result.frame_index)
-    parts += _field(3, [_raw(result.fps.astype("<f4"))]) if len(result.fps) else []
-    parts.append(_strings(4, result.embodiments))
-    for name, arr in result.arrays.items():
-        le = arr.astype(arr.dtype.newbyteorder("<"), copy=False)
-        parts += _message(5, [_header(5, name, le.dtype.str, arr.shape), *bulk(4, _raw(le))])
-    for name, col in result.images.items():
-        index = col.index.astype("<i4", copy=False)
-        parts += _message(6, [_header(6, name, col.source, index.shape),
-                              *bulk(4, _raw(index))])
-    for key, frames in result.frames.items():
-        body: list[Buf] = [*_string(1, key)]
-        if sink is None:
-            for frame in frames:
-                body += _field(2, [frame])
-        else:  # every frame's field is empty: one run of them
-            body.append(_EMPTY_FRAME * len(frames))
-            sink.extend(frames)
-        parts += _message(7, body)
-    for name, per_sample in result.texts.items():
-        body = [*_string(1, name)]
-        # Samples with the same texts are encoded once; tuple() of a tuple (what the text
-        # tables hand out) is the tuple itself.
-        keys = list(map(tuple, per_sample))
-        done = {texts: b"".join(_message(2, [p for t in texts for p in _string(1, t)]))
-                for texts in set(keys)}
-        body += map(done.__getitem__, keys)
-        parts += _message(8, body)
-    if result.total_frames is not None:  # all_masks only: default responses are unchanged
-        parts += _packed_ints(9, result.total_frames)
+    parts: list[Buf] = []
+    for name, number, write, frames in _PLAN:
+        if frames:
+            parts += _frames(number, result.frames, bulk, sink)
+        else:
+            parts += write(number, getattr(result, name), bulk)
     return b"".join(parts)

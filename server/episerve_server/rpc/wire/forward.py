@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from episerve_proto import routing
+from episerve_proto.answer import PER_SAMPLE
 from episerve_proto.v1 import episerve_pb2 as pb
 from episerve_server.rpc.wire.convert import Limits, parse_message
 from episerve_server.rpc.wire.encode import varint
@@ -24,8 +25,8 @@ from episerve_server.rpc.wire.encode import varint
 #: their sum.
 SHARED_GAUGES = frozenset({"episodes_open", "episodes_broken", "keymaps_registered",
                            "keymap_registry_bytes"})
-#: Per-sample fields of a ReadResponse, merged in request order.
-SAMPLE_FIELDS = ("episodes", "frame_index", "fps", "embodiments", "total_frames")
+#: Per-sample fields of a ReadResponse, merged in request order (``episerve_proto.answer``).
+SAMPLE_FIELDS = tuple(f.name for f in PER_SAMPLE)
 
 
 def parse_read(data: bytes) -> Any:
