@@ -18,7 +18,8 @@ from episerve_client.convert import KeymapCheck
 from episerve_client.errors import EpiserveError, from_rpc_error
 from episerve_client.keystats import KeyStats
 from episerve_client.listing import Listing
-from episerve_client.local import Adopt, LocalChannel, check_transport, pick_local
+from episerve_client.local import check_transport, pick_local
+from episerve_client.local_channel import Adopt, LocalChannel
 from episerve_client.read_answer import ReadResult
 from episerve_proto.contract import SERVICE_PATH
 

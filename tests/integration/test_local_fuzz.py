@@ -30,7 +30,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from episerve_client import convert
-from episerve_client.local import LocalChannel
+from episerve_client.local_channel import LocalChannel
 from episerve_proto import local as lp
 from episerve_proto.contract import METHODS
 from episerve_server.config import ServerConfig

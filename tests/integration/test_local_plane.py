@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from episerve_client import Client, convert, errors
-from episerve_client.local import adopt_mapping
+from episerve_client.local_channel import adopt_mapping
 from episerve_tools.launch import DaemonProcess
 from tests.support.keymaps import BATCH, KEYMAPS, without_annotations
 

@@ -345,7 +345,7 @@ HOSTILE: dict[str, Callable[[socket.socket], None]] = {
 @pytest.mark.parametrize("case", sorted(HOSTILE))
 def test_a_hostile_daemon_gets_a_typed_error_and_no_bad_view(case: str,
                                                              tmp_path: Path) -> None:
-    from episerve_client.local import LocalChannel
+    from episerve_client.local_channel import LocalChannel
 
     path, server = _hostile(tmp_path, HOSTILE[case])
     channel = LocalChannel(path, f"unix://{path}", "")
@@ -358,7 +358,7 @@ def test_a_hostile_daemon_gets_a_typed_error_and_no_bad_view(case: str,
 
 def test_a_good_batch_from_a_crafted_daemon_is_a_view(tmp_path: Path) -> None:
     """The same crafted server, answering properly: the client maps the segment."""
-    from episerve_client.local import LocalChannel
+    from episerve_client.local_channel import LocalChannel
 
     def good(conn: socket.socket) -> None:
         meta, table, segment = _placed(_batch())
@@ -689,7 +689,7 @@ def test_a_plane_that_never_welcomes_is_unavailable_after_the_connect_timeout(
     import time
 
     from episerve_client.errors import Unavailable
-    from episerve_client.local import LocalChannel
+    from episerve_client.local_channel import LocalChannel
 
     path = tmp_path / "d.sock"
     with socket.socket(socket.AF_UNIX) as daemon, socket.socket(socket.AF_UNIX) as plane:
