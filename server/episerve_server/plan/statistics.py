@@ -12,7 +12,8 @@ the set it grew from. So asking again after one episode was added computes that 
 An entry is valid for the reader it was computed from: an episode dropped, or reopened with
 other content, has new readers and is computed again.
 
-One job, ``GetKeyStats`` from the reads to the cached answers, hence its length.
+One key's plan, the reads' decoding and summary in the worker thread and the merge are
+:mod:`~episerve_server.plan.keyplan`'s.
 """
 
 from __future__ import annotations
@@ -21,36 +22,28 @@ import asyncio
 import math
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
 
-from episerve_proto.contract import MAX_NAME_CHARS, did_you_mean
-from episerve_proto.errors import (
-    BrokenEpisodeError,
-    InvalidArgument,
-    LimitExceeded,
-    ShortArrayError,
-    listed,
-    shown,
-)
+from episerve_proto.contract import MAX_NAME_CHARS
+from episerve_proto.errors import InvalidArgument, LimitExceeded, shown
 from episerve_proto.keyspec import too_long
 from episerve_server.core.cache import ChunkCache
-from episerve_server.core.keystats import (
-    KeyStats,
-    Moments,
-    TailBuilder,
-    Tails,
-    combine,
-    key_stats,
-    tail_room,
+from episerve_server.core.keystats import KeyStats, Moments, TailBuilder, Tails, combine, tail_room
+from episerve_server.plan.keyplan import (
+    KeyPlan,
+    RawChunk,
+    feed_all,
+    numeric_reader,
+    summarize_all,
 )
 from episerve_server.plan.planner import Planner
 from episerve_server.storage.catalog import Catalog
 from episerve_server.storage.episode import Episode
-from episerve_server.storage.readers import ChunkReader, decode_chunk
+from episerve_server.storage.readers import ChunkReader
 
 T = TypeVar("T")
 
@@ -167,8 +160,8 @@ class KeyStatsEngine:
             self._next_token += 1
         return token
 
-    def _plan(self, key: str, chosen: list[Episode], n: int) -> _KeyPlan:
-        readers = [_numeric_reader(e, key) for e in chosen]
+    def _plan(self, key: str, chosen: list[Episode], n: int) -> KeyPlan:
+        readers = [numeric_reader(e, key) for e in chosen]
         features = {r.info.feature for r in readers}
         if len(features) > 1:
             seen = {r.info.feature: r.info.episode for r in readers}
@@ -188,7 +181,7 @@ class KeyStatsEngine:
                 f"{(room[0] + room[1]) * size * 4} bytes of tails, over the limit of "
                 f"{MAX_TAILS_BYTES}; ask for fewer episodes at a time", key=key)
         builder = TailBuilder(size, room, start.tails if start is not None else None)
-        plan = _KeyPlan(key, feature, chosen, readers, tokens, builder)
+        plan = KeyPlan(key, feature, chosen, readers, tokens, builder)
         # Episodes in the tails' set are in their moments too: only the others are looked at.
         added = [e for e in chosen if e.hash not in members]
         if start is not None:
@@ -219,14 +212,14 @@ class KeyStatsEngine:
                 self._lru.move_to_end(lru_key)
         return best
 
-    async def _read_missing(self, plans: list[_KeyPlan], chosen: list[Episode]) -> None:
+    async def _read_missing(self, plans: list[KeyPlan], chosen: list[Episode]) -> None:
         for plan in plans:  # values cached in parts go into the tails first, in a thread
             if plan.cached_values:
-                await self._in_thread(_feed_all, plan.builder, plan.cached_values)
+                await self._in_thread(feed_all, plan.builder, plan.cached_values)
                 plan.cached_values = []
         sem = asyncio.Semaphore(EPISODE_CONCURRENCY)
 
-        async def one(e: Episode, mine: list[_KeyPlan]) -> None:
+        async def one(e: Episode, mine: list[KeyPlan]) -> None:
             async with sem:
                 await self._read_episode(e, mine)
 
@@ -240,7 +233,7 @@ class KeyStatsEngine:
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
 
-    async def _read_episode(self, e: Episode, plans: list[_KeyPlan]) -> None:
+    async def _read_episode(self, e: Episode, plans: list[KeyPlan]) -> None:
         """Every key of one episode: in rounds of one block per key, each round's chunks
         fetched at once and summarized in one worker thread."""
         todo = []  # plan, reader, block ranges, whether the values are kept
@@ -256,7 +249,7 @@ class KeyStatsEngine:
             now = [(j, t) for j, t in enumerate(todo) if k < len(t[2])]
             fetched = await asyncio.gather(*(self._chunks(e, reader, *ranges[k])
                                              for _, (_, reader, ranges, _) in now))
-            done = await self._in_thread(_summarize_all, [
+            done = await self._in_thread(summarize_all, [
                 (reader, chunks, ranges[k][0], e.total_frames, plan.builder)
                 for (_, (plan, reader, ranges, _)), chunks in zip(now, fetched)])
             for (j, (_, _, _, keep)), (part_moments, part_values) in zip(now, done):
@@ -292,7 +285,7 @@ class KeyStatsEngine:
             *(self.planner.fetch_chunks(reader, c0 + a, c0 + b) for a, b in runs))
         for (a, _), raws in zip(runs, fetched):
             for k, raw in enumerate(raws):
-                out[a + k] = _Raw(raw)
+                out[a + k] = RawChunk(raw)
         return out
 
     # -- the cache --------------------------------------------------------------------------
@@ -326,7 +319,7 @@ class KeyStatsEngine:
         else:
             self._tails_of[lru_key[1]].remove(lru_key)
 
-    def _keep_tails(self, plan: _KeyPlan) -> None:
+    def _keep_tails(self, plan: KeyPlan) -> None:
         assert plan.result_tails is not None
         mine = self._tails_of.get(plan.key, [])
         for lru_key in list(mine):  # the same set asked again: the new tails replace it
@@ -351,69 +344,6 @@ class KeyStatsEngine:
                     self._pop(lru_key)
 
 
-class _Raw:
-    """A chunk as fetched, to be decoded in the worker thread."""
-
-    __slots__ = ("raw",)
-
-    def __init__(self, raw: Any) -> None:
-        self.raw = raw
-
-
-class _KeyPlan:
-    """What one key of a request needs: parts to read, values to feed, then the merge."""
-
-    def __init__(self, key: str, feature: tuple[int, ...], chosen: list[Episode],
-                 readers: list[ChunkReader], tokens: dict[str, int],
-                 builder: TailBuilder) -> None:
-        self.key, self.feature, self.chosen, self.readers = key, feature, chosen, readers
-        self.tokens, self.builder = tokens, builder
-        self.moments: dict[str, Moments] = {}
-        self.to_read: set[str] = set()
-        self.cached_values: list[np.ndarray] = []
-        # With tails to grow from: their set's moments, and the episodes added to it.
-        self.base: Moments | None = None
-        self.added: list[str] = []
-        self.result_tails: Tails | None = None
-        self.result_moments: Moments | None = None
-
-    def finish(self) -> KeyStats:
-        """The merge (in a worker thread): tails, moments, the statistics."""
-        tails = self.result_tails = self.builder.finish()
-        if self.base is None:
-            moments = combine([self.moments[e.hash] for e in self.chosen])
-        elif self.added:
-            moments = combine([self.base, *(self.moments[h] for h in self.added)])
-        else:
-            moments = self.base
-        self.result_moments = moments
-        return key_stats(self.key, self.feature, len(self.chosen), moments, tails)
-
-
-def _feed_all(builder: TailBuilder, values: Iterable[np.ndarray]) -> None:
-    for v in values:
-        builder.add(v)
-
-
-def _summarize_all(jobs: list[tuple[ChunkReader, list[Any], int, int, TailBuilder]]
-                   ) -> list[tuple[Moments, np.ndarray]]:
-    return [_summarize(*job) for job in jobs]
-
-
-def _summarize(reader: ChunkReader, chunks: list[Any], c0: int, total: int,
-               feed: TailBuilder | None) -> tuple[Moments, np.ndarray]:
-    """Decode the fetched chunks; the rows below ``total`` as (F, t) values, their moments."""
-    decoded = [decode_chunk(reader, c.raw, c0 + j) if isinstance(c, _Raw) else c
-               for j, c in enumerate(chunks)]
-    rows = np.concatenate([np.asarray(d, np.float32) for d in decoded])
-    first = c0 * reader.info.chunk_rows
-    rows = rows[: max(0, total - first)]
-    values = np.ascontiguousarray(rows.reshape(len(rows), -1).T, dtype=np.float32)
-    if feed is not None:
-        feed.add(values)
-    return Moments.of(values), values
-
-
 def _checked_keys(keys: Sequence[str]) -> list[str]:
     if not keys:
         raise InvalidArgument("GetKeyStats needs at least one key")
@@ -428,25 +358,3 @@ def _checked_keys(keys: Sequence[str]) -> list[str]:
             raise InvalidArgument(f"key {key!r} is listed twice", key=key)
         seen.add(key)
     return list(keys)
-
-
-def _numeric_reader(e: Episode, key: str) -> ChunkReader:
-    reader = e.readers.get(key)
-    if reader is None and key in e.problems:
-        raise BrokenEpisodeError(f"episode {e.hash!r} cannot serve key {key!r}: "
-                                 f"{e.problems[key]}", episode=e.hash, key=key)
-    if reader is None:
-        raise InvalidArgument(
-            f"episode {e.hash!r} has no array {key!r}"
-            f"{did_you_mean(key, list(e.readers))}; its {len(e.readers)} arrays are "
-            f"{listed(sorted(e.readers))}", episode=e.hash, key=key)
-    if reader.info.is_bytes:
-        raise InvalidArgument(
-            f"key {key!r} in episode {e.hash!r} holds bytes (JPEG frames, annotations or "
-            "strings), not numbers: statistics are computed for numeric keys only",
-            episode=e.hash, key=key)
-    if reader.info.rows < e.total_frames:
-        raise ShortArrayError(
-            f"episode {e.hash!r} key {key!r}: the array holds {reader.info.rows} rows, fewer "
-            f"than total_frames={e.total_frames}", episode=e.hash, key=key)
-    return reader
