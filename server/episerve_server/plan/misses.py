@@ -14,25 +14,26 @@
 - **Bounded.** At most ``limit`` store jobs hold a slot at once (``--max-store-concurrency``);
   each store call is bounded by the store's timeout; every decode by the array's metadata.
 
-One job, the miss path (single-flight, batching, bounds), hence its length.
+How a job's reads are cut and decoded, and what a failed storage read is to the caller, is
+:mod:`~episerve_server.plan.store_reads`'s.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
 import numpy as np
 
-from episerve_proto.errors import DataLossError, EpisodeNotFound, Unavailable
+from episerve_proto.errors import DataLossError, EpisodeNotFound
 from episerve_server.core.cache import Chunk, ChunkCache
 from episerve_server.core.stats import Stats
+from episerve_server.plan.store_reads import Vanished, split_decode, storage_error
 from episerve_server.storage.catalog import Catalog
-from episerve_server.storage.readers import ChunkReader, Raw, decode_chunk, episode_exists
+from episerve_server.storage.readers import ChunkReader, Raw, episode_exists
 from episerve_server.storage.readers.base import RunPlan
 from episerve_server.storage.store import Refused, split_key
 
@@ -71,14 +72,6 @@ class Job:
         self.interest -= 1
         if self.interest <= 0 and self.task is not None and not self.task.done():
             self.task.cancel()
-
-
-class _Vanished(Exception):
-    """A chunk's object vanished while it was cut from a batch (raised in the worker)."""
-
-    def __init__(self, reader: ChunkReader, exc: FileNotFoundError) -> None:
-        super().__init__(str(exc))
-        self.reader, self.exc = reader, exc
 
 
 class Fetcher:
@@ -306,9 +299,9 @@ class Fetcher:
         args = (runs, plans, raws, fallback)
         try:
             if nbytes >= self.offload_bytes:
-                return await asyncio.to_thread(_split_decode, *args)
-            return _split_decode(*args)
-        except _Vanished as exc:
+                return await asyncio.to_thread(split_decode, *args)
+            return split_decode(*args)
+        except Vanished as exc:
             await self.check_present(exc.reader)
             info = exc.reader.info
             raise DataLossError(f"episode {info.episode!r} key {info.name!r}: data went "
@@ -389,42 +382,3 @@ def _runs(needs: Sequence[Need]) -> list[tuple[ChunkReader, int, int]]:
         else:
             runs.append((n.reader, n.chunk, n.chunk))
     return runs
-
-
-def _split_decode(runs: list[tuple[ChunkReader, int, int]], plans: list[RunPlan | None],
-                  raws: list[bytes | None], fallback: dict[int, list[Raw | Chunk]],
-                  ) -> list[list[tuple[Raw | Chunk, Chunk]]]:
-    """Cut every run's chunks from its reads and decode them (in a worker thread)."""
-    out: list[list[tuple[Raw | Chunk, Chunk]]] = []
-    pos = 0
-    for k, (reader, c0, _) in enumerate(runs):
-        plan = plans[k]
-        if plan is None:
-            got: list[Raw | Chunk] = fallback[k]
-        else:
-            mine = raws[pos: pos + len(plan.requests)]
-            pos += len(plan.requests)
-            try:
-                got = list(plan.split(mine))
-            except FileNotFoundError as exc:
-                raise _Vanished(reader, exc) from exc
-        out.append([(raw, decode_chunk(reader, raw, c0 + j)) for j, raw in enumerate(got)])
-    return out
-
-
-#: ``errno`` values that say the stored bytes cannot be read at all (a bad sector), not that
-#: storage is busy or away: retrying will not help, so the read fails as data loss.
-LOST_ERRNOS = frozenset({errno.EIO})
-
-
-def storage_error(exc: OSError | TimeoutError, episode: str, key: str) -> Exception:
-    """What a failed storage read of ``episode``'s ``key`` is to the caller: ``DataLossError``
-    for an I/O error of the medium (never retried), else ``Unavailable`` (transient)."""
-    where = getattr(exc, "filename", None)
-    what = (f"episode {episode!r} key {key!r}: storage read "
-            f"{'of ' + repr(where) + ' ' if isinstance(where, str) else ''}failed "
-            f"({type(exc).__name__}: {exc})")
-    if isinstance(exc, OSError) and exc.errno in LOST_ERRNOS:
-        return DataLossError(f"{what}; the stored bytes cannot be read", episode=episode,
-                             key=key)
-    return Unavailable(what, episode=episode, key=key)
