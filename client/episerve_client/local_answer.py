@@ -72,19 +72,19 @@ def check_result(out: ReadResult, expect: Expected) -> ReadResult:
     if list(out.episodes) != list(expect.episodes):
         k = next(i for i, (g, w) in enumerate(zip(out.episodes, expect.episodes)) if g != w)
         raise loss(f"sample {k}'s episode", out.episodes[k], repr(expect.episodes[k]),
-                    episode=str(expect.episodes[k]))
+                   episode=str(expect.episodes[k]))
     if (out.total_frames is not None and len(out.total_frames) != b) or (
             expect.all_masks and out.total_frames is None):
         raise loss("the number of total_frames",
-                    None if out.total_frames is None else len(out.total_frames),
-                    f"{b}, one per sample requested")
+                   None if out.total_frames is None else len(out.total_frames),
+                   f"{b}, one per sample requested")
     check_rows(out, expect)
     allowed = expect.names()
     names = [*out.arrays, *out.images, *out.texts]
     for name in names:
         if name not in allowed:
             raise loss("a column name", name,
-                        f"an output of the keymap {sorted(expect.outputs)!r} or its mask", name)
+                       f"an output of the keymap {sorted(expect.outputs)!r} or its mask", name)
     missing = sorted(expect.outputs - set(names))
     if missing:
         raise loss("missing output", missing[0], "every output of the keymap", missing[0])
@@ -95,7 +95,7 @@ def check_result(out: ReadResult, expect: Expected) -> ReadResult:
     for name, shape in columns:
         if not shape or shape[0] != b or (name in out.images and len(shape) > 2):
             raise loss("the column's shape", list(shape),
-                        f"a leading dimension of {b} (one row per sample requested)", name)
+                       f"a leading dimension of {b} (one row per sample requested)", name)
     return out
 
 

@@ -88,11 +88,11 @@ def _samples(msg: Any, expect: Expected | None) -> int:
     if len(msg.total_frames) not in (0, b) or (expect is not None and expect.all_masks
                                                and len(msg.total_frames) != b):
         raise loss("the number of total_frames", len(msg.total_frames),
-                    f"{b}, one per sample requested")
+                   f"{b}, one per sample requested")
     if expect is not None and list(msg.episodes) != list(expect.episodes):
         k = next(i for i, (g, w) in enumerate(zip(msg.episodes, expect.episodes)) if g != w)
         raise loss(f"sample {k}'s episode", msg.episodes[k], repr(expect.episodes[k]),
-                    episode=str(expect.episodes[k]))
+                   episode=str(expect.episodes[k]))
     return b
 
 
@@ -102,11 +102,11 @@ def check_rows(out: ReadResult, expect: Expected | None) -> None:
         if bad.size:
             k = int(bad[0])
             raise loss(f"sample {k}'s frame_index", int(out.frame_index[k]),
-                        str(expect.frames[k]), episode=out.episodes[k])
+                       str(expect.frames[k]), episode=out.episodes[k])
     if not np.isfinite(out.fps).all() or (out.fps <= 0).any():
         k = int(np.flatnonzero(~(out.fps > 0) | ~np.isfinite(out.fps))[0])
         raise loss(f"sample {k}'s fps", float(out.fps[k]), "a finite positive number",
-                    episode=out.episodes[k])
+                   episode=out.episodes[k])
     total = out.total_frames
     if total is not None:
         bad = np.flatnonzero((total < 1) | (total > MAX_EPISODE_FRAMES)
@@ -114,8 +114,8 @@ def check_rows(out: ReadResult, expect: Expected | None) -> None:
         if bad.size:
             k = int(bad[0])
             raise loss(f"sample {k}'s total_frames", int(total[k]),
-                        f"an episode length in [1, {MAX_EPISODE_FRAMES}] above its frame "
-                        f"{int(out.frame_index[k])}", episode=out.episodes[k])
+                       f"an episode length in [1, {MAX_EPISODE_FRAMES}] above its frame "
+                       f"{int(out.frame_index[k])}", episode=out.episodes[k])
 
 
 def _columns(msg: Any, expect: Expected | None) -> None:
@@ -128,7 +128,7 @@ def _columns(msg: Any, expect: Expected | None) -> None:
         raise loss("the number of columns", count, f"at most {limit}")
     if len(msg.frames) > len(msg.images):
         raise loss("the number of frame sources", len(msg.frames),
-                    f"at most one per image column ({len(msg.images)})")
+                   f"at most one per image column ({len(msg.images)})")
     names = [c.name for cols in (msg.arrays, msg.images, msg.texts) for c in cols]
     seen: set[str] = set()
     for name in names:
@@ -136,14 +136,14 @@ def _columns(msg: Any, expect: Expected | None) -> None:
             raise loss("a column name given twice", name, "each output once", name)
         if allowed is not None and expect is not None and name not in allowed:
             raise loss("a column name", name,
-                        f"an output of the keymap {sorted(expect.outputs)!r} or its mask",
-                        name)
+                       f"an output of the keymap {sorted(expect.outputs)!r} or its mask",
+                       name)
         seen.add(name)
     if expect is not None:
         missing = sorted(expect.outputs - seen)
         if missing:
             raise loss("missing output", missing[0], "every output of the keymap",
-                        missing[0])
+                       missing[0])
 
 
 def _image_index(col: Any, b: int) -> np.ndarray:
@@ -151,10 +151,10 @@ def _image_index(col: Any, b: int) -> np.ndarray:
     shape = tuple(int(n) for n in col.shape[:3])
     if len(shape) not in (1, 2) or shape[0] != b or min(shape) < 0:
         raise loss("the image column's shape", list(shape),
-                    f"[{b}] or [{b}, W] (one row per sample requested)", name)
+                   f"[{b}] or [{b}, W] (one row per sample requested)", name)
     if len(col.index) != 4 * math.prod(shape):
         raise loss("the image column's index length", len(col.index),
-                    f"{4 * math.prod(shape)} bytes of int32 for shape {list(shape)}", name)
+                   f"{4 * math.prod(shape)} bytes of int32 for shape {list(shape)}", name)
     return np.frombuffer(col.index, dtype="<i4").reshape(shape)
 
 
@@ -168,17 +168,17 @@ def _frames(msg: Any, images: Mapping[str, tuple[str, np.ndarray]]) -> dict[str,
     for src in msg.frames:
         if src.key in sizes or src.key not in referenced:
             raise loss("a frame source", src.key,
-                        f"each source of an image column once ({sorted(referenced)!r})")
+                       f"each source of an image column once ({sorted(referenced)!r})")
         if len(src.frames) > referenced[src.key]:
             raise loss(f"the number of frames of {src.key!r}", len(src.frames),
-                        f"at most the {referenced[src.key]} its image columns index")
+                       f"at most the {referenced[src.key]} its image columns index")
         sizes[src.key] = len(src.frames)
     for name, (source, index) in images.items():
         n = sizes.get(source, 0)
         if index.size and (int(index.min()) < 0 or int(index.max()) >= n):
             bad = int(index.min()) if int(index.min()) < 0 else int(index.max())
             raise loss("a frame index", bad,
-                        f"in [0, {n}) (the frames sent for {source!r})", name)
+                       f"in [0, {n}) (the frames sent for {source!r})", name)
     out = {src.key: list(src.frames) for src in msg.frames}
     for source in referenced:
         out.setdefault(source, [])  # a column of zero-length windows indexes no frame
@@ -190,7 +190,7 @@ def _texts(msg: Any, b: int) -> dict[str, list[list[str]]]:
     for col in msg.texts:
         if len(col.samples) != b:
             raise loss("the text column's number of samples", len(col.samples),
-                        f"{b}, one per sample requested", str(col.name))
+                       f"{b}, one per sample requested", str(col.name))
     return {col.name: [list(s.texts) for s in col.samples] for col in msg.texts}
 
 
@@ -206,7 +206,7 @@ def read_result(data: bytes, expect: Expected | None = None) -> ReadResult:
     """
     limit = len(expect.names()) if expect is not None else MAX_RESPONSE_COLUMNS
     check_wire(data, len(expect.episodes) if expect is not None else MAX_BATCH_SAMPLES,
-                limit)
+               limit)
     msg = parse(pb.ReadResponse, data)
     b = _samples(msg, expect)
     _columns(msg, expect)

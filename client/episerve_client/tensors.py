@@ -29,10 +29,13 @@ def loss(what: str, got: object, want: str, name: str = "", episode: str = "") -
                          f"{shown(got)}, expected {want}", episode=episode, key=name)
 
 
-def tensor(t: Any, rows: int | None = None, what: str = "tensor") -> np.ndarray:
-    """A ``Tensor`` as a writable array of its own, checked before any buffer is viewed:
-    the dtype from ``TENSOR_DTYPES``, at most ``MAX_TENSOR_NDIM`` non-negative dims (the
-    first ``rows`` when given), and exactly ``prod(shape) * itemsize`` bytes of data."""
+def tensor(t: Any, data: Any, rows: int | None = None, what: str = "tensor",
+           own: bool = True) -> np.ndarray:
+    """A ``Tensor`` whose bytes are ``data`` (its own field, or a blob of the local plane's
+    segment) as an array, checked before any buffer is viewed: the dtype from
+    ``TENSOR_DTYPES``, at most ``MAX_TENSOR_NDIM`` non-negative dims (the first ``rows``
+    when given), and exactly ``prod(shape) * itemsize`` bytes. ``own``: a writable copy of
+    its own (the message's bytes are read-only); else a view of ``data``."""
     name = str(t.name)
     dtype = TENSOR_DTYPES.get(t.dtype)
     if dtype is None:
@@ -45,9 +48,11 @@ def tensor(t: Any, rows: int | None = None, what: str = "tensor") -> np.ndarray:
         raise loss(f"the {what}'s shape", list(shape),
                     f"a leading dimension of {rows} (one row per sample requested)", name)
     size = math.prod(shape) * dtype.itemsize
-    if size != len(t.data):
-        raise loss(f"the {what}'s data length", len(t.data),
+    if size != len(data):
+        raise loss(f"the {what}'s data length", len(data),
                     f"{size} bytes for shape {list(shape)} of {dtype.str}", name)
-    # frombuffer views the response's bytes, which are read-only: one copy makes each
-    # output writable and its own.
-    return np.frombuffer(t.data, dtype).reshape(shape).copy()
+    if isinstance(data, np.ndarray):  # a view of the segment, whose memory stays shared
+        out = data.view(dtype).reshape(shape)
+        return out.copy() if own else out
+    arr = np.frombuffer(data, dtype).reshape(shape)
+    return arr.copy() if own else arr
