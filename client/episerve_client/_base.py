@@ -38,8 +38,7 @@ from episerve_client.errors import (
     UnknownKeymap,
 )
 from episerve_client.listing import Listing, listing_page, merge_listings, only
-from episerve_client.local_answer import check_result
-from episerve_client.read_answer import Expected, ReadResult, read_result
+from episerve_client.read_answer import Expected, InSegment, read_result
 from episerve_proto.contract import LIST_HASH_OVERHEAD, MAX_LIST_FILTER_BYTES, MAX_LIST_HASHES
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -251,12 +250,10 @@ class BaseClient:
             outcomes = yield calls
             pending, retry_after = [], False
             for (t, idx), out in zip(groups, outcomes):
-                if isinstance(out, bytes | ReadResult):
+                if isinstance(out, bytes | InSegment):  # gRPC's bytes, or the local plane's
                     self.outages.answered(t)
                     expect = Expected.of([samples[i] for i in idx], km, all_masks)
-                    parts.append((idx, check_result(out, expect)
-                                  if isinstance(out, ReadResult)
-                                  else read_result(out, expect)))
+                    parts.append((idx, read_result(out, expect)))
                     continue
                 assert isinstance(out, EpiserveError)
                 out = self.outages.as_failure(t, out)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, TypeAlias
 
 from episerve_client.errors import EpiserveError
-from episerve_client.read_answer import ReadResult
+from episerve_client.read_answer import InSegment
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,7 +26,7 @@ class Sleep:
 
 
 Op: TypeAlias = Call | Sleep
-Outcome: TypeAlias = bytes | ReadResult | EpiserveError | None  # ReadResult: the local plane
+Outcome: TypeAlias = bytes | InSegment | EpiserveError | None  # InSegment: the local plane
 Flow: TypeAlias = Generator[list[Op], list[Outcome], Any]
 
 

@@ -14,8 +14,8 @@ that failure starts the outage. An attempt at a target in an outage waits for a 
 at most ``ATTEMPT_S`` (doubling with each attempt, up to ``ATTEMPT_MAX_S``), never past
 ``max_outage_s`` and, until the outage is first said, never past when that is due (each
 ``ATTEMPT_MIN_S`` at least), and after that never past when the next reminder is due:
-otherwise it would wait out the deadline in one attempt, with nothing said meanwhile. A Read that legitimately takes longer still succeeds once the
-doubled wait covers it.
+otherwise it would wait out the deadline in one attempt, with nothing said meanwhile. A
+Read that legitimately takes longer still succeeds once the doubled wait covers it.
 """
 
 from __future__ import annotations

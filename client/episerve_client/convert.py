@@ -1,9 +1,9 @@
 """The client's requests as bytes, and the short answers: the keymap id and check, the
 topology and the daemon's counters. ``parse`` is how every answer's bytes become a message.
 
-The answers with their own checks are beside this: a Read's (``read_answer``, its wire form
-walked first by ``answer_wire``; a local-plane batch's in ``local_answer``), a listing's
-(``listing``) and ``GetKeyStats``' (``keystats``).
+The answers with their own checks are beside this: a Read's, over either transport
+(``read_answer``, its wire form walked first by ``answer_wire``), a listing's (``listing``)
+and ``GetKeyStats``' (``keystats``).
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ class KeyStats:
 
 def _array(t: Any, key: str) -> np.ndarray:
     try:
-        return tensor(t, what="statistics tensor")
+        return tensor(t, t.data, what="statistics tensor")
     except DataLossError as exc:
         raise DataLossError(f"key {key!r}: {exc.message}", key=key) from None
 

@@ -45,8 +45,7 @@ from episerve_client.errors import (
     EpiserveError,
     Unavailable,
 )
-from episerve_client.local_answer import read_result_local
-from episerve_client.read_answer import ReadResult
+from episerve_client.read_answer import InSegment
 from episerve_proto import local as lp
 from episerve_proto.errors import error_class
 
@@ -92,8 +91,9 @@ class LocalChannel:
     # -- public ------------------------------------------------------------------------
 
     def call(self, method: str, payload: bytes, timeout_s: float,
-             adopt: Adopt | None = None) -> bytes | ReadResult:
-        """The method's answer (a ``ReadResult`` for Read); raises ``EpiserveError``.
+             adopt: Adopt | None = None) -> bytes | InSegment:
+        """The method's answer (an ``InSegment`` for Read, checked by ``read_result``); raises
+        ``EpiserveError``.
 
         ``adopt`` (Read only): keep the batch's segment instead of returning it;
         ``adopt(fd, size)`` maps the descriptor (it is closed afterwards) and returns the
@@ -139,7 +139,7 @@ class LocalChannel:
     # -- protocol ----------------------------------------------------------------------
 
     def _call(self, method: str, payload: bytes, deadline: float,
-              adopt: Adopt | None) -> bytes | ReadResult:
+              adopt: Adopt | None) -> bytes | InSegment:
         sock = self._connected(deadline)
         self._flush(sock)
         if method == "Read" and adopt is None and self._limit and self._holds_enough():
@@ -271,7 +271,7 @@ class LocalChannel:
             got += k
         return bytes(buf)
 
-    def _batch(self, body: bytes, fd: int, adopt: Adopt | None) -> ReadResult:
+    def _batch(self, body: bytes, fd: int, adopt: Adopt | None) -> InSegment:
         try:
             header = lp.parse_batch(body)
         except lp.FrameError as exc:
@@ -291,9 +291,9 @@ class LocalChannel:
         base = np.frombuffer(seg.mm, np.uint8)
         seg.lent = True
         weakref.finalize(base, self._returned.append, header.segment)
-        return read_result_local(header.meta, header.blobs, base)
+        return InSegment(header.meta, header.blobs, base)
 
-    def _kept(self, header: lp.BatchHeader, fd: int, adopt: Adopt) -> ReadResult:
+    def _kept(self, header: lp.BatchHeader, fd: int, adopt: Adopt) -> InSegment:
         """A batch whose segment the daemon gave away: mapped by ``adopt``, never returned."""
         try:
             if fd < 0:
@@ -314,7 +314,7 @@ class LocalChannel:
         if base.dtype != np.uint8 or base.ndim != 1 or base.size != header.size:
             raise DataLossError(f"segment {header.segment}: the adopted mapping is not "
                                 f"{header.size} bytes", target=self.target)
-        return read_result_local(header.meta, header.blobs, base)
+        return InSegment(header.meta, header.blobs, base)
 
     def _check_fd(self, ident: int, size: int, fd: int) -> None:
         st = os.fstat(fd)

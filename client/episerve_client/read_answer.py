@@ -1,10 +1,17 @@
 """A Read answer as a ``ReadResult``, checked against its request (``Expected``) before any
-array is made: the samples, the columns, the rows, the frame indices and the texts."""
+array is made: the samples, the columns, the rows, the frame indices and the texts.
+
+One check for every transport: a gRPC answer is the ``ReadResponse``'s bytes, its bulk in
+its own fields; a local-plane answer is the same message with its bulk fields empty and
+the bulk in a shared segment (``InSegment``). Both are walked on the wire, parsed, and
+checked field by field by the same code; only where each blob's bytes come from differs
+(and a local array is a view of the segment, a gRPC one a copy of its own)."""
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,6 +20,7 @@ import numpy as np
 from episerve_client.answer_wire import check_wire
 from episerve_client.convert import parse
 from episerve_client.tensors import loss, tensor
+from episerve_proto.answer import OPTIONAL, PER_SAMPLE
 from episerve_proto.contract import IS_PAD_SUFFIX, MAX_EPISODE_FRAMES
 from episerve_proto.v1 import episerve_pb2 as pb
 
@@ -77,16 +85,45 @@ MAX_RESPONSE_COLUMNS = 4096
 MAX_BATCH_SAMPLES = 1 << 16
 
 
+@dataclass(frozen=True, slots=True)
+class InSegment:
+    """A Read answer of the local plane as received: ``meta``, the ``ReadResponse`` with
+    its bulk fields empty, and ``blobs``, the ``(offset, nbytes)`` of each bulk blob
+    (every array, then every image index, then every frame) in ``segment`` (uint8)."""
+
+    meta: bytes
+    blobs: Sequence[tuple[int, int]]
+    segment: np.ndarray
+
+
+def _bulk(msg: Any, answer: bytes | InSegment) -> list[Any]:
+    """Each bulk blob's bytes, in the answer's order: the message's own fields, or views of
+    the segment, each checked to lie inside it and counted against the message."""
+    if isinstance(answer, bytes):
+        return [*(t.data for t in msg.arrays), *(c.index for c in msg.images),
+                *(f for src in msg.frames for f in src.frames)]
+    n_frames = sum(len(src.frames) for src in msg.frames)
+    want = len(msg.arrays) + len(msg.images) + n_frames
+    if len(answer.blobs) != want:
+        raise loss("the number of blobs", len(answer.blobs),
+                   f"{want}: {len(msg.arrays)} arrays, {len(msg.images)} image columns and "
+                   f"{n_frames} frames")
+    seg = answer.segment
+    for off, n in answer.blobs:
+        if off < 0 or n < 0 or off + n > seg.size:
+            raise loss("a blob", (off, n), f"within the {seg.size}-byte segment")
+    return [seg[off:off + n] for off, n in answer.blobs]
+
+
 def _samples(msg: Any, expect: Expected | None) -> int:
     """The number of samples B, after checking every per-sample field against it and
     against the request."""
     b = len(msg.episodes) if expect is None else len(expect.episodes)
-    for field_name in ("episodes", "frame_index", "fps", "embodiments"):
-        n = len(getattr(msg, field_name))
-        if n != b:
-            raise loss(f"the number of {field_name}", n, f"{b}, one per sample requested")
-    if len(msg.total_frames) not in (0, b) or (expect is not None and expect.all_masks
-                                               and len(msg.total_frames) != b):
+    for f in PER_SAMPLE:
+        n = len(getattr(msg, f.name))
+        if n != b and (f.name not in OPTIONAL or n):
+            raise loss(f"the number of {f.name}", n, f"{b}, one per sample requested")
+    if expect is not None and expect.all_masks and len(msg.total_frames) != b:
         raise loss("the number of total_frames", len(msg.total_frames),
                    f"{b}, one per sample requested")
     if expect is not None and list(msg.episodes) != list(expect.episodes):
@@ -146,21 +183,25 @@ def _columns(msg: Any, expect: Expected | None) -> None:
                        missing[0])
 
 
-def _image_index(col: Any, b: int) -> np.ndarray:
+def _image_index(col: Any, index: Any, b: int) -> np.ndarray:
     name = str(col.name)
     shape = tuple(int(n) for n in col.shape[:3])
     if len(shape) not in (1, 2) or shape[0] != b or min(shape) < 0:
         raise loss("the image column's shape", list(shape),
                    f"[{b}] or [{b}, W] (one row per sample requested)", name)
-    if len(col.index) != 4 * math.prod(shape):
-        raise loss("the image column's index length", len(col.index),
+    if len(index) != 4 * math.prod(shape):
+        raise loss("the image column's index length", len(index),
                    f"{4 * math.prod(shape)} bytes of int32 for shape {list(shape)}", name)
-    return np.frombuffer(col.index, dtype="<i4").reshape(shape)
+    if isinstance(index, np.ndarray):
+        return index.view("<i4").reshape(shape)
+    return np.frombuffer(index, dtype="<i4").reshape(shape)
 
 
-def _frames(msg: Any, images: Mapping[str, tuple[str, np.ndarray]]) -> dict[str, list[bytes]]:
-    """The frame sources, each one an image column indexes, with no more frames than its
-    columns index, and every index in range of its source's frames."""
+def _frames(msg: Any, images: Mapping[str, tuple[str, np.ndarray]],
+            blobs: Iterator[Any]) -> dict[str, list[bytes]]:
+    """The frame sources (their bytes the next of ``blobs``), each one an image column
+    indexes, with no more frames than its columns index, and every index in range of its
+    source's frames."""
     referenced: dict[str, int] = {}
     for source, index in images.values():
         referenced[source] = referenced.get(source, 0) + index.size
@@ -179,7 +220,8 @@ def _frames(msg: Any, images: Mapping[str, tuple[str, np.ndarray]]) -> dict[str,
             bad = int(index.min()) if int(index.min()) < 0 else int(index.max())
             raise loss("a frame index", bad,
                        f"in [0, {n}) (the frames sent for {source!r})", name)
-    out = {src.key: list(src.frames) for src in msg.frames}
+    out = {src.key: [b if isinstance(b, bytes) else b.tobytes()
+                     for b in itertools.islice(blobs, len(src.frames))] for src in msg.frames}
     for source in referenced:
         out.setdefault(source, [])  # a column of zero-length windows indexes no frame
     return out
@@ -194,8 +236,9 @@ def _texts(msg: Any, b: int) -> dict[str, list[list[str]]]:
     return {col.name: [list(s.texts) for s in col.samples] for col in msg.texts}
 
 
-def read_result(data: bytes, expect: Expected | None = None) -> ReadResult:
-    """A Read answer, checked against its request before any array is made.
+def read_result(answer: bytes | InSegment, expect: Expected | None = None) -> ReadResult:
+    """A Read answer (a gRPC answer's bytes, or a local-plane ``InSegment``), checked
+    against its request before any array is made.
 
     With ``expect`` the answer must have exactly the request's samples (episodes and
     frames, in order) and the keymap's outputs; without, its own ``episodes`` give the
@@ -204,12 +247,15 @@ def read_result(data: bytes, expect: Expected | None = None) -> ReadResult:
     frames sent, and texts are bounded in number. Each violation is a ``DataLossError``
     naming the field (and the output or episode).
     """
+    meta = answer if isinstance(answer, bytes) else answer.meta
     limit = len(expect.names()) if expect is not None else MAX_RESPONSE_COLUMNS
-    check_wire(data, len(expect.episodes) if expect is not None else MAX_BATCH_SAMPLES,
+    check_wire(meta, len(expect.episodes) if expect is not None else MAX_BATCH_SAMPLES,
                limit)
-    msg = parse(pb.ReadResponse, data)
+    msg = parse(pb.ReadResponse, meta)
     b = _samples(msg, expect)
     _columns(msg, expect)
+    blobs = iter(_bulk(msg, answer))
+    own = isinstance(answer, bytes)  # the message's bytes are read-only: copied
     out = ReadResult(
         episodes=list(msg.episodes),
         frame_index=np.array(msg.frame_index, dtype=np.int64),
@@ -220,9 +266,9 @@ def read_result(data: bytes, expect: Expected | None = None) -> ReadResult:
         out.total_frames = np.array(msg.total_frames, dtype=np.int64)
     check_rows(out, expect)
     for t in msg.arrays:
-        out.arrays[t.name] = tensor(t, b, "array")
+        out.arrays[t.name] = tensor(t, next(blobs), b, "array", own)
     for col in msg.images:
-        out.images[col.name] = (col.source, _image_index(col, b))
-    out.frames = _frames(msg, out.images)
+        out.images[col.name] = (col.source, _image_index(col, next(blobs), b))
+    out.frames = _frames(msg, out.images, blobs)
     out.texts = _texts(msg, b)
     return out

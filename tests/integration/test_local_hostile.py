@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from episerve_client import Client, convert
-from episerve_client.local_answer import read_result_local
+from episerve_client.read_answer import InSegment, read_result
 from episerve_proto import local as lp
 from tests.support import hostile
 from tests.support.hostile import MiB, Victim
@@ -256,7 +256,7 @@ def test_a_segment_released_twice_is_never_in_two_reads(victim: Victim) -> None:
             if b.fd >= 0:
                 maps[s] = segment_of(b.fd, n)
             header = lp.parse_batch(b.body)
-            got.append((s, read_result_local(header.meta, header.blobs, maps[s])))
+            got.append((s, read_result(InSegment(header.meta, header.blobs, maps[s]))))
         b_seg, c_seg = got[0][0], got[1][0]
         assert b_seg != c_seg, "two Reads in flight answered in one segment"
         for (_, result), expected in zip(got, want[1:], strict=True):

@@ -34,7 +34,7 @@ RULES = [
     ("episerve_client", {"episerve_server", "episerve_tools", "zarr"}),
 ]
 CLIENT_PROPER = ["_base", "_ops", "_probe", "_routes", "aio", "answer_wire", "channel", "client",
-                 "convert", "errors", "keystats", "listing", "local_answer", "read_answer",
+                 "convert", "errors", "keystats", "listing", "read_answer",
                  "tensors"]
 # (module prefix, inner modules it must never import)
 LAYERS = [

@@ -382,7 +382,8 @@ def _service() -> Any:
                 "c": SimpleNamespace(problems={"x": "short"})}
     catalog = SimpleNamespace(episodes=episodes, broken={"d": "unreadable"})
     return SimpleNamespace(stats=Stats(), catalog=catalog, config=ServerConfig(),
-                           inflight=2, draining=False, on_batch=None)
+                           admission=SimpleNamespace(inflight=2, draining=False),
+                           on_batch=None)
 
 
 def _samples(metrics: Metrics) -> Iterator[tuple[str, dict[str, str], float]]:

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from episerve_client.errors import DataLossError
-from episerve_client.local_answer import read_result_local
+from episerve_client.read_answer import InSegment, read_result
 from episerve_proto import local as lp
 from episerve_proto.errors import Overloaded
 from episerve_proto.v1 import episerve_pb2 as pb
@@ -122,11 +122,9 @@ def _placed(result: BatchResult) -> tuple[bytes, list[tuple[int, int]], np.ndarr
 
 
 def test_local_result_equals_the_grpc_result_and_views_the_segment() -> None:
-    from episerve_client.read_answer import read_result
-
     result = _batch()
     meta, table, segment = _placed(result)
-    got = read_result_local(meta, table, segment)
+    got = read_result(InSegment(meta, table, segment))
     want = read_result(encode.encode_result(result))
     for name, arr in want.arrays.items():
         assert got.arrays[name].dtype == arr.dtype
@@ -157,11 +155,34 @@ def _meta_with(mutate: str) -> tuple[bytes, list[tuple[int, int]], np.ndarray]:
     return msg.SerializeToString(), table, segment
 
 
+def test_a_local_answer_is_checked_against_its_request_as_a_grpc_one_is() -> None:
+    """One validator: the same answer over either transport, read against a request it
+    does not answer (samples in another order; an output the keymap lacks), fails with
+    the same error."""
+    from episerve_client.read_answer import Expected
+
+    result = _batch()
+    meta, table, segment = _placed(result)
+    keymap = {"x": {}, "cam": {}, "task": {}}
+    wrong = [Expected.of([("b", 5), ("a", 0)], keymap),
+             Expected.of([("a", 0), ("b", 5)], {"x": {}, "cam": {}})]
+    for expect in wrong:
+        with pytest.raises(DataLossError) as local:
+            read_result(InSegment(meta, table, segment), expect)
+        with pytest.raises(DataLossError) as grpc:
+            read_result(encode.encode_result(result), expect)
+        assert str(local.value) == str(grpc.value)
+    right = Expected.of([("a", 0), ("b", 5)], {**keymap, "x_is_pad": {}})
+    assert read_result(InSegment(meta, table, segment), right).episodes == ["a", "b"]
+    with pytest.raises(DataLossError, match="within the"):  # a blob past the segment
+        read_result(InSegment(meta, [*table[:-1], (table[-1][0], segment.size)], segment))
+
+
 @pytest.mark.parametrize("mutate", ["shape", "negative", "object", "index", "count"])
 def test_a_malicious_header_never_makes_a_bad_view(mutate: str) -> None:
     meta, table, segment = _meta_with(mutate)
     with pytest.raises(DataLossError):
-        read_result_local(meta, table, segment)
+        read_result(InSegment(meta, table, segment))
 
 
 # -- the daemon's pool: bounded, waits when full, reuses, frees ---------------------------
@@ -369,8 +390,10 @@ def test_a_good_batch_from_a_crafted_daemon_is_a_view(tmp_path: Path) -> None:
 
     path, _ = _hostile(tmp_path, good)
     channel = LocalChannel(path, f"unix://{path}", "")
-    result = channel.call("Read", b"", 5.0)
-    assert not isinstance(result, bytes)
+    answer = channel.call("Read", b"", 5.0)
+    assert isinstance(answer, InSegment)
+    result = read_result(answer)
+    del answer
     np.testing.assert_array_equal(result.arrays["x"], _batch().arrays["x"])
     assert channel.lent == 1
     del result
