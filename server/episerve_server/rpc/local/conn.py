@@ -62,13 +62,19 @@ class Connection:
     consumed: int = 0  # bytes of the client's frames read so far (a body once whole)
 
 
-def queued(sock: socket.socket) -> int:
-    """Bytes the peer has sent on ``sock`` that are not read yet (0 once closed)."""
+def queue_bytes(sock: socket.socket, request: int) -> int:
+    """A socket queue's byte count by ``ioctl`` (``FIONREAD``: received and not read;
+    ``TIOCOUTQ``: sent and not yet received by the peer); 0 once the socket is closed."""
     if sock.fileno() < 0:
         return 0
-    raw = fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0")
+    raw = fcntl.ioctl(sock.fileno(), request, b"\0\0\0\0")
     n: int = struct.unpack("i", raw)[0]
     return n
+
+
+def queued(sock: socket.socket) -> int:
+    """Bytes the peer has sent on ``sock`` that are not read yet (0 once closed)."""
+    return queue_bytes(sock, termios.FIONREAD)
 
 
 async def send(conn: Connection, data: bytes, fds: Sequence[int] = ()) -> None:

@@ -18,11 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import logging
 import resource
 import socket
-import struct
 import termios
 import time
 
@@ -30,7 +28,12 @@ from episerve_proto import local as lp
 from episerve_proto.errors import EpiserveError, Overloaded
 from episerve_server.config import ServerConfig
 from episerve_server.rpc.handlers.buffers import ResponseBuffers
-from episerve_server.rpc.local.conn import Connection, ConnectionClosed, error_body
+from episerve_server.rpc.local.conn import (
+    Connection,
+    ConnectionClosed,
+    error_body,
+    queue_bytes,
+)
 
 log = logging.getLogger(__name__)
 
@@ -93,11 +96,7 @@ class ConnectionCaps:
 
 def unread(sock: socket.socket) -> int:
     """Bytes sent on ``sock`` that its peer has not received yet (0 once closed)."""
-    if sock.fileno() < 0:
-        return 0
-    raw = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
-    n: int = struct.unpack("i", raw)[0]
-    return n
+    return queue_bytes(sock, termios.TIOCOUTQ)
 
 
 async def received(conn: Connection) -> None:
