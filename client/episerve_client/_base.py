@@ -49,8 +49,19 @@ DEFAULT_DOWN_S = 2.0
 KeymapLike: TypeAlias = Mapping[str, Mapping[str, Any]] | str | Path
 
 
-def load_keymap(keymap: KeymapLike) -> dict[str, dict[str, Any]]:
-    """A keymap from a mapping or a YAML file, as users keep them."""
+class LoadedKeymap(dict[str, dict[str, Any]]):
+    """A keymap as ``load_keymap`` returns it, with ``key``, its identity (canonical JSON),
+    made once: a dataset reads with the same object every batch, so neither the load nor
+    the JSON runs per batch. Treat it as read-only."""
+
+    key: str
+
+
+def load_keymap(keymap: KeymapLike) -> LoadedKeymap:
+    """A keymap from a mapping or a YAML file, as users keep them (one already loaded is
+    returned as it is)."""
+    if isinstance(keymap, LoadedKeymap):
+        return keymap
     if isinstance(keymap, str | Path):
         import yaml
 
@@ -60,7 +71,10 @@ def load_keymap(keymap: KeymapLike) -> dict[str, dict[str, Any]]:
         keymap = yaml.safe_load(path.read_text())
     if not isinstance(keymap, Mapping) or not keymap:
         raise InvalidArgument(f"a keymap is a non-empty mapping, got {keymap!r}")
-    return {str(k): dict(v) if isinstance(v, Mapping) else v for k, v in keymap.items()}
+    out = LoadedKeymap((str(k), dict(v) if isinstance(v, Mapping) else v)
+                       for k, v in keymap.items())
+    out.key = json.dumps(out, sort_keys=True, default=str)
+    return out
 
 
 class BaseClient:
@@ -226,7 +240,7 @@ class BaseClient:
                   all_masks: bool = False,
                   prefetch: Sequence[tuple[str, int]] = ()) -> Flow:
         km = load_keymap(keymap)
-        km_key = json.dumps(km, sort_keys=True, default=str)
+        km_key = km.key
         samples = [(str(e), int(f)) for e, f in samples]
         if not samples:
             raise InvalidArgument("read() needs at least one sample")

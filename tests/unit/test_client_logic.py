@@ -405,3 +405,21 @@ def test_a_keymap_check_crosses_the_wire_with_its_groups() -> None:
     assert not stripped.check_episodes and stripped.keymap.entries[0].zarr_key == "x"
     plain = register_request(keymap)
     assert unchecked_register(plain) == plain and unchecked_register(b"\xff") == b"\xff"
+
+
+def test_a_keymap_is_loaded_and_keyed_once() -> None:
+    """A dataset reads with the keymap it loaded: passing it back is not a second load, and
+    its identity (the canonical JSON the keymap ids are cached under) is made once; it
+    survives the pickling a DataLoader worker receives it through."""
+    import pickle
+
+    from episerve_client._base import load_keymap
+
+    raw = {"b": {"zarr_key": "x", "key_type": "action_keys", "horizon": 4},
+           "a": {"key_type": "proprio_keys", "zarr_key": "y"}}
+    km = load_keymap(raw)
+    assert load_keymap(km) is km and km == raw
+    assert km.key == load_keymap(dict(reversed(raw.items()))).key  # order does not matter
+    assert km.key != load_keymap({**raw, "c": raw["a"]}).key
+    again = pickle.loads(pickle.dumps(km))
+    assert again.key == km.key and load_keymap(again) is again
