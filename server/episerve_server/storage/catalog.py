@@ -327,12 +327,9 @@ async def _open_lerobot(source: LeRobotSource, name: str) -> Episode:
     from episerve_server.storage.lerobot.meta import MetaError
 
     try:
-        opened = await source.open(name)
+        return await source.open(name)
     except MetaError as exc:
         raise BrokenEpisodeError(str(exc), episode=name) from exc
-    episode = Episode(name, opened.total_frames, opened.fps, opened.embodiment, opened.attrs,
-                      opened.readers, opened.problems, content_hash=opened.content_hash)
-    return episode
 
 
 async def _open_many(store: CountingStore, names: list[str], limit: int,

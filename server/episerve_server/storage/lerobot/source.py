@@ -16,12 +16,12 @@ import asyncio
 import hashlib
 import json
 import logging
-from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
 from zarr.core.buffer import default_buffer_prototype
 
+from episerve_server.storage.episode import Episode
 from episerve_server.storage.lerobot.columns import FileProblem
 from episerve_server.storage.lerobot.files import OpenFiles
 from episerve_server.storage.lerobot.meta import (
@@ -51,26 +51,12 @@ from episerve_server.storage.lerobot.readers import (
 )
 from episerve_server.storage.lerobot.video import VideoReader
 from episerve_server.storage.local import ConfinedLocalStore
-from episerve_server.storage.readers import ChunkReader
 from episerve_server.storage.store import CountingStore, Refused
 
 log = logging.getLogger(__name__)
 
 #: The one entry a refused dataset lists, broken with its reason (it has no episodes).
 REFUSED_ENTRY = "lerobot_dataset"
-
-
-@dataclass(slots=True)
-class Opened:
-    """What the catalog makes an ``Episode`` of."""
-
-    total_frames: int
-    fps: float
-    embodiment: str
-    attrs: dict[str, Any]
-    readers: dict[str, ChunkReader]
-    problems: dict[str, str] = field(default_factory=dict)
-    content_hash: str = ""
 
 
 class LeRobotSource:
@@ -174,7 +160,7 @@ class LeRobotSource:
             out[index] = text
         return out
 
-    async def open(self, name: str) -> Opened:
+    async def open(self, name: str) -> Episode:
         """One episode; ``MetaError`` or a file problem says why it cannot be served."""
         if self.problem:
             raise MetaError(self.refusal())
@@ -190,7 +176,7 @@ class LeRobotSource:
             raise MetaError(f"rows {row0}..{row0 + meta.length} of {meta.data_path!r} were "
                             f"asked for (dataset_from_index={meta.from_index}, "
                             f"length={meta.length}), but it holds {rows}")
-        opened = Opened(meta.length, info.fps, info.robot_type, {}, {})
+        opened = Episode(name, meta.length, info.fps, info.robot_type, {}, {})
         features: dict[str, Any] = {}
         for key, feature in info.features.items():
             if feature.kind != "numeric":
