@@ -74,6 +74,8 @@ class ServerConfig:
     local_max_connections_per_uid: int = setting(128, "the same, per uid", "listening", low=1)
     local_idle_s: float = setting(300.0, "close a local connection idle this long",
                                   "listening")
+    local_hello_s: float = setting(10.0, "close a local connection that has not said HELLO "
+                                   "this long after connecting", "listening", low=0.1)
     # -- data -----------------------------------------------------------------------------
     root: str = setting(DEFAULT_ROOT, "dataset root: a folder or s3:// URL", "data",
                         positional=True, says="written on first use", if_empty=_KEEP)

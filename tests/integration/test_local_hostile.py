@@ -325,3 +325,15 @@ def test_connections_are_capped_within_the_descriptor_limit_and_idle_ones_closed
         small.stop()
     with LocalPeer(_local(victim)) as p:
         assert p.closed_by_daemon(5.0), "an idle connection stayed open past --local-idle-s"
+
+
+@pytest.mark.parametrize("victim", [("--local-hello-s", "0.5")], indirect=True)
+def test_a_connection_that_never_says_hello_is_closed_after_local_hello_s(
+        victim: Victim) -> None:
+    """A peer that connects and sends nothing holds a connection slot only
+    ``--local-hello-s``; one that says HELLO in time is served as usual."""
+    with LocalPeer(_local(victim), hello=False) as silent:
+        started = time.monotonic()
+        assert silent.closed_by_daemon(5.0), "a silent connection stayed open"
+        assert time.monotonic() - started >= 0.4  # not before its time
+    _others_served(victim)

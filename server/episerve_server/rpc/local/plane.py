@@ -83,8 +83,6 @@ from episerve_server.rpc.local.segments import SegmentArena, SegmentPool
 log = logging.getLogger(__name__)
 
 
-#: A connection must send its HELLO within this.
-HELLO_S = 10.0
 #: A client holds at most this fraction of the budget in lent segments (WELCOME says).
 LEND_SHARE = 4
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
@@ -216,7 +214,7 @@ class LocalPlane:
                 self.refused += 1
                 raise over
             joined = True
-            await asyncio.wait_for(self._hello(conn), HELLO_S)
+            await asyncio.wait_for(self._hello(conn), self.config.local_hello_s)
             self.connections.add(conn)
             await self._frames(conn)
         except EpiserveError as exc:
