@@ -27,10 +27,10 @@ segment.
 What a connection makes the daemon hold counts in the daemon's one budget
 (``--max-buffered-bytes``, shared with gRPC's unsent responses, ``buffers.py``): its call
 bodies as their bytes arrive, every segment of its pool, and a kept segment from its
-making until the client has received it (``local_guard.unread``). A segment or body with
+making until the client has received it (``guard.unread``). A segment or body with
 no room is answered ``Overloaded``. A connection's calls are served one at a time, and the
 next only once the client has received every earlier answer. Connections are capped in
-total and per uid (``local_guard.ConnectionCaps``), and one that stays idle for
+total and per uid (``guard.ConnectionCaps``), and one that stays idle for
 ``--local-idle-s`` is closed; one closed with answers still unread keeps them counted until
 its peer reads or closes.
 
