@@ -4,6 +4,7 @@ each side's worker RSS.
 
     python benchmarks/bench_lerobot_vs.py [--size 96x128] [--episodes 4] [--length 200]
                                           [--batches 20] [--cache-bytes 2GiB]
+                                          [--buffered-bytes 1GiB]
 
 Runs in LeRobot's venv (``make lerobot-env``): started from any other interpreter, it runs
 itself again with ``.venv-lerobot/bin/python`` (``--lerobot-python``), and the daemon runs
@@ -13,6 +14,13 @@ torch's default collate, as a LeRobot training loop does. Each pass times from e
 worker's second batch on (worker start-up is excluded); "cold" is the daemon's first pass
 (its cache empty; LeRobotDataset has no cache, so its two passes are alike). Worker RSS is
 the largest VmRSS of the loader's worker processes, read every 4th batch of the pass.
+After each of the daemon's passes a line gives the video frames it converted (decoded to
+RGB) per sample.
+
+The daemon's ``--max-buffered-bytes`` is 1 GiB here: at 480x640 one batch's answer is
+~140 MB, and a DataLoader worker waiting for its next indices keeps its last answer
+charged to that budget, so under the default 256 MiB the other worker's read was refused
+until its deadline (the loader's order keeps the first waiting for the second).
 """
 
 from __future__ import annotations
@@ -107,6 +115,7 @@ def main() -> None:
     p.add_argument("--length", type=int, default=200)
     p.add_argument("--batches", type=int, default=20)
     p.add_argument("--cache-bytes", default="2GiB", help="the daemon's --cache-bytes")
+    p.add_argument("--buffered-bytes", default="1GiB", help="the daemon's --max-buffered-bytes")
     p.add_argument("--lerobot-python", type=Path, default=REPO / ".venv-lerobot/bin/python")
     a = p.parse_args()
     try:
@@ -118,7 +127,7 @@ def main() -> None:
     from common import table
     from lerobot.datasets.lerobot_dataset import LeRobotDataset
 
-    from episerve_client import LeRobotWindowDataset
+    from episerve_client import Client, LeRobotWindowDataset
     from episerve_tools.launch import DaemonProcess
 
     h, w = (int(v) for v in a.size.split("x"))
@@ -139,11 +148,21 @@ def main() -> None:
                                     video_backend="pyav", return_uint8=uint8)
             sock = Path(tmp) / f"d{int(uint8)}.sock"
             with DaemonProcess(root, "--rescan-s", "0", "--max-response-bytes", "250MiB",
-                               "--cache-bytes", a.cache_bytes, unix=sock,
+                               "--cache-bytes", a.cache_bytes,
+                               "--max-buffered-bytes", a.buffered_bytes, unix=sock,
                                python=os.environ.get("DAEMON_PYTHON")) as d:
                 ours = LeRobotWindowDataset(d.target, root, delta, return_uint8=uint8)
+                counts = Client(d.target)
+                seen = {"video_frames_decoded": 0, "samples_read": 0}
                 for pass_ in ("cold", "warm"):
                     ours_s, ours_rss = run(ours, order)
+                    now = {k: int(counts.stats().get(k, 0)) for k in seen}
+                    done = {k: now[k] - seen[k] for k in seen}
+                    seen = now
+                    print(f"daemon, {pass_}: {done['video_frames_decoded']} video frames "
+                          f"converted for {done['samples_read']} samples "
+                          f"({done['video_frames_decoded'] / max(1, done['samples_read']):.1f}"
+                          f" a sample)", flush=True)
                     theirs_s, theirs_rss = run(theirs, order)
                     rows.append((f"{'uint8' if uint8 else 'float32'} {pass_}",
                                  f"{ours_s:.0f}", f"{theirs_s:.0f}",
