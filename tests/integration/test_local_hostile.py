@@ -337,3 +337,23 @@ def test_a_connection_that_never_says_hello_is_closed_after_local_hello_s(
         assert silent.closed_by_daemon(5.0), "a silent connection stayed open"
         assert time.monotonic() - started >= 0.4  # not before its time
     _others_served(victim)
+
+
+def test_a_kept_batch_received_stops_counting_once_the_budget_is_short(
+        victim: Victim) -> None:
+    """A worker that has received its kept batch and waits for its next indices holds
+    nothing of the budget: another connection's Read that needs the room is served. (Before:
+    the batch counted until that worker's next call, and the other Read was Overloaded; at
+    480x640 a DataLoader's second worker timed out that way.)"""
+    samples = [("ep003d", f) for f in range(0, 256, 8)]
+    # ~21 MB each: one takes its segment and twice its size reserved while it is built
+    # (~62 MB of the 64 MiB budget), so the second fits only once the first, received,
+    # stops counting.
+    read = convert.read_request((samples * 3)[:80], keymap=BIG_READ)
+    with LocalPeer(_local(victim)) as a, LocalPeer(_local(victim)) as b:
+        a.call("Read", read, 1, keep=True)
+        got = a.answer()
+        assert got.head.kind == lp.BATCH, ("the first Read", got.error)
+        b.call("Read", read, 1, keep=True)
+        got = b.answer()
+        assert got.head.kind == lp.BATCH, ("the second Read", got.error)

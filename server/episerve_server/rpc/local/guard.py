@@ -138,6 +138,13 @@ class Keeper:
             self.budget.charge(-conn.kept)
             conn.kept = 0
 
+    def reclaim(self, connections: set[Connection]) -> None:
+        """The budget is short: uncount every kept segment its client has received. (A
+        connection's are otherwise looked at when it next calls, and a DataLoader worker
+        waiting for its next indices may not call for a while.)"""
+        for conn in (*connections, *self.draining):
+            self.kept_received(conn)
+
     def ended(self, conn: Connection) -> None:
         """The connection's calls and segments are done: close its socket, or keep it till
         its peer has the kept segments still queued in it."""

@@ -154,9 +154,11 @@ class LocalPlane:
 
     def _reclaim(self) -> None:
         """The budget is short: close the segments free in every connection's pool (their
-        clients are told to unmap them with the next answer)."""
+        clients are told to unmap them with the next answer), and stop counting the kept
+        segments their clients have received."""
         for conn in self.connections:
             conn.pool.drop_free()
+        self.keeper.reclaim(self.connections)
 
     async def stop(self) -> None:
         """Stop accepting, close every connection (their segments with them), unlink the
