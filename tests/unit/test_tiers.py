@@ -32,6 +32,18 @@ def test_the_wall_limit_grows_with_the_load_per_core() -> None:
     assert why is not None and "20 s" in why and "2.00 per core" in why
 
 
+def test_the_cpu_limit_allows_for_contended_cores_and_no_more() -> None:
+    """CPU time grows when processes contend for the cores: past one runnable process per
+    core the limit grows, to 1.5x at two per core and over; a test that is simply too slow
+    still fails at any load."""
+    used = budget.Spent(cpu_s=2.6, wall_s=5.0)
+    assert budget.over_budget(used, 2.0, load=0.9) is not None  # an idle machine: 2 s
+    assert budget.over_budget(used, 2.0, load=1.5) is not None  # 2.5 s
+    assert budget.over_budget(used, 2.0, load=5.0) is None  # 3 s
+    why = budget.over_budget(budget.Spent(cpu_s=3.2, wall_s=5.0), 2.0, load=5.0)
+    assert why is not None and "3.20 s of CPU" in why and "3 s at a load of 5.00" in why
+
+
 def test_a_zero_budget_checks_nothing() -> None:
     assert budget.over_budget(budget.Spent(cpu_s=99.0, wall_s=99.0), 0.0) is None
 
