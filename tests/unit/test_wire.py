@@ -167,3 +167,27 @@ def test_the_local_plane_s_metadata_and_blobs_encode_like_the_generated_class(
     assert [bytes(x) for x in blobs] == [result.arrays["x"].tobytes(),
                                          result.images["cam"].index.tobytes(), *frames]
     assert pb.ReadResponse.FromString(encode.encode_result(result)) == reference(result)
+
+
+def test_memos_stay_right_when_full_and_cleared(monkeypatch: Any) -> None:
+    """The kept encodings (episode hashes, embodiments, a sample's texts) are bounded: with
+    room for three entries or 64 bytes they are cleared again and again, and every answer
+    still parses as the generated class writes it."""
+    monkeypatch.setattr(encode, "MAX_MEMO", 3)
+    monkeypatch.setattr(encode, "MAX_MEMO_BYTES", 64)
+    rng = np.random.default_rng(5)
+    for _ in range(40):
+        b = int(rng.integers(1, 9))
+        result = BatchResult(
+            episodes=[f"ep{rng.integers(0, 12)}" for _ in range(b)],
+            frame_index=rng.integers(0, 500, size=b), fps=np.full(b, 30, np.float32),
+            embodiments=[f"robot{rng.integers(0, 4)}" for _ in range(b)], arrays={},
+            images={}, frames={},
+            texts={"t": [[f"text {rng.integers(0, 9)}" * int(rng.integers(1, 6))
+                          for _ in range(int(rng.integers(0, 3)))] for _ in range(b)]})
+        assert pb.ReadResponse.FromString(encode.encode_result(result)) == reference(result)
+        kept = encode._SAMPLE_TEXTS
+        assert len(kept) <= 3
+        assert kept.nbytes <= 64 or len(kept) == 1  # one entry over the bound stays alone
+        assert kept.nbytes == sum(map(len, kept.values()))
+    assert all(len(memo) <= 3 for memo in encode._STRINGS.values())

@@ -16,7 +16,7 @@ The slabs and slot tables themselves are in ``slots``.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, TypeAlias
 
 import numpy as np
@@ -55,7 +55,8 @@ class ChunkCache:
         self._table_list: list[SlotTable] = []
         self._slabs: list[Slab] = []
         self._slab_of: dict[tuple[int, ...], int] = {}
-        self._frames: OrderedDict[ChunkKey, tuple[list[bytes], int, int]] = OrderedDict()
+        # chunk key -> [frames, bytes, stamp]: a list, so a hit restamps it in place
+        self._frames: OrderedDict[ChunkKey, list[Any]] = OrderedDict()
         self._frames_of: dict[str, set[ChunkKey]] = {}  # per episode, so a drop is cheap
         self._holds = 0  # gathers running in worker threads: slots are not reused meanwhile
         self._deferred: list[tuple[Slab, np.ndarray]] = []
@@ -217,13 +218,15 @@ class ChunkCache:
     def take_frames(self, keys: Sequence[ChunkKey]) -> list[list[bytes]]:
         """``get`` of chunks of frame bytes all known to be cached, one after another (the
         same recency, stamps and hits), without its numeric branch."""
-        frames, out = self._frames, []
+        frames, out, clock = self._frames, [], self._clock
+        move = frames.move_to_end
         for key in keys:
-            chunk, size, _ = frames[key]
-            frames.move_to_end(key)
-            self._clock += 1
-            frames[key] = (chunk, size, self._clock)
-            out.append(chunk)
+            entry = frames[key]
+            move(key)
+            clock += 1
+            entry[2] = clock
+            out.append(entry[0])
+        self._clock = clock
         self.stats.cache_hits += len(keys)
         return out
 
@@ -234,7 +237,7 @@ class ChunkCache:
         if frames is not None:
             self._frames.move_to_end(key)
             self._clock += 1
-            self._frames[key] = (frames[0], frames[1], self._clock)
+            frames[2] = self._clock
             self.stats.cache_hits += 1
             return frames[0]
         episode, name, chunk = key
@@ -252,6 +255,10 @@ class ChunkCache:
     def has_frames(self, key: ChunkKey) -> bool:
         """Whether a chunk of frame bytes is cached (not counted as a hit or a miss)."""
         return key in self._frames
+
+    def has_all_frames(self, keys: Iterable[ChunkKey]) -> bool:
+        """``has_frames`` of every key (the dict's own lookup, no call per key)."""
+        return all(map(self._frames.__contains__, keys))
 
     def put(self, key: ChunkKey, chunk: Chunk) -> None:
         if isinstance(chunk, np.ndarray):
@@ -282,7 +289,7 @@ class ChunkCache:
         self._make_room(sum(n for _, _, n in fits))
         self._clock += 1
         for key, chunk, size in fits:
-            self._frames[key] = (list(chunk), size, self._clock)
+            self._frames[key] = [list(chunk), size, self._clock]
             self._frames_of.setdefault(key[0], set()).add(key)
             self._bytes += size
             self._entries += 1

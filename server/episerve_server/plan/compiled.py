@@ -286,7 +286,7 @@ class Compiled:
         ep_pos, chunk = np.divmod(packed, PACK)
         hashes = directory.hashes[order[ep_pos]].tolist()
         keys = tuple(zip(hashes, [key] * len(hashes), chunk.tolist()))
-        if not all(map(self.cache.has_frames, keys)):
+        if not self.cache.has_all_frames(keys):
             return None
         f_pos, f_row = np.divmod(needed, PACK)
         f_c = geo.chunk_rows[order[f_pos]]

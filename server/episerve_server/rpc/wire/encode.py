@@ -96,32 +96,37 @@ def _string(field: int, text: str) -> list[Buf]:
     return _field(field, [text.encode()])
 
 
-class _Encoded(dict[str, bytes]):
-    """One string field's encodings by text, made on first use and kept (a bounded memo):
-    a batch's episode hashes and embodiments come back batch after batch, so the join
-    finds each in C and Python encodes only a text it has not seen."""
+class _Memo(dict[Any, bytes]):
+    """Encodings made on first use and kept, bounded in entries and bytes (cleared when
+    full): a batch's episode hashes, embodiments and annotation texts come back batch
+    after batch, so the join finds each in C and Python encodes only what it has not
+    seen."""
 
-    def __init__(self, field: int) -> None:
+    def __init__(self, encode: Callable[[Any], bytes]) -> None:
         super().__init__()
-        self.field = field
+        self.encode, self.nbytes = encode, 0
 
-    def __missing__(self, text: str) -> bytes:
-        if len(self) >= MAX_STRINGS:
+    def __missing__(self, key: Any) -> bytes:
+        got = self.encode(key)
+        if len(self) >= MAX_MEMO or self.nbytes + len(got) > MAX_MEMO_BYTES:
             self.clear()
-        got = self[text] = b"".join(_string(self.field, text))
+            self.nbytes = 0
+        self[key] = got
+        self.nbytes += len(got)
         return got
 
 
-MAX_STRINGS = 1 << 16
-_ENCODED: dict[int, _Encoded] = {}  # per field number (episodes, embodiments)
+MAX_MEMO = 1 << 16
+MAX_MEMO_BYTES = 32 << 20
+_STRINGS: dict[int, _Memo] = {}  # per field number (episodes, embodiments)
 
 
 def _strings(field: int, texts: Sequence[str]) -> bytes:
     """A repeated string field (episodes or embodiments), each text's encoding from the
     field's memo."""
-    memo = _ENCODED.get(field)
+    memo = _STRINGS.get(field)
     if memo is None:
-        memo = _ENCODED[field] = _Encoded(field)
+        memo = _STRINGS[field] = _Memo(lambda text: b"".join(_string(field, text)))
     return b"".join(map(memo.__getitem__, texts))
 
 
@@ -211,17 +216,21 @@ def _frames(field: int, sources: dict[str, list[bytes]], bulk: Bulk,
     return parts
 
 
+def _sample_texts(texts: tuple[str, ...]) -> bytes:
+    """One sample's texts as a ``TextColumn.samples`` entry."""
+    return b"".join(_message(TEXT_COLUMN["samples"],
+                             [p for t in texts for p in _string(TEXTS["texts"], t)]))
+
+
+_SAMPLE_TEXTS = _Memo(_sample_texts)
+
+
 def _texts(field: int, columns: dict[str, list[list[str]]], bulk: Bulk) -> list[Buf]:
     parts: list[Buf] = []
     for name, per_sample in columns.items():
         body = [*_string(TEXT_COLUMN["name"], name)]
-        # Samples with the same texts are encoded once; tuple() of a tuple (what the text
-        # tables hand out) is the tuple itself.
-        keys = list(map(tuple, per_sample))
-        done = {texts: b"".join(_message(TEXT_COLUMN["samples"],
-                                         [p for t in texts for p in _string(TEXTS["texts"], t)]))
-                for texts in set(keys)}
-        body += map(done.__getitem__, keys)
+        # the texts of a frame recur batch after batch: each tuple is encoded once, kept
+        body += map(_SAMPLE_TEXTS.__getitem__, map(tuple, per_sample))
         parts += _message(field, body)
     return parts
 
