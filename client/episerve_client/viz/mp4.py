@@ -6,19 +6,19 @@ import os
 from collections.abc import Iterable
 from fractions import Fraction
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import numpy as np
 from PIL import Image
 
+from episerve_client.viz.commit import CommitOrAbort
 from episerve_client.viz.overlay import chw_to_image
 
 DEFAULT_CRF = 23
 DEFAULT_PRESET = "veryfast"
 
 
-class VideoWriter:
+class VideoWriter(CommitOrAbort):
     """Streams frames into an H.264 mp4; nothing exists at ``path`` until ``commit()``.
 
     Frames go to a temporary file next to ``path`` (same filesystem), which ``commit()``
@@ -92,15 +92,7 @@ class VideoWriter:
         if container is not None:
             container.close()
 
-    def __enter__(self) -> VideoWriter:
-        return self
-
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        if kind is None:
-            self.commit()
-        else:
-            self.abort()
+    finish = commit  # the end of a ``with`` block that raised nothing
 
 
 def _pad(img: Image.Image, size: tuple[int, int]) -> Image.Image:

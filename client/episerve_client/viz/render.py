@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 from episerve_client.listing import EpisodeInfo
+from episerve_client.viz.commit import CommitOrAbort
 from episerve_client.viz.gate import VideoConfigError, check_viz_config, global_rank
 from episerve_client.viz.mp4 import VideoWriter
 from episerve_client.viz.overlay import batch_overlays
@@ -18,7 +18,7 @@ def video_path(out_dir: str | Path, episode: str, epoch: int) -> Path:
     return Path(out_dir) / f"{episode}_epoch{epoch:04d}.mp4"
 
 
-class PassRenderer:
+class PassRenderer(CommitOrAbort):
     """One validation pass's videos: ``renderer.add(batch, pred)`` per gated batch.
 
     Writes ``<out_dir>/<episode>_epoch<NNNN>.mp4`` per episode seen, at the episode's
@@ -78,15 +78,7 @@ class PassRenderer:
         if writer is not None:
             writer.abort()
 
-    def __enter__(self) -> PassRenderer:
-        return self
-
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        if kind is None:
-            self.close()
-        else:
-            self.abort()
+    finish = close  # the end of a ``with`` block that raised nothing
 
 
 def render_pass(batches: Iterable[Mapping[str, Any]], predict: Callable[[Mapping[str, Any]], Any],

@@ -32,7 +32,7 @@ from episerve_server.plan.statistics import MAX_KEYS, KeyStatsEngine
 from episerve_server.rpc.handlers.admission import Admission
 from episerve_server.rpc.handlers.buffers import ResponseBuffers
 from episerve_server.rpc.handlers.registry import KeymapRegistry
-from episerve_server.rpc.handlers.servicer import Call, Handler
+from episerve_server.rpc.handlers.servicer import Call, Handler, handlers
 from episerve_server.rpc.handlers.status import release_chain
 from episerve_server.rpc.wire import convert
 from episerve_server.rpc.wire.encode import encode_result
@@ -84,16 +84,7 @@ class EpiserveService:
 
     def methods(self) -> dict[str, Handler]:
         """Every method of the contract, by name (the gRPC server and the local plane)."""
-        methods: dict[str, Handler] = {
-            "ListEpisodes": self.list_episodes,
-            "RegisterKeymap": self.register_keymap,
-            "Read": self.read,
-            "GetStats": self.get_stats,
-            "GetKeyStats": self.get_key_stats,
-            "GetTopology": self.get_topology,
-        }
-        assert tuple(methods) == METHODS  # every method of the contract is served
-        return methods
+        return handlers(self, METHODS)  # raises unless every method of the contract is served
 
     async def rescan(self, since: float | None = None) -> None:
         """Rescan the root, unless a scan that started after ``since`` already ran.

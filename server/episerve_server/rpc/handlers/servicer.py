@@ -9,7 +9,8 @@ local plane to an error frame (``rpc/local``).
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import re
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Protocol
 
 from episerve_server.config import ServerConfig
@@ -39,5 +40,18 @@ class Servicer(Protocol):
     on_batch: Callable[[int], None] | None
 
     def methods(self) -> dict[str, Handler]:
-        """Every method it serves, by the contract's name."""
+        """Every method it serves, by the contract's name (``handlers`` builds it)."""
         ...
+
+
+def handlers(servicer: object, methods: Iterable[str]) -> dict[str, Handler]:
+    """``servicer``'s handler of each of ``methods``, by the contract's name: its method of
+    the same name in snake_case (``GetKeyStats``: ``get_key_stats``). One rule for every
+    servicer, so that no table files a handler under another method's name."""
+    found: dict[str, Handler] = {}
+    for method in methods:
+        name = re.sub(r"(?<!^)(?=[A-Z])", "_", method).lower()
+        if not callable(handler := getattr(servicer, name, None)):
+            raise TypeError(f"{type(servicer).__name__} has no handler {name}() of {method}")
+        found[method] = handler
+    return found

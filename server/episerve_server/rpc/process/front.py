@@ -41,7 +41,7 @@ from episerve_server.plan.options import too_big
 from episerve_server.rpc.handlers.admission import Admission
 from episerve_server.rpc.handlers.buffers import Reservation, ResponseBuffers
 from episerve_server.rpc.handlers.service import OFFLOAD_ENCODE_BYTES
-from episerve_server.rpc.handlers.servicer import Call, Handler
+from episerve_server.rpc.handlers.servicer import Call, Handler, handlers
 from episerve_server.rpc.process import server
 from episerve_server.rpc.process.metrics import PREFIX, counter_families
 from episerve_server.rpc.process.workers import WorkerPool
@@ -85,12 +85,8 @@ class FrontService:
         self._learning: dict[bytes, asyncio.Event] = {}
 
     def methods(self) -> dict[str, Handler]:
-        methods: dict[str, Handler] = {
-            "RegisterKeymap": self.register_keymap,
-            "Read": self.read,
-            "GetStats": self.get_stats,
-            "GetTopology": self.get_topology,
-        }
+        """Its own handlers, and worker 0's answer for the calls it passes through."""
+        methods = handlers(self, [name for name in METHODS if name not in PASSED_THROUGH])
         for name in PASSED_THROUGH:
             methods[name] = _pass_through(self, name)
         assert set(methods) <= set(METHODS)
