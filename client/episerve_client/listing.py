@@ -10,15 +10,14 @@ from typing import Any
 
 from episerve_client.convert import parse
 from episerve_client.errors import DataLossError
+from episerve_proto.episode import EpisodeFacts
 from episerve_proto.v1 import episerve_pb2 as pb
 
 
-@dataclass(frozen=True, slots=True)
-class EpisodeInfo:
-    hash: str
-    total_frames: int
-    fps: float
-    embodiment: str
+@dataclass(slots=True)
+class EpisodeInfo(EpisodeFacts):
+    """One listed episode: its facts, features, attributes and array names."""
+
     features: dict[str, Any]
     attrs: dict[str, Any]
     arrays: tuple[str, ...] = ()

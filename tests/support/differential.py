@@ -128,7 +128,7 @@ def same_cache(a: ChunkCache, b: ChunkCache) -> None:
     """The whole LRU state: the clock, every slab's stamps, owners and free list, every
     slot table, the frame chunks in recency order with their stamps."""
     assert a._clock == b._clock and a._bytes == b._bytes and a._entries == b._entries
-    assert a._uids == b._uids
+    assert a._uids.table == b._uids.table and a._uids.given == b._uids.given
     assert len(a._slabs) == len(b._slabs)
     for x, y in zip(a._slabs, b._slabs):
         assert x.shape == y.shape and x._free == y._free

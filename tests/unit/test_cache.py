@@ -136,6 +136,18 @@ def test_drop_episode_removes_only_that_episode() -> None:
     assert stats.cache_evictions == 0
 
 
+def test_a_dropped_episode_found_again_gets_a_new_uid() -> None:
+    """An episode's uid indexes the slot tables: one dropped and met again must not get
+    its old number back, nor another episode's."""
+    cache = ChunkCache(1000, Stats())
+    first, other = cache.uid("a"), cache.uid("b")
+    assert cache.uid("a") == first and cache.known_uid("a") == first
+    cache.drop_episode("a")
+    assert cache.known_uid("a") == -1
+    again = cache.uid("a")
+    assert again not in (first, other) and cache.known_uid("a") == again
+
+
 def test_negative_budget_is_refused() -> None:
     with pytest.raises(ValueError, match="-1"):
         ChunkCache(-1, Stats())

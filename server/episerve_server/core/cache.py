@@ -22,6 +22,7 @@ from typing import Any, TypeAlias
 import numpy as np
 
 from episerve_server.core import kernel
+from episerve_server.core.numbering import Numbering
 from episerve_server.core.slots import Slab, SlotTable
 from episerve_server.core.stats import Stats
 
@@ -49,8 +50,7 @@ class ChunkCache:
         self._clock = 0
         self._bytes = 0
         self._entries = 0
-        self._uids: dict[str, int] = {}
-        self._next_uid = 0
+        self._uids: Numbering[str] = Numbering()
         self._tables: dict[str, SlotTable] = {}
         self._table_list: list[SlotTable] = []
         self._slabs: list[Slab] = []
@@ -71,11 +71,7 @@ class ChunkCache:
     # -- identities ---------------------------------------------------------------------------
 
     def uid(self, episode: str) -> int:
-        uid = self._uids.get(episode)
-        if uid is None:
-            uid = self._uids[episode] = self._next_uid
-            self._next_uid += 1
-        return uid
+        return self._uids(episode)
 
     def uids(self, episodes: Sequence[str]) -> np.ndarray:
         return np.fromiter((self.uid(e) for e in episodes), np.int64, len(episodes))
@@ -108,7 +104,7 @@ class ChunkCache:
 
     def known_uid(self, episode: str) -> int:
         """The episode's uid, or -1 if it has none (nothing of it was ever cached)."""
-        return self._uids.get(episode, -1)
+        return self._uids.table.get(episode, -1)
 
     def slot_table(self, key: str) -> SlotTable | None:
         return self._tables.get(key) if self.enabled else None
@@ -239,9 +235,10 @@ class ChunkCache:
             self._clock += 1
             frames[2] = self._clock
             self.stats.cache_hits += 1
-            return frames[0]
+            got: list[bytes] = frames[0]
+            return got
         episode, name, chunk = key
-        uid = self._uids.get(episode)
+        uid = self._uids.table.get(episode)
         table = self._tables.get(name)
         if uid is not None and table is not None:
             slab, slot = self.lookup(name, np.array([uid]), np.array([chunk]))
@@ -375,7 +372,7 @@ class ChunkCache:
                 continue
             self._bytes -= entry[1]
             self._entries -= 1
-        uid = self._uids.pop(episode, None)
+        uid = self._uids.table.pop(episode, None)
         self.drops += 1
         if uid is not None:
             for table in self._table_list:

@@ -33,6 +33,7 @@ from episerve_proto.errors import InvalidArgument, LimitExceeded, shown
 from episerve_proto.keyspec import too_long
 from episerve_server.core.cache import ChunkCache
 from episerve_server.core.keystats import KeyStats, Moments, TailBuilder, Tails, combine, tail_room
+from episerve_server.core.numbering import Numbering
 from episerve_server.plan.keyplan import (
     KeyPlan,
     RawChunk,
@@ -97,8 +98,7 @@ class KeyStatsEngine:
         self._bytes = 0
         self._of_episode: dict[str, set[tuple[str, str, Any]]] = {}
         self._tails_of: dict[str, list[tuple[str, str, Any]]] = {}
-        self._tokens: weakref.WeakKeyDictionary[ChunkReader, int] = weakref.WeakKeyDictionary()
-        self._next_token = 0
+        self._token: Numbering[ChunkReader] = Numbering(weakref.WeakKeyDictionary())
         self._serial = 0
         self._lock = asyncio.Lock()
         self._cpu: asyncio.Semaphore | None = None
@@ -152,13 +152,6 @@ class KeyStatsEngine:
             seen.add(h)
             chosen.append(self.catalog.lookup(h))
         return sorted(chosen, key=lambda e: e.hash)
-
-    def _token(self, reader: ChunkReader) -> int:
-        token = self._tokens.get(reader)
-        if token is None:
-            token = self._tokens[reader] = self._next_token
-            self._next_token += 1
-        return token
 
     def _plan(self, key: str, chosen: list[Episode], n: int) -> KeyPlan:
         readers = [numeric_reader(e, key) for e in chosen]

@@ -10,16 +10,13 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
+from episerve_proto.episode import EpisodeFacts
 from episerve_server.core.spans import Span
 from episerve_server.storage.readers import ChunkReader
 
 
 @dataclass(slots=True)
-class Episode:
-    hash: str
-    total_frames: int
-    fps: float
-    embodiment: str
+class Episode(EpisodeFacts):
     attrs: dict[str, Any]
     readers: dict[str, ChunkReader]
     problems: dict[str, str] = field(default_factory=dict)
