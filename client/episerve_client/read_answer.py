@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +20,7 @@ import numpy as np
 from episerve_client.answer_wire import check_wire
 from episerve_client.convert import parse
 from episerve_client.tensors import loss, tensor
-from episerve_proto.answer import OPTIONAL, PER_SAMPLE
+from episerve_proto.answer import OPTIONAL, PER_SAMPLE, Field
 from episerve_proto.contract import IS_PAD_SUFFIX, MAX_EPISODE_FRAMES
 from episerve_proto.v1 import episerve_pb2 as pb
 
@@ -113,6 +113,21 @@ def _bulk(msg: Any, answer: bytes | InSegment) -> list[Any]:
         if off < 0 or n < 0 or off + n > seg.size:
             raise loss("a blob", (off, n), f"within the {seg.size}-byte segment")
     return [seg[off:off + n] for off, n in answer.blobs]
+
+
+#: A per-sample field as the ``ReadResult`` holds it, by its kind in ``answer.KINDS``.
+_SAMPLE_VALUES: dict[str, Callable[[Any], Any]] = {
+    "strings": list,
+    "varints": lambda v: np.array(v, dtype=np.int64),
+    "float32": lambda v: np.array(v, dtype=np.float32),
+}
+
+
+def _per_sample(f: Field, values: Any) -> Any:
+    """A per-sample field's values (an optional field left empty: None)."""
+    if f.name in OPTIONAL and not len(values):
+        return None
+    return _SAMPLE_VALUES[f.kind](values)
 
 
 def _samples(msg: Any, expect: Expected | None) -> int:
@@ -256,14 +271,7 @@ def read_result(answer: bytes | InSegment, expect: Expected | None = None) -> Re
     _columns(msg, expect)
     blobs = iter(_bulk(msg, answer))
     own = isinstance(answer, bytes)  # the message's bytes are read-only: copied
-    out = ReadResult(
-        episodes=list(msg.episodes),
-        frame_index=np.array(msg.frame_index, dtype=np.int64),
-        fps=np.array(msg.fps, dtype=np.float32),
-        embodiments=list(msg.embodiments),
-    )
-    if len(msg.total_frames):
-        out.total_frames = np.array(msg.total_frames, dtype=np.int64)
+    out = ReadResult(**{f.name: _per_sample(f, getattr(msg, f.name)) for f in PER_SAMPLE})
     check_rows(out, expect)
     for t in msg.arrays:
         out.arrays[t.name] = tensor(t, next(blobs), b, "array", own)
