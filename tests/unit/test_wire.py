@@ -175,6 +175,8 @@ def test_memos_stay_right_when_full_and_cleared(monkeypatch: Any) -> None:
     still parses as the generated class writes it."""
     monkeypatch.setattr(encode, "MAX_MEMO", 3)
     monkeypatch.setattr(encode, "MAX_MEMO_BYTES", 64)
+    monkeypatch.setattr(encode, "_STRINGS", {})  # (what earlier tests kept is not this one's)
+    monkeypatch.setattr(encode, "_SAMPLE_TEXTS", encode._Memo(encode._sample_texts))
     rng = np.random.default_rng(5)
     for _ in range(40):
         b = int(rng.integers(1, 9))
