@@ -43,9 +43,11 @@ from episerve_proto.errors import (
     ShortArrayError,
 )
 from episerve_server.core.keymap import Keymap
+from episerve_server.core.result import BatchResult
 from episerve_server.plan.options import ReadOptions
 from episerve_server.storage.latency import LatencyStore
 from tests.support import oracle, ramp
+from tests.support.differential import same_result
 from tests.support.keymaps import (
     BATCH,
     CAMERA,
@@ -634,20 +636,45 @@ def extras_served(tmp_path_factory: pytest.TempPathFactory,
     return out
 
 
+#: A few of ``EXTRAS_BATCH``'s edges for the default tier (the oracle reads each entry on
+#: its own, ~0.1 s a sample): both episodes' first and last frames, a chunk boundary.
+EXTRAS_EDGES = [("xb", 0), ("xb", 209), ("xb", 100), ("xa", 0), ("xa", 36)]
+
+
+def _odd_layout_matches_oracle(served: Any, samples: list[tuple[str, int]], cutoff: bool,
+                               matches_oracle: Any) -> BatchResult:
+    assert served.catalog.broken_listing() == {}
+    cold = served.read(EXTRAS_KEYMAP, samples, cutoff=cutoff)
+    matches_oracle(served, cold, EXTRAS_KEYMAP, samples, cutoff)
+    # from the cache: the same answer, compared whole (the oracle once is enough)
+    hits = served.stats.cache_hits
+    result = served.read(EXTRAS_KEYMAP, samples, cutoff=cutoff)
+    assert served.stats.cache_hits > hits
+    same_result(cold, result)
+    return result
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(("layout", "cutoff"), [
     ("sharded", False), ("sharded", True), ("unsharded", True), ("v2", True)])
 def test_dtypes_shapes_and_odd_layouts_match_oracle(layout: str, cutoff: bool,
                                                     extras_served: dict[str, Any],
                                                     matches_oracle: Any) -> None:
-    served = extras_served[layout]
-    assert served.catalog.broken_listing() == {}
-    for _ in range(2):  # cold, then from the cache
-        result = served.read(EXTRAS_KEYMAP, EXTRAS_BATCH, cutoff=cutoff)
-        matches_oracle(served, result, EXTRAS_KEYMAP, EXTRAS_BATCH, cutoff)
+    result = _odd_layout_matches_oracle(extras_served[layout], EXTRAS_BATCH, cutoff,
+                                        matches_oracle)
     sample = result.sample(0)
     assert sample["f64"].shape == (12, 2, 3)
     assert sample["scalar"].shape == (5,)
     assert sample["side"] == [ramp.frame_jpeg(11, 0)] * 3
+
+
+@pytest.mark.parametrize("layout", ["sharded", "unsharded", "v2"])
+def test_odd_layouts_match_oracle_at_the_edges(layout: str, extras_served: dict[str, Any],
+                                               matches_oracle: Any) -> None:
+    """The default tier's share of the test above: every layout, a few edge frames."""
+    result = _odd_layout_matches_oracle(extras_served[layout], EXTRAS_EDGES, True,
+                                        matches_oracle)
+    assert result.sample(0)["f64"].shape == (12, 2, 3)
 
 
 def test_scalar_feature_without_time_axis(extras_served: dict[str, Any],
