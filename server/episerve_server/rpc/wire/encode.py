@@ -14,6 +14,7 @@ Python call per value.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -100,19 +101,22 @@ class _Memo(dict[Any, bytes]):
     """Encodings made on first use and kept, bounded in entries and bytes (cleared when
     full): a batch's episode hashes, embodiments and annotation texts come back batch
     after batch, so the join finds each in C and Python encodes only what it has not
-    seen."""
+    seen. A large answer is encoded in a worker thread, so what a miss changes is done
+    under a lock (a hit takes none)."""
 
     def __init__(self, encode: Callable[[Any], bytes]) -> None:
         super().__init__()
-        self.encode, self.nbytes = encode, 0
+        self.encode, self.nbytes, self._lock = encode, 0, threading.Lock()
 
     def __missing__(self, key: Any) -> bytes:
         got = self.encode(key)
-        if len(self) >= MAX_MEMO or self.nbytes + len(got) > MAX_MEMO_BYTES:
-            self.clear()
-            self.nbytes = 0
-        self[key] = got
-        self.nbytes += len(got)
+        with self._lock:
+            if len(self) >= MAX_MEMO or self.nbytes + len(got) > MAX_MEMO_BYTES:
+                self.clear()
+                self.nbytes = 0
+            if key not in self:
+                self[key] = got
+                self.nbytes += len(got)
         return got
 
 
