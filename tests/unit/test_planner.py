@@ -668,11 +668,13 @@ def test_dtypes_shapes_and_odd_layouts_match_oracle(layout: str, cutoff: bool,
     assert sample["side"] == [ramp.frame_jpeg(11, 0)] * 3
 
 
-@pytest.mark.parametrize("layout", ["sharded", "unsharded", "v2"])
-def test_odd_layouts_match_oracle_at_the_edges(layout: str, extras_served: dict[str, Any],
+@pytest.mark.parametrize(("layout", "cutoff"), [
+    ("sharded", False), ("sharded", True), ("unsharded", True), ("v2", True)])
+def test_odd_layouts_match_oracle_at_the_edges(layout: str, cutoff: bool,
+                                               extras_served: dict[str, Any],
                                                matches_oracle: Any) -> None:
-    """The default tier's share of the test above: every layout, a few edge frames."""
-    result = _odd_layout_matches_oracle(extras_served[layout], EXTRAS_EDGES, True,
+    """The default tier's share of the test above: every case, a few edge frames."""
+    result = _odd_layout_matches_oracle(extras_served[layout], EXTRAS_EDGES, cutoff,
                                         matches_oracle)
     assert result.sample(0)["f64"].shape == (12, 2, 3)
 

@@ -110,6 +110,8 @@ class _Memo(dict[Any, bytes]):
 
     def __missing__(self, key: Any) -> bytes:
         got = self.encode(key)
+        if len(got) > MAX_MEMO_BYTES:
+            return got  # never kept: the memo holds at most its bound
         with self._lock:
             if len(self) >= MAX_MEMO or self.nbytes + len(got) > MAX_MEMO_BYTES:
                 self.clear()
