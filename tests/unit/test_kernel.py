@@ -100,6 +100,37 @@ def test_resolve_matches_numpy(seed: int, time_axis: bool) -> None:
         assert np.array_equal(ra[7], want)
 
 
+@pytest.mark.parametrize("time_axis", [True, False])
+@pytest.mark.parametrize("seed", range(40))
+def test_resolve_of_window_rows_matches_numpy(seed: int, time_axis: bool) -> None:
+    """Rows as windows have them (runs of consecutive rows crossing chunk ends, a clamped
+    row repeated, strides, a run that goes back): the compiled loop follows a run without
+    dividing, and gives what numpy gives."""
+    rng = np.random.default_rng(1000 + seed)
+    c = int(rng.integers(1, 12))
+    flat = rng.integers(0, 1000, 300)
+    if seed % 4 == 0:
+        flat[rng.integers(0, 300, 3)] = -1
+    n, w = int(rng.integers(1, 30)), int(rng.integers(1, 40))
+    start = rng.integers(0, c * 20, n)
+    stride = rng.integers(1, 3, n) if seed % 3 == 0 else np.ones(n, np.int64)
+    rows = start[:, None] + stride[:, None] * np.arange(w)[None, :]
+    rows = np.minimum(rows, (start + rng.integers(0, w + 1, n))[:, None])  # clamped tails
+    if seed % 5 == 0:
+        rows[:, w // 2:] = rows[:, :1]  # back to an earlier row
+    base = rng.integers(0, 60, n)
+    idx_shape = (n, w) if time_axis else (n,)
+    (r, ra), (p, pa) = both(kernel.resolve, flat, base, rows, c, 5, time_axis,
+                            np.zeros((n, w), np.int64), np.zeros(idx_shape, np.int64))
+    assert r == p
+    pos = base[:, None] + rows // c
+    ok = pos.max() < len(flat) and flat[np.clip(pos, 0, len(flat) - 1)].min() >= 0
+    assert r == (0 if ok else -1)
+    if r == 0:
+        assert same(ra, pa)
+        assert np.array_equal(ra[6], flat[pos])
+
+
 def horizon_oracle(h: int, frame: np.ndarray, total: np.ndarray) -> tuple[list, list]:
     rows, mask = [], []
     for f, t in zip(frame.tolist(), total.tolist()):

@@ -429,6 +429,23 @@ def test_the_registry_evicts_least_recently_used_under_its_byte_budget() -> None
     assert len(registry) == 1 and registry.get("big") is big
 
 
+def test_a_keymap_registered_again_keeps_the_object_already_known() -> None:
+    """Every client registers the same keymap: the registry keeps the first object, so the
+    compiled plans keyed by it are found by identity, not by comparing every entry."""
+    from episerve_server.rpc.handlers.registry import KeymapRegistry
+
+    first, again = Keymap.parse({"a": entry()}), Keymap.parse({"a": entry()})
+    assert first == again and hash(first) == hash(again) and first is not again
+    registry = KeymapRegistry(max_bytes=1 << 20)
+    registry.add("k", first, 40)
+    registry.add("k", again, 40)
+    assert registry.get("k") is first
+    other = Keymap.parse({"a": entry(), "b": entry()})
+    assert other != first and first != "a keymap"
+    registry.add("k", other, 40)  # a different keymap under the id replaces it
+    assert registry.get("k") is other
+
+
 def test_response_buffers_count_until_released_per_peer_and_in_total() -> None:
     from episerve_server.rpc.handlers.buffers import HELD_COPIES as K
     from episerve_server.rpc.handlers.buffers import ResponseBuffers

@@ -128,13 +128,28 @@ static PyObject *resolve(PyObject *self, PyObject *args) {
     for (int64_t i = 0; i < n && !rc; i++) {
         const int64_t *r = rows + i * width;
         int64_t *s = slots + i * width;
+        /* A window's rows mostly follow one another: the next row's chunk and place in it
+         * come from the last one's without a division (the slot is looked up only when
+         * the chunk changes). */
+        int64_t last = -2, chunk = 0, within = 0, slot = -1;
         for (int64_t j = 0; j < width; j++) {
-            if (r[j] < 0) { rc = -1; break; }
-            int64_t pos = base[i] + r[j] / c;
-            int64_t slot = (pos >= 0 && pos < nflat) ? flat[pos] : -1;
-            if (slot < 0) { rc = -1; break; }
+            int64_t row = r[j];
+            if (row < 0) { rc = -1; break; }
+            if (row == last + 1 && within + 1 < c) {
+                within++;
+            } else if (row != last) {
+                int64_t was = chunk;
+                chunk = row / c;
+                within = row - chunk * c;
+                if (chunk != was || slot < 0) {
+                    int64_t pos = base[i] + chunk;
+                    slot = (pos >= 0 && pos < nflat) ? flat[pos] : -1;
+                    if (slot < 0) { rc = -1; break; }
+                }
+            }
+            last = row;
             s[j] = slot;
-            if (time_axis) idx[i * width + j] = slot * rps + r[j] % c;
+            if (time_axis) idx[i * width + j] = slot * rps + within;
         }
         if (!rc && !time_axis) idx[i] = s[0] * rps + r[0] % c;
     }
@@ -235,6 +250,7 @@ static PyObject *stamp(PyObject *self, PyObject *args) {
     release(b, 2);
     return PyLong_FromLongLong(count);
 }
+
 
 static PyMethodDef methods[] = {
     {"key_base", key_base, METH_VARARGS, "per sample, its episode's table start and size"},

@@ -105,9 +105,12 @@ class Keymap:
     annotation_keys: frozenset[str] = dataclasses.field(init=False, compare=False, repr=False)
     action_mask_entry: KeySpec | None = dataclasses.field(init=False, compare=False, repr=False)
     proprio_mask_entry: KeySpec | None = dataclasses.field(init=False, compare=False, repr=False)
+    # A keymap is a dict key on every batch (the compiled plans): its hash is worked out once.
+    _hash: int = dataclasses.field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         entries = self.entries
+        object.__setattr__(self, "_hash", hash(entries))
         object.__setattr__(self, "zarr_keys", frozenset(
             e.zarr_key for e in entries if e.rule is not Rule.ANNOTATION))
         object.__setattr__(self, "annotation_keys", frozenset(
@@ -119,6 +122,16 @@ class Keymap:
             (e for e in entries
              if e.key_type != CAMERA_KEYS and e.rule is Rule.HISTORY and (e.history or 0) > 1),
             None))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if type(other) is not Keymap:
+            return NotImplemented
+        return self._hash == other._hash and self.entries == other.entries
 
     def __iter__(self) -> Iterator[KeySpec]:
         return iter(self.entries)

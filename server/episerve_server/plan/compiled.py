@@ -100,8 +100,8 @@ class Compiled:
         directory = self.catalog.directory()
         kp = self._keymap_plan(keymap, directory)
         try:
-            hashes = [h for h, _ in samples]
-            given = [f for _, f in samples]
+            pair_h, given = zip(*samples)  # one pass in C (a sample not a pair: ValueError)
+            hashes = list(pair_h)
             if set(map(type, given)) != {int}:
                 return None
             index = directory.index

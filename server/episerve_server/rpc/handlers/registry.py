@@ -37,6 +37,8 @@ class KeymapRegistry:
         old = self._items.pop(kid, None)
         if old is not None:
             self.nbytes -= old[1]
+            if old[0] == keymap:  # the same keymap again (each client registers it): the
+                keymap = old[0]   # object already known stays, so lookups by it stay cheap
         cost = held_bytes(keymap, wire_bytes)
         self._items[kid] = (keymap, cost)
         self.nbytes += cost

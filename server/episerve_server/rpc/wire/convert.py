@@ -187,8 +187,11 @@ def parse_read(data: bytes, limits: Limits) -> ReadCall:
             f"a batch of {len(req.episodes)} samples is over the limit of "
             f"{limits.max_batch}; split it into smaller reads"
         )
-    if req.episodes and max(map(len, req.episodes)) > MAX_NAME_CHARS:  # looked at in C
-        i, episode = next((i, e) for i, e in enumerate(req.episodes) if len(e) > MAX_NAME_CHARS)
+    # Python lists first: each step over a repeated field of the message makes a new
+    # object (a list of 64 ids is ~4 us, walking the field twice more was ~20)
+    episodes, frames = list(req.episodes), list(req.frames)
+    if episodes and max(map(len, episodes)) > MAX_NAME_CHARS:  # looked at in C
+        i, episode = next((i, e) for i, e in enumerate(episodes) if len(e) > MAX_NAME_CHARS)
         raise InvalidEpisodeId(
             f"episodes[{i}]: episode id {shown(episode)} is {len(episode)} characters "
             f"long, over the limit of {MAX_NAME_CHARS}")
@@ -204,7 +207,7 @@ def parse_read(data: bytes, limits: Limits) -> ReadCall:
         keymap=keymap_from_pb(req.keymap, limits, "keymap (inline)") if ref == "keymap"
         else None,
         keymap_id=req.keymap_id,
-        samples=list(zip(req.episodes, req.frames)),
+        samples=list(zip(episodes, frames)),
         annotation_cutoff=req.annotation_cutoff,
         max_response_bytes=max(0, req.max_response_bytes),
         all_masks=req.all_masks,
@@ -365,8 +368,11 @@ def parse_key_stats(data: bytes, max_keys: int) -> KeyStatsCall:
     if len(req.keys) > max_keys:
         raise LimitExceeded(f"{len(req.keys)} keys asked for, over the limit of {max_keys}; "
                             "ask for fewer keys at a time")
-    if req.episodes and max(map(len, req.episodes)) > MAX_NAME_CHARS:  # looked at in C
-        i, episode = next((i, e) for i, e in enumerate(req.episodes) if len(e) > MAX_NAME_CHARS)
+    # Python lists first: each step over a repeated field of the message makes a new
+    # object (a list of 64 ids is ~4 us, walking the field twice more was ~20)
+    episodes, frames = list(req.episodes), list(req.frames)
+    if episodes and max(map(len, episodes)) > MAX_NAME_CHARS:  # looked at in C
+        i, episode = next((i, e) for i, e in enumerate(episodes) if len(e) > MAX_NAME_CHARS)
         raise InvalidEpisodeId(
             f"episodes[{i}]: episode id {shown(episode)} is {len(episode)} characters "
             f"long, over the limit of {MAX_NAME_CHARS}")
