@@ -14,6 +14,7 @@ This module imports neither grpc nor protobuf.
 
 from __future__ import annotations
 
+import itertools
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -117,17 +118,16 @@ def aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def layout(sizes: Sequence[int]) -> tuple[list[int], int]:
-    """Each blob's offset (64-byte aligned, in order) and the bytes they take in all."""
-    offsets, at = [], 0
-    for n in sizes:
-        offsets.append(at)
-        at += aligned(n)
-    return offsets, at
+def layout(sizes: Sequence[int], start: int = 0) -> tuple[list[int], int]:
+    """Each blob's offset (64-byte aligned, in order, the first at ``start``) and where the
+    last one ends, aligned."""
+    mask = ALIGN - 1
+    ends = list(itertools.accumulate([(n + mask) & ~mask for n in sizes], initial=start))
+    return ends[:-1], ends[-1]
 
 
 def batch_body(segment: int, size: int, blobs: Sequence[tuple[int, int]], meta: bytes) -> bytes:
-    table = b"".join(BLOB.pack(off, n) for off, n in blobs)
+    table = struct.pack(f"<{2 * len(blobs)}Q", *itertools.chain.from_iterable(blobs))
     return BATCH_HEAD.pack(segment, size, len(blobs)) + table + meta
 
 

@@ -15,6 +15,8 @@ The slabs and slot tables themselves are in ``slots``.
 
 from __future__ import annotations
 
+import itertools
+
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any, TypeAlias
@@ -214,17 +216,14 @@ class ChunkCache:
     def take_frames(self, keys: Sequence[ChunkKey]) -> list[list[bytes]]:
         """``get`` of chunks of frame bytes all known to be cached, one after another (the
         same recency, stamps and hits), without its numeric branch."""
-        frames, out, clock = self._frames, [], self._clock
-        move = frames.move_to_end
-        for key in keys:
-            entry = frames[key]
-            move(key)
-            clock += 1
+        frames, clock = self._frames, self._clock
+        entries = list(map(frames.__getitem__, keys))
+        for clock, key, entry in zip(itertools.count(clock + 1), keys, entries):
+            frames.move_to_end(key)
             entry[2] = clock
-            out.append(entry[0])
         self._clock = clock
         self.stats.cache_hits += len(keys)
-        return out
+        return [entry[0] for entry in entries]
 
     # -- frame bytes and the scalar API -------------------------------------------------------
 

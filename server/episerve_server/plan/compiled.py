@@ -18,7 +18,6 @@ same either way (``tests/unit/test_compiled_plan.py`` compares both).
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -32,7 +31,14 @@ from episerve_server.core.keymap import Keymap, Rule
 from episerve_server.core.result import BatchResult, ImageColumn
 from episerve_server.core.windows import Window
 from episerve_server.plan.assemble import PACK, Empty, add_is_pad, add_masks, distinct
-from episerve_server.plan.geometry import KeyGeometry, KeymapPlan, compile_keymap, windows_of
+from episerve_server.plan.geometry import (
+    KeyGeometry,
+    KeymapPlan,
+    compile_keymap,
+    output_bytes,
+    row_bytes,
+    windows_of,
+)
 from episerve_server.plan.options import ReadOptions
 from episerve_server.plan.texts import TextTables
 from episerve_server.storage.catalog import Catalog
@@ -115,30 +121,24 @@ class Compiled:
         total = directory.total[ids]
         if frame.min() < 0 or (frame >= total).any():
             return None
-        for e in keymap:
-            if e.rule is Rule.ANNOTATION and not self.texts.ready(directory, ids, e.zarr_key):
+        for key in kp.annotated:
+            if not self.texts.ready(directory, ids, key):
                 return None
         uids = self._batch_uids(directory, ids)
         if uids is None:
             return None
-        kinds: dict[str, tuple[tuple[int, ...], bool]] = {}
-        out_bytes = 8 * len(ids) if options.all_masks else 0
-        for key in sorted(keymap.zarr_keys):
-            geo = kp.keys[key]
-            if not geo.shapes:
+        if kp.kinds is not None:  # one shape per key: the bytes were worked out once
+            kinds = kp.kinds
+            out_bytes = len(ids) * kp.sample_bytes[options.all_masks]
+        else:
+            got_kinds = _batch_kinds(kp, ids)
+            if got_kinds is None:
                 return None
-            if geo.one_shape:
-                kinds[key] = geo.shapes[0]
-            else:
-                shape_id = geo.shape_id[ids]
-                if shape_id.min() != shape_id.max():
-                    return None  # the general path names the shapes
-                kinds[key] = geo.shapes[int(shape_id[0])]
-            feature, is_bytes = kinds[key]
-            per_row = 4 if is_bytes else 4 * math.prod(feature)
-            for e in kp.entries[key]:
-                pad = 1 if options.all_masks and e.time_axis else 0
-                out_bytes += len(ids) * e.length * (per_row + pad)
+            kinds = got_kinds
+            out_bytes = 8 * len(ids) if options.all_masks else 0
+            for key in kp.ordered_keys:
+                out_bytes += len(ids) * output_bytes(row_bytes(kinds[key]), kp.entries[key],
+                                                     options.all_masks)
         if options.max_response_bytes and out_bytes > options.max_response_bytes:
             return None  # refused by the general path, before any window is built
         fps = directory.fps[ids]
@@ -148,7 +148,7 @@ class Compiled:
         frames: list[_Frames] = []
         position, order = _first_seen(ids) if kp.camera else (ids, ids)
         uid_top = int(uids.max())  # once per batch, not per key
-        for key in sorted(keymap.zarr_keys):
+        for key in kp.ordered_keys:
             geo = kp.keys[key]
             feature, is_bytes = kinds[key]
             if is_bytes:
@@ -331,6 +331,25 @@ class Compiled:
             every.append(slots)
             gathers.append(_Gather(e.name, slab, idx, (*idx.shape, *feature), feature))
         return slab, every
+
+
+def _batch_kinds(kp: KeymapPlan, ids: np.ndarray
+                 ) -> dict[str, tuple[tuple[int, ...], bool]] | None:
+    """Each key's (feature, is_bytes) in this batch, or None: a key with none, or with
+    several among the batch's episodes (the general path names them)."""
+    kinds = {}
+    for key in kp.ordered_keys:
+        geo = kp.keys[key]
+        if not geo.shapes:
+            return None
+        if geo.one_shape:
+            kinds[key] = geo.shapes[0]
+            continue
+        shape_id = geo.shape_id[ids]
+        if shape_id.min() != shape_id.max():
+            return None
+        kinds[key] = geo.shapes[int(shape_id[0])]
+    return kinds
 
 
 def _first_seen(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -4,6 +4,7 @@ indexed by the directory's dense ids (plan/compiled.py)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +41,16 @@ class KeymapPlan:
     signatures: dict[str, tuple[Any, ...]]  # output -> its window's parameters
     entries: dict[str, tuple[KeySpec, ...]]  # windowed zarr key -> its entries, keymap order
     camera: bool  # some key holds frame bytes in some episode
+    # One entry per distinct window signature (first in keymap order), and per windowed
+    # output, in keymap order, the index of its window among them.
+    window_entries: tuple[KeySpec, ...]
+    window_index: tuple[tuple[str, int], ...]
+    ordered_keys: tuple[str, ...]  # the windowed zarr keys, sorted (the order keys are read)
+    annotated: tuple[str, ...]  # the zarr keys of annotation entries
+    # When every key has one (feature, is_bytes) over the servable episodes: each key's,
+    # and a sample's output bytes (without, with ``all_masks``); else None and (0, 0).
+    kinds: dict[str, tuple[tuple[int, ...], bool]] | None
+    sample_bytes: tuple[int, int]
 
 
 def compile_keymap(keymap: Keymap, directory: Directory) -> KeymapPlan:
@@ -56,7 +67,44 @@ def compile_keymap(keymap: Keymap, directory: Directory) -> KeymapPlan:
     entries = {key: tuple(e for e in keymap if e.zarr_key == key and e.rule is not Rule.ANNOTATION)
                for key in keymap.zarr_keys}
     camera = any(is_bytes for g in keys.values() for _, is_bytes in g.shapes)
-    return KeymapPlan(directory, servable, keys, signatures, entries, camera)
+    first: dict[tuple[Any, ...], int] = {}
+    window_entries: list[KeySpec] = []
+    index: list[tuple[str, int]] = []
+    for e in keymap:
+        if e.rule is Rule.ANNOTATION:
+            continue
+        k = first.setdefault(signatures[e.name], len(first))
+        if k == len(window_entries):
+            window_entries.append(e)
+        index.append((e.name, k))
+    annotated = tuple(dict.fromkeys(e.zarr_key for e in keymap if e.rule is Rule.ANNOTATION))
+    kinds, sample_bytes = _fixed_kinds(keys, entries)
+    return KeymapPlan(directory, servable, keys, signatures, entries, camera,
+                      tuple(window_entries), tuple(index), tuple(sorted(keys)), annotated,
+                      kinds, sample_bytes)
+
+
+def output_bytes(per_row: int, entries: tuple[KeySpec, ...], all_masks: bool) -> int:
+    """A sample's bytes of one key's outputs (rows of ``per_row`` bytes; with
+    ``all_masks``, a byte per windowed row for its ``_is_pad`` mask)."""
+    return sum(e.length * (per_row + (1 if all_masks and e.time_axis else 0))
+               for e in entries)
+
+
+def row_bytes(kind: tuple[tuple[int, ...], bool]) -> int:
+    """The bytes of one output row: a float32 feature, or a frame's int32 index."""
+    feature, is_bytes = kind
+    return 4 if is_bytes else 4 * math.prod(feature)
+
+
+def _fixed_kinds(keys: dict[str, KeyGeometry], entries: dict[str, tuple[KeySpec, ...]]
+                 ) -> tuple[dict[str, tuple[tuple[int, ...], bool]] | None, tuple[int, int]]:
+    if not all(g.shapes and g.one_shape for g in keys.values()):
+        return None, (0, 0)
+    kinds = {key: g.shapes[0] for key, g in keys.items()}
+    plain = sum(output_bytes(row_bytes(kinds[k]), entries[k], False) for k in keys)
+    masked = sum(output_bytes(row_bytes(kinds[k]), entries[k], True) for k in keys)
+    return kinds, (plain, 8 + masked)  # with all_masks, each sample's total_frames too
 
 
 def _geometry(key: str, episodes: tuple[Episode, ...], servable: np.ndarray) -> KeyGeometry:
@@ -87,14 +135,5 @@ def _signature(e: KeySpec) -> tuple[Any, ...]:
 def windows_of(keymap: Keymap, kp: KeymapPlan, frame: np.ndarray, total: np.ndarray,
                fps: np.ndarray) -> dict[str, Window]:
     """Every windowed output's window, computed once per distinct signature."""
-    by_signature: dict[tuple[Any, ...], Window] = {}
-    out: dict[str, Window] = {}
-    for e in keymap:
-        if e.rule is Rule.ANNOTATION:
-            continue
-        sig = kp.signatures[e.name]
-        w = by_signature.get(sig)
-        if w is None:
-            w = by_signature[sig] = window(e, frame, total, fps)
-        out[e.name] = w
-    return out
+    made = [window(e, frame, total, fps) for e in kp.window_entries]
+    return {name: made[k] for name, k in kp.window_index}

@@ -27,6 +27,7 @@ class Placed:
     segment: Segment
     blobs: list[tuple[int, int]]  # (offset, size) of each blob, in the answer's order
     meta: bytes
+    nbytes: int  # the blobs' bytes in all
 
 
 async def place(conn: Connection, result: BatchResult,
@@ -40,26 +41,27 @@ async def place(conn: Connection, result: BatchResult,
                                f"local plane's limit of {lp.MAX_ANSWER_BODY}; split the "
                                "batch")
     # A bulk blob is bytes (a cached frame: never in the segment) or a byte view.
-    sizes = [len(b) for b in blobs]
+    sizes = list(map(len, blobs))
     offset_of = arena.offset_of
     at: list[int | None] = [None if isinstance(b, bytes) else offset_of(b, n)
                             for b, n in zip(blobs, sizes)]
     rest = [k for k, off in enumerate(at) if off is None]
-    after, rest_bytes = lp.layout([sizes[k] for k in rest])
-    total = arena.used + rest_bytes
+    after, total = lp.layout([sizes[k] for k in rest], arena.used)
     seg = arena.segment
     if seg is None or total > seg.size:  # write it all into a segment of its size
         blobs = [b if off is None else bytes(b) for b, off in zip(blobs, at)]
         await arena.release()
-        at, rest = [None] * len(blobs), list(range(len(blobs)))
+        rest = list(range(len(blobs)))
         after, total = lp.layout(sizes)
         seg = await conn.pool.acquire(max(total, 1), keep=arena.keep)
         arena.segment, arena.used = seg, 0
-    for k, off in zip(rest, after, strict=True):
-        at[k] = arena.used + off
-    offsets = [int(off) for off in at if off is not None]
+        at = list(after)
+    else:
+        for k, off in zip(rest, after, strict=True):
+            at[k] = off
+    offsets: list[int] = at  # type: ignore[assignment]  # every blob has one now
     copied = [(offsets[k], sizes[k], blobs[k]) for k in rest]
-    copied_bytes = sum(sizes[k] for k in rest)
+    copied_bytes = sum([sizes[k] for k in rest])
     try:
         if copied_bytes >= OFFLOAD_ENCODE_BYTES:
             await asyncio.to_thread(_copy, seg.mm, copied)
@@ -69,7 +71,7 @@ async def place(conn: Connection, result: BatchResult,
         await arena.release()
         raise
     conn.last_total = total
-    return Placed(seg, list(zip(offsets, sizes, strict=True)), meta), total, copied_bytes
+    return Placed(seg, list(zip(offsets, sizes)), meta, sum(sizes)), total, copied_bytes
 
 
 def _copy(dst: mmap.mmap, blobs: list[tuple[int, int, encode.Buf]]) -> None:

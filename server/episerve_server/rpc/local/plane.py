@@ -346,13 +346,13 @@ class LocalPlane:
         if keep:  # counted (as the pool's) until the client has it
             self.keeper.sent_kept(conn, seg.size)
             await conn.pool.give_away(seg.ident)
-        return "OK", len(body) + sum(size for _, size in placed.blobs)
+        return "OK", len(body) + placed.nbytes
 
     async def _place(self, conn: Connection, result: BatchResult,
                      arena: SegmentArena) -> tuple[Placed, int]:
         placed, total, copied = await place(conn, result, arena)
         self.copied_bytes += copied
-        self.gathered_bytes += sum(size for _, size in placed.blobs) - copied
+        self.gathered_bytes += placed.nbytes - copied
         await self._retired(conn)
         return placed, total
 

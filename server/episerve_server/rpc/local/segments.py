@@ -43,7 +43,8 @@ class Segment:
     size: int
     fd: int
     mm: mmap.mmap
-    view: np.ndarray
+    view: np.ndarray  # its bytes
+    floats: np.ndarray  # the same memory as float32 (a segment's size is a multiple of 64)
     sent: bool = False  # the client has its descriptor
     out: bool = False  # in the client's hands: sent, not yet returned
     #: Where the client's stream stood when this lending's answer was sent: a RELEASE that
@@ -60,11 +61,11 @@ class Segment:
         except OSError:
             os.close(fd)
             raise
-        return cls(ident, size, fd, mm, np.frombuffer(mm, np.uint8))
+        return cls(ident, size, fd, mm, np.frombuffer(mm, np.uint8), np.frombuffer(mm, np.float32))
 
     def close(self) -> None:
         os.close(self.fd)
-        del self.view
+        del self.view, self.floats
         with contextlib.suppress(BufferError):  # a copy still running: freed by refcount
             self.mm.close()
 
@@ -223,6 +224,7 @@ class SegmentArena:
         self.segment: Segment | None = None
         self.used = 0  # bytes handed out, 64-byte aligned
         self._base = 0
+        self._given: dict[int, tuple[np.ndarray, int]] = {}  # id -> (array, offset)
 
     async def open(self, nbytes: int, outputs: int) -> None:
         # A kept segment is made to size, so it gets a quarter more than the last answer
@@ -231,6 +233,7 @@ class SegmentArena:
         hint = self.hint + self.hint // 4 if self.keep else self.hint
         want = max(1, nbytes + lp.ALIGN * outputs, hint)
         self.used = 0
+        self._given = {}
         if self.segment is not None and self.segment.size >= want:
             return
         await self.release()
@@ -240,23 +243,30 @@ class SegmentArena:
     def empty(self, shape: tuple[int, ...]) -> np.ndarray:
         """A float32 array of ``shape`` in the segment (a private one if it is full)."""
         n = 4 * math.prod(shape)
-        seg = self.segment
-        if seg is None or self.used + n > seg.size:
+        seg, used = self.segment, self.used
+        if seg is None or used + n > seg.size:
             return np.empty(shape, np.float32)
-        out = seg.view[self.used:self.used + n].view(np.float32).reshape(shape)
-        self.used = lp.aligned(self.used + n)
+        out = seg.floats[used >> 2:(used + n) >> 2].reshape(shape)
+        self.used = (used + n + lp.ALIGN - 1) & -lp.ALIGN
+        self._given[id(out)] = (out, used)  # kept: the id names this array until the end
         return out
 
     def offset_of(self, blob: memoryview, nbytes: int) -> int | None:
-        """The offset of ``blob`` in the segment if it is one of the arrays handed out."""
+        """The offset of ``blob`` in the segment if it is one of the arrays handed out
+        (whole, as the encoder sends it: found by the array's id; a part of one or a view
+        of it: by its address)."""
         if self.segment is None or not nbytes or type(blob.obj) is bytes:
             return None  # (a bytes object, such as a cached frame, owns its memory)
+        given = self._given.get(id(blob.obj))
+        if given is not None and given[0] is blob.obj and given[0].nbytes == nbytes:
+            return given[1]
         off = address(blob) - self._base
         return off if off >= 0 and off + nbytes <= self.used else None
 
     async def release(self) -> None:
         """Give the segment up (the read failed, or its answer went elsewhere)."""
         seg, self.segment, self.used = self.segment, None, 0
+        self._given = {}
         if seg is not None:
             await (self.pool.give_away(seg.ident) if self.keep else self.pool.put_back(seg.ident))
 

@@ -14,6 +14,7 @@ Python call per value.
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -24,6 +25,7 @@ from episerve_proto.answer import FRAME_SOURCE, IMAGE_COLUMN, RESPONSE, TENSOR, 
 from episerve_server.core.result import BatchResult, ImageColumn
 
 Buf = bytes | memoryview
+Sink = list[Buf] | None  # where bulk blobs go when they are sent apart (the local plane)
 _LEN = 2  # wire type: length-delimited
 _SMALL = [bytes((n,)) for n in range(0x80)]  # the one-byte varints
 
@@ -87,10 +89,7 @@ def _tag(field: int) -> bytes:
 
 
 def _field(field: int, payload: Sequence[Buf]) -> list[Buf]:
-    size = 0
-    for p in payload:
-        size += len(p)
-    return [_tag(field), varint(size), *payload]
+    return [_tag(field), varint(sum(map(len, payload))), *payload]
 
 
 def _string(field: int, text: str) -> list[Buf]:
@@ -144,22 +143,36 @@ def _packed_ints(field: int, values: np.ndarray) -> list[Buf]:
 def _header(field: int, numbers: tuple[int, int, int], name: str, kind: str,
             shape: tuple[int, ...]) -> bytes:
     """The name, dtype (or source) and shape of an array or image column (``numbers``:
-    those three fields' numbers): the same for every batch of a keymap, so they are
-    encoded once and kept (a bounded memo)."""
-    key = (field, name, kind, shape)
-    got = _HEADERS.get(key)
-    if got is None:
-        dims = b"".join(varint(n) for n in shape)
-        got = b"".join([*_string(numbers[0], name), *_string(numbers[1], kind),
-                        *(_field(numbers[2], [dims]) if dims else [])])
-        if len(_HEADERS) >= MAX_HEADERS:
-            _HEADERS.clear()
-        _HEADERS[key] = got
-    return got
+    those three fields' numbers)."""
+    dims = b"".join(varint(n) for n in shape)
+    return b"".join([*_string(numbers[0], name), *_string(numbers[1], kind),
+                     *(_field(numbers[2], [dims]) if dims else [])])
+
+
+class _Headers(dict[tuple[int, str, str, tuple[int, ...], int], bytes]):
+    """A tensor's or image column's encoding without its bulk bytes, per (field, name,
+    dtype or source, shape, bulk size): the same for every batch of a keymap, so it is
+    made once and kept (bounded: cleared when full). With the bulk sent apart (the local
+    plane) it is the column's whole message; otherwise its bulk field's bytes follow it."""
+
+    def __missing__(self, key: tuple[int, str, str, tuple[int, ...], int]) -> bytes:
+        field, name, kind, shape, size = key
+        numbers, data = (_T, TENSOR["data"]) if field == RESPONSE_TENSORS else \
+            (_I, IMAGE_COLUMN["index"])
+        head = _header(field, numbers, name, kind, shape)
+        if size < 0:  # the bulk is sent apart: the message is the header alone
+            got = b"".join(_message(field, [head]))
+        else:  # the message up to its bulk bytes, which come next
+            inner = len(head) + len(_tag(data)) + len(varint(size)) + size
+            got = b"".join([_tag(field), varint(inner), head, _tag(data), varint(size)])
+        if len(self) >= MAX_HEADERS:
+            self.clear()
+        self[key] = got
+        return got
 
 
 MAX_HEADERS = 4096
-_HEADERS: dict[tuple[int, str, str, tuple[int, ...]], bytes] = {}
+_HEADERS = _Headers()
 
 
 def _raw(arr: np.ndarray) -> memoryview:
@@ -172,43 +185,54 @@ def _message(field: int, parts: list[Buf]) -> list[Buf]:
 
 _T = (TENSOR["name"], TENSOR["dtype"], TENSOR["shape"])
 _I = (IMAGE_COLUMN["name"], IMAGE_COLUMN["source"], IMAGE_COLUMN["shape"])
+RESPONSE_TENSORS = next(f.number for f in RESPONSE if f.kind == "tensors")
 # A frame's field with its bytes sent apart.
 _EMPTY_FRAME = _tag(FRAME_SOURCE["frames"]) + varint(0)
-Bulk = Callable[[int, Buf], list[Buf]]
+_LITTLE = sys.byteorder == "little"
 
 
-def _per_sample_strings(field: int, texts: Sequence[str], bulk: Bulk) -> list[Buf]:
+def _per_sample_strings(field: int, texts: Sequence[str], sink: Sink) -> list[Buf]:
     return [_strings(field, texts)]
 
 
-def _per_sample_varints(field: int, values: np.ndarray | None, bulk: Bulk) -> list[Buf]:
+def _per_sample_varints(field: int, values: np.ndarray | None, sink: Sink) -> list[Buf]:
     return [] if values is None else _packed_ints(field, values)
 
 
-def _per_sample_float32(field: int, values: np.ndarray, bulk: Bulk) -> list[Buf]:
+def _per_sample_float32(field: int, values: np.ndarray, sink: Sink) -> list[Buf]:
     return _field(field, [_raw(values.astype("<f4"))]) if len(values) else []
 
 
-def _tensors(field: int, arrays: dict[str, np.ndarray], bulk: Bulk) -> list[Buf]:
+def _columns(field: int, columns: list[tuple[str, str, np.ndarray]], sink: Sink) -> list[Buf]:
+    """Tensors or image columns: (name, dtype or source, little-endian array) each; per
+    column its kept encoding and its bulk bytes (into ``sink`` when it is given)."""
     parts: list[Buf] = []
+    headers = _HEADERS
+    for name, kind, arr in columns:
+        raw = _raw(arr)
+        if sink is None:
+            parts += (headers[(field, name, kind, arr.shape, raw.nbytes)], raw)
+        else:
+            parts.append(headers[(field, name, kind, arr.shape, -1)])
+            sink.append(raw)
+    return parts
+
+
+def _tensors(field: int, arrays: dict[str, np.ndarray], sink: Sink) -> list[Buf]:
+    columns = []
     for name, arr in arrays.items():
-        le = arr.astype(arr.dtype.newbyteorder("<"), copy=False)
-        parts += _message(field, [_header(field, _T, name, le.dtype.str, arr.shape),
-                                  *bulk(TENSOR["data"], _raw(le))])
-    return parts
+        if not (_LITTLE and arr.dtype.isnative):
+            arr = arr.astype(arr.dtype.newbyteorder("<"))
+        columns.append((name, arr.dtype.str, arr))
+    return _columns(field, columns, sink)
 
 
-def _images(field: int, images: dict[str, ImageColumn], bulk: Bulk) -> list[Buf]:
-    parts: list[Buf] = []
-    for name, col in images.items():
-        index = col.index.astype("<i4", copy=False)
-        parts += _message(field, [_header(field, _I, name, col.source, index.shape),
-                                  *bulk(IMAGE_COLUMN["index"], _raw(index))])
-    return parts
+def _images(field: int, images: dict[str, ImageColumn], sink: Sink) -> list[Buf]:
+    return _columns(field, [(name, col.source, col.index.astype("<i4", copy=False))
+                            for name, col in images.items()], sink)
 
 
-def _frames(field: int, sources: dict[str, list[bytes]], bulk: Bulk,
-            sink: list[Buf] | None = None) -> list[Buf]:
+def _frames(field: int, sources: dict[str, list[bytes]], sink: Sink) -> list[Buf]:
     parts: list[Buf] = []
     for key, frames in sources.items():
         body: list[Buf] = [*_string(FRAME_SOURCE["key"], key)]
@@ -231,7 +255,7 @@ def _sample_texts(texts: tuple[str, ...]) -> bytes:
 _SAMPLE_TEXTS = _Memo(_sample_texts)
 
 
-def _texts(field: int, columns: dict[str, list[list[str]]], bulk: Bulk) -> list[Buf]:
+def _texts(field: int, columns: dict[str, list[list[str]]], sink: Sink) -> list[Buf]:
     parts: list[Buf] = []
     for name, per_sample in columns.items():
         body = [*_string(TEXT_COLUMN["name"], name)]
@@ -241,29 +265,19 @@ def _texts(field: int, columns: dict[str, list[list[str]]], bulk: Bulk) -> list[
     return parts
 
 
-_WRITERS: dict[str, Callable[[int, Any, Bulk], list[Buf]]] = {
+_WRITERS: dict[str, Callable[[int, Any, Sink], list[Buf]]] = {
     "strings": _per_sample_strings, "varints": _per_sample_varints,
     "float32": _per_sample_float32, "tensors": _tensors, "images": _images,
     "frames": _frames, "texts": _texts,
 }
-_PLAN = tuple((f.name, f.number, _WRITERS[f.kind], f.kind == "frames") for f in RESPONSE)
+_PLAN = tuple((f.name, f.number, _WRITERS[f.kind]) for f in RESPONSE)
 
 
 def encode_result(result: BatchResult, sink: list[Buf] | None = None) -> bytes:
     """The response's bytes. With ``sink`` (the local plane), each bulk blob (every array,
     image index and frame, in this order) is appended to ``sink`` instead and its field is
     left empty: the message is then only the batch's metadata."""
-
-    def bulk(field: int, blob: Buf) -> list[Buf]:
-        if sink is None:
-            return _field(field, [blob])
-        sink.append(blob)
-        return []
-
     parts: list[Buf] = []
-    for name, number, write, frames in _PLAN:
-        if frames:
-            parts += _frames(number, result.frames, bulk, sink)
-        else:
-            parts += write(number, getattr(result, name), bulk)
+    for name, number, write in _PLAN:
+        parts += write(number, getattr(result, name), sink)
     return b"".join(parts)
