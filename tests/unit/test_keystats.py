@@ -79,3 +79,20 @@ def test_tails_need_rebuilding_once_the_set_outgrows_them() -> None:
                      np.zeros((1, room[1]), np.float32), room)
     assert tails.covers(1100)
     assert not tails.covers(100_000)
+
+
+def test_a_key_stats_request_parses_with_its_keys_and_episodes() -> None:
+    """The request's bytes as the daemon reads them: keys and episodes kept in order, a
+    too-long episode id refused by its position, too many keys refused."""
+    from episerve_proto.errors import InvalidEpisodeId, LimitExceeded
+    from episerve_server.rpc.wire.convert import MAX_NAME_CHARS, parse_key_stats, pb
+
+    data = pb.KeyStatsRequest(keys=["a", "b"], episodes=["e1", "e2"]).SerializeToString()
+    call = parse_key_stats(data, max_keys=4)
+    assert call.keys == ["a", "b"] and call.episodes == ["e1", "e2"]
+    long_id = "x" * (MAX_NAME_CHARS + 1)
+    data = pb.KeyStatsRequest(keys=["a"], episodes=["e1", long_id]).SerializeToString()
+    with pytest.raises(InvalidEpisodeId, match=r"episodes\[1\]"):
+        parse_key_stats(data, max_keys=4)
+    with pytest.raises(LimitExceeded, match="3 keys"):
+        parse_key_stats(pb.KeyStatsRequest(keys=["a", "b", "c"]).SerializeToString(), 2)

@@ -16,7 +16,6 @@ The slabs and slot tables themselves are in ``slots``.
 from __future__ import annotations
 
 import itertools
-
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any, TypeAlias
@@ -101,6 +100,10 @@ class ChunkCache:
 
     def slab_data(self, slab: int) -> np.ndarray:
         return self._slabs[slab].data
+
+    def slab_rows(self, slab: int) -> int:
+        """Rows per slot of ``slab`` (its chunks' rows)."""
+        return self._slabs[slab].shape[0]
 
     # -- direct access for the compiled read plan (plan/compiled.py) ----------------------------
 
@@ -216,12 +219,12 @@ class ChunkCache:
     def take_frames(self, keys: Sequence[ChunkKey]) -> list[list[bytes]]:
         """``get`` of chunks of frame bytes all known to be cached, one after another (the
         same recency, stamps and hits), without its numeric branch."""
-        frames, clock = self._frames, self._clock
+        frames, start = self._frames, self._clock
         entries = list(map(frames.__getitem__, keys))
-        for clock, key, entry in zip(itertools.count(clock + 1), keys, entries):
+        for clock, key, entry in zip(itertools.count(start + 1), keys, entries):
             frames.move_to_end(key)
             entry[2] = clock
-        self._clock = clock
+        self._clock = start + len(keys)
         self.stats.cache_hits += len(keys)
         return [entry[0] for entry in entries]
 

@@ -37,11 +37,13 @@ class BatchResult:
 
     @property
     def nbytes(self) -> int:
-        n = sum(a.nbytes for a in self.arrays.values())
-        n += sum(c.index.nbytes for c in self.images.values())
-        n += sum(len(b) for fs in self.frames.values() for b in fs)
+        # (comprehensions and ``map``: this is asked of every batch, and a batch of
+        # frames and texts has a few hundred of them)
+        n = sum([a.nbytes for a in self.arrays.values()])
+        n += sum([c.index.nbytes for c in self.images.values()])
+        n += sum([sum(map(len, fs)) for fs in self.frames.values()])
         n += 0 if self.total_frames is None else self.total_frames.nbytes
-        return n + sum(len(t) for ts in self.texts.values() for s in ts for t in s)
+        return n + sum([len(t) for ts in self.texts.values() for s in ts for t in s])
 
     def sample(self, b: int) -> dict[str, Any]:
         """Sample ``b`` as plain values: arrays (copies), raw JPEG bytes, lists of texts."""

@@ -45,6 +45,7 @@ from episerve_server.storage.catalog import Catalog
 from episerve_server.storage.directory import Directory
 
 MAX_PLANS = 64  # keymaps compiled at once (least recently used go first)
+MAX_SCRATCHES = 64  # batch sizes with scratch arrays kept (cleared when more turn up)
 
 
 class _Gather(NamedTuple):  # one per output and batch: a tuple is the cheapest to make
@@ -96,6 +97,7 @@ class Compiled:
         self.texts = TextTables()
         self._rows: dict[tuple[int, tuple[int, ...]], np.ndarray] = {}
         self.warm_batches = 0  # batches served here (the rest took the general path)
+        self._scratches: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     def plan(self, keymap: Keymap, samples: Sequence[tuple[str, int]],
              options: ReadOptions) -> Warm | None:
@@ -237,6 +239,16 @@ class Compiled:
         """The batch's distinct episodes in first-seen order (the general path's)."""
         return list(dict.fromkeys(warm.hashes))
 
+    def _scratch(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """Two int64 arrays of ``n`` for a key's table starts and row limits: used only
+        while that key is planned (``plan`` never awaits), so kept from batch to batch."""
+        got = self._scratches.get(n)
+        if got is None:
+            if len(self._scratches) >= MAX_SCRATCHES:
+                self._scratches.clear()
+            got = self._scratches[n] = (np.empty(n, np.int64), np.empty(n, np.int64))
+        return got
+
     # -- compiling ----------------------------------------------------------------------------
 
     def _keymap_plan(self, keymap: Keymap, directory: Directory) -> KeymapPlan:
@@ -308,7 +320,7 @@ class Compiled:
         if table is None or uid_top >= len(table.base):
             return None
         n = len(ids)
-        base, limit = np.empty(n, np.int64), np.empty(n, np.int64)
+        base, limit = self._scratch(n)
         # rows past the array are the general path's ShortArrayError, chunks past the
         # table its misses: either way not served here. Every window row is below its
         # episode's total (windows are clamped), so the rows are looked at only where a
@@ -317,7 +329,7 @@ class Compiled:
                                       ids, total, c, base, limit)
         if slab < 0:
             return None
-        rows_per_slot = self.cache.slab_data(slab).shape[1]
+        rows_per_slot = self.cache.slab_rows(slab)
         every: list[np.ndarray] = []
         flat = table.flat
         for e in kp.entries[key]:

@@ -176,7 +176,9 @@ _HEADERS = _Headers()
 
 
 def _raw(arr: np.ndarray) -> memoryview:
-    return memoryview(np.ascontiguousarray(arr)).cast("B")  # type: ignore[arg-type]
+    if not arr.flags.c_contiguous:
+        arr = np.ascontiguousarray(arr)
+    return memoryview(arr).cast("B")  # type: ignore[arg-type]
 
 
 def _message(field: int, parts: list[Buf]) -> list[Buf]:
@@ -209,7 +211,7 @@ def _columns(field: int, columns: list[tuple[str, str, np.ndarray]], sink: Sink)
     parts: list[Buf] = []
     headers = _HEADERS
     for name, kind, arr in columns:
-        raw = _raw(arr)
+        raw = memoryview(arr).cast("B") if arr.flags.c_contiguous else _raw(arr)
         if sink is None:
             parts += (headers[(field, name, kind, arr.shape, raw.nbytes)], raw)
         else:
