@@ -16,7 +16,7 @@ from episerve_server.core.spans import Span, texts_at
 from episerve_server.plan import compiled as compiled_module
 from episerve_server.plan.options import ReadOptions
 from episerve_server.plan.texts import per_frame
-from tests.support.differential import NUMERIC, Pair, drive, write_root
+from tests.support.differential import CAMERA_KEYMAPS, NUMERIC, Pair, drive, write_root
 from tests.support.served import LoopRunner
 
 
@@ -85,6 +85,26 @@ def test_a_warm_batch_over_the_response_limit_is_declined_before_its_windows(
     assert built == [1, 1]  # no window for the refused one
     assert compiled.plan(keymap, samples, ReadOptions(max_response_bytes=warm.out_bytes)) \
         is not None
+
+
+@pytest.mark.parametrize("name", ["mecka", "camera"])
+def test_the_planned_answer_size_is_the_general_paths(template: Path, run: LoopRunner,
+                                                      name: str) -> None:
+    """What the compiled plan sizes a batch's answer at (worked out once per keymap when
+    every key has one shape) is what the general path's ``output_bytes`` says, with and
+    without ``all_masks``: the response limit and the segment's size depend on it."""
+    from episerve_server.plan.checks import output_bytes
+
+    pair = Pair.open(template, 8 << 20, run)
+    keymap = Keymap.parse(NUMERIC["mecka"] if name == "mecka" else CAMERA_KEYMAPS["mecka_cam"])
+    samples = [("ep003d", f) for f in (0, 5, 99)] + [("ep000a", 36), ("ep000a", 0)]
+    pair.read(keymap, samples, ReadOptions())  # warm
+    planner = pair.new.planner
+    for all_masks in (False, True):
+        warm = planner.compiled.plan(keymap, samples, ReadOptions(all_masks=all_masks))
+        assert warm is not None
+        batch = planner._resolve(keymap, samples)
+        assert warm.out_bytes == output_bytes(keymap, batch, all_masks)
 
 
 def test_text_tables_equal_texts_at() -> None:

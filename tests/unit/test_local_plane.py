@@ -73,6 +73,17 @@ def test_error_frames_round_trip_and_cut_short() -> None:
 def test_layout_is_aligned_and_tight() -> None:
     offsets, total = lp.layout([1, 64, 0, 65])
     assert offsets == [0, 64, 128, 128] and total == 256
+    # after what an arena handed out: the first blob at ``start``
+    assert lp.layout([1, 64], start=192) == ([192, 256], 320)
+    assert lp.layout([]) == ([], 0) and lp.layout([], start=64) == ([], 64)
+
+
+def test_batch_body_table_reads_back_as_written() -> None:
+    blobs = [(0, 5), (64, 0), (128, 4000), (4160, 1)]
+    header = lp.parse_batch(lp.batch_body(7, 8192, blobs, b"meta"))
+    assert (header.segment, header.size, header.blobs, header.meta) == \
+        (7, 8192, blobs, b"meta")
+    assert lp.parse_batch(lp.batch_body(1, 64, [], b"")).blobs == []
 
 
 # -- a hostile batch header: every offset and length checked before a view ---------------

@@ -61,7 +61,25 @@ def test_the_arena_finds_its_own_arrays_and_nothing_else() -> None:
         assert arena.offset_of(memoryview(second), second.nbytes) == lp.aligned(first.nbytes)
         assert arena.offset_of(memoryview(outside), outside.nbytes) is None
         assert arena.offset_of(memoryview(frame), len(frame)) is None
-        del first, second
+        # as the encoder hands them over (whole, viewed as bytes): found by the array
+        assert arena.offset_of(memoryview(second).cast("B"), second.nbytes) == \
+            lp.aligned(first.nbytes)
+        # a part of one, or a view of it, is not the array handed out: found by address
+        rows = first[1:]
+        assert arena.offset_of(memoryview(rows).cast("B"), rows.nbytes) == 32
+        part = memoryview(first).cast("B")[32:]
+        assert arena.offset_of(part, len(part)) == 32
+        # a copy of an array handed out is its own memory
+        copied = first.copy()
+        assert arena.offset_of(memoryview(copied).cast("B"), copied.nbytes) is None
+        del first, second, rows, part
+        await arena.release()
+        # a reopened arena hands out new arrays; the old ones are no longer its own
+        await arena.open(4096, 1)
+        again = arena.empty((2,))
+        assert arena.offset_of(memoryview(again).cast("B"), again.nbytes) == 0
+        assert arena.offset_of(memoryview(copied).cast("B"), copied.nbytes) is None
+        del again
         await arena.release()
 
     asyncio.run(run())

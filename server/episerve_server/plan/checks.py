@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from episerve_proto.errors import BrokenEpisodeError, KeymapError
-from episerve_server.core.keymap import Keymap, Rule
+from episerve_server.core.keymap import Keymap, KeySpec, Rule
 from episerve_server.plan.assemble import Batch
 from episerve_server.plan.options import too_big
 from episerve_server.storage.episode import Episode
@@ -43,10 +43,20 @@ def output_bytes(keymap: Keymap, batch: Batch, all_masks: bool = False) -> int:
         if e.rule is Rule.ANNOTATION:
             continue
         info = batch.episodes[0].readers[e.zarr_key].info
-        per_row = 4 if info.is_bytes else 4 * math.prod(info.feature)
-        per_row += 1 if all_masks and e.time_axis else 0
-        total += len(batch.ep) * e.length * per_row
+        total += len(batch.ep) * entry_bytes(e, row_bytes(tuple(info.feature), info.is_bytes),
+                                             all_masks)
     return total
+
+
+def row_bytes(feature: tuple[int, ...], is_bytes: bool) -> int:
+    """One output row's bytes: a float32 feature, or a frame's int32 index."""
+    return 4 if is_bytes else 4 * math.prod(feature)
+
+
+def entry_bytes(e: KeySpec, per_row: int, all_masks: bool) -> int:
+    """One sample's bytes of entry ``e`` (rows of ``per_row`` bytes; with ``all_masks``, a
+    byte per windowed row for its ``_is_pad`` mask)."""
+    return e.length * (per_row + (1 if all_masks and e.time_axis else 0))
 
 
 class Budget:

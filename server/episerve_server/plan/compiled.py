@@ -31,14 +31,8 @@ from episerve_server.core.keymap import Keymap, Rule
 from episerve_server.core.result import BatchResult, ImageColumn
 from episerve_server.core.windows import Window
 from episerve_server.plan.assemble import PACK, Empty, add_is_pad, add_masks, distinct
-from episerve_server.plan.geometry import (
-    KeyGeometry,
-    KeymapPlan,
-    compile_keymap,
-    output_bytes,
-    row_bytes,
-    windows_of,
-)
+from episerve_server.plan.checks import entry_bytes, row_bytes
+from episerve_server.plan.geometry import KeyGeometry, KeymapPlan, compile_keymap, windows_of
 from episerve_server.plan.options import ReadOptions
 from episerve_server.plan.texts import TextTables
 from episerve_server.storage.catalog import Catalog
@@ -139,8 +133,9 @@ class Compiled:
             kinds = got_kinds
             out_bytes = 8 * len(ids) if options.all_masks else 0
             for key in kp.ordered_keys:
-                out_bytes += len(ids) * output_bytes(row_bytes(kinds[key]), kp.entries[key],
-                                                     options.all_masks)
+                per_row = row_bytes(*kinds[key])
+                out_bytes += len(ids) * sum(entry_bytes(e, per_row, options.all_masks)
+                                            for e in kp.entries[key])
         if options.max_response_bytes and out_bytes > options.max_response_bytes:
             return None  # refused by the general path, before any window is built
         fps = directory.fps[ids]

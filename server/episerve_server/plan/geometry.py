@@ -4,7 +4,6 @@ indexed by the directory's dense ids (plan/compiled.py)."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,7 +12,7 @@ import numpy as np
 from episerve_proto.errors import EpiserveError
 from episerve_server.core.keymap import Keymap, KeySpec, Rule
 from episerve_server.core.windows import Window, window
-from episerve_server.plan.checks import check_keys
+from episerve_server.plan.checks import check_keys, entry_bytes, row_bytes
 from episerve_server.storage.directory import Directory
 from episerve_server.storage.episode import Episode
 
@@ -84,26 +83,13 @@ def compile_keymap(keymap: Keymap, directory: Directory) -> KeymapPlan:
                       kinds, sample_bytes)
 
 
-def output_bytes(per_row: int, entries: tuple[KeySpec, ...], all_masks: bool) -> int:
-    """A sample's bytes of one key's outputs (rows of ``per_row`` bytes; with
-    ``all_masks``, a byte per windowed row for its ``_is_pad`` mask)."""
-    return sum(e.length * (per_row + (1 if all_masks and e.time_axis else 0))
-               for e in entries)
-
-
-def row_bytes(kind: tuple[tuple[int, ...], bool]) -> int:
-    """The bytes of one output row: a float32 feature, or a frame's int32 index."""
-    feature, is_bytes = kind
-    return 4 if is_bytes else 4 * math.prod(feature)
-
-
 def _fixed_kinds(keys: dict[str, KeyGeometry], entries: dict[str, tuple[KeySpec, ...]]
                  ) -> tuple[dict[str, tuple[tuple[int, ...], bool]] | None, tuple[int, int]]:
     if not all(g.shapes and g.one_shape for g in keys.values()):
         return None, (0, 0)
     kinds = {key: g.shapes[0] for key, g in keys.items()}
-    plain = sum(output_bytes(row_bytes(kinds[k]), entries[k], False) for k in keys)
-    masked = sum(output_bytes(row_bytes(kinds[k]), entries[k], True) for k in keys)
+    plain = sum(entry_bytes(e, row_bytes(*kinds[k]), False) for k in keys for e in entries[k])
+    masked = sum(entry_bytes(e, row_bytes(*kinds[k]), True) for k in keys for e in entries[k])
     return kinds, (plain, 8 + masked)  # with all_masks, each sample's total_frames too
 
 

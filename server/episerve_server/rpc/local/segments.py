@@ -255,10 +255,11 @@ class SegmentArena:
         """The offset of ``blob`` in the segment if it is one of the arrays handed out
         (whole, as the encoder sends it: found by the array's id; a part of one or a view
         of it: by its address)."""
-        if self.segment is None or not nbytes or type(blob.obj) is bytes:
+        owner: object = blob.obj
+        if self.segment is None or not nbytes or type(owner) is bytes:
             return None  # (a bytes object, such as a cached frame, owns its memory)
-        given = self._given.get(id(blob.obj))
-        if given is not None and given[0] is blob.obj and given[0].nbytes == nbytes:
+        given = self._given.get(id(owner))
+        if given is not None and given[0] is owner and given[0].nbytes == nbytes:
             return given[1]
         off = address(blob) - self._base
         return off if off >= 0 and off + nbytes <= self.used else None

@@ -211,7 +211,7 @@ def _columns(field: int, columns: list[tuple[str, str, np.ndarray]], sink: Sink)
     parts: list[Buf] = []
     headers = _HEADERS
     for name, kind, arr in columns:
-        raw = memoryview(arr).cast("B") if arr.flags.c_contiguous else _raw(arr)
+        raw = _raw(arr)
         if sink is None:
             parts += (headers[(field, name, kind, arr.shape, raw.nbytes)], raw)
         else:
