@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -444,6 +445,27 @@ def test_a_keymap_registered_again_keeps_the_object_already_known() -> None:
     assert other != first and first != "a keymap"
     registry.add("k", other, 40)  # a different keymap under the id replaces it
     assert registry.get("k") is other
+
+
+def test_a_keymap_pickled_to_another_process_hashes_there_as_that_process_does() -> None:
+    """Its hash is kept, but a string's hash differs from process to process: a keymap
+    sent to another process (pickled) is made again there, equal to one parsed there."""
+    import pickle
+    import subprocess
+    import sys
+
+    raw = {"a": entry(), "t": {"zarr_key": "annotations", "key_type": "annotation_keys"}}
+    blob = pickle.dumps(Keymap.parse(raw))
+    code = (
+        "import pickle, sys\n"
+        "from episerve_server.core.keymap import Keymap\n"
+        "got = pickle.loads(sys.stdin.buffer.read())\n"
+        f"fresh = Keymap.parse({raw!r})\n"
+        "print(got == fresh, hash(got) == hash(fresh), {fresh: 1}.get(got))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], input=blob, capture_output=True,
+                         check=True, env={**os.environ, "PYTHONHASHSEED": "random"})
+    assert out.stdout.split() == [b"True", b"True", b"1"]
 
 
 def test_response_buffers_count_until_released_per_peer_and_in_total() -> None:

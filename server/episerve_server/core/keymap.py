@@ -126,6 +126,10 @@ class Keymap:
     def __hash__(self) -> int:
         return self._hash
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # made again from its entries: a string's hash differs from process to process
+        return (Keymap, (self.entries,))
+
     def __eq__(self, other: object) -> bool:
         if self is other:
             return True
