@@ -654,9 +654,12 @@ def _odd_layout_matches_oracle(served: Any, samples: list[tuple[str, int]], cuto
     return result
 
 
+# every odd layout, each with the annotation cutoff (the sharded one also without)
+ODD_LAYOUTS = [("sharded", False), ("sharded", True), ("unsharded", True), ("v2", True)]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(("layout", "cutoff"), [
-    ("sharded", False), ("sharded", True), ("unsharded", True), ("v2", True)])
+@pytest.mark.parametrize(("layout", "cutoff"), ODD_LAYOUTS)
 def test_dtypes_shapes_and_odd_layouts_match_oracle(layout: str, cutoff: bool,
                                                     extras_served: dict[str, Any],
                                                     matches_oracle: Any) -> None:
@@ -668,8 +671,7 @@ def test_dtypes_shapes_and_odd_layouts_match_oracle(layout: str, cutoff: bool,
     assert sample["side"] == [ramp.frame_jpeg(11, 0)] * 3
 
 
-@pytest.mark.parametrize(("layout", "cutoff"), [
-    ("sharded", False), ("sharded", True), ("unsharded", True), ("v2", True)])
+@pytest.mark.parametrize(("layout", "cutoff"), ODD_LAYOUTS)
 def test_odd_layouts_match_oracle_at_the_edges(layout: str, cutoff: bool,
                                                extras_served: dict[str, Any],
                                                matches_oracle: Any) -> None:

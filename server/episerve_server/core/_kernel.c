@@ -251,7 +251,6 @@ static PyObject *stamp(PyObject *self, PyObject *args) {
     return PyLong_FromLongLong(count);
 }
 
-
 static PyMethodDef methods[] = {
     {"key_base", key_base, METH_VARARGS, "per sample, its episode's table start and size"},
     {"resolve", resolve, METH_VARARGS, "slots and gather rows of one output"},

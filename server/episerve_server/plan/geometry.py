@@ -37,7 +37,6 @@ class KeymapPlan:
     directory: Directory
     servable: np.ndarray  # (N,) bool: every entry's key checks pass for that episode
     keys: dict[str, KeyGeometry]  # windowed zarr keys
-    signatures: dict[str, tuple[Any, ...]]  # output -> its window's parameters
     entries: dict[str, tuple[KeySpec, ...]]  # windowed zarr key -> its entries, keymap order
     camera: bool  # some key holds frame bytes in some episode
     # One entry per distinct window signature (first in keymap order), and per windowed
@@ -62,7 +61,6 @@ def compile_keymap(keymap: Keymap, directory: Directory) -> KeymapPlan:
             continue
         servable[i] = True
     keys = {key: _geometry(key, directory.episodes, servable) for key in keymap.zarr_keys}
-    signatures = {e.name: _signature(e) for e in keymap if e.rule is not Rule.ANNOTATION}
     entries = {key: tuple(e for e in keymap if e.zarr_key == key and e.rule is not Rule.ANNOTATION)
                for key in keymap.zarr_keys}
     camera = any(is_bytes for g in keys.values() for _, is_bytes in g.shapes)
@@ -72,13 +70,13 @@ def compile_keymap(keymap: Keymap, directory: Directory) -> KeymapPlan:
     for e in keymap:
         if e.rule is Rule.ANNOTATION:
             continue
-        k = first.setdefault(signatures[e.name], len(first))
+        k = first.setdefault(_signature(e), len(first))
         if k == len(window_entries):
             window_entries.append(e)
         index.append((e.name, k))
     annotated = tuple(dict.fromkeys(e.zarr_key for e in keymap if e.rule is Rule.ANNOTATION))
     kinds, sample_bytes = _fixed_kinds(keys, entries)
-    return KeymapPlan(directory, servable, keys, signatures, entries, camera,
+    return KeymapPlan(directory, servable, keys, entries, camera,
                       tuple(window_entries), tuple(index), tuple(sorted(keys)), annotated,
                       kinds, sample_bytes)
 
