@@ -341,7 +341,8 @@ def test_loadtest_cli_smoke_against_an_overloaded_daemon(ramp_roots: dict[str, P
                      "--inject-latency-s", "0.005", "--log-level", "WARNING", unix=True)
     out = tmp_path / "load.json"
     cmd = [sys.executable, "-m", "episerve_tools.cli", "loadtest", d.target, "-c", "6",
-           "-d", "3", "--warmup", "0.5", "--batch", "8", "--timeout-s", "20", "--json", str(out)]
+           "-d", "3", "--warmup", "0.5", "--batch", "8", "--timeout-s", "20", "--json", str(out),
+           "--daemon-pid", str(d.pid)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=90, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
@@ -358,6 +359,12 @@ def test_loadtest_cli_smoke_against_an_overloaded_daemon(ramp_roots: dict[str, P
     assert report["cache_hit_rate"] == 0.0  # cache off: every lookup misses
     assert "RPC/s" in proc.stdout and "p99.9" in proc.stdout
     assert "RPC/s" in proc.stderr  # the progress line
+    # the daemon's CPU over the timed phase (--daemon-pid), per 1,000 samples
+    samples = report["samples_per_s"] * report["elapsed_s"]
+    assert report["daemon_cpu_s"] > 0
+    assert report["daemon_cpu_ms_per_1k_samples"] == \
+        pytest.approx(report["daemon_cpu_s"] / samples * 1e6, rel=0.01)
+    assert "daemon CPU" in proc.stdout and "per 1,000 samples" in proc.stdout
 
 
 # -- requests far over the limits -----------------------------------------------------------

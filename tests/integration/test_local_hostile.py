@@ -13,6 +13,7 @@ import contextlib
 import os
 import resource
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -357,3 +358,43 @@ def test_a_kept_batch_received_stops_counting_once_the_budget_is_short(
         b.call("Read", read, 1, keep=True)
         got = b.answer()
         assert got.head.kind == lp.BATCH, ("the second Read", got.error)
+
+
+def test_connections_streaming_releases_do_not_hold_the_event_loop(victim: Victim) -> None:
+    """Four connections send RELEASE frames of segments they were never lent, as fast as
+    their sockets take them, for two seconds. The daemon reads a connection's frames
+    without waiting while its bytes keep arriving, so it must yield between them on its
+    own: health answers throughout and other clients are served meanwhile."""
+    flood = lp.frame(lp.RELEASE, 999_999) * 20_000
+    stop = threading.Event()
+    seen: dict[str, object] = {}
+
+    def stream(peer: LocalPeer) -> None:
+        with contextlib.suppress(OSError):
+            while not stop.is_set():
+                peer.send(flood)
+
+    def attack() -> None:
+        peers = [LocalPeer(_local(victim)) for _ in range(4)]
+        threads = [threading.Thread(target=stream, args=(p,), daemon=True) for p in peers]
+        try:
+            for t in threads:
+                t.start()
+            time.sleep(0.5)
+            started = time.monotonic()
+            _others_served(victim)
+            seen["served_s"] = time.monotonic() - started
+            time.sleep(1.5)
+        finally:
+            stop.set()
+            for p in peers:  # wakes a sender blocked in sendall
+                with contextlib.suppress(OSError):
+                    p.sock.shutdown(socket.SHUT_RDWR)
+            for t in threads:
+                t.join(10)
+            for p in peers:
+                p.close()
+
+    o = victim.attack("local_release_stream", attack)
+    _healthy(o)
+    assert float(seen["served_s"]) < HEALTH_LIMIT_MS / 1000 * 5, seen  # type: ignore[arg-type]

@@ -108,7 +108,8 @@ def test_options_make_a_plan() -> None:
 
 
 @pytest.mark.parametrize("argv", [("-c", "0"), ("-b", "0"), ("-d", "0"), ("--timeout-s", "0"),
-                                  ("--keymap", "/nonexistent.yaml")])
+                                  ("--keymap", "/nonexistent.yaml"),
+                                  ("--daemon-pid", str(2 ** 22 + 1))])
 def test_bad_options_exit_2(argv: tuple[str, ...], capsys: pytest.CaptureFixture[str]) -> None:
     assert loadtest.main(["unix:///tmp/x.sock", *argv]) == 2
     assert "episerve loadtest:" in capsys.readouterr().err
@@ -183,3 +184,52 @@ def test_the_last_progress_line_gives_the_summary_figures(
     assert f"done in {summary['elapsed_s']:.1f}s] {summary['rpc_per_s']:,.1f} RPC/s " in last
     assert f"{summary['samples_per_s']:,.0f} samples/s" in last
     assert f"reads {summary['reads']:,}  failed 0" in last
+
+
+_BURN = """
+import sys, time
+end = time.process_time() + float(sys.argv[1])
+while time.process_time() < end:
+    pass
+print(time.process_time(), flush=True)
+time.sleep(60)
+"""
+
+
+def test_process_cpu_counts_a_process_and_its_descendants() -> None:
+    """``--daemon-pid``'s count: a child that burns 0.4 s of CPU is counted under its own
+    pid and under its parent's (as a --workers daemon's workers are under its front), and a
+    pid that does not exist counts nothing."""
+    import contextlib
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    outer = subprocess.Popen([sys.executable, "-c",
+                              "import subprocess, sys; "
+                              f"p = subprocess.Popen([sys.executable, '-c', {_BURN!r}, '0.4'], "
+                              "stdout=subprocess.PIPE, text=True); "
+                              "print(p.pid, flush=True); print(p.stdout.readline(), end='', "
+                              "flush=True); p.wait()"],
+                             stdout=subprocess.PIPE, text=True)
+    inner = 0
+    try:
+        assert outer.stdout is not None
+        inner = int(outer.stdout.readline())
+        burned = float(outer.stdout.readline())  # the child's own CPU, once it is done
+        own = loadtest.process_cpu_s([inner])
+        assert burned - 0.05 <= own <= burned + 0.5, (own, burned)
+        assert loadtest.process_cpu_s([outer.pid]) >= own  # the child under its parent
+        assert loadtest.process_cpu_s([outer.pid, inner]) == \
+            pytest.approx(loadtest.process_cpu_s([outer.pid]), abs=0.05)  # counted once
+        assert loadtest.process_cpu_s([]) == 0.0
+        assert loadtest.process_cpu_s([2 ** 22 + 1]) == 0.0  # past pid_max: no such process
+    finally:
+        if inner:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(inner, signal.SIGKILL)
+        outer.kill()
+        outer.wait()
+        if outer.stdout is not None:
+            outer.stdout.close()

@@ -10,6 +10,7 @@ from episerve_tools.loadtest.driver import (
     UsageError,
     _phase,
     bundled_keymap,
+    process_cpu_s,
     run,
 )
 from episerve_tools.loadtest.report import (
@@ -23,6 +24,6 @@ from episerve_tools.loadtest.report import (
 
 __all__ = [
     "Budget", "Plan", "Sampler", "Tally", "UsageError", "_parser", "_phase", "bundled_keymap",
-    "format_report", "hit_rate", "main", "merged", "percentiles", "plan_from_args", "run",
-    "summarize",
+    "format_report", "hit_rate", "main", "merged", "percentiles", "plan_from_args",
+    "process_cpu_s", "run", "summarize",
 ]

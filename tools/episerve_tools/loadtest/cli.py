@@ -63,6 +63,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="grpc (default): AsyncClients over gRPC; local: each client reads "
                    "over the daemon's local shared-memory plane (unix-socket targets of "
                    "this host), one thread per client; auto: local where offered")
+    p.add_argument("--daemon-pid", type=int, action="append", default=[], metavar="PID",
+                   help="a daemon process on this host (repeatable): its CPU time over the "
+                   "timed phase, with its child processes' (--workers), is reported per "
+                   "1,000 samples; setup and warm-up are left out")
     p.add_argument("--json", metavar="OUT", help="also write the figures to this JSON file")
     p.add_argument("--quiet", action="store_true", help="no progress line")
     p.add_argument("--token", default="", help="bearer token (loopback/unix only without TLS)")
@@ -79,6 +83,9 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
             or args.warmup < 0 or args.requests < 0:
         raise UsageError("need --concurrency >= 1, --batch >= 1, --duration > 0, "
                          "--timeout-s > 0, --warmup >= 0 and --requests >= 0")
+    for pid in args.daemon_pid:
+        if not Path(f"/proc/{pid}/stat").is_file():
+            raise UsageError(f"--daemon-pid {pid}: no such process on this host")
     path = Path(args.keymap)
     if not path.is_file():
         raise UsageError(f"keymap file {str(path)!r} does not exist")
@@ -96,7 +103,8 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
     grace = args.timeout_s + 2.0 if args.grace_s is None else args.grace_s
     return Plan(tuple(args.targets), keymap, args.concurrency, args.batch, args.duration,
                 args.requests, args.warmup, args.timeout_s, grace, args.time_limit_s,
-                args.seed, args.annotation_cutoff, options, not args.quiet, args.transport)
+                args.seed, args.annotation_cutoff, options, not args.quiet, args.transport,
+                tuple(args.daemon_pid))
 
 
 def main(argv: Sequence[str] = ()) -> int:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -167,6 +168,7 @@ class Plan:
     client_options: dict[str, Any]
     progress: bool
     transport: str = "grpc"
+    daemon_pids: tuple[int, ...] = ()  # local processes whose CPU the timed phase counts
 
 
 class Budget:
@@ -234,6 +236,33 @@ async def _phase(plan: Plan, clients: Sequence[CountingClient | ThreadedClient],
     return tally, elapsed
 
 
+def process_cpu_s(pids: Sequence[int]) -> float:
+    """CPU seconds (user and system, every thread) of each process of ``pids`` and of its
+    descendants, from /proc; a process that has exited counts 0."""
+    if not pids:
+        return 0.0
+    stats: dict[int, list[str]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:  # "pid (comm) state ppid ...": comm may hold spaces and parentheses
+                stats[int(entry.name)] = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except (FileNotFoundError, ProcessLookupError, IndexError):
+                continue  # gone meanwhile
+    children: dict[int, list[int]] = {}
+    for pid, fields in stats.items():
+        children.setdefault(int(fields[1]), []).append(pid)
+    tick = os.sysconf("SC_CLK_TCK")
+    total, todo, seen = 0.0, list(pids), set()
+    while todo:
+        pid = todo.pop()
+        if pid in seen or pid not in stats:
+            continue
+        seen.add(pid)
+        total += (int(stats[pid][11]) + int(stats[pid][12])) / tick
+        todo += children.get(pid, [])
+    return total
+
+
 async def _cache_counters(client: AsyncClient, targets: Sequence[str]) -> dict[str, int] | None:
     total = {"cache_hits": 0, "cache_misses": 0}
     try:
@@ -272,8 +301,10 @@ async def run(plan: Plan, episodes: str = "") -> dict[str, Any]:
             length, hard = plan.time_limit_s, plan.time_limit_s
         else:
             length, hard = plan.duration_s, plan.duration_s + plan.grace_s
+        cpu_before = process_cpu_s(plan.daemon_pids)
         tally, elapsed = await _phase(plan, clients, sampler, length, Budget(plan.requests),
                                       hard, "run")
+        cpu = process_cpu_s(plan.daemon_pids) - cpu_before
         after = await _cache_counters(control, plan.targets)
     finally:
         await asyncio.gather(control.aclose(), *(c.aclose() for c in clients))
@@ -282,6 +313,10 @@ async def run(plan: Plan, episodes: str = "") -> dict[str, Any]:
     summary = summarize(tally, elapsed, hit_rate(before, after))
     summary.update(targets=list(plan.targets), concurrency=plan.concurrency, batch=plan.batch,
                    episodes=len(chosen), transport=plan.transport)
+    if plan.daemon_pids:
+        summary["daemon_cpu_s"] = round(cpu, 3)
+        summary["daemon_cpu_ms_per_1k_samples"] = \
+            cpu / tally.samples * 1e6 if tally.samples else None
     return summary
 
 

@@ -87,6 +87,11 @@ def format_report(summary: dict[str, Any]) -> str:
 
     lat = summary["latency_ms"]
     rate = summary["cache_hit_rate"]
+    cpu = []
+    if "daemon_cpu_s" in summary:
+        per = summary["daemon_cpu_ms_per_1k_samples"]
+        cpu = [f"daemon CPU       {summary['daemon_cpu_s']:,.2f} s, "
+               f"{ms(per)} ms per 1,000 samples  (timed phase, /proc)"]
     return "\n".join([
         f"reads            {summary['reads']:,} in {summary['elapsed_s']:.1f} s",
         f"RPC/s            {summary['rpc_per_s']:,.1f}   (Read attempts/s "
@@ -98,6 +103,7 @@ def format_report(summary: dict[str, Any]) -> str:
         f"codes (reads)    {counts(summary['codes'])}",
         f"codes (attempts) {counts(summary['attempts'])}",
         "cache hit rate   " + ("-" if rate is None else f"{rate:.1%}") + "  (daemon counters)",
+        *cpu,
     ])
 
 

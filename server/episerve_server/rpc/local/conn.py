@@ -103,12 +103,23 @@ def error_body(error: EpiserveError) -> bytes:
                          clipped(error.episode, 1024), clipped(error.key, 1024))
 
 
+async def recv_into(sock: socket.socket, into: memoryview) -> int:
+    """What has arrived on the (non-blocking) socket, up to ``into``'s size; waits in the
+    loop only when nothing has. uvloop's ``sock_recv_into`` always waits first (a reader
+    added and removed, one loop pass, per receive), though a frame's body has mostly
+    arrived with its head. A connection whose bytes keep coming never waits here: its
+    frame loop yields on its own (``FAIR_FRAMES``)."""
+    try:
+        return sock.recv_into(into)
+    except BlockingIOError:
+        return await asyncio.get_running_loop().sock_recv_into(sock, into)
+
+
 async def recv_exact(sock: socket.socket, n: int) -> bytes:
-    loop = asyncio.get_running_loop()
     buf = bytearray(n)
     view, got = memoryview(buf), 0
     while got < n:
-        k = await loop.sock_recv_into(sock, view[got:])
+        k = await recv_into(sock, view[got:])
         if k == 0:
             raise ConnectionClosed("the peer closed the connection")
         got += k

@@ -33,6 +33,7 @@ from episerve_server.rpc.local.conn import (
     ConnectionClosed,
     error_body,
     queue_bytes,
+    recv_into,
 )
 
 log = logging.getLogger(__name__)
@@ -204,7 +205,6 @@ async def recv_call(sock: socket.socket, n: int, buffers: ResponseBuffers,
     them once the body is whole (the method name is cut off in that join, not by a second
     copy). The first piece is allocated once the first bytes (at most ``FIRST_READ``)
     have arrived. A body that finds no room is read into one shared buffer and dropped."""
-    loop = asyncio.get_running_loop()
     pieces: list[memoryview] = []
     charged = got = filled = 0
     piece = _DROPPED[:0]
@@ -215,7 +215,7 @@ async def recv_call(sock: socket.socket, n: int, buffers: ResponseBuffers,
                 early, first = 0, memoryview(b"")
                 if not got:  # the first bytes first: a head alone allocates next to nothing
                     first = memoryview(bytearray(min(size, FIRST_READ)))
-                    early = await _recv(loop, sock, first)
+                    early = await _recv(sock, first)
                 if charged < 0 or not _charge(buffers, size, what):
                     buffers.charge(-max(charged, 0))
                     pieces, charged = [], -1  # no room: drop the rest
@@ -228,7 +228,7 @@ async def recv_call(sock: socket.socket, n: int, buffers: ResponseBuffers,
                 got, filled = got + early, early
                 if filled == len(piece):  # the first bytes filled it
                     continue
-            k = await _recv(loop, sock, piece[filled:filled + BODY_READ])
+            k = await _recv(sock, piece[filled:filled + BODY_READ])
             got += k
             filled += k
         if charged < 0:
@@ -243,9 +243,8 @@ async def recv_call(sock: socket.socket, n: int, buffers: ResponseBuffers,
         buffers.charge(-max(charged, 0))  # the pieces are freed
 
 
-async def _recv(loop: asyncio.AbstractEventLoop, sock: socket.socket,
-                into: memoryview) -> int:
-    k = await loop.sock_recv_into(sock, into)
+async def _recv(sock: socket.socket, into: memoryview) -> int:
+    k = await recv_into(sock, into)
     if k == 0:
         raise ConnectionClosed("the peer closed the connection mid-frame")
     return k

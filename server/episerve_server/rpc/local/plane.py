@@ -85,6 +85,10 @@ log = logging.getLogger(__name__)
 
 #: A client holds at most this fraction of the budget in lent segments (WELCOME says).
 LEND_SHARE = 4
+#: A connection's frame loop yields to the others after this many frames: its receives
+#: do not wait while its bytes keep arriving (``conn.recv_into``), so a client streaming
+#: RELEASE frames would otherwise hold the loop.
+FAIR_FRAMES = 8
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
@@ -249,7 +253,9 @@ class LocalPlane:
         await self._send(conn, lp.frame(lp.WELCOME, conn.pool.limit, lend))
 
     async def _frames(self, conn: Connection) -> None:
-        while True:
+        for count in itertools.count(1):
+            if count % FAIR_FRAMES == 0:
+                await asyncio.sleep(0)
             head = await recv_head(conn.sock, lp.MAX_CALL_BODY)
             conn.active = time.monotonic()
             at = conn.consumed
