@@ -18,6 +18,7 @@ same either way (``tests/unit/test_compiled_plan.py`` compares both).
 
 from __future__ import annotations
 
+import operator
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -185,7 +186,8 @@ class Compiled:
                     charge(sum(map(len, chunks[-1])))
             else:
                 chunks = self.cache.take_frames(f.chunks)
-            out[f.key] = [chunks[c][r] for c, r in zip(f.chunk_of, f.within)]
+            out[f.key] = list(map(operator.getitem, map(chunks.__getitem__, f.chunk_of),
+                                  f.within))
         return out
 
     def gather(self, warm: Warm, empty: Empty) -> dict[str, np.ndarray]:
