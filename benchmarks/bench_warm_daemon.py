@@ -1,6 +1,6 @@
 """The daemon's CPU per 1,000 warm samples against the code before the compiled plan.
 
-    python benchmarks/bench_warm_daemon.py [--root data/bench] [--seconds 5] [--rounds 3]
+    python benchmarks/bench_warm_daemon.py [--root data/bench] [--seconds 5] [--rounds 5]
                                            [--before a8cd8f7]
 
 Two daemons on unix sockets at once over the same root, warm (8 GiB cache, one pass
@@ -56,7 +56,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--root", default="data/bench")
     p.add_argument("--seconds", type=float, default=5.0)
-    p.add_argument("--rounds", type=int, default=3)  # three: a run-to-run spread of ~20% here
+    p.add_argument("--rounds", type=int, default=5)  # five: a run-to-run spread of ~20% here
     p.add_argument("--before", default="a8cd8f7")
     opts = p.parse_args()
     ensure_dataset(opts.root, EPISODES)
