@@ -186,6 +186,126 @@ def test_stamp_matches_numpy(seed: int) -> None:
     assert np.array_equal(ca[0], want)
 
 
+def _plan_keys_case(seed: int):  # type: ignore[no-untyped-def]
+    """Random keys (slot tables, array rows, chunk sizes) and outputs over random windows,
+    mostly servable; some seeds put a uid, chunk, slab or row out of reach."""
+    rng = np.random.default_rng(5000 + seed)
+    n, d, m = int(rng.integers(1, 40)), int(rng.integers(1, 12)), int(rng.integers(1, 20))
+    uids = rng.integers(0, m, n)
+    ids = rng.integers(0, d, n)
+    total = rng.integers(1, 200, n)
+    windows = []
+    for _ in range(int(rng.integers(1, 4))):
+        w = int(rng.integers(1, 12))
+        start = rng.integers(0, 150, n)
+        rows = np.minimum(start[:, None] + np.arange(w)[None, :], (total - 1)[:, None])
+        windows.append(np.ascontiguousarray(np.maximum(rows, 0), np.int64))
+    if seed % 13 == 0:
+        windows[0][0, 0] = -1
+    keys, slot_at, idx_at, outputs_all = [], 0, 0, []
+    slab_rows = rng.integers(1, 9, 4)
+    for _ in range(int(rng.integers(1, 4))):
+        c = int(rng.integers(1, 9))
+        chunks = 200 // c + 1
+        tbase = np.arange(m, dtype=np.int64) * chunks
+        tsize = np.full(m, chunks, np.int64)
+        tslab = np.full(m, int(rng.integers(0, 4)), np.int64)
+        flat = rng.integers(0, 100, m * chunks)
+        rows_of = np.full(d, 400, np.int64)
+        if seed % 3 == 0:
+            flat[rng.integers(0, flat.size, 4)] = -1  # a chunk not cached
+        if seed % 5 == 0:
+            rows_of[int(rng.integers(0, d))] = int(rng.integers(0, 100))  # a shorter array
+        if seed % 7 == 0:
+            tbase[int(uids[0])] = -1  # a uid not indexed
+        if seed % 11 == 0:
+            tslab[int(uids[-1])] = 4  # a second slab, or one past slab_rows
+        outputs = []
+        for _ in range(int(rng.integers(1, 4))):
+            k = int(rng.integers(0, len(windows)))
+            width = windows[k].shape[1]
+            time_axis = bool(rng.integers(0, 2))
+            outputs.append((k, width, time_axis, slot_at, idx_at))
+            slot_at += width
+            idx_at += width if time_axis else 1
+        outputs_all.append(outputs)
+        keys.append((tbase, tsize, tslab, flat, rows_of, c, tuple(outputs)))
+    return keys, tuple(windows), slab_rows, uids, ids, total, slot_at, idx_at
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_plan_keys_is_key_base_then_resolve_per_output(seed: int) -> None:
+    """The one-call plan of every numeric key gives what the per-key loops give (``key_base``,
+    the rows checked against each sample's limit, ``resolve`` per output), compiled and in
+    numpy, bad indexes included."""
+    keys, windows, slab_rows, uids, ids, total, su, iu = _plan_keys_case(seed)
+    n = len(uids)
+    got = []
+    for compiled in (True, False):
+        kernel.use(compiled)
+        try:
+            slots, idx = np.full(su * n, -7, np.int64), np.full(iu * n, -7, np.int64)
+            slabs = kernel.plan_keys(tuple(keys), windows, slab_rows, uids, ids, total,
+                                     np.zeros(2 * n, np.int64), slots, idx)
+        finally:
+            kernel.use(kernel.BUILT)
+        got.append((slabs, slots, idx))
+    (c, c_slots, c_idx), (p, p_slots, p_idx) = got
+    # the oracle: the per-key loops, one call each, as the compiled plan made them before
+    want: list[int] | None = []
+    w_slots, w_idx = np.full(su * n, -7, np.int64), np.full(iu * n, -7, np.int64)
+    base, limit = np.zeros(n, np.int64), np.zeros(n, np.int64)
+    for tbase, tsize, tslab, flat, rows_of, ch, outputs in keys:
+        slab, _ = kernel.key_base(tbase, tsize, tslab, uids, rows_of, ids, total, ch, base,
+                                  limit)
+        if slab < 0 or slab >= len(slab_rows):
+            want = None
+            break
+        for k, width, time_axis, sat, iat in outputs:
+            rows = windows[k]
+            shape = (n, width) if time_axis else (n,)
+            s_out, i_out = np.zeros((n, width), np.int64), np.zeros(shape, np.int64)
+            if (rows >= limit[:, None]).any() or kernel.resolve(
+                    flat, base, rows, ch, int(slab_rows[slab]), time_axis, s_out, i_out) < 0:
+                want = None
+                break
+            w_slots[sat * n: (sat + width) * n] = s_out.ravel()
+            w_idx[iat * n: iat * n + i_out.size] = i_out.ravel()
+        if want is None:
+            break
+        want.append(slab)
+    assert c == p == (None if want is None else tuple(want))
+    if want is not None:
+        assert np.array_equal(c_slots, w_slots) and np.array_equal(p_slots, w_slots)
+        assert np.array_equal(c_idx, w_idx) and np.array_equal(p_idx, w_idx)
+    if seed % 2 == 1 and seed % 3 and seed % 5 and seed % 7 and seed % 11 and seed % 13:
+        assert want is not None  # the plain cases are served: the test compares answers
+
+
+def test_plan_keys_refuses_outputs_that_do_not_fit() -> None:
+    keys, windows, slab_rows, uids, ids, total, su, iu = _plan_keys_case(1)
+    n = len(uids)
+    short = np.zeros(su * n - 1, np.int64)
+    with pytest.raises(ValueError, match="does not fit"):
+        kernel._c.plan_keys(tuple(keys), windows, slab_rows, uids, ids, total,
+                            np.zeros(2 * n, np.int64), short, np.zeros(iu * n, np.int64))
+    wrong = [(*k[:6], tuple((w, width + 1, t, sa, ia) for w, width, t, sa, ia in k[6]))
+             for k in keys]
+    for compiled in (True, False):
+        kernel.use(compiled)
+        try:
+            with pytest.raises(ValueError, match="does not fit"):
+                kernel.plan_keys(tuple(wrong), windows, slab_rows, uids, ids, total,
+                                 np.zeros(2 * n, np.int64), np.zeros(4 * su * n, np.int64),
+                                 np.zeros(4 * iu * n, np.int64))
+        finally:
+            kernel.use(kernel.BUILT)
+    with pytest.raises(TypeError):
+        kernel._c.plan_keys(((1, 2),), windows, slab_rows, uids, ids, total,
+                            np.zeros(2 * n, np.int64), np.zeros(su * n, np.int64),
+                            np.zeros(iu * n, np.int64))
+
+
 def test_the_kernel_refuses_other_dtypes() -> None:
     with pytest.raises(TypeError, match="int64"):
         kernel._c.stamp(np.zeros(4, np.int32), np.zeros(2, np.int64), 1)

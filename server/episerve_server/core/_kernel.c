@@ -251,12 +251,143 @@ static PyObject *stamp(PyObject *self, PyObject *args) {
     return PyLong_FromLongLong(count);
 }
 
+/* plan_keys(keys, windows, slab_rows, uids, ids, total, scratch, slots_out, idx_out)
+ * -> a tuple of each key's slab, or None (not served here: a uid, chunk or row the tables
+ * do not hold, a window row at or past what the key can serve, several slabs). What
+ * key_base and then resolve for each of its outputs do, for every numeric key of a batch
+ * in one call. ``keys`` is a tuple of (tbase, tsize, tslab, flat, rows_of, chunk_rows,
+ * outputs), ``outputs`` a tuple of (window, width, time_axis, slots_at, idx_at): the index
+ * of its rows in ``windows`` (a tuple of (B, W) int64 arrays), W, and where its slots and
+ * rows go in ``slots_out`` and ``idx_out``, in units of the batch size B. ``slab_rows`` holds each
+ * slab's rows per slot; ``scratch`` 2B int64 (the bases and limits of the key at hand). */
+static PyObject *plan_keys(PyObject *self, PyObject *args) {
+    PyObject *keys, *windows, *o[7];
+    if (!PyArg_ParseTuple(args, "O!O!OOOOOOO", &PyTuple_Type, &keys, &PyTuple_Type, &windows,
+                          &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6]))
+        return NULL;
+    /* slab_rows, uids, ids, total, scratch, slots_out, idx_out */
+    static const int w[7] = {0, 0, 0, 0, 1, 1, 1};
+    I64 b[7];
+    if (get_all(o, b, w, 7) < 0) return NULL;
+    I64 slots_b = b[5], out_idx = b[6];
+    int64_t n = b[1].n;
+    Py_ssize_t nk = PyTuple_GET_SIZE(keys), nw = PyTuple_GET_SIZE(windows);
+    PyObject *result = PyTuple_New(nk);
+    int fail = result == NULL ? 2 : 0;  /* 1: not served, 2: a Python error is set */
+    if (!fail && (b[2].n < n || b[3].n < n || b[4].n < 2 * n)) {
+        PyErr_SetString(PyExc_ValueError, "plan_keys: buffers do not match the batch");
+        fail = 2;
+    }
+    int64_t *base = b[4].p, *limit = b[4].p + n;
+    for (Py_ssize_t k = 0; k < nk && !fail; k++) {
+        PyObject *spec = PyTuple_GET_ITEM(keys, k), *outs = NULL, *ko[5];
+        long long c;
+        if (!PyTuple_Check(spec) || !PyArg_ParseTuple(spec, "OOOOOLO!", &ko[0], &ko[1], &ko[2],
+                                                      &ko[3], &ko[4], &c, &PyTuple_Type, &outs)) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_TypeError, "plan_keys: a key is a tuple");
+            fail = 2;
+            break;
+        }
+        static const int kw[5] = {0, 0, 0, 0, 0};
+        I64 t[5];  /* tbase tsize tslab flat rows_of */
+        if (get_all(ko, t, kw, 5) < 0) { fail = 2; break; }
+        int64_t tn = t[0].n, rn = t[4].n, slab = -2;
+        if (c <= 0 || t[1].n < tn || t[2].n < tn) {
+            PyErr_SetString(PyExc_ValueError, "plan_keys: a key's tables do not match");
+            fail = 2;
+        }
+        for (int64_t i = 0; i < n && !fail; i++) {
+            int64_t u = b[1].p[i], d = b[2].p[i];
+            if (u < 0 || u >= tn || t[0].p[u] < 0 || d < 0 || d >= rn) { fail = 1; break; }
+            if (slab == -2) slab = t[2].p[u];
+            if (t[2].p[u] != slab || slab < 0) { fail = 1; break; }
+            int64_t lim = t[1].p[u] * c;
+            if (t[4].p[d] < lim) lim = t[4].p[d];
+            base[i] = t[0].p[u];
+            limit[i] = lim;
+        }
+        if (!fail && (n == 0 || slab >= b[0].n)) fail = 1;
+        int64_t rps = fail ? 0 : b[0].p[slab];
+        const int64_t *flat = t[3].p;
+        int64_t nflat = t[3].n;
+        for (Py_ssize_t e = 0; e < PyTuple_GET_SIZE(outs) && !fail; e++) {
+            Py_ssize_t wi, width, sat, iat;
+            int time_axis;
+            PyObject *entry = PyTuple_GET_ITEM(outs, e);
+            if (!PyTuple_Check(entry)
+                || !PyArg_ParseTuple(entry, "nnpnn", &wi, &width, &time_axis, &sat, &iat)) {
+                if (!PyErr_Occurred())
+                    PyErr_SetString(PyExc_TypeError, "plan_keys: an output is a tuple");
+                fail = 2;
+                break;
+            }
+            if (wi < 0 || wi >= nw) {
+                PyErr_SetString(PyExc_ValueError, "plan_keys: no such window");
+                fail = 2;
+                break;
+            }
+            I64 rows_b;
+            if (get_i64(PyTuple_GET_ITEM(windows, wi), &rows_b, 0) < 0) { fail = 2; break; }
+            if (width <= 0 || rows_b.n != n * width || sat < 0 || iat < 0
+                || (sat + width) * n > slots_b.n
+                || (iat + (time_axis ? width : 1)) * n > out_idx.n) {
+                PyBuffer_Release(&rows_b.view);
+                PyErr_SetString(PyExc_ValueError, "plan_keys: an output does not fit");
+                fail = 2;
+                break;
+            }
+            int64_t *slots = slots_b.p + sat * n, *idx = out_idx.p + iat * n;
+            for (int64_t i = 0; i < n && !fail; i++) {
+                const int64_t *r = rows_b.p + i * width;
+                int64_t *s = slots + i * width;
+                int64_t last = -2, chunk = 0, within = 0, slot = -1;
+                for (int64_t j = 0; j < width; j++) {
+                    int64_t row = r[j];
+                    if (row < 0 || row >= limit[i]) { fail = 1; break; }
+                    if (row == last + 1 && within + 1 < c) {
+                        within++;
+                    } else if (row != last) {
+                        int64_t was = chunk;
+                        chunk = row / c;
+                        within = row - chunk * c;
+                        if (chunk != was || slot < 0) {
+                            int64_t pos = base[i] + chunk;
+                            slot = (pos >= 0 && pos < nflat) ? flat[pos] : -1;
+                            if (slot < 0) { fail = 1; break; }
+                        }
+                    }
+                    last = row;
+                    s[j] = slot;
+                    if (time_axis) idx[i * width + j] = slot * rps + within;
+                }
+                if (!fail && !time_axis) idx[i] = s[0] * rps + r[0] % c;
+            }
+            PyBuffer_Release(&rows_b.view);
+        }
+        release(t, 5);
+        if (!fail) {
+            PyObject *got = PyLong_FromLongLong(slab);
+            if (got == NULL) fail = 2;
+            else PyTuple_SET_ITEM(result, k, got);
+        }
+    }
+    release(b, 7);
+    if (fail) {
+        Py_XDECREF(result);
+        if (fail == 2) return NULL;
+        Py_RETURN_NONE;
+    }
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"key_base", key_base, METH_VARARGS, "per sample, its episode's table start and size"},
     {"resolve", resolve, METH_VARARGS, "slots and gather rows of one output"},
     {"horizon", horizon, METH_VARARGS, "rows and mask of a horizon window"},
     {"history", history, METH_VARARGS, "rows and mask of a history window"},
     {"stamp", stamp, METH_VARARGS, "stamp slots, count the distinct ones"},
+    {"plan_keys", plan_keys, METH_VARARGS, "key_base and resolve for every numeric key"},
     {NULL, NULL, 0, NULL},
 };
 

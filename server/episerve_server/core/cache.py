@@ -102,9 +102,9 @@ class ChunkCache:
     def slab_data(self, slab: int) -> np.ndarray:
         return self._slabs[slab].data
 
-    def slab_rows(self, slab: int) -> int:
-        """Rows per slot of ``slab`` (its chunks' rows)."""
-        return self._slabs[slab].shape[0]
+    def slab_rows(self) -> list[int]:
+        """Rows per slot of each slab (its chunks' rows)."""
+        return [s.shape[0] for s in self._slabs]
 
     # -- direct access for the compiled read plan (plan/compiled.py) ----------------------------
 

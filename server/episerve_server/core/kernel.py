@@ -90,6 +90,45 @@ def resolve(flat: np.ndarray, base: np.ndarray, rows: np.ndarray, chunk_rows: in
     return 0
 
 
+def plan_keys(keys: tuple[tuple[object, ...], ...], windows: tuple[np.ndarray, ...],
+              slab_rows: np.ndarray, uids: np.ndarray, ids: np.ndarray, total: np.ndarray,
+              scratch: np.ndarray, slots_out: np.ndarray,
+              idx_out: np.ndarray) -> tuple[int, ...] | None:
+    """``key_base``, then ``resolve`` for each of its outputs, for every numeric key of a
+    batch at once. ``keys``: per key (tbase, tsize, tslab, flat, rows_of, chunk_rows,
+    outputs), ``outputs`` per output (window, width, time_axis, slots_at, idx_at): its rows
+    are ``windows[window]`` ((B, width)), its slots go to ``slots_out`` from
+    ``slots_at * B`` and its rows in the slab to ``idx_out`` from ``idx_at * B``.
+    ``slab_rows``: rows per slot of each slab; ``scratch``: 2B int64. Returns each key's
+    slab, or None where ``key_base`` or ``resolve`` would answer -1, a slab has no
+    ``slab_rows`` entry, or a window row is at or past what its key can serve for that
+    sample (the general path's ShortArrayError, or a miss)."""
+    if COMPILED:
+        got: tuple[int, ...] | None = _c.plan_keys(keys, windows, slab_rows, uids, ids, total,
+                                                   scratch, slots_out, idx_out)
+        return got
+    n = len(uids)
+    base, limit = scratch[:n], scratch[n: 2 * n]
+    slabs = []
+    for tbase, tsize, tslab, flat, rows_of, c, outputs in keys:  # type: ignore[misc]
+        slab, _ = key_base(tbase, tsize, tslab, uids, rows_of, ids, total, c, base, limit)
+        if slab < 0 or slab >= len(slab_rows):
+            return None
+        for w, width, time_axis, slots_at, idx_at in outputs:
+            rows = windows[w]
+            if rows.shape != (n, width):
+                raise ValueError("plan_keys: an output does not fit")
+            if (rows >= limit[:, None]).any():
+                return None
+            slots = slots_out[slots_at * n: (slots_at + width) * n].reshape(n, width)
+            shape = (n, width) if time_axis else (n,)
+            idx = idx_out[idx_at * n: idx_at * n + int(np.prod(shape))].reshape(shape)
+            if resolve(flat, base, rows, c, int(slab_rows[slab]), time_axis, slots, idx) < 0:
+                return None
+        slabs.append(slab)
+    return tuple(slabs)
+
+
 def horizon(h: int, frame: np.ndarray, total: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The next ``h`` frames from each ``frame``, clamped into its episode (``total``
     frames): (rows, mask), both (B, h); mask says which rows are real."""

@@ -64,6 +64,24 @@ class _Frames:
 
 
 @dataclass(frozen=True, slots=True)
+class _Layout:
+    """Where a keymap plan's numeric outputs go in one ``kernel.plan_keys`` call (when each
+    key has one feature shape and one chunk size over the servable episodes): per key, in
+    read order, its outputs' (window, width, time_axis, slots_at, idx_at), offsets in units
+    of the batch size; per output, in the same order, what its gather needs."""
+
+    plan: KeymapPlan
+    keys: tuple[str, ...]
+    chunk_rows: tuple[int, ...]
+    outputs: tuple[tuple[tuple[int, int, bool, int, int], ...], ...]
+    gathers: tuple[tuple[int, str, int, bool, int, tuple[int, ...]], ...]  # key's position,
+    # name, width, time_axis, idx_at, feature
+    slot_spans: tuple[tuple[int, int], ...]  # per key: its slots in units of the batch size
+    slot_units: int
+    idx_units: int
+
+
+@dataclass(frozen=True, slots=True)
 class Warm:
     """A batch the compiled plan serves: everything but the side effects, worked out."""
 
@@ -93,6 +111,9 @@ class Compiled:
         self._rows: dict[tuple[int, tuple[int, ...]], np.ndarray] = {}
         self.warm_batches = 0  # batches served here (the rest took the general path)
         self._scratches: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._layouts: dict[int, _Layout | None] = {}  # by id of their keymap plan
+        self._key_args: tuple[object, ...] = ()  # (layout, cache version, the kernel's keys)
+        self._slab_rows: tuple[int, np.ndarray] = (-1, np.empty(0, np.int64))
 
     def plan(self, keymap: Keymap, samples: Sequence[tuple[str, int]],
              options: ReadOptions) -> Warm | None:
@@ -140,15 +161,22 @@ class Compiled:
         if options.max_response_bytes and out_bytes > options.max_response_bytes:
             return None  # refused by the general path, before any window is built
         fps = directory.fps[ids]
-        windows = windows_of(keymap, kp, frame, total, fps)
+        made, windows = windows_of(kp, frame, total, fps)
         gathers: list[_Gather] = []
         stamps: list[tuple[int, list[np.ndarray]]] = []
         frames: list[_Frames] = []
         position, order = _first_seen(ids) if kp.camera else (ids, ids)
         uid_top = int(uids.max())  # once per batch, not per key
+        layout = self._layout(kp)
+        # every numeric key in one kernel call
+        if layout is not None and not self._numeric(layout, made, uids, ids, total, gathers,
+                                                    stamps):
+            return None
         for key in kp.ordered_keys:
             geo = kp.keys[key]
             feature, is_bytes = kinds[key]
+            if layout is not None and not is_bytes:
+                continue
             if is_bytes:
                 got_frames = self._frames(key, kp, geo, ids, total, position, order,
                                          windows, directory)
@@ -246,6 +274,54 @@ class Compiled:
             got = self._scratches[n] = (np.empty(n, np.int64), np.empty(n, np.int64))
         return got
 
+    def _numeric(self, layout: _Layout, made: list[Window], uids: np.ndarray,
+                 ids: np.ndarray, total: np.ndarray, gathers: list[_Gather],
+                 stamps: list[tuple[int, list[np.ndarray]]]) -> bool:
+        """Every numeric key's gathers and slots to stamp from one ``kernel.plan_keys``
+        call (appended in read order, as ``_key`` appends them), or False."""
+        version = self.cache.version
+        args = self._key_args
+        if not args or args[0] is not layout or args[1] != version:
+            keys = []
+            for key, c, outputs in zip(layout.keys, layout.chunk_rows, layout.outputs):
+                table = self.cache.slot_table(key)
+                if table is None:
+                    return False
+                keys.append((table.base, table.size, table.slab, table.flat,
+                             layout.plan.keys[key].rows, c, outputs))
+            args = self._key_args = (layout, version, tuple(keys))
+        n = len(ids)
+        slots = np.empty(layout.slot_units * n, np.int64)
+        idx = np.empty(layout.idx_units * n, np.int64)
+        base, _ = self._scratch(2 * n)
+        slabs = kernel.plan_keys(args[2], tuple(w.rows for w in made),  # type: ignore[arg-type]
+                                 self._slabs_rows(), uids, ids, total, base, slots, idx)
+        if slabs is None:
+            return False
+        for at, name, width, time_axis, idx_at, feature in layout.gathers:
+            shape = (n, width) if time_axis else (n,)
+            rows = idx[idx_at * n: (idx_at + (width if time_axis else 1)) * n].reshape(shape)
+            gathers.append(_Gather(name, slabs[at], rows, (*shape, *feature), feature))
+        for slab, (lo, hi) in zip(slabs, layout.slot_spans):
+            stamps.append((slab, [slots[lo * n: hi * n]]))
+        return True
+
+    def _slabs_rows(self) -> np.ndarray:
+        """Rows per slot of each slab the cache has, as the kernel takes them."""
+        version, rows = self._slab_rows
+        if version != self.cache.version:
+            rows = np.array(self.cache.slab_rows(), np.int64)
+            self._slab_rows = (self.cache.version, rows)
+        return rows
+
+    def _layout(self, kp: KeymapPlan) -> _Layout | None:
+        got = self._layouts.get(id(kp), False)
+        if got is False or (got is not None and got.plan is not kp):  # type: ignore[union-attr]
+            if len(self._layouts) >= MAX_PLANS:
+                self._layouts.clear()
+            got = self._layouts[id(kp)] = _make_layout(kp)
+        return got  # type: ignore[return-value]
+
     # -- compiling ----------------------------------------------------------------------------
 
     def _keymap_plan(self, keymap: Keymap, directory: Directory) -> KeymapPlan:
@@ -326,7 +402,10 @@ class Compiled:
                                       ids, total, c, base, limit)
         if slab < 0:
             return None
-        rows_per_slot = self.cache.slab_rows(slab)
+        slab_rows = self._slabs_rows()
+        if slab >= len(slab_rows):
+            return None
+        rows_per_slot = int(slab_rows[slab])
         every: list[np.ndarray] = []
         flat = table.flat
         for e in kp.entries[key]:
@@ -340,6 +419,36 @@ class Compiled:
             every.append(slots)
             gathers.append(_Gather(e.name, slab, idx, (*idx.shape, *feature), feature))
         return slab, every
+
+
+def _make_layout(kp: KeymapPlan) -> _Layout | None:
+    """The one-call layout of a keymap plan, or None when a numeric key's feature shape or
+    chunk size depends on the episode (``_key`` then checks them per batch)."""
+    if kp.kinds is None:
+        return None
+    window_of = dict(kp.window_index)
+    keys, chunk_rows, outputs, gathers, spans = [], [], [], [], []
+    slot_at = idx_at = 0
+    for key in kp.ordered_keys:
+        feature, is_bytes = kp.kinds[key]
+        if is_bytes:
+            continue
+        c = kp.keys[key].uniform_rows
+        if not c:
+            return None
+        at, start, outs = len(keys), slot_at, []
+        for e in kp.entries[key]:
+            width = e.length
+            outs.append((window_of[e.name], width, e.time_axis, slot_at, idx_at))
+            gathers.append((at, e.name, width, e.time_axis, idx_at, feature))
+            slot_at += width
+            idx_at += width if e.time_axis else 1
+        keys.append(key)
+        chunk_rows.append(c)
+        outputs.append(tuple(outs))
+        spans.append((start, slot_at))
+    return _Layout(kp, tuple(keys), tuple(chunk_rows), tuple(outputs), tuple(gathers),
+                   tuple(spans), slot_at, idx_at)
 
 
 def _batch_kinds(kp: KeymapPlan, ids: np.ndarray

@@ -116,8 +116,9 @@ def _signature(e: KeySpec) -> tuple[Any, ...]:
             e.offsets_s)
 
 
-def windows_of(keymap: Keymap, kp: KeymapPlan, frame: np.ndarray, total: np.ndarray,
-               fps: np.ndarray) -> dict[str, Window]:
-    """Every windowed output's window, computed once per distinct signature."""
+def windows_of(kp: KeymapPlan, frame: np.ndarray, total: np.ndarray,
+               fps: np.ndarray) -> tuple[list[Window], dict[str, Window]]:
+    """Each distinct window (one per signature, in ``kp.window_entries`` order) and every
+    windowed output's window among them."""
     made = [window(e, frame, total, fps) for e in kp.window_entries]
-    return {name: made[k] for name, k in kp.window_index}
+    return made, {name: made[k] for name, k in kp.window_index}
