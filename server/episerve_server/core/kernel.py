@@ -90,7 +90,14 @@ def resolve(flat: np.ndarray, base: np.ndarray, rows: np.ndarray, chunk_rows: in
     return 0
 
 
-def plan_keys(keys: tuple[tuple[object, ...], ...], windows: tuple[np.ndarray, ...],
+#: One output of ``plan_keys``: (window, width, time_axis, slots_at, idx_at).
+Output = tuple[int, int, bool, int, int]
+#: One key of ``plan_keys``: (tbase, tsize, tslab, flat, rows_of, chunk_rows, outputs).
+KeyArgs = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, int,
+                tuple[Output, ...]]
+
+
+def plan_keys(keys: tuple[KeyArgs, ...], windows: tuple[np.ndarray, ...],
               slab_rows: np.ndarray, uids: np.ndarray, ids: np.ndarray, total: np.ndarray,
               scratch: np.ndarray, slots_out: np.ndarray,
               idx_out: np.ndarray) -> tuple[int, ...] | None:
@@ -110,7 +117,7 @@ def plan_keys(keys: tuple[tuple[object, ...], ...], windows: tuple[np.ndarray, .
     n = len(uids)
     base, limit = scratch[:n], scratch[n: 2 * n]
     slabs = []
-    for tbase, tsize, tslab, flat, rows_of, c, outputs in keys:  # type: ignore[misc]
+    for tbase, tsize, tslab, flat, rows_of, c, outputs in keys:
         slab, _ = key_base(tbase, tsize, tslab, uids, rows_of, ids, total, c, base, limit)
         if slab < 0 or slab >= len(slab_rows):
             return None

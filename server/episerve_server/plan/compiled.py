@@ -73,7 +73,7 @@ class _Layout:
     plan: KeymapPlan
     keys: tuple[str, ...]
     chunk_rows: tuple[int, ...]
-    outputs: tuple[tuple[tuple[int, int, bool, int, int], ...], ...]
+    outputs: tuple[tuple[kernel.Output, ...], ...]
     gathers: tuple[tuple[int, str, int, bool, int, tuple[int, ...]], ...]  # key's position,
     # name, width, time_axis, idx_at, feature
     slot_spans: tuple[tuple[int, int], ...]  # per key: its slots in units of the batch size
@@ -112,7 +112,8 @@ class Compiled:
         self.warm_batches = 0  # batches served here (the rest took the general path)
         self._scratches: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._layouts: dict[int, _Layout | None] = {}  # by id of their keymap plan
-        self._key_args: tuple[object, ...] = ()  # (layout, cache version, the kernel's keys)
+        # the layout, the cache version and the kernel's keys they were made for
+        self._key_args: tuple[_Layout, int, tuple[kernel.KeyArgs, ...]] | None = None
         self._slab_rows: tuple[int, np.ndarray] = (-1, np.empty(0, np.int64))
 
     def plan(self, keymap: Keymap, samples: Sequence[tuple[str, int]],
@@ -281,8 +282,8 @@ class Compiled:
         call (appended in read order, as ``_key`` appends them), or False."""
         version = self.cache.version
         args = self._key_args
-        if not args or args[0] is not layout or args[1] != version:
-            keys = []
+        if args is None or args[0] is not layout or args[1] != version:
+            keys: list[kernel.KeyArgs] = []
             for key, c, outputs in zip(layout.keys, layout.chunk_rows, layout.outputs):
                 table = self.cache.slot_table(key)
                 if table is None:
@@ -294,7 +295,7 @@ class Compiled:
         slots = np.empty(layout.slot_units * n, np.int64)
         idx = np.empty(layout.idx_units * n, np.int64)
         base, _ = self._scratch(2 * n)
-        slabs = kernel.plan_keys(args[2], tuple(w.rows for w in made),  # type: ignore[arg-type]
+        slabs = kernel.plan_keys(args[2], tuple(w.rows for w in made),
                                  self._slabs_rows(), uids, ids, total, base, slots, idx)
         if slabs is None:
             return False
@@ -427,7 +428,11 @@ def _make_layout(kp: KeymapPlan) -> _Layout | None:
     if kp.kinds is None:
         return None
     window_of = dict(kp.window_index)
-    keys, chunk_rows, outputs, gathers, spans = [], [], [], [], []
+    keys: list[str] = []
+    chunk_rows: list[int] = []
+    outputs: list[tuple[kernel.Output, ...]] = []
+    gathers: list[tuple[int, str, int, bool, int, tuple[int, ...]]] = []
+    spans: list[tuple[int, int]] = []
     slot_at = idx_at = 0
     for key in kp.ordered_keys:
         feature, is_bytes = kp.kinds[key]
@@ -436,7 +441,8 @@ def _make_layout(kp: KeymapPlan) -> _Layout | None:
         c = kp.keys[key].uniform_rows
         if not c:
             return None
-        at, start, outs = len(keys), slot_at, []
+        at, start = len(keys), slot_at
+        outs: list[kernel.Output] = []
         for e in kp.entries[key]:
             width = e.length
             outs.append((window_of[e.name], width, e.time_axis, slot_at, idx_at))
