@@ -9,7 +9,6 @@ to a slot with one array index. Frame bytes (lists of ``bytes``) stay in an orde
 Recency is one clock for both kinds: every hit and every store stamps its chunks, and
 eviction takes the least recently stamped chunks first, numeric or bytes, until the
 budget holds. The scalar ``get``/``put`` and the batched ``lookup``/``store`` share it.
-
 The slabs and slot tables themselves are in ``slots``.
 """
 
@@ -218,18 +217,20 @@ class ChunkCache:
         return replaced
 
     def take_frames(self, keys: Sequence[ChunkKey]) -> list[list[bytes]]:
-        """``get`` of chunks of frame bytes all known to be cached, one after another (the
-        same recency, stamps and hits), without its numeric branch."""
+        """``get`` of cached frame chunks in turn: each moved to the recent end with its own
+        tick, a hit each, no numeric branch (the maps run in C: no bytecode per chunk)."""
         frames, start, n = self._frames, self._clock, len(keys)
         entries = list(map(frames.__getitem__, keys))
-        # in order, as one ``get`` per key would: each moved to the recent end, and stamped
-        # with its own tick (a zero-length deque runs each map in C: no bytecode per chunk)
         deque(map(frames.move_to_end, keys), maxlen=0)
         deque(map(operator.setitem, entries, itertools.repeat(2, n),
                   range(start + 1, start + 1 + n)), maxlen=0)
         self._clock = start + n
         self.stats.cache_hits += len(keys)
         return [entry[0] for entry in entries]
+
+    def frames_of(self, keys: Sequence[ChunkKey]) -> list[list[bytes]]:
+        """The frames of chunks all known to be cached; nothing is stamped or counted."""
+        return [entry[0] for entry in map(self._frames.__getitem__, keys)]
 
     # -- frame bytes and the scalar API -------------------------------------------------------
 

@@ -18,11 +18,11 @@ same either way (``tests/unit/test_compiled_plan.py`` compares both).
 
 from __future__ import annotations
 
+import itertools
 import operator
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import numpy as np
 
@@ -32,8 +32,9 @@ from episerve_server.core.keymap import Keymap, Rule
 from episerve_server.core.result import BatchResult, ImageColumn
 from episerve_server.core.windows import Window
 from episerve_server.plan.assemble import PACK, Empty, add_is_pad, add_masks, distinct
-from episerve_server.plan.checks import entry_bytes, row_bytes
+from episerve_server.plan.checks import Budget, entry_bytes, row_bytes
 from episerve_server.plan.geometry import KeyGeometry, KeymapPlan, compile_keymap, windows_of
+from episerve_server.plan.numeric import Gather, NumericKeys
 from episerve_server.plan.options import ReadOptions
 from episerve_server.plan.texts import TextTables
 from episerve_server.storage.catalog import Catalog
@@ -41,14 +42,6 @@ from episerve_server.storage.directory import Directory
 
 MAX_PLANS = 64  # keymaps compiled at once (least recently used go first)
 MAX_SCRATCHES = 64  # batch sizes with scratch arrays kept (cleared when more turn up)
-
-
-class _Gather(NamedTuple):  # one per output and batch: a tuple is the cheapest to make
-    name: str
-    slab: int
-    rows: np.ndarray  # (B, W) or (B,): rows of the slab viewed as rows
-    shape: tuple[int, ...]  # the output's shape
-    feature: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,24 +57,6 @@ class _Frames:
 
 
 @dataclass(frozen=True, slots=True)
-class _Layout:
-    """Where a keymap plan's numeric outputs go in one ``kernel.plan_keys`` call (when each
-    key has one feature shape and one chunk size over the servable episodes): per key, in
-    read order, its outputs' (window, width, time_axis, slots_at, idx_at), offsets in units
-    of the batch size; per output, in the same order, what its gather needs."""
-
-    plan: KeymapPlan
-    keys: tuple[str, ...]
-    chunk_rows: tuple[int, ...]
-    outputs: tuple[tuple[kernel.Output, ...], ...]
-    gathers: tuple[tuple[int, str, int, bool, int, tuple[int, ...]], ...]  # key's position,
-    # name, width, time_axis, idx_at, feature
-    slot_spans: tuple[tuple[int, int], ...]  # per key: its slots in units of the batch size
-    slot_units: int
-    idx_units: int
-
-
-@dataclass(frozen=True, slots=True)
 class Warm:
     """A batch the compiled plan serves: everything but the side effects, worked out."""
 
@@ -91,7 +66,7 @@ class Warm:
     total: np.ndarray
     fps: np.ndarray
     windows: dict[str, Window]
-    gathers: tuple[_Gather, ...]
+    gathers: tuple[Gather, ...]
     stamps: tuple[tuple[int, list[np.ndarray]], ...]  # per numeric key, sorted: slab, slots
     frames: tuple[_Frames, ...]  # camera keys, sorted
     position: np.ndarray  # per sample: its episode's rank by first appearance
@@ -111,10 +86,7 @@ class Compiled:
         self._rows: dict[tuple[int, tuple[int, ...]], np.ndarray] = {}
         self.warm_batches = 0  # batches served here (the rest took the general path)
         self._scratches: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        self._layouts: dict[int, _Layout | None] = {}  # by id of their keymap plan
-        # the layout, the cache version and the kernel's keys they were made for
-        self._key_args: tuple[_Layout, int, tuple[kernel.KeyArgs, ...]] | None = None
-        self._slab_rows: tuple[int, np.ndarray] = (-1, np.empty(0, np.int64))
+        self.numeric = NumericKeys(cache)
 
     def plan(self, keymap: Keymap, samples: Sequence[tuple[str, int]],
              options: ReadOptions) -> Warm | None:
@@ -163,15 +135,16 @@ class Compiled:
             return None  # refused by the general path, before any window is built
         fps = directory.fps[ids]
         made, windows = windows_of(kp, frame, total, fps)
-        gathers: list[_Gather] = []
+        gathers: list[Gather] = []
         stamps: list[tuple[int, list[np.ndarray]]] = []
         frames: list[_Frames] = []
         position, order = _first_seen(ids) if kp.camera else (ids, ids)
         uid_top = int(uids.max())  # once per batch, not per key
-        layout = self._layout(kp)
+        layout = self.numeric.layout(kp)
         # every numeric key in one kernel call
-        if layout is not None and not self._numeric(layout, made, uids, ids, total, gathers,
-                                                    stamps):
+        if layout is not None and not self.numeric.plan(layout, made, uids, ids, total,
+                                                        self._scratch(2 * len(ids))[0],
+                                                        gathers, stamps):
             return None
         for key in kp.ordered_keys:
             geo = kp.keys[key]
@@ -197,27 +170,39 @@ class Compiled:
         return warm.cache_version == self.cache.version \
             and warm.directory.version == self.catalog.version
 
-    def stamp(self, warm: Warm, charge: Callable[[int], None],
-              limited: bool) -> dict[str, list[bytes]]:
+    def stamp(self, warm: Warm, budget: Budget | None) -> dict[str, list[bytes]]:
         """The cache's side of the read: per numeric key what ``lookup`` and ``count`` do,
         then per camera key each chunk taken as ``get`` takes it (with a response limit,
-        ``limited``, ``charge`` is told each chunk's bytes as it is taken, in the general
-        path's order). Returns each camera key's distinct frames."""
+        ``budget`` is charged each chunk's bytes in the general path's order). Returns each
+        camera key's distinct frames."""
         # keys never share a slot, so the batch's hits are the sum of the keys' counts
         self.cache.count(sum(self.cache.stamp(slab, slots) for slab, slots in warm.stamps), 0)
         self.warm_batches += 1
         out: dict[str, list[bytes]] = {}
         for f in warm.frames:
-            if limited:  # a chunk over the limit raises before the next one is taken
-                chunks = []
-                for k in f.chunks:
-                    chunks.extend(self.cache.take_frames((k,)))
-                    charge(sum(map(len, chunks[-1])))
-            else:
-                chunks = self.cache.take_frames(f.chunks)
+            if budget is not None:
+                self._charge(f.chunks, budget)
+            chunks = self.cache.take_frames(f.chunks)
             out[f.key] = list(map(operator.getitem, map(chunks.__getitem__, f.chunk_of),
                                   f.within))
         return out
+
+    def _charge(self, chunks: tuple[ChunkKey, ...], budget: Budget) -> None:
+        """Each chunk's frame bytes charged to ``budget`` as the general path charges them:
+        it takes a chunk, then charges it, so a chunk that goes over the limit is taken
+        with the ones before it and the refusal then raises. When the batch stays within
+        the limit (a response limit is always set in the daemon) that is one charge."""
+        got = self.cache.frames_of(chunks)
+        total = sum(map(len, itertools.chain.from_iterable(got)))
+        if not budget.limit or budget.used + total <= budget.limit:
+            budget.add(total)
+            return
+        for k, frames in enumerate(got):
+            try:
+                budget.add(sum(map(len, frames)))
+            except BaseException:
+                self.cache.take_frames(chunks[: k + 1])
+                raise
 
     def gather(self, warm: Warm, empty: Empty) -> dict[str, np.ndarray]:
         """Every numeric output, one ``take`` each into an array from ``empty``."""
@@ -274,54 +259,6 @@ class Compiled:
                 self._scratches.clear()
             got = self._scratches[n] = (np.empty(n, np.int64), np.empty(n, np.int64))
         return got
-
-    def _numeric(self, layout: _Layout, made: list[Window], uids: np.ndarray,
-                 ids: np.ndarray, total: np.ndarray, gathers: list[_Gather],
-                 stamps: list[tuple[int, list[np.ndarray]]]) -> bool:
-        """Every numeric key's gathers and slots to stamp from one ``kernel.plan_keys``
-        call (appended in read order, as ``_key`` appends them), or False."""
-        version = self.cache.version
-        args = self._key_args
-        if args is None or args[0] is not layout or args[1] != version:
-            keys: list[kernel.KeyArgs] = []
-            for key, c, outputs in zip(layout.keys, layout.chunk_rows, layout.outputs):
-                table = self.cache.slot_table(key)
-                if table is None:
-                    return False
-                keys.append((table.base, table.size, table.slab, table.flat,
-                             layout.plan.keys[key].rows, c, outputs))
-            args = self._key_args = (layout, version, tuple(keys))
-        n = len(ids)
-        slots = np.empty(layout.slot_units * n, np.int64)
-        idx = np.empty(layout.idx_units * n, np.int64)
-        base, _ = self._scratch(2 * n)
-        slabs = kernel.plan_keys(args[2], tuple(w.rows for w in made),
-                                 self._slabs_rows(), uids, ids, total, base, slots, idx)
-        if slabs is None:
-            return False
-        for at, name, width, time_axis, idx_at, feature in layout.gathers:
-            shape = (n, width) if time_axis else (n,)
-            rows = idx[idx_at * n: (idx_at + (width if time_axis else 1)) * n].reshape(shape)
-            gathers.append(_Gather(name, slabs[at], rows, (*shape, *feature), feature))
-        for slab, (lo, hi) in zip(slabs, layout.slot_spans):
-            stamps.append((slab, [slots[lo * n: hi * n]]))
-        return True
-
-    def _slabs_rows(self) -> np.ndarray:
-        """Rows per slot of each slab the cache has, as the kernel takes them."""
-        version, rows = self._slab_rows
-        if version != self.cache.version:
-            rows = np.array(self.cache.slab_rows(), np.int64)
-            self._slab_rows = (self.cache.version, rows)
-        return rows
-
-    def _layout(self, kp: KeymapPlan) -> _Layout | None:
-        got = self._layouts.get(id(kp), False)
-        if got is False or (got is not None and got.plan is not kp):  # type: ignore[union-attr]
-            if len(self._layouts) >= MAX_PLANS:
-                self._layouts.clear()
-            got = self._layouts[id(kp)] = _make_layout(kp)
-        return got  # type: ignore[return-value]
 
     # -- compiling ----------------------------------------------------------------------------
 
@@ -381,7 +318,7 @@ class Compiled:
 
     def _key(self, key: str, kp: KeymapPlan, geo: KeyGeometry, feature: tuple[int, ...],
              ids: np.ndarray, uids: np.ndarray, total: np.ndarray, windows: dict[str, Window],
-             gathers: list[_Gather], uid_top: int) -> tuple[int, list[np.ndarray]] | None:
+             gathers: list[Gather], uid_top: int) -> tuple[int, list[np.ndarray]] | None:
         """One numeric key's gathers (appended to ``gathers``) and the slots to stamp, or
         None."""
         c = geo.uniform_rows
@@ -403,7 +340,7 @@ class Compiled:
                                       ids, total, c, base, limit)
         if slab < 0:
             return None
-        slab_rows = self._slabs_rows()
+        slab_rows = self.numeric.slab_rows()
         if slab >= len(slab_rows):
             return None
         rows_per_slot = int(slab_rows[slab])
@@ -418,43 +355,8 @@ class Compiled:
             if kernel.resolve(flat, base, w, c, rows_per_slot, e.time_axis, slots, idx) < 0:
                 return None
             every.append(slots)
-            gathers.append(_Gather(e.name, slab, idx, (*idx.shape, *feature), feature))
+            gathers.append(Gather(e.name, slab, idx, (*idx.shape, *feature), feature))
         return slab, every
-
-
-def _make_layout(kp: KeymapPlan) -> _Layout | None:
-    """The one-call layout of a keymap plan, or None when a numeric key's feature shape or
-    chunk size depends on the episode (``_key`` then checks them per batch)."""
-    if kp.kinds is None:
-        return None
-    window_of = dict(kp.window_index)
-    keys: list[str] = []
-    chunk_rows: list[int] = []
-    outputs: list[tuple[kernel.Output, ...]] = []
-    gathers: list[tuple[int, str, int, bool, int, tuple[int, ...]]] = []
-    spans: list[tuple[int, int]] = []
-    slot_at = idx_at = 0
-    for key in kp.ordered_keys:
-        feature, is_bytes = kp.kinds[key]
-        if is_bytes:
-            continue
-        c = kp.keys[key].uniform_rows
-        if not c:
-            return None
-        at, start = len(keys), slot_at
-        outs: list[kernel.Output] = []
-        for e in kp.entries[key]:
-            width = e.length
-            outs.append((window_of[e.name], width, e.time_axis, slot_at, idx_at))
-            gathers.append((at, e.name, width, e.time_axis, idx_at, feature))
-            slot_at += width
-            idx_at += width if e.time_axis else 1
-        keys.append(key)
-        chunk_rows.append(c)
-        outputs.append(tuple(outs))
-        spans.append((start, slot_at))
-    return _Layout(kp, tuple(keys), tuple(chunk_rows), tuple(outputs), tuple(gathers),
-                   tuple(spans), slot_at, idx_at)
 
 
 def _batch_kinds(kp: KeymapPlan, ids: np.ndarray

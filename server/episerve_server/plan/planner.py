@@ -112,7 +112,7 @@ class Planner:
                                                 warm.out_bytes, empty)
             warm = again
         budget = Budget(options.max_response_bytes, warm.out_bytes, len(samples))
-        distinct = self.compiled.stamp(warm, budget.add, bool(options.max_response_bytes))
+        distinct = self.compiled.stamp(warm, budget if options.max_response_bytes else None)
         if warm.out_bytes >= GATHER_OFFLOAD_BYTES:  # a large gather runs off the event loop
             self.cache.hold()
             try:

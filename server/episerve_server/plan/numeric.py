@@ -1,0 +1,144 @@
+"""The compiled plan's numeric keys in one kernel call (``kernel.plan_keys``).
+
+When each numeric key of a keymap has one feature shape and one chunk size over the
+servable episodes, where each output's slots and gather rows go is fixed per keymap plan
+(a ``Layout``): a batch then allocates one slots and one rows buffer, and the kernel checks
+and resolves every key and output in one call. Keymaps it does not cover keep the per-key
+path in ``compiled``; both give the same plan (``tests/unit/test_compiled_plan.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from episerve_server.core import kernel
+from episerve_server.core.cache import ChunkCache
+from episerve_server.core.windows import Window
+from episerve_server.plan.geometry import KeymapPlan
+
+MAX_LAYOUTS = 64  # keymap plans with a layout kept (cleared when more turn up)
+
+
+class Gather(NamedTuple):  # one per output and batch: a tuple is the cheapest to make
+    name: str
+    slab: int
+    rows: np.ndarray  # (B, W) or (B,): rows of the slab viewed as rows
+    shape: tuple[int, ...]  # the output's shape
+    feature: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """Where a keymap plan's numeric outputs go in one ``kernel.plan_keys`` call (when each
+    key has one feature shape and one chunk size over the servable episodes): per key, in
+    read order, its outputs' (window, width, time_axis, slots_at, idx_at), offsets in units
+    of the batch size; per output, in the same order, what its gather needs."""
+
+    plan: KeymapPlan
+    keys: tuple[str, ...]
+    chunk_rows: tuple[int, ...]
+    outputs: tuple[tuple[kernel.Output, ...], ...]
+    gathers: tuple[tuple[int, str, int, bool, int, tuple[int, ...]], ...]  # key's position,
+    # name, width, time_axis, idx_at, feature
+    slot_spans: tuple[tuple[int, int], ...]  # per key: its slots in units of the batch size
+    slot_units: int
+    idx_units: int
+
+
+class NumericKeys:
+    """Layouts per keymap plan, and the kernel's per-key arguments per cache version (a
+    slot table's arrays are replaced only when the cache stores, which moves its version)."""
+
+    def __init__(self, cache: ChunkCache) -> None:
+        self.cache = cache
+        # by id of their keymap plan (kept with it: an id is reused once its object is gone)
+        self._layouts: dict[int, tuple[KeymapPlan, Layout | None]] = {}
+        # the layout, the cache version and the kernel's keys they were made for
+        self._key_args: tuple[Layout, int, tuple[kernel.KeyArgs, ...]] | None = None
+        self._slab_rows: tuple[int, np.ndarray] = (-1, np.empty(0, np.int64))
+
+    def plan(self, layout: Layout, made: list[Window], uids: np.ndarray, ids: np.ndarray,
+             total: np.ndarray, scratch: np.ndarray, gathers: list[Gather],
+             stamps: list[tuple[int, list[np.ndarray]]]) -> bool:
+        """Every numeric key's gathers and slots to stamp from one ``kernel.plan_keys``
+        call (appended in read order, as ``_key`` appends them), or False."""
+        version = self.cache.version
+        args = self._key_args
+        if args is None or args[0] is not layout or args[1] != version:
+            keys: list[kernel.KeyArgs] = []
+            for key, c, outputs in zip(layout.keys, layout.chunk_rows, layout.outputs):
+                table = self.cache.slot_table(key)
+                if table is None:
+                    return False
+                keys.append((table.base, table.size, table.slab, table.flat,
+                             layout.plan.keys[key].rows, c, outputs))
+            args = self._key_args = (layout, version, tuple(keys))
+        n = len(ids)
+        slots = np.empty(layout.slot_units * n, np.int64)
+        idx = np.empty(layout.idx_units * n, np.int64)
+        slabs = kernel.plan_keys(args[2], tuple(w.rows for w in made),
+                                 self.slab_rows(), uids, ids, total, scratch, slots, idx)
+        if slabs is None:
+            return False
+        for at, name, width, time_axis, idx_at, feature in layout.gathers:
+            shape = (n, width) if time_axis else (n,)
+            rows = idx[idx_at * n: (idx_at + (width if time_axis else 1)) * n].reshape(shape)
+            gathers.append(Gather(name, slabs[at], rows, (*shape, *feature), feature))
+        for slab, (lo, hi) in zip(slabs, layout.slot_spans):
+            stamps.append((slab, [slots[lo * n: hi * n]]))
+        return True
+
+    def slab_rows(self) -> np.ndarray:
+        """Rows per slot of each slab the cache has, as the kernel takes them."""
+        version, rows = self._slab_rows
+        if version != self.cache.version:
+            rows = np.array(self.cache.slab_rows(), np.int64)
+            self._slab_rows = (self.cache.version, rows)
+        return rows
+
+    def layout(self, kp: KeymapPlan) -> Layout | None:
+        """The layout of ``kp``, made once (None: the per-key path serves it)."""
+        got = self._layouts.get(id(kp))
+        if got is None or got[0] is not kp:
+            if len(self._layouts) >= MAX_LAYOUTS:
+                self._layouts.clear()
+            got = self._layouts[id(kp)] = (kp, make_layout(kp))
+        return got[1]
+
+
+def make_layout(kp: KeymapPlan) -> Layout | None:
+    """The one-call layout of a keymap plan, or None when a numeric key's feature shape or
+    chunk size depends on the episode (``_key`` then checks them per batch)."""
+    if kp.kinds is None:
+        return None
+    window_of = dict(kp.window_index)
+    keys: list[str] = []
+    chunk_rows: list[int] = []
+    outputs: list[tuple[kernel.Output, ...]] = []
+    gathers: list[tuple[int, str, int, bool, int, tuple[int, ...]]] = []
+    spans: list[tuple[int, int]] = []
+    slot_at = idx_at = 0
+    for key in kp.ordered_keys:
+        feature, is_bytes = kp.kinds[key]
+        if is_bytes:
+            continue
+        c = kp.keys[key].uniform_rows
+        if not c:
+            return None
+        at, start = len(keys), slot_at
+        outs: list[kernel.Output] = []
+        for e in kp.entries[key]:
+            width = e.length
+            outs.append((window_of[e.name], width, e.time_axis, slot_at, idx_at))
+            gathers.append((at, e.name, width, e.time_axis, idx_at, feature))
+            slot_at += width
+            idx_at += width if e.time_axis else 1
+        keys.append(key)
+        chunk_rows.append(c)
+        outputs.append(tuple(outs))
+        spans.append((start, slot_at))
+    return Layout(kp, tuple(keys), tuple(chunk_rows), tuple(outputs), tuple(gathers),
+                   tuple(spans), slot_at, idx_at)
