@@ -18,7 +18,7 @@ import itertools
 import operator
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, cast
 
 import numpy as np
 
@@ -216,11 +216,12 @@ class ChunkCache:
         self._sync_gauges()
         return replaced
 
-    def take_frames(self, keys: Sequence[ChunkKey]) -> list[list[bytes]]:
+    def take_frames(self, keys: Sequence[ChunkKey],
+                    entries: list[list[Any]] | None = None) -> list[list[bytes]]:
         """``get`` of cached frame chunks in turn: each moved to the recent end with its own
         tick, a hit each, no numeric branch (the maps run in C: no bytecode per chunk)."""
         frames, start, n = self._frames, self._clock, len(keys)
-        entries = list(map(frames.__getitem__, keys))
+        entries = self.frame_entries(keys) if entries is None else entries
         deque(map(frames.move_to_end, keys), maxlen=0)
         deque(map(operator.setitem, entries, itertools.repeat(2, n),
                   range(start + 1, start + 1 + n)), maxlen=0)
@@ -228,9 +229,9 @@ class ChunkCache:
         self.stats.cache_hits += len(keys)
         return [entry[0] for entry in entries]
 
-    def frames_of(self, keys: Sequence[ChunkKey]) -> list[list[bytes]]:
-        """The frames of chunks all known to be cached; nothing is stamped or counted."""
-        return [entry[0] for entry in map(self._frames.__getitem__, keys)]
+    def frame_entries(self, keys: Sequence[ChunkKey]) -> list[list[Any]]:
+        """Chunks known cached as kept, [frames, bytes, stamp], for ``take_frames``: as is."""
+        return list(map(self._frames.__getitem__, keys))
 
     # -- frame bytes and the scalar API -------------------------------------------------------
 
@@ -241,8 +242,7 @@ class ChunkCache:
             self._clock += 1
             frames[2] = self._clock
             self.stats.cache_hits += 1
-            got: list[bytes] = frames[0]
-            return got
+            return cast(list[bytes], frames[0])
         episode, name, chunk = key
         uid = self._uids.table.get(episode)
         table = self._tables.get(name)

@@ -23,6 +23,7 @@ import operator
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -180,19 +181,21 @@ class Compiled:
         self.warm_batches += 1
         out: dict[str, list[bytes]] = {}
         for f in warm.frames:
+            entries = self.cache.frame_entries(f.chunks)  # looked up once (a cold dict)
             if budget is not None:
-                self._charge(f.chunks, budget)
-            chunks = self.cache.take_frames(f.chunks)
+                self._charge(f.chunks, entries, budget)
+            chunks = self.cache.take_frames(f.chunks, entries)
             out[f.key] = list(map(operator.getitem, map(chunks.__getitem__, f.chunk_of),
                                   f.within))
         return out
 
-    def _charge(self, chunks: tuple[ChunkKey, ...], budget: Budget) -> None:
+    def _charge(self, chunks: tuple[ChunkKey, ...], entries: list[list[Any]],
+                budget: Budget) -> None:
         """Each chunk's frame bytes charged to ``budget`` as the general path charges them:
         it takes a chunk, then charges it, so a chunk that goes over the limit is taken
         with the ones before it and the refusal then raises. When the batch stays within
         the limit (a response limit is always set in the daemon) that is one charge."""
-        got = self.cache.frames_of(chunks)
+        got = [entry[0] for entry in entries]
         total = sum(map(len, itertools.chain.from_iterable(got)))
         if not budget.limit or budget.used + total <= budget.limit:
             budget.add(total)
@@ -201,7 +204,7 @@ class Compiled:
             try:
                 budget.add(sum(map(len, frames)))
             except BaseException:
-                self.cache.take_frames(chunks[: k + 1])
+                self.cache.take_frames(chunks[: k + 1], entries[: k + 1])
                 raise
 
     def gather(self, warm: Warm, empty: Empty) -> dict[str, np.ndarray]:

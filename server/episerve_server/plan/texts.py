@@ -9,6 +9,9 @@ key, episode), from the spans the general path loaded and kept on the episode.
 
 from __future__ import annotations
 
+import operator
+from typing import cast
+
 import numpy as np
 
 from episerve_server.core.spans import Span
@@ -46,9 +49,12 @@ class TextTables:
 
     def at(self, directory: Directory, key: str, ids: np.ndarray,
            frame: np.ndarray) -> list[list[str]]:
-        tables = self._tables
-        return [list(tables[(key, i)][f])  # type: ignore[index]
-                for i, f in zip(ids.tolist(), frame.tolist())]
+        listed = ids.tolist()
+        # each episode's table, looked up once (``ready`` made them all)
+        tables = {i: cast(list[tuple[str, ...]], self._tables[(key, i)]) for i in set(listed)}
+        texts: map[tuple[str, ...]] = map(operator.getitem, map(tables.__getitem__, listed),
+                                          frame.tolist())
+        return [list(t) for t in texts]
 
 
 def per_frame(spans: list[Span], total: int) -> list[tuple[str, ...]] | None:
