@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import operator
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any, TypeAlias, cast
 
 import numpy as np
@@ -221,7 +221,7 @@ class ChunkCache:
         """``get`` of cached frame chunks in turn: each moved to the recent end with its own
         tick, a hit each, no numeric branch (the maps run in C: no bytecode per chunk)."""
         frames, start, n = self._frames, self._clock, len(keys)
-        entries = self.frame_entries(keys) if entries is None else entries
+        entries = list(map(frames.__getitem__, keys)) if entries is None else entries
         deque(map(frames.move_to_end, keys), maxlen=0)
         deque(map(operator.setitem, entries, itertools.repeat(2, n),
                   range(start + 1, start + 1 + n)), maxlen=0)
@@ -229,9 +229,11 @@ class ChunkCache:
         self.stats.cache_hits += len(keys)
         return [entry[0] for entry in entries]
 
-    def frame_entries(self, keys: Sequence[ChunkKey]) -> list[list[Any]]:
-        """Chunks known cached as kept, [frames, bytes, stamp], for ``take_frames``: as is."""
-        return list(map(self._frames.__getitem__, keys))
+    def frame_entries(self, keys: Sequence[ChunkKey]) -> list[list[Any]] | None:
+        """Each chunk as kept, [frames, bytes, stamp], for ``take_frames``; None if one is
+        not cached. Nothing is stamped or counted."""
+        got = list(map(self._frames.get, keys))
+        return None if None in got else cast(list[list[Any]], got)
 
     # -- frame bytes and the scalar API -------------------------------------------------------
 
@@ -258,10 +260,6 @@ class ChunkCache:
     def has_frames(self, key: ChunkKey) -> bool:
         """Whether a chunk of frame bytes is cached (not counted as a hit or a miss)."""
         return key in self._frames
-
-    def has_all_frames(self, keys: Iterable[ChunkKey]) -> bool:
-        """``has_frames`` of every key (the dict's own lookup, no call per key)."""
-        return all(map(self._frames.__contains__, keys))
 
     def put(self, key: ChunkKey, chunk: Chunk) -> None:
         if isinstance(chunk, np.ndarray):
