@@ -81,6 +81,7 @@ class EpiserveService:
         self._scan_lock = asyncio.Lock()
         self._registrations = asyncio.Semaphore(KEYMAP_REGISTRATIONS)
         self._heavy_parse = asyncio.Semaphore(1)
+        self._windows_checked: Keymap | None = None  # the keymap last found within --max-window
 
     def methods(self) -> dict[str, Handler]:
         """Every method of the contract, by name (the gRPC server and the local plane)."""
@@ -264,9 +265,12 @@ class EpiserveService:
         return keymap
 
     def _check_windows(self, keymap: Keymap) -> None:
+        if keymap is self._windows_checked:  # a worker's batches use one keymap object
+            return
         for e in keymap:
             if e.length > self.config.max_window:
                 raise LimitExceeded(
                     f"output key {shown(e.name)}: a window of {e.length} rows is over the "
                     f"limit of {self.config.max_window} (--max-window)", key=e.zarr_key,
                 )
+        self._windows_checked = keymap
