@@ -300,6 +300,12 @@ def test_plan_keys_refuses_outputs_that_do_not_fit() -> None:
                                  np.zeros(4 * iu * n, np.int64))
         finally:
             kernel.use(kernel.BUILT)
+    huge = [(*k[:6], tuple((w, width, t, 2 ** 40, ia) for w, width, t, sa, ia in k[6]))
+            for k in keys]  # an offset whose product with the batch would wrap
+    with pytest.raises(ValueError, match="does not fit"):
+        kernel._c.plan_keys(tuple(huge), windows, slab_rows, uids, ids, total,
+                            np.zeros(2 * n, np.int64), np.zeros(su * n, np.int64),
+                            np.zeros(iu * n, np.int64))
     with pytest.raises(TypeError):
         kernel._c.plan_keys(((1, 2),), windows, slab_rows, uids, ids, total,
                             np.zeros(2 * n, np.int64), np.zeros(su * n, np.int64),

@@ -329,7 +329,9 @@ static PyObject *plan_keys(PyObject *self, PyObject *args) {
             }
             I64 rows_b;
             if (get_i64(PyTuple_GET_ITEM(windows, wi), &rows_b, 0) < 0) { fail = 2; break; }
-            if (width <= 0 || rows_b.n != n * width || sat < 0 || iat < 0
+            /* (each offset and width far below 2^30: the products below cannot wrap) */
+            if (width <= 0 || width > (1 << 30) || sat < 0 || sat > (1 << 30) || iat < 0
+                || iat > (1 << 30) || n > (1 << 30) || rows_b.n != n * width
                 || (sat + width) * n > slots_b.n
                 || (iat + (time_axis ? width : 1)) * n > out_idx.n) {
                 PyBuffer_Release(&rows_b.view);
