@@ -59,6 +59,66 @@ static int get_all(PyObject **objs, I64 *bufs, const int *writable, int n) {
     return 0;
 }
 
+/* The loop of key_base (below): per sample, its table start and serving limit into
+ * ``base`` and ``limit``. Returns the one slab every sample's chunks are in, or -1 (a uid
+ * past the table or not indexed there, an id past ``rows_of``, several slabs, no sample);
+ * ``shorter`` (when given) says whether a limit falls below its sample's ``total``. The
+ * table buffers are at least ``tn`` long (the callers check). */
+static int64_t key_rows(const int64_t *tbase, const int64_t *tsize, const int64_t *tslab,
+                        int64_t tn, const int64_t *rows_of, int64_t rn, const int64_t *uids,
+                        const int64_t *ids, const int64_t *total, int64_t n, int64_t c,
+                        int64_t *base, int64_t *limit, int *shorter) {
+    int64_t slab = -2;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t u = uids[i], d = ids[i];
+        if (u < 0 || u >= tn || tbase[u] < 0 || d < 0 || d >= rn) return -1;
+        if (slab == -2) slab = tslab[u];
+        if (tslab[u] != slab || slab < 0) return -1;
+        int64_t lim = tsize[u] * c;
+        if (rows_of[d] < lim) lim = rows_of[d];
+        base[i] = tbase[u];
+        limit[i] = lim;
+        if (shorter != NULL && lim < total[i]) *shorter = 1;
+    }
+    return n ? slab : -1;
+}
+
+/* The loop of resolve (below) over (n, width) rows: 0, or -1 if a row is negative or (with
+ * ``limit``) at or past its sample's limit, or its chunk's position is outside ``flat`` or
+ * not cached. A window's rows mostly follow one another: the next row's chunk and place in
+ * it come from the last one's without a division (the slot is looked up only when the
+ * chunk changes). */
+static int resolve_rows(const int64_t *flat, int64_t nflat, const int64_t *base,
+                        const int64_t *limit, const int64_t *rows, int64_t n, int64_t width,
+                        int64_t c, int64_t rps, int time_axis, int64_t *slots, int64_t *idx) {
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t *r = rows + i * width;
+        int64_t *s = slots + i * width;
+        int64_t last = -2, chunk = 0, within = 0, slot = -1;
+        for (int64_t j = 0; j < width; j++) {
+            int64_t row = r[j];
+            if (row < 0 || (limit != NULL && row >= limit[i])) return -1;
+            if (row == last + 1 && within + 1 < c) {
+                within++;
+            } else if (row != last) {
+                int64_t was = chunk;
+                chunk = row / c;
+                within = row - chunk * c;
+                if (chunk != was || slot < 0) {
+                    int64_t pos = base[i] + chunk;
+                    slot = (pos >= 0 && pos < nflat) ? flat[pos] : -1;
+                    if (slot < 0) return -1;
+                }
+            }
+            last = row;
+            s[j] = slot;
+            if (time_axis) idx[i * width + j] = slot * rps + within;
+        }
+        if (!time_axis) idx[i] = s[0] * rps + r[0] % c;
+    }
+    return 0;
+}
+
 /* key_base(tbase, tsize, tslab, uids, rows_of, ids, total, chunk_rows, base_out, limit_out)
  * -> 2 * slab + short, or -1 if a uid is past the table or not indexed there, an id is past
  * ``rows_of``, or the uids' chunks lie in more than one slab. Per sample i:
@@ -74,27 +134,17 @@ static PyObject *key_base(PyObject *self, PyObject *args) {
     static const int w[9] = {0, 0, 0, 0, 0, 0, 0, 1, 1};
     I64 b[9];
     if (get_all(o, b, w, 9) < 0) return NULL;
-    int64_t n = b[3].n, slab = -2, tn = b[0].n, rn = b[4].n, shorter = 0;
+    int64_t n = b[3].n, tn = b[0].n;
+    int shorter = 0;
     if (b[5].n < n || b[6].n < n || b[7].n < n || b[8].n < n || b[1].n < tn || b[2].n < tn) {
         release(b, 9);
         PyErr_SetString(PyExc_ValueError, "key_base: output or table buffers too short");
         return NULL;
     }
-    const int64_t *tbase = b[0].p, *tsize = b[1].p, *tslab = b[2].p, *uids = b[3].p;
-    const int64_t *rows_of = b[4].p, *ids = b[5].p, *total = b[6].p;
-    for (int64_t i = 0; i < n; i++) {
-        int64_t u = uids[i], d = ids[i];
-        if (u < 0 || u >= tn || tbase[u] < 0 || d < 0 || d >= rn) { slab = -1; break; }
-        if (slab == -2) slab = tslab[u];
-        if (tslab[u] != slab || slab < 0) { slab = -1; break; }
-        int64_t limit = tsize[u] * c;
-        if (rows_of[d] < limit) limit = rows_of[d];
-        b[7].p[i] = tbase[u];
-        b[8].p[i] = limit;
-        if (limit < total[i]) shorter = 1;
-    }
+    int64_t slab = key_rows(b[0].p, b[1].p, b[2].p, tn, b[4].p, b[4].n, b[3].p, b[5].p, b[6].p,
+                            n, c, b[7].p, b[8].p, &shorter);
     release(b, 9);
-    return PyLong_FromLongLong(n && slab >= 0 ? 2 * slab + shorter : -1);
+    return PyLong_FromLongLong(slab >= 0 ? 2 * slab + shorter : -1);
 }
 
 /* resolve(flat, base, rows, chunk_rows, rows_per_slot, time_axis, slots_out, idx_out)
@@ -124,35 +174,8 @@ static PyObject *resolve(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "resolve: buffers do not match the batch");
         return NULL;
     }
-    long rc = 0;
-    for (int64_t i = 0; i < n && !rc; i++) {
-        const int64_t *r = rows + i * width;
-        int64_t *s = slots + i * width;
-        /* A window's rows mostly follow one another: the next row's chunk and place in it
-         * come from the last one's without a division (the slot is looked up only when
-         * the chunk changes). */
-        int64_t last = -2, chunk = 0, within = 0, slot = -1;
-        for (int64_t j = 0; j < width; j++) {
-            int64_t row = r[j];
-            if (row < 0) { rc = -1; break; }
-            if (row == last + 1 && within + 1 < c) {
-                within++;
-            } else if (row != last) {
-                int64_t was = chunk;
-                chunk = row / c;
-                within = row - chunk * c;
-                if (chunk != was || slot < 0) {
-                    int64_t pos = base[i] + chunk;
-                    slot = (pos >= 0 && pos < nflat) ? flat[pos] : -1;
-                    if (slot < 0) { rc = -1; break; }
-                }
-            }
-            last = row;
-            s[j] = slot;
-            if (time_axis) idx[i * width + j] = slot * rps + within;
-        }
-        if (!rc && !time_axis) idx[i] = s[0] * rps + r[0] % c;
-    }
+    long rc = resolve_rows(flat, nflat, base, NULL, rows, n, width, c, rps, time_axis, slots,
+                           idx);
     release(b, 5);
     return PyLong_FromLong(rc);
 }
@@ -292,22 +315,16 @@ static PyObject *plan_keys(PyObject *self, PyObject *args) {
         static const int kw[5] = {0, 0, 0, 0, 0};
         I64 t[5];  /* tbase tsize tslab flat rows_of */
         if (get_all(ko, t, kw, 5) < 0) { fail = 2; break; }
-        int64_t tn = t[0].n, rn = t[4].n, slab = -2;
+        int64_t tn = t[0].n, slab = -1;
         if (c <= 0 || t[1].n < tn || t[2].n < tn) {
             PyErr_SetString(PyExc_ValueError, "plan_keys: a key's tables do not match");
             fail = 2;
         }
-        for (int64_t i = 0; i < n && !fail; i++) {
-            int64_t u = b[1].p[i], d = b[2].p[i];
-            if (u < 0 || u >= tn || t[0].p[u] < 0 || d < 0 || d >= rn) { fail = 1; break; }
-            if (slab == -2) slab = t[2].p[u];
-            if (t[2].p[u] != slab || slab < 0) { fail = 1; break; }
-            int64_t lim = t[1].p[u] * c;
-            if (t[4].p[d] < lim) lim = t[4].p[d];
-            base[i] = t[0].p[u];
-            limit[i] = lim;
+        if (!fail) {
+            slab = key_rows(t[0].p, t[1].p, t[2].p, tn, t[4].p, t[4].n, b[1].p, b[2].p, NULL, n,
+                            c, base, limit, NULL);
+            if (slab < 0 || slab >= b[0].n) fail = 1;
         }
-        if (!fail && (n == 0 || slab >= b[0].n)) fail = 1;
         int64_t rps = fail ? 0 : b[0].p[slab];
         const int64_t *flat = t[3].p;
         int64_t nflat = t[3].n;
@@ -339,32 +356,9 @@ static PyObject *plan_keys(PyObject *self, PyObject *args) {
                 fail = 2;
                 break;
             }
-            int64_t *slots = slots_b.p + sat * n, *idx = out_idx.p + iat * n;
-            for (int64_t i = 0; i < n && !fail; i++) {
-                const int64_t *r = rows_b.p + i * width;
-                int64_t *s = slots + i * width;
-                int64_t last = -2, chunk = 0, within = 0, slot = -1;
-                for (int64_t j = 0; j < width; j++) {
-                    int64_t row = r[j];
-                    if (row < 0 || row >= limit[i]) { fail = 1; break; }
-                    if (row == last + 1 && within + 1 < c) {
-                        within++;
-                    } else if (row != last) {
-                        int64_t was = chunk;
-                        chunk = row / c;
-                        within = row - chunk * c;
-                        if (chunk != was || slot < 0) {
-                            int64_t pos = base[i] + chunk;
-                            slot = (pos >= 0 && pos < nflat) ? flat[pos] : -1;
-                            if (slot < 0) { fail = 1; break; }
-                        }
-                    }
-                    last = row;
-                    s[j] = slot;
-                    if (time_axis) idx[i * width + j] = slot * rps + within;
-                }
-                if (!fail && !time_axis) idx[i] = s[0] * rps + r[0] % c;
-            }
+            if (resolve_rows(flat, nflat, base, limit, rows_b.p, n, width, c, rps, time_axis,
+                             slots_b.p + sat * n, out_idx.p + iat * n) < 0)
+                fail = 1;
             PyBuffer_Release(&rows_b.view);
         }
         release(t, 5);
