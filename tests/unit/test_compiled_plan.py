@@ -120,6 +120,34 @@ def test_text_tables_equal_texts_at() -> None:
         assert [list(t) for t in table] == want
 
 
+def test_texts_of_a_batch_planned_before_a_rescan_are_its_own_episodes() -> None:
+    """A warm batch's texts are read after an await (a large gather runs in a thread);
+    another batch planned meanwhile on a rescanned catalog (dense ids renumbered) must not
+    make them another episode's. Before: the tables were keyed by dense id alone and
+    replaced for the new version, so the old batch read the new episode 0's texts."""
+    from types import SimpleNamespace
+
+    from episerve_server.plan.texts import TextTables
+
+    def episode(text: str) -> SimpleNamespace:
+        return SimpleNamespace(spans={"ann": [Span(text, 0, 10)]}, total_frames=10)
+
+    a, b = episode("a"), episode("b")
+    old = SimpleNamespace(version=1, episodes=[a])
+    new = SimpleNamespace(version=2, episodes=[b, a])  # a rescan put b first
+    tables = TextTables()
+    ids, frames = np.zeros(2, np.int64), np.array([0, 9], np.int64)
+    assert tables.ready(old, ids, "ann")  # type: ignore[arg-type]
+    assert tables.ready(new, np.array([0, 1], np.int64), "ann")  # type: ignore[arg-type]
+    assert tables.at(old, "ann", ids, frames) == [["a"], ["a"]]  # type: ignore[arg-type]
+    assert tables.at(new, "ann", ids, frames) == [["b"], ["b"]]  # type: ignore[arg-type]
+    assert tables.at(new, "ann", np.array([1], np.int64),  # type: ignore[arg-type]
+                     np.array([3], np.int64)) == [["a"]]
+    # no spans loaded: not ready, and nothing kept for it
+    assert not tables.ready(SimpleNamespace(version=3, episodes=[SimpleNamespace(  # type: ignore[arg-type]
+        spans={}, total_frames=10)]), np.zeros(1, np.int64), "ann")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("cache_bytes", [8 << 20, 160 << 10, 1 << 20])
 def test_compiled_plan_answers_as_the_general_path_thousands(

@@ -30,31 +30,37 @@ class TextTables:
     def ready(self, directory: Directory, ids: np.ndarray, key: str) -> bool:
         """Whether every episode of ``ids`` has a table for ``key`` (built here if its
         spans are loaded)."""
-        if self._version != directory.version:
-            self._version, self._tables = directory.version, {}
-        tables = self._tables
-        for i in set(ids.tolist()):
-            if (key, i) in tables:
-                if tables[(key, i)] is None:
-                    return False
-                continue
-            episode = directory.episodes[i]
-            spans = episode.spans.get(key)
-            if spans is None:
-                return False  # not loaded yet: the general path loads them
-            tables[(key, i)] = per_frame(spans, episode.total_frames)
-            if tables[(key, i)] is None:
-                return False
-        return True
+        return all(self._table(directory, key, i) is not None for i in set(ids.tolist()))
 
     def at(self, directory: Directory, key: str, ids: np.ndarray,
            frame: np.ndarray) -> list[list[str]]:
+        """Each sample's texts, from episodes ``ready`` found tables for."""
         listed = ids.tolist()
-        # each episode's table, looked up once (``ready`` made them all)
-        tables = {i: cast(list[tuple[str, ...]], self._tables[(key, i)]) for i in set(listed)}
+        # each episode's table, looked up once
+        tables = {i: cast(list[tuple[str, ...]], self._table(directory, key, i))
+                  for i in set(listed)}
         texts: map[tuple[str, ...]] = map(operator.getitem, map(tables.__getitem__, listed),
                                           frame.tolist())
         return [list(t) for t in texts]
+
+    def _table(self, directory: Directory, key: str, i: int) -> list[tuple[str, ...]] | None:
+        """Episode ``i``'s table for ``key``, or None (its spans not loaded yet, or a table
+        over ``MAX_TABLE_WORK``). Tables are kept for the newest directory version; one of
+        an older directory (a batch planned before a rescan, its texts read after an await
+        meanwhile) is made again from its episode's spans, not kept."""
+        if directory.version > self._version:
+            self._version, self._tables = directory.version, {}
+        keep = directory.version == self._version
+        if keep and (key, i) in self._tables:
+            return self._tables[(key, i)]
+        episode = directory.episodes[i]
+        spans = episode.spans.get(key)
+        if spans is None:
+            return None  # not loaded yet: the general path loads them
+        table = per_frame(spans, episode.total_frames)
+        if keep:
+            self._tables[(key, i)] = table
+        return table
 
 
 def per_frame(spans: list[Span], total: int) -> list[tuple[str, ...]] | None:
