@@ -137,15 +137,20 @@ def test_texts_of_a_batch_planned_before_a_rescan_are_its_own_episodes() -> None
     new = SimpleNamespace(version=2, episodes=[b, a])  # a rescan put b first
     tables = TextTables()
     ids, frames = np.zeros(2, np.int64), np.array([0, 9], np.int64)
-    assert tables.ready(old, ids, "ann")  # type: ignore[arg-type]
-    assert tables.ready(new, np.array([0, 1], np.int64), "ann")  # type: ignore[arg-type]
-    assert tables.at(old, "ann", ids, frames) == [["a"], ["a"]]  # type: ignore[arg-type]
-    assert tables.at(new, "ann", ids, frames) == [["b"], ["b"]]  # type: ignore[arg-type]
-    assert tables.at(new, "ann", np.array([1], np.int64),  # type: ignore[arg-type]
-                     np.array([3], np.int64)) == [["a"]]
-    # no spans loaded: not ready, and nothing kept for it
-    assert not tables.ready(SimpleNamespace(version=3, episodes=[SimpleNamespace(  # type: ignore[arg-type]
-        spans={}, total_frames=10)]), np.zeros(1, np.int64), "ann")
+    planned = tables.tables(old, ids, "ann")  # type: ignore[arg-type]
+    assert planned is not None
+    now = tables.tables(new, np.array([0, 1], np.int64), "ann")  # type: ignore[arg-type]
+    assert now is not None
+    # the batch planned on the old directory, read after the new one's batch
+    assert TextTables.at(planned, ids, frames) == [["a"], ["a"]]
+    assert TextTables.at(now, ids, frames) == [["b"], ["b"]]
+    assert TextTables.at(now, np.array([1], np.int64), np.array([3], np.int64)) == [["a"]]
+    # an older directory's tables are made again from its spans: still its own episodes'
+    again = tables.tables(old, ids, "ann")  # type: ignore[arg-type]
+    assert again is not None and TextTables.at(again, ids, frames) == [["a"], ["a"]]
+    # no spans loaded: no tables, and nothing kept for it
+    assert tables.tables(SimpleNamespace(version=3, episodes=[SimpleNamespace(  # type: ignore[arg-type]
+        spans={}, total_frames=10)]), np.zeros(1, np.int64), "ann") is None
 
 
 @pytest.mark.slow

@@ -312,6 +312,71 @@ def test_plan_keys_refuses_outputs_that_do_not_fit() -> None:
                             np.zeros(iu * n, np.int64))
 
 
+@pytest.mark.parametrize("seed", range(30))
+def test_place_blobs_matches_numpy_and_a_per_blob_oracle(seed: int) -> None:
+    """An answer's blobs laid out and copied: the ones not yet placed (None) at aligned
+    offsets in order after ``start``, bytes and byte views alike; the segment's other
+    bytes untouched; too small a segment gets nothing written."""
+    import mmap
+
+    rng = np.random.default_rng(seed)
+    align = int(2 ** rng.integers(0, 7))
+    start = align * int(rng.integers(0, 5))
+    blobs: list[object] = []
+    at: list[int | None] = []
+    for _ in range(int(rng.integers(0, 12))):
+        raw = rng.integers(0, 256, int(rng.integers(0, 300)), dtype=np.uint8).tobytes()
+        blobs.append(raw if rng.random() < 0.6 else memoryview(bytearray(raw)))
+        at.append(None if rng.random() < 0.7 else int(rng.integers(0, 10_000)))
+    # the oracle: one blob at a time
+    want_at, off, copied = list(at), start, 0
+    for k, b in enumerate(blobs):
+        if want_at[k] is None:
+            want_at[k] = off
+            off += -(-len(b) // align) * align  # type: ignore[arg-type]
+            copied += len(b)  # type: ignore[arg-type]
+    room = off + int(rng.integers(0, 200))
+    for size in (room, off - 1):
+        got = []
+        for compiled in (True, False):
+            kernel.use(compiled)
+            try:
+                dst = mmap.mmap(-1, max(size, 1))
+                dst[:] = b"\xee" * len(dst)
+                mine = list(at)
+                layout = kernel.place_blobs(None, blobs, mine, start, align)
+                assert mine == at  # the layout alone writes nothing
+                result = kernel.place_blobs(dst, blobs, mine, start, align)
+                got.append((layout, result, mine, dst[:]))
+            finally:
+                kernel.use(kernel.BUILT)
+        assert got[0] == got[1]
+        (layout, result, mine, data) = got[0]
+        assert layout == result == (off, copied)
+        if size < off and copied:
+            assert mine == at and data == b"\xee" * len(data)
+            continue
+        assert mine == want_at
+        expect = bytearray(b"\xee" * len(data))
+        for k, b in enumerate(blobs):
+            if at[k] is None:
+                expect[want_at[k]: want_at[k] + len(b)] = bytes(b)  # type: ignore[arg-type]
+        assert data == bytes(expect)
+
+
+def test_place_blobs_refuses_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="bad arguments"):
+        kernel._c.place_blobs(None, [b"a"], [None], 3, 64)  # start not aligned
+    with pytest.raises(ValueError, match="bad arguments"):
+        kernel._c.place_blobs(None, [b"a"], [None, None], 0, 64)
+    with pytest.raises(ValueError, match="bad arguments"):
+        kernel._c.place_blobs(None, [b"a"], [None], 0, 48)
+    with pytest.raises(TypeError):
+        kernel._c.place_blobs(None, [object()], [None], 0, 64)
+    with pytest.raises(BufferError):  # a read-only destination
+        kernel._c.place_blobs(b"x" * 128, [b"a"], [None], 0, 64)
+
+
 def test_the_kernel_refuses_other_dtypes() -> None:
     with pytest.raises(TypeError, match="int64"):
         kernel._c.stamp(np.zeros(4, np.int32), np.zeros(2, np.int64), 1)

@@ -377,6 +377,77 @@ static PyObject *plan_keys(PyObject *self, PyObject *args) {
     return result;
 }
 
+/* place_blobs(dst, blobs, at, start, align) -> (end, copied): each blob of the list
+ * ``blobs`` whose entry of the list ``at`` is None goes at the next ``align``-aligned
+ * offset from ``start`` (in list order); ``end`` is where the last one ends, aligned, and
+ * ``copied`` their bytes. With ``dst`` (a writable buffer) and ``end`` within it, each such
+ * entry of ``at`` becomes its offset and the blob is copied there; with ``dst`` None, or
+ * ``end`` past it, nothing is written (the layout alone). */
+static PyObject *place_blobs(PyObject *self, PyObject *args) {
+    PyObject *dst, *blobs, *at;
+    Py_ssize_t start, align;
+    if (!PyArg_ParseTuple(args, "OO!O!nn", &dst, &PyList_Type, &blobs, &PyList_Type, &at,
+                          &start, &align))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(blobs);
+    if (PyList_GET_SIZE(at) != n || align <= 0 || (align & (align - 1)) || start < 0
+        || (start & (align - 1))) {
+        PyErr_SetString(PyExc_ValueError, "place_blobs: bad arguments");
+        return NULL;
+    }
+    Py_ssize_t end = start, copied = 0, mask = align - 1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (PyList_GET_ITEM(at, i) != Py_None) continue;
+        PyObject *b = PyList_GET_ITEM(blobs, i);
+        Py_ssize_t size;
+        if (PyBytes_CheckExact(b)) {
+            size = PyBytes_GET_SIZE(b);
+        } else {
+            Py_buffer v;
+            if (PyObject_GetBuffer(b, &v, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+            size = v.len;
+            PyBuffer_Release(&v);
+        }
+        if (size > PY_SSIZE_T_MAX / 2 - end - mask) {
+            PyErr_SetString(PyExc_OverflowError, "place_blobs: the blobs are too large");
+            return NULL;
+        }
+        end += (size + mask) & ~mask;
+        copied += size;
+    }
+    if (dst == Py_None) return Py_BuildValue("nn", end, copied);
+    Py_buffer d;
+    if (PyObject_GetBuffer(dst, &d, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) return NULL;
+    if (end > d.len) {
+        PyBuffer_Release(&d);
+        return Py_BuildValue("nn", end, copied);
+    }
+    Py_ssize_t off = start;
+    int fail = 0;
+    for (Py_ssize_t i = 0; i < n && !fail; i++) {
+        if (PyList_GET_ITEM(at, i) != Py_None) continue;
+        PyObject *b = PyList_GET_ITEM(blobs, i);
+        Py_buffer v;
+        if (PyObject_GetBuffer(b, &v, PyBUF_C_CONTIGUOUS) < 0) { fail = 1; break; }
+        /* the list may have changed under a buffer's release: every copy is checked */
+        if (v.len > d.len - off) {
+            PyBuffer_Release(&v);
+            PyErr_SetString(PyExc_ValueError, "place_blobs: the blobs changed");
+            fail = 1;
+            break;
+        }
+        memcpy((char *)d.buf + off, v.buf, (size_t)v.len);
+        Py_ssize_t size = v.len;
+        PyBuffer_Release(&v);
+        PyObject *where = PyLong_FromSsize_t(off);
+        if (where == NULL || PyList_SetItem(at, i, where) < 0) { fail = 1; break; }
+        off += (size + mask) & ~mask;
+    }
+    PyBuffer_Release(&d);
+    if (fail) return NULL;
+    return Py_BuildValue("nn", end, copied);
+}
+
 static PyMethodDef methods[] = {
     {"key_base", key_base, METH_VARARGS, "per sample, its episode's table start and size"},
     {"resolve", resolve, METH_VARARGS, "slots and gather rows of one output"},
@@ -384,6 +455,7 @@ static PyMethodDef methods[] = {
     {"history", history, METH_VARARGS, "rows and mask of a history window"},
     {"stamp", stamp, METH_VARARGS, "stamp slots, count the distinct ones"},
     {"plan_keys", plan_keys, METH_VARARGS, "key_base and resolve for every numeric key"},
+    {"place_blobs", place_blobs, METH_VARARGS, "lay out and copy an answer's blobs"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -12,7 +12,9 @@ takes the general path, which says why (a chunk not cached, a uid not indexed).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -134,6 +136,25 @@ def plan_keys(keys: tuple[KeyArgs, ...], windows: tuple[np.ndarray, ...],
                 return None
         slabs.append(slab)
     return tuple(slabs)
+
+
+def place_blobs(dst: Any, blobs: list[Any], at: list[int | None], start: int,
+                align: int) -> tuple[int, int]:
+    """Lay out the blobs whose entry of ``at`` is None: each at the next ``align``-aligned
+    offset from ``start``, in order. Returns (where the last ends, aligned; their bytes).
+    With ``dst`` (a writable buffer) long enough for them, each such entry of ``at``
+    becomes the blob's offset and the blob is copied there; otherwise nothing is written."""
+    if COMPILED:
+        end, copied = _c.place_blobs(dst, blobs, at, start, align)
+        return int(end), int(copied)
+    rest = [k for k, off in enumerate(at) if off is None]
+    sizes = [memoryview(blobs[k]).nbytes for k in rest]
+    ends = list(itertools.accumulate([-(-n // align) * align for n in sizes], initial=start))
+    if dst is not None and ends[-1] <= len(dst):
+        for k, off, n in zip(rest, ends, sizes):
+            dst[off: off + n] = blobs[k]
+            at[k] = off
+    return ends[-1], sum(sizes)
 
 
 def horizon(h: int, frame: np.ndarray, total: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -18,7 +18,6 @@ same either way (``tests/unit/test_compiled_plan.py`` compares both).
 
 from __future__ import annotations
 
-import itertools
 import operator
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -28,13 +27,20 @@ from typing import Any
 import numpy as np
 
 from episerve_server.core import kernel
-from episerve_server.core.cache import ChunkCache, ChunkKey
+from episerve_server.core.cache import BYTES_OVERHEAD, ChunkCache, ChunkKey
 from episerve_server.core.keymap import Keymap, Rule
 from episerve_server.core.result import BatchResult, ImageColumn
 from episerve_server.core.windows import Window
 from episerve_server.plan.assemble import PACK, Empty, add_is_pad, add_masks, distinct
 from episerve_server.plan.checks import Budget, entry_bytes, row_bytes
-from episerve_server.plan.geometry import KeyGeometry, KeymapPlan, compile_keymap, windows_of
+from episerve_server.plan.geometry import (
+    KeyGeometry,
+    KeymapPlan,
+    batch_kinds,
+    compile_keymap,
+    first_seen,
+    windows_of,
+)
 from episerve_server.plan.numeric import Gather, NumericKeys
 from episerve_server.plan.options import ReadOptions
 from episerve_server.plan.texts import TextTables
@@ -73,6 +79,7 @@ class Warm:
     frames: tuple[_Frames, ...]  # camera keys, sorted
     position: np.ndarray  # per sample: its episode's rank by first appearance
     order: np.ndarray  # per rank: the episode's dense id
+    texts: dict[str, dict[int, list[tuple[str, ...]]]]  # per annotation key, its tables
     out_bytes: int
     cache_version: int
     directory: Directory
@@ -114,9 +121,12 @@ class Compiled:
         total = directory.total[ids]
         if frame.min() < 0 or (frame >= total).any():
             return None
+        texts = {}
         for key in kp.annotated:
-            if not self.texts.ready(directory, ids, key):
+            tables = self.texts.tables(directory, ids, key)
+            if tables is None:
                 return None
+            texts[key] = tables
         uids = self._batch_uids(directory, ids)
         if uids is None:
             return None
@@ -124,7 +134,7 @@ class Compiled:
             kinds = kp.kinds
             out_bytes = len(ids) * kp.sample_bytes[options.all_masks]
         else:
-            got_kinds = _batch_kinds(kp, ids)
+            got_kinds = batch_kinds(kp, ids)
             if got_kinds is None:
                 return None
             kinds = got_kinds
@@ -140,7 +150,7 @@ class Compiled:
         gathers: list[Gather] = []
         stamps: list[tuple[int, list[np.ndarray]]] = []
         frames: list[_Frames] = []
-        position, order = _first_seen(ids) if kp.camera else (ids, ids)
+        position, order = first_seen(ids) if kp.camera else (ids, ids)
         uid_top = int(uids.max())  # once per batch, not per key
         layout = self.numeric.layout(kp)
         # every numeric key in one kernel call
@@ -166,7 +176,8 @@ class Compiled:
                     return None
                 stamps.append(got)
         return Warm(hashes, ids, frame, total, fps, windows, tuple(gathers), tuple(stamps),
-                    tuple(frames), position, order, out_bytes, self.cache.version, directory)
+                    tuple(frames), position, order, texts, out_bytes, self.cache.version,
+                    directory)
 
     def still_valid(self, warm: Warm) -> bool:
         return warm.cache_version == self.cache.version \
@@ -195,14 +206,16 @@ class Compiled:
         it takes a chunk, then charges it, so a chunk that goes over the limit is taken
         with the ones before it and the refusal then raises. When the batch stays within
         the limit (a response limit is always set in the daemon) that is one charge."""
-        got = [entry[0] for entry in entries]
-        total = sum(map(len, itertools.chain.from_iterable(got)))
+        # an entry is [frames, their bytes + BYTES_OVERHEAD each, stamp]: its frames'
+        # bytes without a len() per frame
+        total = sum(map(_SIZE, entries)) - BYTES_OVERHEAD * sum(map(len, map(_FRAMES, entries)))
         if not budget.limit or budget.used + total <= budget.limit:
             budget.add(total)
             return
-        for k, frames in enumerate(got):
+        for k, size in enumerate(size - BYTES_OVERHEAD * len(frames)
+                                 for frames, size, _ in entries):
             try:
-                budget.add(sum(map(len, frames)))
+                budget.add(size)
             except BaseException:
                 self.cache.take_frames(chunks[: k + 1], entries[: k + 1])
                 raise
@@ -229,7 +242,7 @@ class Compiled:
         needed = {f.key: f.needed for f in warm.frames}
         for e in keymap:
             if e.rule is Rule.ANNOTATION:
-                texts[e.name] = self.texts.at(warm.directory, e.zarr_key, warm.ids, warm.frame)
+                texts[e.name] = TextTables.at(warm.texts[e.zarr_key], warm.ids, warm.frame)
             elif e.zarr_key in needed:
                 frames.setdefault(e.zarr_key, distinct[e.zarr_key])
                 w = warm.windows[e.name].rows
@@ -365,30 +378,4 @@ class Compiled:
         return slab, every
 
 
-def _batch_kinds(kp: KeymapPlan, ids: np.ndarray
-                 ) -> dict[str, tuple[tuple[int, ...], bool]] | None:
-    """Each key's (feature, is_bytes) in this batch, or None: a key with none, or with
-    several among the batch's episodes (the general path names them)."""
-    kinds = {}
-    for key in kp.ordered_keys:
-        geo = kp.keys[key]
-        if not geo.shapes:
-            return None
-        if geo.one_shape:
-            kinds[key] = geo.shapes[0]
-            continue
-        shape_id = geo.shape_id[ids]
-        if shape_id.min() != shape_id.max():
-            return None
-        kinds[key] = geo.shapes[int(shape_id[0])]
-    return kinds
-
-
-def _first_seen(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per sample, its episode's rank by first appearance in the batch (the general
-    path's episode positions), and per rank the episode's dense id."""
-    listed = ids.tolist()
-    order = list(dict.fromkeys(listed))
-    rank = {dense: r for r, dense in enumerate(order)}
-    position = np.fromiter(map(rank.__getitem__, listed), np.int64, len(listed))
-    return position, np.array(order, np.int64)
+_FRAMES, _SIZE = operator.itemgetter(0), operator.itemgetter(1)  # of a frame chunk's entry

@@ -122,3 +122,32 @@ def windows_of(kp: KeymapPlan, frame: np.ndarray, total: np.ndarray,
     windowed output's window among them."""
     made = [window(e, frame, total, fps) for e in kp.window_entries]
     return made, {name: made[k] for name, k in kp.window_index}
+
+
+def batch_kinds(kp: KeymapPlan, ids: np.ndarray
+                ) -> dict[str, tuple[tuple[int, ...], bool]] | None:
+    """Each key's (feature, is_bytes) in this batch, or None: a key with none, or with
+    several among the batch's episodes (the general path names them)."""
+    kinds = {}
+    for key in kp.ordered_keys:
+        geo = kp.keys[key]
+        if not geo.shapes:
+            return None
+        if geo.one_shape:
+            kinds[key] = geo.shapes[0]
+            continue
+        shape_id = geo.shape_id[ids]
+        if shape_id.min() != shape_id.max():
+            return None
+        kinds[key] = geo.shapes[int(shape_id[0])]
+    return kinds
+
+
+def first_seen(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per sample, its episode's rank by first appearance in the batch (the general
+    path's episode positions), and per rank the episode's dense id."""
+    listed = ids.tolist()
+    order = list(dict.fromkeys(listed))
+    rank = {dense: r for r, dense in enumerate(order)}
+    position = np.fromiter(map(rank.__getitem__, listed), np.int64, len(listed))
+    return position, np.array(order, np.int64)

@@ -10,7 +10,6 @@ key, episode), from the spans the general path loaded and kept on the episode.
 from __future__ import annotations
 
 import operator
-from typing import cast
 
 import numpy as np
 
@@ -27,20 +26,25 @@ class TextTables:
         self._version = -1
         self._tables: dict[tuple[str, int], list[tuple[str, ...]] | None] = {}
 
-    def ready(self, directory: Directory, ids: np.ndarray, key: str) -> bool:
-        """Whether every episode of ``ids`` has a table for ``key`` (built here if its
-        spans are loaded)."""
-        return all(self._table(directory, key, i) is not None for i in set(ids.tolist()))
+    def tables(self, directory: Directory, ids: np.ndarray,
+               key: str) -> dict[int, list[tuple[str, ...]]] | None:
+        """Each episode of ``ids``'s table for ``key`` (built here if its spans are
+        loaded), or None if one has none. Found once, when a batch is planned, and kept
+        with its plan: its texts are its own episodes' whatever happens meanwhile."""
+        out = {}
+        for i in set(ids.tolist()):
+            table = self._table(directory, key, i)
+            if table is None:
+                return None
+            out[i] = table
+        return out
 
-    def at(self, directory: Directory, key: str, ids: np.ndarray,
+    @staticmethod
+    def at(tables: dict[int, list[tuple[str, ...]]], ids: np.ndarray,
            frame: np.ndarray) -> list[list[str]]:
-        """Each sample's texts, from episodes ``ready`` found tables for."""
-        listed = ids.tolist()
-        # each episode's table, looked up once
-        tables = {i: cast(list[tuple[str, ...]], self._table(directory, key, i))
-                  for i in set(listed)}
-        texts: map[tuple[str, ...]] = map(operator.getitem, map(tables.__getitem__, listed),
-                                          frame.tolist())
+        """Each sample's texts, from its episode's table in ``tables``."""
+        texts: map[tuple[str, ...]] = map(operator.getitem, map(tables.__getitem__,
+                                                                ids.tolist()), frame.tolist())
         return [list(t) for t in texts]
 
     def _table(self, directory: Directory, key: str, i: int) -> list[tuple[str, ...]] | None:

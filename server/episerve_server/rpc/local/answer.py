@@ -3,20 +3,19 @@ segment, and the metadata that says where each one is.
 
 The numeric outputs are already in the segment (the planner gathered them into its
 ``SegmentArena``); what is left (frames, image indexes, masks) is written after them,
-one memcpy per blob. An answer that does not fit the arena's segment is written whole
+one memcpy per blob, the layout and the copies in one call (``kernel.place_blobs``, a
+loop in C when it is built). An answer that does not fit the arena's segment is written whole
 into a segment of its size, and the gathered arrays are then copied a second time.
 """
 
 from __future__ import annotations
 
 import asyncio
-import mmap
-import operator
-from collections import deque
 from dataclasses import dataclass
 
 from episerve_proto import local as lp
 from episerve_proto.errors import ResponseTooLarge
+from episerve_server.core import kernel
 from episerve_server.core.result import BatchResult
 from episerve_server.rpc.handlers.service import OFFLOAD_ENCODE_BYTES
 from episerve_server.rpc.local.conn import Connection
@@ -47,39 +46,25 @@ async def place(conn: Connection, result: BatchResult,
     offset_of = arena.offset_of
     at: list[int | None] = [None if isinstance(b, bytes) else offset_of(b, n)
                             for b, n in zip(blobs, sizes)]
-    rest = [k for k, off in enumerate(at) if off is None]
-    after, total = lp.layout([sizes[k] for k in rest], arena.used)
     seg = arena.segment
+    total, copied_bytes = kernel.place_blobs(None, blobs, at, arena.used, lp.ALIGN)
     if seg is None or total > seg.size:  # write it all into a segment of its size
         blobs = [b if off is None else bytes(b) for b, off in zip(blobs, at)]
         await arena.release()
-        rest = list(range(len(blobs)))
-        after, total = lp.layout(sizes)
+        at = [None] * len(blobs)
+        total, copied_bytes = kernel.place_blobs(None, blobs, at, 0, lp.ALIGN)
         seg = await conn.pool.acquire(max(total, 1), keep=arena.keep)
         arena.segment, arena.used = seg, 0
-        at = list(after)
-    else:
-        for k, off in zip(rest, after, strict=True):
-            at[k] = off
-    offsets: list[int] = at  # type: ignore[assignment]  # every blob has one now
-    starts = [offsets[k] for k in rest]
-    lengths = [sizes[k] for k in rest]
-    copied = (starts, list(map(operator.add, starts, lengths)), [blobs[k] for k in rest])
-    copied_bytes = sum(lengths)
     try:
         if copied_bytes >= OFFLOAD_ENCODE_BYTES:
-            await asyncio.to_thread(_copy, seg.mm, *copied)
+            await asyncio.to_thread(kernel.place_blobs, seg.mm, blobs, at, arena.used,
+                                    lp.ALIGN)
         else:
-            _copy(seg.mm, *copied)
+            kernel.place_blobs(seg.mm, blobs, at, arena.used, lp.ALIGN)
     except BaseException:
         await arena.release()
         raise
+    offsets: list[int] = at  # type: ignore[assignment]  # every blob has one now
     conn.last_total = total
     return Placed(seg, list(zip(offsets, sizes)), meta, sum(sizes)), total, copied_bytes
 
-
-def _copy(dst: mmap.mmap, starts: list[int], ends: list[int], blobs: list[encode.Buf]) -> None:
-    """Each blob into ``dst`` at ``[start, end)``: the mapping's own slice assignment, one
-    memcpy per blob (a frame is a blob: no array is made per frame), the loop run in C
-    (a batch has a blob per camera frame)."""
-    deque(map(dst.__setitem__, map(slice, starts, ends), blobs), maxlen=0)
