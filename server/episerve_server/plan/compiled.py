@@ -310,18 +310,25 @@ class Compiled:
                 windows: dict[str, Window], directory: Directory) -> _Frames | None:
         """One camera key's cached chunks and distinct frames, or None (a short array, a
         chunk not cached)."""
-        cap, c = geo.rows[ids], geo.chunk_rows[ids][:, None]
+        cap = geo.rows[ids]
         # window rows are below the episode's total: only a shorter array needs a look
         short = cap[:, None] if (cap < total).any() else None
-        rows, chunks = [], []
+        rows = []
         for e in kp.entries[key]:
             w = windows[e.name].rows
             if short is not None and (w >= short).any():
                 return None  # the general path's ShortArrayError
             rows.append((position[:, None] * PACK + w).ravel())
-            chunks.append((position[:, None] * PACK + w // c).ravel())
-        needed = distinct(np.concatenate(rows))
-        packed = distinct(np.concatenate(chunks))
+        # the distinct frames, sorted by (episode position, row): their chunks come in
+        # order too, so the distinct chunks and each frame's among them need no sort
+        needed = distinct(np.concatenate(rows) if len(rows) > 1 else rows[0])
+        f_pos, f_row = np.divmod(needed, PACK)
+        f_c = geo.uniform_rows or geo.chunk_rows[order[f_pos]]
+        f_chunk = f_pos * PACK + f_row // f_c
+        new = np.empty(len(f_chunk), np.bool_)
+        new[:1] = True
+        np.not_equal(f_chunk[1:], f_chunk[:-1], out=new[1:])
+        packed = f_chunk[new]
         ep_pos, chunk = np.divmod(packed, PACK)
         hashes = directory.hashes[order[ep_pos]].tolist()
         keys = tuple(zip(hashes, [key] * len(hashes), chunk.tolist()))
@@ -330,9 +337,7 @@ class Compiled:
         entries = self.cache.frame_entries(keys)
         if entries is None:
             return None
-        f_pos, f_row = np.divmod(needed, PACK)
-        f_c = geo.chunk_rows[order[f_pos]]
-        chunk_of = np.searchsorted(packed, f_pos * PACK + f_row // f_c)
+        chunk_of = np.cumsum(new) - 1
         return _Frames(key, keys, chunk_of.tolist(), (f_row % f_c).tolist(), needed, entries)
 
     def _key(self, key: str, kp: KeymapPlan, geo: KeyGeometry, feature: tuple[int, ...],
