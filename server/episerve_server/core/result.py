@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ImageColumn:
     """Frames of one camera output: ``index`` points into ``BatchResult.frames[source]``.
 
@@ -19,7 +19,7 @@ class ImageColumn:
     index: np.ndarray
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class BatchResult:
     episodes: list[str]
     frame_index: np.ndarray  # (B,) int64

@@ -16,7 +16,7 @@ from episerve_server.core.keymap import KeySpec, Rule
 IntArray = np.ndarray
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Window:
     rows: IntArray  # (B, W) int64 row indices into the episode
     mask: IntArray | None  # (B, W) bool, True for a real row; None without a time axis

@@ -51,7 +51,7 @@ MAX_PLANS = 64  # keymaps compiled at once (least recently used go first)
 MAX_SCRATCHES = 64  # batch sizes with scratch arrays kept (cleared when more turn up)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Frames:
     """One camera key: its cached chunks in the general path's order (episode by first
     appearance, then chunk) and, per distinct frame, its chunk and row within it."""
@@ -64,7 +64,7 @@ class _Frames:
     entries: list[list[Any]]  # the cache's entries of ``chunks`` (``frame_entries``)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Warm:
     """A batch the compiled plan serves: everything but the side effects, worked out."""
 

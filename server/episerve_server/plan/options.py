@@ -12,7 +12,7 @@ import numpy as np
 from episerve_proto.errors import ResponseTooLarge
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ReadOptions:
     annotation_cutoff: bool = False
     max_response_bytes: int = 0  # 0: no limit

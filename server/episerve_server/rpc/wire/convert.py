@@ -61,7 +61,7 @@ class Limits:
         return cls(config.max_batch, config.max_keymap_entries, config.max_keymap_bytes)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ReadCall:
     keymap: Keymap | None
     keymap_id: str
