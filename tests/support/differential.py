@@ -140,8 +140,7 @@ def same_cache(a: ChunkCache, b: ChunkCache) -> None:
         y = b._tables[key]
         for field in ("base", "size", "slab", "flat"):
             assert np.array_equal(getattr(x, field), getattr(y, field)), (key, field)
-    assert list(a._frames) == list(b._frames)
-    assert [v[1:] for v in a._frames.values()] == [v[1:] for v in b._frames.values()]
+    assert a._frames.state() == b._frames.state()
 
 
 def random_samples(rng: random.Random, episodes: list[tuple[str, int]],

@@ -252,3 +252,75 @@ def test_a_hold_keeps_released_slots_from_reuse_until_it_ends() -> None:
     got = cache.get(key(0, "d"))
     assert got is not None and float(got[0]) == 4.0
     assert stats.cache_bytes <= 200
+
+
+@settings(max_examples=scaled(150), deadline=None)
+@given(budget=st.sampled_from([0, 300, 900, 2000]),
+       script=st.lists(st.tuples(st.sampled_from(["get", "put", "take", "drop", "putnum"]),
+                                 st.integers(0, 9), st.integers(1, 6)), max_size=120))
+def test_frame_chunks_and_slabs_evict_as_a_reference_lru(
+        budget: int, script: list[tuple[str, int, int]]) -> None:
+    """Frame chunks (recency kept in arrays) and numeric chunks under one budget, against an
+    ordered dict of every chunk: the same chunks kept, evicted least recent first, with
+    batched hits (``take_frames``), replaced chunks, dropped episodes and enough chunks
+    for the frame arrays to grow."""
+    stats = Stats()
+    cache = ChunkCache(budget, stats)
+    model: OrderedDict[tuple[str, str, int], int] = OrderedDict()  # key -> bytes
+    evictions = 0
+    for step, (op, n, width) in enumerate(script):
+        episode = f"ep{n % 3}"
+        k = (episode, "img", n)
+        if op == "get":
+            got = cache.get(k)
+            assert (got is not None) == (k in model)
+            if k in model:
+                model.move_to_end(k)
+        elif op == "take":  # the compiled plan's batched hits, distinct kept chunks in order
+            keys = [m for m in list(model) if m[1] == "img" and m[2] % width == 0]
+            entries = cache.frame_entries(keys)
+            assert entries is not None
+            cache.take_frames(keys, entries)
+            for m in keys:
+                model.move_to_end(m)
+        elif op == "drop":
+            cache.drop_episode(episode)
+            for m in [m for m in model if m[0] == episode]:
+                del model[m]
+        else:
+            if op == "put":
+                item: object = [bytes([step % 256]) * (10 * width)] * width
+                size = width * (10 * width + 64)
+            else:  # a numeric chunk of a shape its array keeps
+                k = (episode, "num", n)
+                item, size = chunk(160, step), 160
+            cache.put(k, item)  # type: ignore[arg-type]
+            if 0 < size <= budget:
+                model.pop(k, None)
+                model[k] = size
+                while sum(model.values()) > budget:
+                    model.popitem(last=False)
+                    evictions += 1
+        assert stats.cache_bytes == sum(model.values())
+        assert stats.cache_entries == len(model)
+        kept = [row[0] for row in cache._frames.state()]
+        assert kept == [m for m in model if m[1] == "img"]
+    assert stats.cache_evictions == evictions
+
+
+def test_the_oldest_frame_chunks_are_found_past_the_first_partition() -> None:
+    """``oldest`` widens its partition until the chunks it returns cover what is asked,
+    oldest first, and the arrays grow past their first room."""
+    from episerve_server.core.framecache import FIRST_ROOM, FrameChunks
+
+    f = FrameChunks()
+    n = 5 * FIRST_ROOM
+    for i in range(n):
+        f.add(("ep", "img", i), [b"x"], 10 + i, i)
+    f.touch(f.fids([f.entries[("ep", "img", i)] for i in range(0, n, 2)]), n)  # evens recent
+    got = f.oldest(sum(10 + i for i in range(1, n, 2)) + 1)
+    odds = [f.entries[("ep", "img", i)][2] for i in range(1, n, 2)]
+    assert got[: len(odds)].tolist() == odds and len(got) == len(odds) + 1
+    assert got[-1] == f.entries[("ep", "img", 0)][2]
+    assert len(f.oldest(10 ** 9)) == n
+    assert f.evict(got[:3]) == 11 + 13 + 15 and len(f) == n - 3

@@ -4,7 +4,8 @@ Numeric chunks live in slabs, one per chunk shape: a slab is one preallocated ar
 slots (reserved, not committed: memory is committed as slots are written and released
 when a slot is evicted), so a batch finds and gathers all of a key's chunks with a few
 numpy calls, whatever their number. Per zarr key, a slot table maps (episode uid, chunk)
-to a slot with one array index. Frame bytes (lists of ``bytes``) stay in an ordered dict.
+to a slot with one array index. Frame bytes (lists of ``bytes``) are kept by chunk key,
+their recency in arrays like the slabs' (``framecache``).
 
 Recency is one clock for both kinds: every hit and every store stamps its chunks, and
 eviction takes the least recently stamped chunks first, numeric or bytes, until the
@@ -14,23 +15,22 @@ The slabs and slot tables themselves are in ``slots``.
 
 from __future__ import annotations
 
-import itertools
 import operator
-from collections import OrderedDict, deque
 from collections.abc import Sequence
 from typing import Any, TypeAlias, cast
 
 import numpy as np
 
 from episerve_server.core import kernel
+from episerve_server.core.framecache import ChunkKey, FrameChunks
 from episerve_server.core.numbering import Numbering
 from episerve_server.core.slots import Slab, SlotTable
 from episerve_server.core.stats import Stats
 
-ChunkKey: TypeAlias = tuple[str, str, int]
 Chunk: TypeAlias = np.ndarray | list[bytes]
 
 BYTES_OVERHEAD = 64  # per frame: the bytes object and its list slot
+_FRAMES = operator.itemgetter(0)  # of a frame chunk's entry
 MAX_SLABS = 32  # distinct numeric chunk shapes cached; chunks of further shapes are not
 
 
@@ -56,9 +56,7 @@ class ChunkCache:
         self._table_list: list[SlotTable] = []
         self._slabs: list[Slab] = []
         self._slab_of: dict[tuple[int, ...], int] = {}
-        # chunk key -> [frames, bytes, stamp]: a list, so a hit restamps it in place
-        self._frames: OrderedDict[ChunkKey, list[Any]] = OrderedDict()
-        self._frames_of: dict[str, set[ChunkKey]] = {}  # per episode, so a drop is cheap
+        self._frames = FrameChunks()
         self._holds = 0  # gathers running in worker threads: slots are not reused meanwhile
         self._deferred: list[tuple[Slab, np.ndarray]] = []
         #: Bumped by every change of what is cached (a plan made before an await checks it).
@@ -216,33 +214,42 @@ class ChunkCache:
         self._sync_gauges()
         return replaced
 
-    def take_frames(self, keys: Sequence[ChunkKey],
-                    entries: list[list[Any]] | None = None) -> list[list[bytes]]:
-        """``get`` of cached frame chunks in turn: each moved to the recent end with its own
-        tick, a hit each, no numeric branch (the maps run in C: no bytecode per chunk)."""
-        frames, start, n = self._frames, self._clock, len(keys)
-        entries = list(map(frames.__getitem__, keys)) if entries is None else entries
-        deque(map(frames.move_to_end, keys), maxlen=0)
-        deque(map(operator.setitem, entries, itertools.repeat(2, n),
-                  range(start + 1, start + 1 + n)), maxlen=0)
-        self._clock = start + n
-        self.stats.cache_hits += len(keys)
-        return [entry[0] for entry in entries]
+    def take_frames(self, keys: Sequence[ChunkKey], entries: list[list[Any]] | None = None,
+                    fids: np.ndarray | None = None) -> list[list[bytes]]:
+        """``get`` of cached frame chunks (distinct) in turn: each a hit with its own tick
+        of the clock, no numeric branch; stamped in two array assignments. ``entries`` and
+        their ``fids``, from ``frame_entries`` and ``frame_ids``, save looking them up."""
+        if entries is None:
+            entries = list(map(self._frames.entries.__getitem__, keys))
+        self._frames.touch(self._frames.fids(entries) if fids is None else fids,
+                           self._clock + 1)
+        self._clock += len(entries)
+        self.stats.cache_hits += len(entries)
+        return list(map(_FRAMES, entries))
+
+    def frame_ids(self, entries: list[list[Any]]) -> np.ndarray:
+        """The numbers of chunks found by ``frame_entries`` (valid while the cache's
+        ``version`` is unchanged)."""
+        return self._frames.fids(entries)
+
+    def frame_bytes(self, fids: np.ndarray) -> np.ndarray:
+        """The frames' own bytes of each chunk of ``fids`` (what a response limit counts)."""
+        got: np.ndarray = self._frames.payload[fids]
+        return got
 
     def frame_entries(self, keys: Sequence[ChunkKey]) -> list[list[Any]] | None:
-        """Each chunk as kept, [frames, bytes, stamp], for ``take_frames``; None if one is
+        """Each chunk as kept, [frames, bytes, fid], for ``take_frames``; None if one is
         not cached. Nothing is stamped or counted."""
-        got = list(map(self._frames.get, keys))
+        got = list(map(self._frames.entries.get, keys))
         return None if None in got else cast(list[list[Any]], got)
 
     # -- frame bytes and the scalar API -------------------------------------------------------
 
     def get(self, key: ChunkKey) -> Chunk | None:
-        frames = self._frames.get(key)
+        frames = self._frames.entries.get(key)
         if frames is not None:
-            self._frames.move_to_end(key)
             self._clock += 1
-            frames[2] = self._clock
+            self._frames.touch_one(frames, self._clock)
             self.stats.cache_hits += 1
             return cast(list[bytes], frames[0])
         episode, name, chunk = key
@@ -259,7 +266,7 @@ class ChunkCache:
 
     def has_frames(self, key: ChunkKey) -> bool:
         """Whether a chunk of frame bytes is cached (not counted as a hit or a miss)."""
-        return key in self._frames
+        return key in self._frames.entries
 
     def put(self, key: ChunkKey, chunk: Chunk) -> None:
         if isinstance(chunk, np.ndarray):
@@ -278,7 +285,7 @@ class ChunkCache:
         fits = [(k, c, chunk_nbytes(c)) for k, c in items]
         fits = [(k, c, n) for k, c, n in fits if n <= self.budget_bytes]
         for key, _, _ in fits:
-            old = self._frames.pop(key, None)
+            old = self._frames.remove(key)
             if old is not None:
                 self._bytes -= old[1]
                 self._entries -= 1
@@ -290,8 +297,7 @@ class ChunkCache:
         self._make_room(sum(n for _, _, n in fits))
         self._clock += 1
         for key, chunk, size in fits:
-            self._frames[key] = [list(chunk), size, self._clock]
-            self._frames_of.setdefault(key[0], set()).add(key)
+            self._frames.add(key, list(chunk), size, self._clock)
             self._bytes += size
             self._entries += 1
         self._sync_gauges()
@@ -313,30 +319,23 @@ class ChunkCache:
                     pick = live[np.argpartition(slab.stamp[live], k - 1)[:k]]
                     stamps.append(slab.stamp[pick])
                     owners.append((sid, pick))
-            frame_stamps, frame_sizes, covered = [], [], 0
-            for _, size, stamp in self._frames.values():  # oldest first
-                if covered >= deficit:
-                    break
-                frame_stamps.append(stamp)
-                frame_sizes.append(size)
-                covered += size
+            oldest = self._frames.oldest(deficit)
+            frame_stamps, frame_sizes = self._frames.stamp[oldest], self._frames.nbytes[oldest]
             kinds = [np.full(len(st), i, np.int64) for i, st in enumerate(stamps)]
-            all_stamps = np.concatenate([*stamps, np.array(frame_stamps, np.int64)])
+            all_stamps = np.concatenate([*stamps, frame_stamps])
             all_kinds = np.concatenate([*kinds, np.full(len(frame_stamps), -1, np.int64)])
             all_index = np.concatenate([*(np.arange(len(st)) for st in stamps),
                                         np.arange(len(frame_stamps))])
             sizes = np.concatenate([*(np.full(len(st), self._slabs[sid].slot_bytes, np.int64)
                                       for st, (sid, _) in zip(stamps, owners)),
-                                    np.array(frame_sizes, np.int64)])
+                                    frame_sizes])
             order = np.argsort(all_stamps, kind="stable")
             n = int(np.searchsorted(np.cumsum(sizes[order]), deficit)) + 1
             chosen = order[:n]
             frames_out = int((all_kinds[chosen] == -1).sum())
-            for _ in range(frames_out):
-                gone, (_, size, _) = self._frames.popitem(last=False)
-                self._frames_of.get(gone[0], set()).discard(gone)
-                self._bytes -= size
-                self._entries -= 1
+            if frames_out:
+                self._bytes -= self._frames.evict(oldest[:frames_out])
+                self._entries -= frames_out
             for i, (sid, pick) in enumerate(owners):
                 mine = all_index[chosen[all_kinds[chosen] == i]]
                 if mine.size:
@@ -370,12 +369,9 @@ class ChunkCache:
 
     def drop_episode(self, episode: str) -> None:
         """Forget one episode's chunks; costs what that episode holds, not the cache."""
-        for key in self._frames_of.pop(episode, set()):
-            entry = self._frames.pop(key, None)
-            if entry is None:
-                continue
-            self._bytes -= entry[1]
-            self._entries -= 1
+        gone, nbytes = self._frames.drop_episode(episode)
+        self._bytes -= nbytes
+        self._entries -= gone
         uid = self._uids.table.pop(episode, None)
         self.drops += 1
         if uid is not None:

@@ -27,7 +27,8 @@ from typing import Any
 import numpy as np
 
 from episerve_server.core import kernel
-from episerve_server.core.cache import BYTES_OVERHEAD, ChunkCache, ChunkKey
+from episerve_server.core.cache import ChunkCache
+from episerve_server.core.framecache import ChunkKey
 from episerve_server.core.keymap import Keymap, Rule
 from episerve_server.core.result import BatchResult, ImageColumn
 from episerve_server.core.windows import Window
@@ -62,6 +63,7 @@ class _Frames:
     within: list[int]
     needed: np.ndarray  # sorted packed (episode position, row) of the distinct frames
     entries: list[list[Any]]  # the cache's entries of ``chunks`` (``frame_entries``)
+    fids: np.ndarray  # and their numbers (``frame_ids``)
 
 
 @dataclass(slots=True)
@@ -194,30 +196,27 @@ class Compiled:
         out: dict[str, list[bytes]] = {}
         for f in warm.frames:
             if budget is not None:
-                self._charge(f.chunks, f.entries, budget)
-            chunks = self.cache.take_frames(f.chunks, f.entries)
+                self._charge(f, budget)
+            chunks = self.cache.take_frames(f.chunks, f.entries, f.fids)
             out[f.key] = list(map(operator.getitem, map(chunks.__getitem__, f.chunk_of),
                                   f.within))
         return out
 
-    def _charge(self, chunks: tuple[ChunkKey, ...], entries: list[list[Any]],
-                budget: Budget) -> None:
+    def _charge(self, f: _Frames, budget: Budget) -> None:
         """Each chunk's frame bytes charged to ``budget`` as the general path charges them:
         it takes a chunk, then charges it, so a chunk that goes over the limit is taken
         with the ones before it and the refusal then raises. When the batch stays within
         the limit (a response limit is always set in the daemon) that is one charge."""
-        # an entry is [frames, their bytes + BYTES_OVERHEAD each, stamp]: its frames'
-        # bytes without a len() per frame
-        total = sum(map(_SIZE, entries)) - BYTES_OVERHEAD * sum(map(len, map(_FRAMES, entries)))
+        sizes = self.cache.frame_bytes(f.fids)
+        total = int(sizes.sum())
         if not budget.limit or budget.used + total <= budget.limit:
             budget.add(total)
             return
-        for k, size in enumerate(size - BYTES_OVERHEAD * len(frames)
-                                 for frames, size, _ in entries):
+        for k, size in enumerate(sizes.tolist()):
             try:
                 budget.add(size)
             except BaseException:
-                self.cache.take_frames(chunks[: k + 1], entries[: k + 1])
+                self.cache.take_frames(f.chunks[: k + 1], f.entries[: k + 1], f.fids[: k + 1])
                 raise
 
     def gather(self, warm: Warm, empty: Empty) -> dict[str, np.ndarray]:
@@ -338,7 +337,8 @@ class Compiled:
         if entries is None:
             return None
         chunk_of = np.cumsum(new) - 1
-        return _Frames(key, keys, chunk_of.tolist(), (f_row % f_c).tolist(), needed, entries)
+        return _Frames(key, keys, chunk_of.tolist(), (f_row % f_c).tolist(), needed, entries,
+                       self.cache.frame_ids(entries))
 
     def _key(self, key: str, kp: KeymapPlan, geo: KeyGeometry, feature: tuple[int, ...],
              ids: np.ndarray, uids: np.ndarray, total: np.ndarray, windows: dict[str, Window],
