@@ -377,6 +377,50 @@ def test_place_blobs_refuses_bad_arguments() -> None:
         kernel._c.place_blobs(b"x" * 128, [b"a"], [None], 0, 64)
 
 
+@pytest.mark.parametrize("seed", range(40))
+def test_check_batch_matches_numpy_and_a_per_sample_oracle(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    m = int(rng.integers(1, 30))
+    totals = np.where(rng.random(m) < 0.85, rng.integers(1, 50, m), -1)
+    totals[0] = 7  # one servable episode at least
+    uids_of = np.where(rng.random(m - int(seed % 3 == 0)) < 0.9,
+                       rng.integers(0, 100, m - int(seed % 3 == 0)), -1)
+    n = int(rng.integers(1, 40))
+    ids = rng.integers(-1 if seed % 5 == 0 else 0, m + (1 if seed % 7 == 0 else 0), n)
+    if seed % 2:  # mostly servable
+        ids = rng.choice(np.flatnonzero(totals >= 0), n)
+    inside = np.clip(ids, 0, m - 1)
+    frame = rng.integers(0, np.maximum(totals[inside], 1) + (1 if seed % 4 == 0 else 0))
+    if seed % 11 == 0:
+        frame[0] = -1
+    (got, after), (want, want_after) = both(kernel.check_batch, ids, frame, totals, uids_of,
+                                            np.zeros(n, np.int64), np.zeros(n, np.int64))
+    assert got == want
+    # the oracle: one sample at a time
+    served = all(0 <= d < m and totals[d] >= 0 and 0 <= f < totals[d]
+                 for d, f in zip(ids.tolist(), frame.tolist()))
+    if not served:
+        assert got == -1
+        return
+    uids = [int(uids_of[d]) if d < len(uids_of) else -1 for d in ids.tolist()]
+    assert got == (-2 if min(uids) < 0 else max(uids))
+    for a in (after, want_after):
+        assert a[4].tolist() == totals[ids].tolist() and a[5].tolist() == uids
+
+
+def test_check_batch_refuses_buffers_that_do_not_fit() -> None:
+    z = np.zeros(3, np.int64)
+    for compiled in (True, False):
+        kernel.use(compiled)
+        try:
+            with pytest.raises(ValueError, match="do not match"):
+                kernel.check_batch(z, np.zeros(2, np.int64), z, z, z, z)
+            with pytest.raises(ValueError, match="do not match"):
+                kernel.check_batch(z, z, z, z, np.zeros(2, np.int64), z)
+        finally:
+            kernel.use(kernel.BUILT)
+
+
 def test_the_kernel_refuses_other_dtypes() -> None:
     with pytest.raises(TypeError, match="int64"):
         kernel._c.stamp(np.zeros(4, np.int32), np.zeros(2, np.int64), 1)

@@ -448,6 +448,42 @@ static PyObject *place_blobs(PyObject *self, PyObject *args) {
     return Py_BuildValue("nn", end, copied);
 }
 
+/* check_batch(ids, frame, totals, uids_of, total_out, uids_out) -> the largest uid, -1
+ * (not served here: an id outside ``totals``, an episode that cannot serve the keymap
+ * (its total -1), a frame outside [0, total)) or -2 (every sample is servable but an
+ * episode has no uid in ``uids_of`` yet, or an id is outside it). Per sample i:
+ *   total_out[i] = totals[ids[i]]      (the episode's frames; -1 where it cannot serve)
+ *   uids_out[i] = uids_of[ids[i]]      (its cache uid) */
+static PyObject *check_batch(PyObject *self, PyObject *args) {
+    PyObject *o[6];
+    if (!PyArg_ParseTuple(args, "OOOOOO", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5]))
+        return NULL;
+    static const int w[6] = {0, 0, 0, 0, 1, 1};
+    I64 b[6];
+    if (get_all(o, b, w, 6) < 0) return NULL;
+    int64_t n = b[0].n, nt = b[2].n, nu = b[3].n, top = -1, missing = 0, got = -1;
+    if (b[1].n != n || b[4].n < n || b[5].n < n) {
+        release(b, 6);
+        PyErr_SetString(PyExc_ValueError, "check_batch: buffers do not match the batch");
+        return NULL;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        int64_t d = b[0].p[i], f = b[1].p[i];
+        if (d < 0 || d >= nt) goto done;
+        int64_t t = b[2].p[d];
+        if (t < 0 || f < 0 || f >= t) goto done;
+        b[4].p[i] = t;
+        int64_t u = d < nu ? b[3].p[d] : -1;
+        b[5].p[i] = u;
+        if (u < 0) missing = 1;
+        else if (u > top) top = u;
+    }
+    got = missing ? -2 : top;
+done:
+    release(b, 6);
+    return PyLong_FromLongLong(got);
+}
+
 static PyMethodDef methods[] = {
     {"key_base", key_base, METH_VARARGS, "per sample, its episode's table start and size"},
     {"resolve", resolve, METH_VARARGS, "slots and gather rows of one output"},
@@ -455,6 +491,7 @@ static PyMethodDef methods[] = {
     {"history", history, METH_VARARGS, "rows and mask of a history window"},
     {"stamp", stamp, METH_VARARGS, "stamp slots, count the distinct ones"},
     {"plan_keys", plan_keys, METH_VARARGS, "key_base and resolve for every numeric key"},
+    {"check_batch", check_batch, METH_VARARGS, "a batch's totals and uids, or why not"},
     {"place_blobs", place_blobs, METH_VARARGS, "lay out and copy an answer's blobs"},
     {NULL, NULL, 0, NULL},
 };

@@ -1,13 +1,15 @@
 """The warm read path's inner loops: compiled when the extension is built, numpy otherwise.
 
-Each function here is what the warm path does per key of a batch; ``_kernel.c`` has the
-same five as C loops (one call instead of five to ten numpy calls, no temporaries). Both
+Each function here is what the warm path does per batch or per key of a batch (checking
+its samples, windows, slots, stamps, laying out its answer); ``_kernel.c`` has the same
+functions as C loops (one call instead of five to ten numpy calls, no temporaries). Both
 give the same results on the same arrays (``tests/unit/test_kernel.py`` checks every
 function both ways, bad indexes included); the extension is optional: without a C
 compiler the package installs and runs on the numpy versions.
 
-Arguments are contiguous int64 arrays. A result of -1 means "not served here": the caller
-takes the general path, which says why (a chunk not cached, a uid not indexed).
+Arguments are contiguous int64 arrays (``place_blobs`` takes lists of byte buffers). A
+result of -1 means "not served here": the caller takes the general path, which says why
+(a chunk not cached, a uid not indexed).
 """
 
 from __future__ import annotations
@@ -136,6 +138,34 @@ def plan_keys(keys: tuple[KeyArgs, ...], windows: tuple[np.ndarray, ...],
                 return None
         slabs.append(slab)
     return tuple(slabs)
+
+
+def check_batch(ids: np.ndarray, frame: np.ndarray, totals: np.ndarray, uids_of: np.ndarray,
+                total_out: np.ndarray, uids_out: np.ndarray) -> int:
+    """Per sample, its episode's total frames (``totals[ids]``, -1 for an episode that
+    cannot serve the batch) into ``total_out`` and its cache uid (``uids_of[ids]``, -1 for
+    none yet) into ``uids_out``. Returns the largest uid; -1 when a sample is not served
+    here (an id outside ``totals``, an episode whose total is -1, a frame outside
+    [0, total)); -2 when every sample is servable but an episode has no uid (or an id is
+    outside ``uids_of``)."""
+    if COMPILED:
+        return int(_c.check_batch(ids, frame, totals, uids_of, total_out, uids_out))
+    n = len(ids)
+    if len(frame) != n or len(total_out) < n or len(uids_out) < n:
+        raise ValueError("check_batch: buffers do not match the batch")
+    if n == 0:
+        return -1
+    if ids.min() < 0 or ids.max() >= len(totals):
+        return -1
+    total = totals[ids]
+    if total.min() < 0 or frame.min() < 0 or (frame >= total).any():
+        return -1
+    total_out[:n] = total
+    inside = ids < len(uids_of)
+    uids = np.full(n, -1, np.int64)
+    uids[inside] = uids_of[ids[inside]]
+    uids_out[:n] = uids
+    return -2 if uids.min() < 0 else int(uids.max())
 
 
 def place_blobs(dst: Any, blobs: list[Any], at: list[int | None], start: int,

@@ -118,20 +118,23 @@ class Compiled:
             frame = np.array(given, np.int64)
         except (TypeError, ValueError, OverflowError):
             return None  # not plain (str, int) pairs: the general path says why
-        if ids.min() < 0 or not kp.servable[ids].all():
+        # servable episodes, frames inside them, and the episodes' cache uids: one pass
+        n = len(ids)
+        total, uids = np.empty(n, np.int64), np.empty(n, np.int64)
+        uid_top = kernel.check_batch(ids, frame, kp.totals, self._batch_uids(directory),
+                                     total, uids)
+        if uid_top == -1:
             return None
-        total = directory.total[ids]
-        if frame.min() < 0 or (frame >= total).any():
-            return None
+        if uid_top == -2:  # an episode without a uid here yet: looked up, or not cached
+            if not self._find_uids(directory, ids, uids):
+                return None
+            uid_top = int(uids.max())
         texts = {}
         for key in kp.annotated:
             tables = self.texts.tables(directory, ids, key)
             if tables is None:
                 return None
             texts[key] = tables
-        uids = self._batch_uids(directory, ids)
-        if uids is None:
-            return None
         if kp.kinds is not None:  # one shape per key: the bytes were worked out once
             kinds = kp.kinds
             out_bytes = len(ids) * kp.sample_bytes[options.all_masks]
@@ -153,7 +156,6 @@ class Compiled:
         stamps: list[tuple[int, list[np.ndarray]]] = []
         frames: list[_Frames] = []
         position, order = first_seen(ids) if kp.camera else (ids, ids)
-        uid_top = int(uids.max())  # once per batch, not per key
         layout = self.numeric.layout(kp)
         # every numeric key in one kernel call
         if layout is not None and not self.numeric.plan(layout, made, uids, ids, total,
@@ -288,21 +290,22 @@ class Compiled:
             self._plans.popitem(last=False)
         return kp
 
-    def _batch_uids(self, directory: Directory, ids: np.ndarray) -> np.ndarray | None:
-        """The cache uid of each sample's episode, or None if one has none yet."""
+    def _batch_uids(self, directory: Directory) -> np.ndarray:
+        """Per dense id of ``directory``, the episode's cache uid as found so far (-1: not
+        looked up yet, or none)."""
         want = (directory.version, self.cache.drops)
         if self._uids_for != want:
             self._uids_for = want
             self._uids = np.full(len(directory.episodes), -1, np.int64)
-        uids = self._uids[ids]
-        if uids.min() < 0:
-            for i in np.unique(ids[uids < 0]).tolist():
-                self._uids[i] = self.cache.known_uid(directory.episodes[i].hash)
-            uids = self._uids[ids]
-            if uids.min() < 0:
-                return None
-        out: np.ndarray = uids
-        return out
+        return self._uids
+
+    def _find_uids(self, directory: Directory, ids: np.ndarray, uids: np.ndarray) -> bool:
+        """The uids of the samples' episodes that had none, looked up (into ``uids``);
+        False if one has none (nothing of it is cached)."""
+        for i in np.unique(ids[uids < 0]).tolist():
+            self._uids[i] = self.cache.known_uid(directory.episodes[i].hash)
+        uids[:] = self._uids[ids]
+        return bool(uids.min() >= 0)
 
     def _frames(self, key: str, kp: KeymapPlan, geo: KeyGeometry, ids: np.ndarray,
                 total: np.ndarray, position: np.ndarray, order: np.ndarray,

@@ -36,6 +36,7 @@ class KeyGeometry:
 class KeymapPlan:
     directory: Directory
     servable: np.ndarray  # (N,) bool: every entry's key checks pass for that episode
+    totals: np.ndarray  # (N,) int64: an episode's frames where servable, else -1
     keys: dict[str, KeyGeometry]  # windowed zarr keys
     entries: dict[str, tuple[KeySpec, ...]]  # windowed zarr key -> its entries, keymap order
     camera: bool  # some key holds frame bytes in some episode
@@ -76,7 +77,8 @@ def compile_keymap(keymap: Keymap, directory: Directory) -> KeymapPlan:
         index.append((e.name, k))
     annotated = tuple(dict.fromkeys(e.zarr_key for e in keymap if e.rule is Rule.ANNOTATION))
     kinds, sample_bytes = _fixed_kinds(keys, entries)
-    return KeymapPlan(directory, servable, keys, entries, camera,
+    totals = np.where(servable, directory.total, -1).astype(np.int64)
+    return KeymapPlan(directory, servable, totals, keys, entries, camera,
                       tuple(window_entries), tuple(index), tuple(sorted(keys)), annotated,
                       kinds, sample_bytes)
 
