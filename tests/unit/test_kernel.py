@@ -186,6 +186,42 @@ def test_stamp_matches_numpy(seed: int) -> None:
     assert np.array_equal(ca[0], want)
 
 
+@pytest.mark.parametrize("seed", range(30))
+def test_stamp_keys_is_stamp_per_key_with_its_own_tick(seed: int) -> None:
+    rng = np.random.default_rng(900 + seed)
+    keys, plain = [], []
+    for _ in range(int(rng.integers(1, 5))):
+        size = int(rng.integers(1, 200))
+        stamps = rng.integers(-1, 50, size)
+        parts = [rng.integers(0, size + (1 if seed % 7 == 0 else 0), int(rng.integers(1, 30)))
+                 for _ in range(int(rng.integers(1, 3)))]
+        keys.append((stamps, parts, np.zeros(size, np.int64)))
+        plain.append((stamps.copy(), parts))
+    got = []
+    for compiled in (True, False):
+        kernel.use(compiled)
+        try:
+            mine = tuple((st.copy(), parts, scratch) for st, parts, scratch in keys)
+            got.append((kernel.stamp_keys(mine, 100), [m[0] for m in mine]))
+        finally:
+            kernel.use(kernel.BUILT)
+    (c, c_after), (p, p_after) = got
+    total, want = 0, []
+    for k, (stamps, parts) in enumerate(plain):  # the oracle: each key alone, tick 100 + k
+        every = np.concatenate(parts)
+        if total < 0 or every.max() >= len(stamps):
+            total = -1
+            want.append(None)
+            continue
+        stamps[every] = 100 + k
+        total += len(np.unique(every))
+        want.append(stamps)
+    assert c == p == total
+    for k, w in enumerate(want):
+        if w is not None:
+            assert np.array_equal(c_after[k], w) and np.array_equal(p_after[k], w)
+
+
 def _plan_keys_case(seed: int):  # type: ignore[no-untyped-def]
     """Random keys (slot tables, array rows, chunk sizes) and outputs over random windows,
     mostly servable; some seeds put a uid, chunk, slab or row out of reach."""

@@ -484,6 +484,55 @@ done:
     return PyLong_FromLongLong(got);
 }
 
+/* The loop of stamp (above) over one part: -1 if a slot is outside, else the count. */
+static int64_t stamp_part(int64_t *st, int64_t ns, const int64_t *slots, int64_t n,
+                          int64_t clock) {
+    int64_t count = 0;
+    for (int64_t i = 0; i < n; i++)
+        if (slots[i] < 0 || slots[i] >= ns) return -1;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t s = slots[i];
+        if (st[s] != clock) { st[s] = clock; count++; }
+    }
+    return count;
+}
+
+/* stamp_keys(keys, clock) -> what ``stamp`` counts, summed, for each (stamps, parts, _) of
+ * the tuple ``keys`` in turn, the k-th stamped ``clock + k``; -1 (that key's part and the
+ * rest not stamped) if a slot lies outside its ``stamps``. */
+static PyObject *stamp_keys(PyObject *self, PyObject *args) {
+    PyObject *keys;
+    long long clock;
+    if (!PyArg_ParseTuple(args, "O!L", &PyTuple_Type, &keys, &clock)) return NULL;
+    int64_t total = 0;
+    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(keys) && total >= 0; k++) {
+        PyObject *item = PyTuple_GET_ITEM(keys, k), *parts;
+        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) < 2) {
+            PyErr_SetString(PyExc_TypeError, "stamp_keys: a key is (stamps, parts, ...)");
+            return NULL;
+        }
+        I64 st;
+        if (get_i64(PyTuple_GET_ITEM(item, 0), &st, 1) < 0) return NULL;
+        parts = PySequence_Fast(PyTuple_GET_ITEM(item, 1), "stamp_keys: parts are a sequence");
+        if (parts == NULL) { PyBuffer_Release(&st.view); return NULL; }
+        for (Py_ssize_t j = 0; j < PySequence_Fast_GET_SIZE(parts); j++) {
+            I64 part;
+            if (get_i64(PySequence_Fast_GET_ITEM(parts, j), &part, 0) < 0) {
+                Py_DECREF(parts);
+                PyBuffer_Release(&st.view);
+                return NULL;
+            }
+            int64_t got = stamp_part(st.p, st.n, part.p, part.n, clock + k);
+            PyBuffer_Release(&part.view);
+            if (got < 0) { total = -1; break; }
+            total += got;
+        }
+        Py_DECREF(parts);
+        PyBuffer_Release(&st.view);
+    }
+    return PyLong_FromLongLong(total);
+}
+
 static PyMethodDef methods[] = {
     {"key_base", key_base, METH_VARARGS, "per sample, its episode's table start and size"},
     {"resolve", resolve, METH_VARARGS, "slots and gather rows of one output"},
@@ -491,6 +540,7 @@ static PyMethodDef methods[] = {
     {"history", history, METH_VARARGS, "rows and mask of a history window"},
     {"stamp", stamp, METH_VARARGS, "stamp slots, count the distinct ones"},
     {"plan_keys", plan_keys, METH_VARARGS, "key_base and resolve for every numeric key"},
+    {"stamp_keys", stamp_keys, METH_VARARGS, "stamp each key's slots with its own tick"},
     {"check_batch", check_batch, METH_VARARGS, "a batch's totals and uids, or why not"},
     {"place_blobs", place_blobs, METH_VARARGS, "lay out and copy an answer's blobs"},
     {NULL, NULL, 0, NULL},

@@ -112,15 +112,17 @@ class ChunkCache:
     def slot_table(self, key: str) -> SlotTable | None:
         return self._tables.get(key) if self.enabled else None
 
-    def stamp(self, slab: int, slots: Sequence[np.ndarray]) -> int:
-        """What ``lookup`` does to chunks all found in ``slab`` at ``slots`` (repeats
-        allowed): one tick of the clock, the slots stamped with it. Returns how many
-        distinct slots were stamped; the caller counts the hits (``count``)."""
-        self._clock += 1
-        s = self._slabs[slab]
-        got = kernel.stamp(s.stamp, slots, self._clock, s.scratch)
+    def stamp_slabs(self, items: Sequence[tuple[int, Sequence[np.ndarray]]]) -> int:
+        """What ``lookup`` does to chunks all found, per (slab, slots) in turn (repeats
+        allowed): one tick of the clock each, its slots stamped with it; one kernel call.
+        Returns how many distinct slots were stamped; the caller counts the hits
+        (``count``)."""
+        slabs = self._slabs
+        got = kernel.stamp_keys(tuple((slabs[sid].stamp, slots, slabs[sid].scratch)
+                                      for sid, slots in items), self._clock + 1)
         if got < 0:
-            raise RuntimeError(f"a slot outside slab {slab} was stamped")
+            raise RuntimeError("a slot outside its slab was stamped")
+        self._clock += len(items)
         return got
 
     def hold(self) -> None:

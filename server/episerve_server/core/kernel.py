@@ -231,6 +231,22 @@ def _ok(*arrays: np.ndarray) -> bool:
     return all(a.dtype == np.int64 and a.flags.c_contiguous for a in arrays)
 
 
+def stamp_keys(keys: tuple[tuple[np.ndarray, Sequence[np.ndarray], np.ndarray], ...],
+               clock: int) -> int:
+    """``stamp`` of each (stamps, parts, scratch) of ``keys`` in turn, the k-th with the
+    clock ``clock + k``; returns the counts summed, or -1 (and the keys after it are not
+    stamped) if a slot lies outside its ``stamps``."""
+    if COMPILED:
+        return int(_c.stamp_keys(keys, clock))
+    total = 0
+    for k, (stamps, parts, scratch) in enumerate(keys):
+        got = stamp(stamps, parts, clock + k, scratch)
+        if got < 0:
+            return -1
+        total += got
+    return total
+
+
 def stamp(stamps: np.ndarray, parts: Sequence[np.ndarray], clock: int,
           scratch: np.ndarray) -> int:
     """``stamps[part] = clock`` for each part; returns how many distinct slots the parts

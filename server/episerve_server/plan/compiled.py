@@ -193,7 +193,7 @@ class Compiled:
         ``budget`` is charged each chunk's bytes in the general path's order). Returns each
         camera key's distinct frames."""
         # keys never share a slot, so the batch's hits are the sum of the keys' counts
-        self.cache.count(sum(self.cache.stamp(slab, slots) for slab, slots in warm.stamps), 0)
+        self.cache.count(self.cache.stamp_slabs(warm.stamps), 0)
         self.warm_batches += 1
         out: dict[str, list[bytes]] = {}
         for f in warm.frames:
