@@ -118,14 +118,6 @@ def aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def layout(sizes: Sequence[int], start: int = 0) -> tuple[list[int], int]:
-    """Each blob's offset (64-byte aligned, in order, the first at ``start``) and where the
-    last one ends, aligned."""
-    mask = ALIGN - 1
-    ends = list(itertools.accumulate([(n + mask) & ~mask for n in sizes], initial=start))
-    return ends[:-1], ends[-1]
-
-
 def batch_body(segment: int, size: int, blobs: Sequence[tuple[int, int]], meta: bytes) -> bytes:
     table = struct.pack(f"<{2 * len(blobs)}Q", *itertools.chain.from_iterable(blobs))
     return BATCH_HEAD.pack(segment, size, len(blobs)) + table + meta

@@ -21,6 +21,7 @@ from episerve_client.read_answer import InSegment, read_result
 from episerve_proto import local as lp
 from episerve_proto.errors import Overloaded
 from episerve_proto.v1 import episerve_pb2 as pb
+from episerve_server.core import kernel
 from episerve_server.core.result import BatchResult, ImageColumn
 from episerve_server.preflight import StartupError, bind_private_socket
 from episerve_server.rpc.handlers.buffers import ResponseBuffers
@@ -70,12 +71,21 @@ def test_error_frames_round_trip_and_cut_short() -> None:
         lp.parse_error(body[:-3])
 
 
+def _layout(sizes: list[int], start: int = 0) -> tuple[list[int | None], int]:
+    """Where the daemon's placement (``kernel.place_blobs``) puts blobs of ``sizes``."""
+    blobs = [bytes(n) for n in sizes]
+    at: list[int | None] = [None] * len(blobs)
+    end, _ = kernel.place_blobs(None, blobs, at, start, lp.ALIGN)
+    kernel.place_blobs(bytearray(end), blobs, at, start, lp.ALIGN)
+    return at, end
+
+
 def test_layout_is_aligned_and_tight() -> None:
-    offsets, total = lp.layout([1, 64, 0, 65])
+    offsets, total = _layout([1, 64, 0, 65])
     assert offsets == [0, 64, 128, 128] and total == 256
     # after what an arena handed out: the first blob at ``start``
-    assert lp.layout([1, 64], start=192) == ([192, 256], 320)
-    assert lp.layout([]) == ([], 0) and lp.layout([], start=64) == ([], 64)
+    assert _layout([1, 64], start=192) == ([192, 256], 320)
+    assert _layout([]) == ([], 0) and _layout([], start=64) == ([], 64)
 
 
 def test_batch_body_table_reads_back_as_written() -> None:
@@ -125,7 +135,7 @@ def _placed(result: BatchResult) -> tuple[bytes, list[tuple[int, int]], np.ndarr
     blobs: list[encode.Buf] = []
     meta = encode.encode_result(result, blobs)
     sizes = [memoryview(b).nbytes for b in blobs]
-    offsets, total = lp.layout(sizes)
+    offsets, total = _layout(sizes)
     segment = np.zeros(total, np.uint8)
     for off, n, blob in zip(offsets, sizes, blobs, strict=True):
         segment[off:off + n] = np.frombuffer(blob, np.uint8)
