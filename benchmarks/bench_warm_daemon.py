@@ -15,6 +15,11 @@ checks every episode's files, ~0.1 s of daemon CPU here; the clients connect and
 first segments are made) is not a per-sample cost, and in a 5 s camera run it was ~5 ms
 per 1,000 samples. The whole run's figures are printed too. The numeric mecka keymap and
 the full one (camera bytes, not decoded).
+
+Then the miss path: the same two codes with the cache off (``--cache-bytes 0``: every
+batch fetches and decodes its chunks), over the local plane, round by round
+(``--miss-rounds``); the target is that this tree's miss path costs no more daemon CPU
+per 1,000 samples than the code before.
 """
 
 from __future__ import annotations
@@ -57,11 +62,13 @@ def main() -> None:
     p.add_argument("--root", default="data/bench")
     p.add_argument("--seconds", type=float, default=5.0)
     p.add_argument("--rounds", type=int, default=5)  # five: a run-to-run spread of ~20% here
+    p.add_argument("--miss-rounds", type=int, default=3)
     p.add_argument("--before", default="a8cd8f7")
     opts = p.parse_args()
     ensure_dataset(opts.root, EPISODES)
     root = str(Path(opts.root).resolve())
     rows = []
+    miss_rows = []
     loads: list[float] = []
     runs: dict[tuple[str, str, str], list[float]] = {}  # the whole loadtest's CPU, setup too
     with tempfile.TemporaryDirectory() as tmp:
@@ -70,11 +77,7 @@ def main() -> None:
             keymap = Path(tmp) / "keymap.yaml"
             keymap.write_text(yaml.safe_dump(km))
             cpu: dict[tuple[str, str], list[float]] = {}
-            daemons = {
-                code: DaemonProcess(root, "--cache-bytes", "8GiB", "--log-level", "WARNING",
-                                    "--rescan-s", "0", unix=f"{tmp}/{code}.sock",
-                                    env=env[code])
-                for code in env}
+            daemons = daemons_of(root, "8GiB", tmp, env)
             try:
                 for d in daemons.values():
                     loadtest(d.target, keymap, opts.seconds, "grpc", tmp)  # fill the cache
@@ -99,16 +102,50 @@ def main() -> None:
                          f"{med[('after', 'local')]:.1f}",
                          f"{med[('after', 'local')] / med[('after', 'grpc')]:.2f}x",
                          f"{med[('after', 'local')] / med[('before', 'local')]:.2f}x"))
+            miss_rows.append(miss_path(label, root, keymap, tmp, env, opts, loads))
     print(f"loadtest: 16 clients x batch 64, first {EPISODES} episodes, warm, 1 s warm-up "
           f"then {opts.seconds:g} s timed, median of {opts.rounds} rounds; daemon CPU (every "
           "thread, /proc) over the timed phase in ms per 1,000 samples; before = "
           f"{opts.before}; load average (1 min) {min(loads):.1f}-{max(loads):.1f}")
     print(table(rows, ("keymap", "before gRPC", "before local", "after gRPC", "after local",
                        "after local / after gRPC", "after local / before local")))
+    print(f"\nThe miss path: cache off (--cache-bytes 0), local plane, {opts.seconds:g} s timed "
+          f"after a 1 s warm-up, median of {opts.miss_rounds} rounds; daemon CPU in ms per "
+          "1,000 samples; target: after / before at most 1.0x")
+    print(table(miss_rows, ("keymap", "before", "after", "after / before", "rounds (after)")))
     print("Over the whole loadtest process instead (its start-up too: listing the episodes "
           "rescans the root, the clients connect), medians in the same units:")
     for (label, code, transport), v in runs.items():
         print(f"  {label}, {code}, {transport}: {float(np.median(v)):.1f}")
+
+
+def daemons_of(root: str, cache: str, tmp: str,
+               env: dict[str, dict[str, str]]) -> dict[str, DaemonProcess]:
+    return {code: DaemonProcess(root, "--cache-bytes", cache, "--log-level", "WARNING",
+                                "--rescan-s", "0", unix=f"{tmp}/{code}.sock", env=env[code])
+            for code in env}
+
+
+def miss_path(label: str, root: str, keymap: Path, tmp: str, env: dict[str, dict[str, str]],
+              opts: argparse.Namespace, loads: list[float]) -> tuple[str, ...]:
+    """One row of the miss-path table: both codes with the cache off, rounds alternating
+    which goes first."""
+    cpu: dict[str, list[float]] = {code: [] for code in env}
+    daemons = daemons_of(root, "0", tmp, env)
+    try:
+        for r in range(opts.miss_rounds):
+            for code in (list(daemons) if r % 2 == 0 else list(daemons)[::-1]):
+                d = daemons[code]
+                _, ms = warm_loadtest(d.target, keymap, opts.seconds, "local", tmp, d.pid)
+                cpu[code].append(ms)
+                loads.append(os.getloadavg()[0])
+                print(label, code, "cache off", f"{ms:.1f}", flush=True)
+    finally:
+        for d in daemons.values():
+            d.stop()
+    before, after = (float(np.median(cpu[c])) for c in ("before", "after"))
+    return (label, f"{before:.1f}", f"{after:.1f}", f"{after / before:.2f}x",
+            " ".join(f"{x:.0f}" for x in cpu["after"]))
 
 
 if __name__ == "__main__":
