@@ -60,7 +60,8 @@ SUITE: tuple[Bench, ...] = (
           "root, warm: `episerve loadtest` (16 clients, batch 64) over gRPC and the local "
           "plane, round by round; the daemon's CPU per 1,000 samples from /proc, over the "
           "loadtest's timed phase (after a 1 s warm-up: a run's start-up is not a per-sample "
-          "cost), the whole run's figures below the table."),
+          "cost), the whole run's figures below the table; then the miss path, both "
+          "daemons with the cache off, over the local plane."),
     Bench("profile", "Where the warm daemon's CPU goes", ("benchmarks/bench_profile.py",),
           "py-spy sampling the daemon (200 Hz, without pausing it) while `episerve loadtest` "
           "(16 clients, batch 64) reads warm over the local plane: the daemon's CPU per "
