@@ -91,9 +91,9 @@ class FrameChunks:
 
     def oldest(self, nbytes: int) -> np.ndarray:
         """The fids of the least recently used chunks, oldest first: the fewest whose bytes
-        reach ``nbytes`` (all of them if they do not). A partition of the orders, widened
-        until it covers ``nbytes``: what is looked at grows with what goes, not with what
-        is kept."""
+        reach ``nbytes`` (all of them if they do not). One pass over the kept chunks finds
+        them and partitions their orders (as the slabs' eviction does); only the partition
+        is sorted, widened until it covers ``nbytes``, so the sort grows with what goes."""
         live = np.flatnonzero(self.stamp >= 0)
         k = min(len(live), FIRST_ROOM)
         while k:

@@ -35,8 +35,9 @@ class KeyGeometry:
 @dataclass(frozen=True, slots=True)
 class KeymapPlan:
     directory: Directory
-    servable: np.ndarray  # (N,) bool: every entry's key checks pass for that episode
-    totals: np.ndarray  # (N,) int64: an episode's frames where servable, else -1
+    # (N,) int64: an episode's frames where it can serve the keymap (every entry's key
+    # checks pass), else -1
+    totals: np.ndarray
     keys: dict[str, KeyGeometry]  # windowed zarr keys
     entries: dict[str, tuple[KeySpec, ...]]  # windowed zarr key -> its entries, keymap order
     camera: bool  # some key holds frame bytes in some episode
@@ -78,7 +79,7 @@ def compile_keymap(keymap: Keymap, directory: Directory) -> KeymapPlan:
     annotated = tuple(dict.fromkeys(e.zarr_key for e in keymap if e.rule is Rule.ANNOTATION))
     kinds, sample_bytes = _fixed_kinds(keys, entries)
     totals = np.where(servable, directory.total, -1).astype(np.int64)
-    return KeymapPlan(directory, servable, totals, keys, entries, camera,
+    return KeymapPlan(directory, totals, keys, entries, camera,
                       tuple(window_entries), tuple(index), tuple(sorted(keys)), annotated,
                       kinds, sample_bytes)
 
