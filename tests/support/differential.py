@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 import shutil
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,7 @@ from episerve_server.core.cache import ChunkCache
 from episerve_server.core.keymap import Keymap
 from episerve_server.core.result import BatchResult
 from episerve_server.plan.options import ReadOptions
+from episerve_server.rpc.local.segments import SegmentArena, SegmentPool
 from episerve_server.rpc.wire.encode import encode_result
 from episerve_server.wiring import ReadCore, build_read_core
 from tests.support import ramp
@@ -50,11 +51,13 @@ CAMERA_KEYMAPS = {"camera_history": KEYMAPS["camera_history"], "mecka_cam": KEYM
     "mecka_keypoints_k4"]}
 
 
-def write_root(root: Path) -> None:
+def write_root(root: Path, uniform: bool = False) -> None:
+    """The episodes; ``uniform``: all with 100-row chunks (each key then has one chunk
+    length, so the compiled plan plans every numeric key in one kernel call)."""
     root.mkdir(parents=True, exist_ok=True)
     for h, no, total, fps, chunk in EPISODES:
         ramp.write_ramp_episode(root, h, episode_no=no, total_frames=total, fps=fps,
-                                chunk_rows=chunk)
+                                chunk_rows=100 if uniform else chunk)
 
 
 @dataclass
@@ -65,15 +68,20 @@ class Pair:
     run: LoopRunner
     warm_batches: int = 0
     batches: int = 0
+    #: With a pool, the compiled core gathers into a segment of it, as the local plane
+    #: has it do (the segment goes back to the pool once the answers are compared).
+    pool: SegmentPool | None = None
 
     @classmethod
-    def open(cls, root: Path, cache_bytes: int, run: LoopRunner) -> Pair:
+    def open(cls, root: Path, cache_bytes: int, run: LoopRunner,
+             segments: bool = False) -> Pair:
         cores = [build_read_core(ServerConfig(root=str(root), cache_bytes=cache_bytes))
                  for _ in range(2)]
         for core in cores:
             run(core.catalog.scan())
         cores[1].planner.use_compiled = False
-        return cls(root, cores[0], cores[1], run)
+        pool = SegmentPool(2, lambda segments, nbytes: None) if segments else None
+        return cls(root, cores[0], cores[1], run, pool=pool)
 
     def scan(self) -> None:
         for core in (self.new, self.old):
@@ -82,8 +90,18 @@ class Pair:
     def read(self, keymap: Keymap, samples: Sequence[tuple[Any, Any]],
              options: ReadOptions) -> None:
         """One batch through both cores; everything they answer or keep must agree."""
+        arena = None if self.pool is None else SegmentArena(self.pool, keep=False)
+        try:
+            self._compare(keymap, samples, options, arena)
+        finally:
+            if arena is not None:
+                self.run(arena.release())
+
+    def _compare(self, keymap: Keymap, samples: Sequence[tuple[Any, Any]],
+                 options: ReadOptions, arena: SegmentArena | None) -> None:
         before = self.new.planner.compiled.warm_batches
-        got = [self._one(core, keymap, samples, options) for core in (self.new, self.old)]
+        got = [self._one(self.new, keymap, samples, replace(options, arena=arena)),
+               self._one(self.old, keymap, samples, options)]
         self.batches += 1
         self.warm_batches += self.new.planner.compiled.warm_batches - before
         new, old = got
@@ -93,6 +111,11 @@ class Pair:
             assert isinstance(new, BatchResult) and isinstance(old, BatchResult)
             same_result(new, old)
             assert encode_result(new) == encode_result(old)
+            if arena is not None:  # every numeric output was gathered into the segment
+                names = {e.name for e in keymap}
+                outputs = [a for name, a in new.arrays.items()
+                           if name in names and a.dtype == np.float32]
+                assert None not in arena.offsets([memoryview(a) for a in outputs])
         assert self.new.stats.snapshot() == self.old.stats.snapshot()
         same_cache(self.new.cache, self.old.cache)
 

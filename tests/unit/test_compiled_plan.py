@@ -50,6 +50,25 @@ def test_compiled_plan_answers_as_the_general_path(template: Path, tmp_path: Pat
     assert pair.warm_batches >= 2, pair  # the warm path was taken, not only the fallback
 
 
+@pytest.fixture(scope="module")
+def uniform(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every episode with 100-row chunks: the numeric keys planned in one kernel call."""
+    root = tmp_path_factory.mktemp("uniform") / "root"
+    write_root(root, uniform=True)
+    return root
+
+
+def test_gathered_into_a_segment_the_answers_are_the_same(uniform: Path, tmp_path: Path,
+                                                         run: LoopRunner, loops: str) -> None:
+    """As the local plane reads: every numeric output gathered by one kernel call into a
+    pooled segment (the arrays it keeps per keymap and batch size reused from batch to
+    batch)."""
+    pair = Pair.open(fresh(uniform, tmp_path), 8 << 20, run, segments=True)
+    drive(pair, 300, seed=8 << 20, max_batch=32)
+    assert pair.warm_batches >= 2, pair
+    assert pair.pool is not None and any(s.arrays for s in pair.pool.free.values())
+
+
 def test_warm_batches_take_the_compiled_plan(template: Path, run: LoopRunner,
                                             loops: str) -> None:
     pair = Pair.open(template, 8 << 20, run)
@@ -161,3 +180,13 @@ def test_compiled_plan_answers_as_the_general_path_thousands(
     pair = Pair.open(fresh(template, tmp_path), cache_bytes, run)
     drive(pair, 4000, seed=7 + cache_bytes)
     assert pair.warm_batches >= (1 if cache_bytes < 1 << 20 else 10)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cache_bytes", [8 << 20, 1 << 20])
+def test_gathered_into_a_segment_the_answers_are_the_same_thousands(
+        uniform: Path, tmp_path: Path, run: LoopRunner, cache_bytes: int,
+        loops: str) -> None:
+    pair = Pair.open(fresh(uniform, tmp_path), cache_bytes, run, segments=True)
+    drive(pair, 4000, seed=3 + cache_bytes)
+    assert pair.warm_batches >= (1 if cache_bytes < 8 << 20 else 10)

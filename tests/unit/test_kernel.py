@@ -498,3 +498,98 @@ def test_without_a_compiler_the_build_goes_on_and_the_numpy_loops_serve(
     assert ran.returncode == 0, ran.stderr
     assert ran.stdout.split("\n")[:2] == [
         "[[1, 3, 5], [1, 1, 1]] [[True, True, True], [False, False, True]]", "True"]
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_gather_rows_matches_numpy_and_a_per_row_oracle(seed: int) -> None:
+    """Every output's rows in order, indexes clipped into the source as take(mode="clip")
+    clips them (runs of consecutive rows, broken runs, repeats, out-of-range ends)."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 9))
+    feats = [int(rng.integers(1, 20)) for _ in range(3)]
+    srcs = tuple(rng.random((int(rng.integers(1, 40)), f)).astype(np.float32) for f in feats)
+    spec, shapes, at = [], [], 0
+    for _ in range(int(rng.integers(1, 6))):
+        src = int(rng.integers(0, len(srcs)))
+        units = int(rng.integers(1, 5))
+        spec.append((src, at, units, 4 * feats[src]))
+        shapes.append((n, units, feats[src]))
+        at += units
+    rows = []
+    for _ in range(at * n):
+        start = int(rng.integers(-3, len(srcs[0]) + 3))
+        rows.append(start if rng.random() < 0.5 else int(rng.integers(-50, 50)))
+    idx = np.array(rows, np.int64)
+    # the oracle: one row at a time
+    want = []
+    for (src, a, units, _), shape in zip(spec, shapes):
+        s = srcs[src]
+        picked = [s[min(max(r, 0), len(s) - 1)] for r in idx[a * n:(a + units) * n].tolist()]
+        want.append(np.array(picked, np.float32).reshape(shape))
+    for compiled in (True, False):
+        outs = [np.full(shape, np.nan, np.float32) for shape in shapes]
+        kernel.use(compiled)
+        try:
+            kernel.gather_rows(outs, srcs, idx, n, tuple(spec))
+        finally:
+            kernel.use(kernel.BUILT)
+        for got, w in zip(outs, want):
+            assert got.tobytes() == w.tobytes(), compiled
+
+
+def test_gather_rows_refuses_outputs_that_do_not_fit() -> None:
+    src = np.zeros((10, 3), np.float32)
+    idx = np.zeros(8, np.int64)
+    for compiled in (True, False):
+        kernel.use(compiled)
+        try:
+            with pytest.raises(ValueError, match="does not fit"):  # rows past idx
+                kernel.gather_rows([np.empty((2, 5, 3), np.float32)], (src,), idx, 2,
+                                   ((0, 0, 5, 12),))
+            with pytest.raises(ValueError, match="does not match"):  # its size
+                kernel.gather_rows([np.empty((2, 3, 3), np.float32)], (src,), idx, 2,
+                                   ((0, 0, 2, 12),))
+        finally:
+            kernel.use(kernel.BUILT)
+    with pytest.raises(ValueError, match="does not fit"):  # no such source
+        kernel._c.gather_rows([np.empty((2, 3), np.float32)], (src,), idx, 2, ((1, 0, 1, 12),))
+    with pytest.raises(ValueError, match="empty source"):
+        kernel._c.gather_rows([np.empty((2, 3), np.float32)], (np.zeros((0, 3), np.float32),),
+                              idx, 2, ((0, 0, 1, 12),))
+    with pytest.raises(ValueError, match="read-only"):  # numpy refuses a writable export
+        out = np.empty((2, 3), np.float32)
+        out.flags.writeable = False
+        kernel._c.gather_rows([out], (src,), idx, 2, ((0, 0, 1, 12),))
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_inside_matches_numpy_and_a_per_blob_oracle(seed: int) -> None:
+    import mmap
+
+    rng = np.random.default_rng(seed)
+    seg = mmap.mmap(-1, 4096)
+    base = np.frombuffer(seg, np.uint8)
+    used = int(rng.integers(0, 4097))
+    blobs: list[object] = []
+    want: list[int | None] = []
+    for _ in range(int(rng.integers(0, 12))):
+        kind = rng.random()
+        if kind < 0.2:
+            blobs.append(bytes(int(rng.integers(0, 100))))
+            want.append(None)
+        elif kind < 0.3:
+            blobs.append(memoryview(np.zeros(int(rng.integers(1, 50)), np.uint8)))
+            want.append(None)
+        else:
+            lo = int(rng.integers(0, 4096))
+            hi = int(rng.integers(lo, 4097))
+            blobs.append(memoryview(base[lo:hi]))
+            want.append(lo if hi > lo and hi <= used else None)
+    for compiled in (True, False):
+        kernel.use(compiled)
+        try:
+            assert kernel.inside(blobs, base, used) == want, compiled
+        finally:
+            kernel.use(kernel.BUILT)
+    del blobs, base
+    seg.close()

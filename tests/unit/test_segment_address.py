@@ -1,55 +1,32 @@
-"""Where a blob lies in memory, as the local plane finds an answer's offset in its segment:
-the ctypes path for writable buffers against numpy's address, and the fallback."""
+"""Where an answer's blobs lie in its segment, as the local plane finds them: the arrays
+the arena handed out (whole, in part, as the encoder views them) and nothing else, with
+the compiled loop and the numpy one; and the arrays a segment keeps for ``empty_many``."""
 
 from __future__ import annotations
 
 import asyncio
-import mmap
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
 from episerve_proto import local as lp
-from episerve_server.rpc.local.segments import SegmentArena, SegmentPool, address
+from episerve_server.core import kernel
+from episerve_server.rpc.local.segments import SegmentArena, SegmentPool
 
 
-def _numpy_address(blob: memoryview) -> int:
-    return int(np.frombuffer(blob, np.uint8).ctypes.data)
-
-
-@pytest.mark.parametrize(("start", "shape"), [(0, (1,)), (64, (32, 7)), (4096, (3, 5, 2))])
-def test_a_writable_view_of_a_mapping_has_numpy_s_address(start: int, shape: tuple[int, ...],
-                                                          ) -> None:
-    seg = mmap.mmap(-1, 1 << 16)
+@pytest.fixture(params=["compiled", "numpy"])
+def loops(request: pytest.FixtureRequest) -> Iterator[None]:
+    if request.param == "compiled" and not kernel.BUILT:
+        pytest.skip("the compiled kernel is not built")
+    kernel.use(request.param == "compiled")
     try:
-        view = np.frombuffer(seg, np.uint8)
-        n = 4 * int(np.prod(shape))
-        arr = view[start:start + n].view(np.float32).reshape(shape)
-        blob = memoryview(arr)
-        assert address(blob) == _numpy_address(blob) == view.ctypes.data + start
-        del arr, blob, view
+        yield
     finally:
-        seg.close()  # no export is left behind by the lookup
+        kernel.use(kernel.BUILT)
 
 
-def test_read_only_and_empty_buffers_fall_back_to_numpy() -> None:
-    data = b"abcdefgh"
-    ro = memoryview(data)[2:]
-    assert address(ro) == _numpy_address(ro)
-    frozen = np.arange(6, dtype=np.float32)
-    frozen.flags.writeable = False
-    assert address(memoryview(frozen)) == frozen.ctypes.data
-    empty = memoryview(bytearray(4))[4:]
-    assert address(empty) == _numpy_address(empty)
-
-
-def test_a_strided_view_is_refused_as_before() -> None:
-    strided = memoryview(np.zeros((4, 4), np.float32)[:, ::2])
-    with pytest.raises(BufferError):  # as numpy's frombuffer refuses it
-        address(strided)
-
-
-def test_the_arena_finds_its_own_arrays_and_nothing_else() -> None:
+def test_the_arena_finds_its_own_arrays_and_nothing_else(loops: None) -> None:
     async def run() -> None:
         pool = SegmentPool(1, lambda segments, nbytes: None)
         arena = SegmentArena(pool, keep=False)
@@ -57,29 +34,73 @@ def test_the_arena_finds_its_own_arrays_and_nothing_else() -> None:
         first, second = arena.empty((4, 8)), arena.empty((3,))
         outside = np.zeros((4, 8), np.float32)
         frame = bytes(128)
-        assert arena.offset_of(memoryview(first), first.nbytes) == 0
-        assert arena.offset_of(memoryview(second), second.nbytes) == lp.aligned(first.nbytes)
-        assert arena.offset_of(memoryview(outside), outside.nbytes) is None
-        assert arena.offset_of(memoryview(frame), len(frame)) is None
-        # as the encoder hands them over (whole, viewed as bytes): found by the array
-        assert arena.offset_of(memoryview(second).cast("B"), second.nbytes) == \
-            lp.aligned(first.nbytes)
-        # a part of one, or a view of it, is not the array handed out: found by address
+        assert arena.offsets([memoryview(first), memoryview(second)]) == \
+            [0, lp.aligned(first.nbytes)]
+        assert arena.offsets([memoryview(outside), frame, memoryview(frame)]) == \
+            [None, None, None]
+        # as the encoder hands them over (whole, viewed as bytes)
+        assert arena.offsets([memoryview(second).cast("B")]) == [lp.aligned(first.nbytes)]
+        # a part of one, or a view of it, lies where it lies
         rows = first[1:]
-        assert arena.offset_of(memoryview(rows).cast("B"), rows.nbytes) == 32
         part = memoryview(first).cast("B")[32:]
-        assert arena.offset_of(part, len(part)) == 32
-        # a copy of an array handed out is its own memory
+        assert arena.offsets([memoryview(rows).cast("B"), part]) == [32, 32]
+        # a copy of an array handed out is its own memory; an empty blob is never placed
         copied = first.copy()
-        assert arena.offset_of(memoryview(copied).cast("B"), copied.nbytes) is None
+        assert arena.offsets([memoryview(copied).cast("B"), memoryview(first)[:0]]) == \
+            [None, None]
         del first, second, rows, part
         await arena.release()
-        # a reopened arena hands out new arrays; the old ones are no longer its own
+        assert arena.offsets([memoryview(copied)]) == [None]  # no segment
+        # a reopened arena hands out from the start again: past ``used`` is not its own
         await arena.open(4096, 1)
         again = arena.empty((2,))
-        assert arena.offset_of(memoryview(again).cast("B"), again.nbytes) == 0
-        assert arena.offset_of(memoryview(copied).cast("B"), copied.nbytes) is None
-        del again
+        beyond = arena.segment.floats[16:18]  # type: ignore[union-attr]
+        assert arena.offsets([memoryview(again).cast("B"), memoryview(beyond)]) == [0, None]
+        del again, beyond
+        await arena.release()
+
+    asyncio.run(run())
+
+
+def test_empty_many_is_empty_for_each_shape_and_keeps_the_arrays(loops: None) -> None:
+    shapes = ((4, 3, 2), (4,), (4, 5))
+
+    async def run() -> None:
+        pool = SegmentPool(1, lambda segments, nbytes: None)
+        arena = SegmentArena(pool, keep=False)
+        await arena.open(4096, 3)
+        first = arena.empty_many(shapes)
+        used = arena.used
+        want = SegmentArena(pool, keep=False)
+        want.segment, want.used = arena.segment, 0
+        one_by_one = [want.empty(s) for s in shapes]
+        assert want.used == used
+        for a, b in zip(first, one_by_one):
+            assert a.shape == b.shape and a.dtype == b.dtype == np.float32
+            assert a.__array_interface__["data"] == b.__array_interface__["data"]
+        del want, one_by_one
+        # the same shapes at the same offset: the same arrays, and ``used`` moves alike
+        await arena.open(4096, 3)
+        again = arena.empty_many(shapes)
+        assert arena.used == used and all(a is b for a, b in zip(again, first))
+        # at another offset, other arrays: (4, 3, 2) takes 96 bytes, aligned 128; (4,)
+        # 16, aligned 64; (4, 5) 80, aligned 128
+        assert arena.offsets([memoryview(a) for a in first]) == [0, 128, 192]
+        assert used == 320
+        arena.empty((1,))
+        moved = arena.empty_many(shapes)
+        assert arena.offsets([memoryview(m) for m in moved]) == [384, 512, 576]
+        assert arena.used == 704
+        del first, again, moved
+        await arena.release()
+        # arrays that do not fit are private, and none are kept
+        await arena.open(64, 1)
+        seg = arena.segment
+        assert seg is not None
+        big = arena.empty_many(((seg.size // 4,), (seg.size // 4,)))
+        assert big[0].base is not None and big[1].base is None
+        assert not seg.arrays.get((0, ((seg.size // 4,), (seg.size // 4,))))
+        del big
         await arena.release()
 
     asyncio.run(run())

@@ -129,11 +129,24 @@ def test_the_read_accounting_uses_the_parse_the_handler_made() -> None:
     assert convert.read_samples_seen(b"\xff") == 0
 
 
-def test_varints_from_the_table_equal_the_vectorized_ones() -> None:
+def test_varints_from_the_table_the_vectorized_loop_and_the_kernel_agree() -> None:
+    """Every way the encoder writes packed varints (the table join and the vectorized loop
+    in numpy, the compiled loop when built) against one value at a time."""
+    from episerve_server.core import kernel
+
     rng = np.random.default_rng(5)
-    for top in (0x80, 0x4000, 1 << 16):
-        v = rng.integers(0, top, 300).astype(np.int64)
-        assert encode.varints(v) == encode._varints_wide(v.view(np.uint64))
+    cases = [rng.integers(0, top, 300).astype(np.int64) for top in (0x80, 0x4000, 1 << 16)]
+    cases += [np.array([0x7F, 0x80, 0xFFFF], np.int64), np.zeros(0, np.int64),
+              rng.integers(-2**63, 2**63 - 1, 50, dtype=np.int64),
+              np.array([-1, 0, 2**63 - 1, -2**63, 1 << 35], np.int64)]
+    for v in cases:
+        want = b"".join(encode.varint(x) for x in v.tolist())
+        for compiled in (False, True) if kernel.BUILT else (False,):
+            kernel.use(compiled)
+            try:
+                assert encode.varints(v) == kernel.varints(v) == want, (compiled, v[:5])
+            finally:
+                kernel.use(kernel.BUILT)
     assert encode.varints(np.array([0x7F, 0x80, 0xFFFF], np.int64)) == b"\x7f\x80\x01\xff\xff\x03"
 
 

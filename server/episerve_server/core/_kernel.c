@@ -533,6 +533,151 @@ static PyObject *stamp_keys(PyObject *self, PyObject *args) {
     return PyLong_FromLongLong(total);
 }
 
+/* gather_rows(outs, srcs, idx, n, spec) -> None: every numeric output of a batch in one
+ * call. ``spec`` is a tuple with one (src, idx_at, units, row_bytes) per output of the list
+ * ``outs``: output k is rows idx[idx_at * n : (idx_at + units) * n] of the buffer
+ * srcs[src] viewed as rows of row_bytes, in order, each index clipped into [0, rows) as
+ * numpy's ``take(mode="clip")`` clips it; outs[k] (a writable contiguous buffer) must be
+ * exactly units * n rows. Runs of consecutive rows are copied as one block. */
+static PyObject *gather_rows(PyObject *self, PyObject *args) {
+    PyObject *outs, *srcs, *idx_o, *spec;
+    Py_ssize_t n;
+    if (!PyArg_ParseTuple(args, "O!O!OnO!", &PyList_Type, &outs, &PyTuple_Type, &srcs,
+                          &idx_o, &n, &PyTuple_Type, &spec))
+        return NULL;
+    Py_ssize_t m = PyTuple_GET_SIZE(spec), ns = PyTuple_GET_SIZE(srcs);
+    if (PyList_GET_SIZE(outs) != m || n < 0 || n > (1 << 30)) {
+        PyErr_SetString(PyExc_ValueError, "gather_rows: bad arguments");
+        return NULL;
+    }
+    I64 idx;
+    if (get_i64(idx_o, &idx, 0) < 0) return NULL;
+    int fail = 0;
+    for (Py_ssize_t k = 0; k < m && !fail; k++) {
+        Py_ssize_t src, at, units, rb;
+        PyObject *entry = PyTuple_GET_ITEM(spec, k);
+        if (!PyTuple_Check(entry) || !PyArg_ParseTuple(entry, "nnnn", &src, &at, &units, &rb)) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_TypeError, "gather_rows: an output is a tuple");
+            fail = 1;
+            break;
+        }
+        if (src < 0 || src >= ns || at < 0 || at > (1 << 30) || units < 0 || units > (1 << 30)
+            || rb <= 0 || rb > (1 << 30) || (at + units) * (int64_t)n > idx.n) {
+            PyErr_SetString(PyExc_ValueError, "gather_rows: an output does not fit");
+            fail = 1;
+            break;
+        }
+        Py_buffer sv, ov;
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(srcs, src), &sv, PyBUF_C_CONTIGUOUS) < 0) {
+            fail = 1;
+            break;
+        }
+        if (PyObject_GetBuffer(PyList_GET_ITEM(outs, k), &ov,
+                               PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
+            PyBuffer_Release(&sv);
+            fail = 1;
+            break;
+        }
+        int64_t count = units * (int64_t)n, rows = sv.len / rb;
+        if (ov.len % rb || ov.len / rb != count || (count && rows == 0)) {
+            PyErr_SetString(PyExc_ValueError, count && rows == 0
+                            ? "gather_rows: rows taken from an empty source"
+                            : "gather_rows: an output's size does not match");
+            fail = 1;
+        }
+        const char *s = (const char *)sv.buf;
+        char *o = (char *)ov.buf;
+        const int64_t *r = idx.p + at * (int64_t)n;
+        for (int64_t i = 0; i < count && !fail;) {
+            int64_t first = r[i] < 0 ? 0 : (r[i] >= rows ? rows - 1 : r[i]), last = first, j;
+            for (j = i + 1; j < count && r[j] == last + 1 && r[j] < rows; j++) last = r[j];
+            memcpy(o + i * rb, s + first * rb, (size_t)((j - i) * rb));
+            i = j;
+        }
+        PyBuffer_Release(&ov);
+        PyBuffer_Release(&sv);
+    }
+    PyBuffer_Release(&idx.view);
+    if (fail) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* inside(blobs, base, used) -> list: per blob of the list ``blobs``, its offset from the
+ * buffer ``base`` when it lies wholly within base's first ``used`` bytes (an array the
+ * planner gathered into the answer's segment), else None (bytes objects, such as cached
+ * frames, and every blob elsewhere, to be copied). An empty blob is None. */
+static PyObject *inside(PyObject *self, PyObject *args) {
+    PyObject *blobs, *base_o;
+    Py_ssize_t used;
+    if (!PyArg_ParseTuple(args, "O!On", &PyList_Type, &blobs, &base_o, &used)) return NULL;
+    Py_buffer bv;
+    if (PyObject_GetBuffer(base_o, &bv, PyBUF_SIMPLE) < 0) return NULL;
+    if (used < 0 || used > bv.len) used = used < 0 ? 0 : bv.len;
+    const char *lo = (const char *)bv.buf;
+    Py_ssize_t n = PyList_GET_SIZE(blobs);
+    PyObject *out = PyList_New(n);
+    for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
+        PyObject *b = PyList_GET_ITEM(blobs, i), *got = Py_None;
+        if (!PyBytes_CheckExact(b)) {
+            Py_buffer v;
+            if (PyObject_GetBuffer(b, &v, PyBUF_C_CONTIGUOUS) < 0) {
+                Py_CLEAR(out);
+                break;
+            }
+            const char *p = (const char *)v.buf;
+            if (v.len > 0 && p >= lo && p - lo <= used - v.len) {
+                got = PyLong_FromSsize_t(p - lo);
+                if (got == NULL) {
+                    PyBuffer_Release(&v);
+                    Py_CLEAR(out);
+                    break;
+                }
+            } else {
+                Py_INCREF(got);
+            }
+            PyBuffer_Release(&v);
+        } else {
+            Py_INCREF(got);
+        }
+        PyList_SET_ITEM(out, i, got);
+    }
+    PyBuffer_Release(&bv);
+    return out;
+}
+
+/* varints(values) -> bytes: the protobuf varints of an int64 buffer, concatenated (a
+ * packed repeated int field's body); a negative value takes ten bytes, as protobuf writes
+ * an int64. */
+static PyObject *varints(PyObject *self, PyObject *args) {
+    PyObject *o;
+    if (!PyArg_ParseTuple(args, "O", &o)) return NULL;
+    I64 v;
+    if (get_i64(o, &v, 0) < 0) return NULL;
+    if (v.n > PY_SSIZE_T_MAX / 10) {
+        PyBuffer_Release(&v.view);
+        PyErr_SetString(PyExc_OverflowError, "varints: too many values");
+        return NULL;
+    }
+    Py_ssize_t size = 0;
+    for (int64_t i = 0; i < v.n; i++) {
+        uint64_t x = (uint64_t)v.p[i];
+        size++;
+        while (x >= 0x80) { x >>= 7; size++; }
+    }
+    PyObject *out = PyBytes_FromStringAndSize(NULL, size);
+    if (out != NULL) {
+        unsigned char *w = (unsigned char *)PyBytes_AS_STRING(out);
+        for (int64_t i = 0; i < v.n; i++) {
+            uint64_t x = (uint64_t)v.p[i];
+            while (x >= 0x80) { *w++ = (unsigned char)(x | 0x80); x >>= 7; }
+            *w++ = (unsigned char)x;
+        }
+    }
+    PyBuffer_Release(&v.view);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"key_base", key_base, METH_VARARGS, "per sample, its episode's table start and size"},
     {"resolve", resolve, METH_VARARGS, "slots and gather rows of one output"},
@@ -543,6 +688,9 @@ static PyMethodDef methods[] = {
     {"stamp_keys", stamp_keys, METH_VARARGS, "stamp each key's slots with its own tick"},
     {"check_batch", check_batch, METH_VARARGS, "a batch's totals and uids, or why not"},
     {"place_blobs", place_blobs, METH_VARARGS, "lay out and copy an answer's blobs"},
+    {"gather_rows", gather_rows, METH_VARARGS, "every numeric output of a batch"},
+    {"inside", inside, METH_VARARGS, "which blobs lie in a buffer already, and where"},
+    {"varints", varints, METH_VARARGS, "the varints of an int64 buffer"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -187,6 +187,77 @@ def place_blobs(dst: Any, blobs: list[Any], at: list[int | None], start: int,
     return ends[-1], sum(sizes)
 
 
+#: One output of ``gather_rows``: (its source's position, idx_at, units, row bytes).
+RowsSpec = tuple[int, int, int, int]
+
+
+def gather_rows(outs: list[np.ndarray], srcs: tuple[np.ndarray, ...], idx: np.ndarray, n: int,
+                spec: tuple[RowsSpec, ...]) -> None:
+    """Every numeric output of a batch: output k, with ``spec[k] = (src, idx_at, units,
+    row_bytes)``, is the rows ``idx[idx_at * n: (idx_at + units) * n]`` of ``srcs[src]``
+    viewed as rows of ``row_bytes``, in order, each index clipped into the source as
+    ``take(mode="clip")`` clips it, written into ``outs[k]`` (contiguous, exactly that many
+    rows). Raises ValueError for an output that does not fit."""
+    if COMPILED:
+        _c.gather_rows(outs, srcs, idx, n, spec)
+        return
+    if len(outs) != len(spec):
+        raise ValueError("gather_rows: bad arguments")
+    for out, (src, at, units, row_bytes) in zip(outs, spec):
+        rows = srcs[src].reshape(-1).view(np.uint8).reshape(-1, row_bytes)
+        dest = out.reshape(-1).view(np.uint8)
+        if (at + units) * n > len(idx):
+            raise ValueError("gather_rows: an output does not fit")
+        if dest.size != units * n * row_bytes:
+            raise ValueError("gather_rows: an output's size does not match")
+        rows.take(idx[at * n: (at + units) * n], axis=0, mode="clip",
+                  out=dest.reshape(-1, row_bytes))
+
+
+def inside(blobs: list[Any], base: Any, used: int) -> list[int | None]:
+    """Per blob, its offset from the start of the buffer ``base`` when it lies wholly in
+    base's first ``used`` bytes (an array gathered into an answer's segment), else None
+    (a bytes object, an empty blob, any blob elsewhere)."""
+    if COMPILED:
+        got: list[int | None] = _c.inside(blobs, base, used)
+        return got
+    lo = int(np.frombuffer(base, np.uint8).ctypes.data)
+    used = min(max(used, 0), memoryview(base).nbytes)
+    out: list[int | None] = []
+    for blob in blobs:
+        size = 0 if isinstance(blob, bytes) else memoryview(blob).nbytes
+        at = int(np.frombuffer(blob, np.uint8).ctypes.data) - lo if size else -1
+        out.append(at if 0 <= at <= used - size else None)
+    return out
+
+
+def varints(values: np.ndarray) -> bytes:
+    """The protobuf varints of a contiguous int64 array, concatenated (a packed repeated
+    int field's body); a negative value takes ten bytes, as protobuf writes an int64."""
+    if COMPILED:
+        got: bytes = _c.varints(values)
+        return got
+    v = values.view(np.uint64).ravel()
+    if v.size == 0:
+        return b""
+    top = int(v.max())
+    if top < 0x80:
+        return v.astype(np.uint8).tobytes()
+    width = np.ones(v.size, np.int64)
+    rest = v >> np.uint64(7)
+    while rest.any():
+        width += rest > 0
+        rest >>= np.uint64(7)
+    out = np.empty(int(width.sum()), np.uint8)
+    at = np.cumsum(width) - width
+    for k in range(int(width.max())):
+        live = np.flatnonzero(width > k)
+        byte = ((v[live] >> np.uint64(7 * k)) & np.uint64(0x7F)).astype(np.uint8)
+        byte[width[live] > k + 1] |= 0x80
+        out[at[live] + k] = byte
+    return out.tobytes()
+
+
 def horizon(h: int, frame: np.ndarray, total: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The next ``h`` frames from each ``frame``, clamped into its episode (``total``
     frames): (rows, mask), both (B, h); mask says which rows are real."""

@@ -42,8 +42,8 @@ from episerve_server.plan.geometry import (
     first_seen,
     windows_of,
 )
-from episerve_server.plan.numeric import Gather, NumericKeys
-from episerve_server.plan.options import ReadOptions
+from episerve_server.plan.numeric import Fused, Gather, NumericKeys
+from episerve_server.plan.options import Arena, ReadOptions
 from episerve_server.plan.texts import TextTables
 from episerve_server.storage.catalog import Catalog
 from episerve_server.storage.directory import Directory
@@ -76,7 +76,8 @@ class Warm:
     total: np.ndarray
     fps: np.ndarray
     windows: dict[str, Window]
-    gathers: tuple[Gather, ...]
+    gathers: tuple[Gather, ...]  # per output (keys the layout does not cover)
+    fused: Fused | None  # every numeric output in one call (keys the layout covers)
     stamps: tuple[tuple[int, list[np.ndarray]], ...]  # per numeric key, sorted: slab, slots
     frames: tuple[_Frames, ...]  # camera keys, sorted
     position: np.ndarray  # per sample: its episode's rank by first appearance
@@ -157,11 +158,12 @@ class Compiled:
         frames: list[_Frames] = []
         position, order = first_seen(ids) if kp.camera else (ids, ids)
         layout = self.numeric.layout(kp)
-        # every numeric key in one kernel call
-        if layout is not None and not self.numeric.plan(layout, made, uids, ids, total,
-                                                        self._scratch(2 * len(ids))[0],
-                                                        gathers, stamps):
-            return None
+        fused = None
+        if layout is not None:  # every numeric key in one kernel call
+            fused = self.numeric.plan(layout, made, uids, ids, total,
+                                      self._scratch(2 * len(ids))[0], stamps)
+            if fused is None:
+                return None
         for key in kp.ordered_keys:
             geo = kp.keys[key]
             feature, is_bytes = kinds[key]
@@ -179,9 +181,9 @@ class Compiled:
                 if got is None:
                     return None
                 stamps.append(got)
-        return Warm(hashes, ids, frame, total, fps, windows, tuple(gathers), tuple(stamps),
-                    tuple(frames), position, order, texts, out_bytes, self.cache.version,
-                    directory)
+        return Warm(hashes, ids, frame, total, fps, windows, tuple(gathers), fused,
+                    tuple(stamps), tuple(frames), position, order, texts, out_bytes,
+                    self.cache.version, directory)
 
     def still_valid(self, warm: Warm) -> bool:
         return warm.cache_version == self.cache.version \
@@ -221,8 +223,12 @@ class Compiled:
                 self.cache.take_frames(f.chunks[: k + 1], f.entries[: k + 1], f.fids[: k + 1])
                 raise
 
-    def gather(self, warm: Warm, empty: Empty) -> dict[str, np.ndarray]:
-        """Every numeric output, one ``take`` each into an array from ``empty``."""
+    def gather(self, warm: Warm, empty: Empty,
+               arena: Arena | None = None) -> dict[str, np.ndarray]:
+        """Every numeric output, into arrays from ``empty`` (or ``arena``): in one kernel
+        call when the layout covers the keymap, else one ``take`` each."""
+        if warm.fused is not None:
+            return self.numeric.gather(warm.fused, empty, arena)
         out: dict[str, np.ndarray] = {}
         rows = self._rows
         for g in warm.gathers:

@@ -17,7 +17,9 @@ import numpy as np
 from episerve_server.core import kernel
 from episerve_server.core.cache import ChunkCache
 from episerve_server.core.windows import Window
+from episerve_server.plan.assemble import Empty
 from episerve_server.plan.geometry import KeymapPlan
+from episerve_server.plan.options import Arena
 
 MAX_LAYOUTS = 64  # keymap plans with a layout kept (cleared when more turn up)
 
@@ -28,6 +30,26 @@ class Gather(NamedTuple):  # one per output and batch: a tuple is the cheapest t
     rows: np.ndarray  # (B, W) or (B,): rows of the slab viewed as rows
     shape: tuple[int, ...]  # the output's shape
     feature: tuple[int, ...]
+
+
+class Outputs(NamedTuple):
+    """A layout's numeric outputs at one batch size: what ``kernel.gather_rows`` and the
+    answer's arrays need, made once per (layout, batch size)."""
+
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    spec: tuple[kernel.RowsSpec, ...]  # per output: (key position, idx_at, units, row bytes)
+
+
+class Fused(NamedTuple):
+    """Every numeric output of one batch, gathered by one ``kernel.gather_rows`` call:
+    ``idx`` holds each output's rows (at ``idx_at`` times the batch size) of the slab of
+    its key's position in ``slabs``."""
+
+    outputs: Outputs
+    slabs: tuple[int, ...]
+    idx: np.ndarray
+    n: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,12 +81,13 @@ class NumericKeys:
         # the layout, the cache version and the kernel's keys they were made for
         self._key_args: tuple[Layout, int, tuple[kernel.KeyArgs, ...]] | None = None
         self._slab_rows: tuple[int, np.ndarray] = (-1, np.empty(0, np.int64))
+        self._outputs: dict[tuple[int, int], tuple[Layout, Outputs]] = {}
 
     def plan(self, layout: Layout, made: list[Window], uids: np.ndarray, ids: np.ndarray,
-             total: np.ndarray, scratch: np.ndarray, gathers: list[Gather],
-             stamps: list[tuple[int, list[np.ndarray]]]) -> bool:
-        """Every numeric key's gathers and slots to stamp from one ``kernel.plan_keys``
-        call (appended in read order, as ``_key`` appends them), or False."""
+             total: np.ndarray, scratch: np.ndarray,
+             stamps: list[tuple[int, list[np.ndarray]]]) -> Fused | None:
+        """Every numeric key's outputs and slots to stamp (appended to ``stamps`` in read
+        order, as ``_key`` appends them) from one ``kernel.plan_keys`` call, or None."""
         version = self.cache.version
         args = self._key_args
         if args is None or args[0] is not layout or args[1] != version:
@@ -72,7 +95,7 @@ class NumericKeys:
             for key, c, outputs in zip(layout.keys, layout.chunk_rows, layout.outputs):
                 table = self.cache.slot_table(key)
                 if table is None:
-                    return False
+                    return None
                 keys.append((table.base, table.size, table.slab, table.flat,
                              layout.plan.keys[key].rows, c, outputs))
             args = self._key_args = (layout, version, tuple(keys))
@@ -82,14 +105,37 @@ class NumericKeys:
         slabs = kernel.plan_keys(args[2], tuple(w.rows for w in made),
                                  self.slab_rows(), uids, ids, total, scratch, slots, idx)
         if slabs is None:
-            return False
-        for at, name, width, time_axis, idx_at, feature in layout.gathers:
-            shape = (n, width) if time_axis else (n,)
-            rows = idx[idx_at * n: (idx_at + (width if time_axis else 1)) * n].reshape(shape)
-            gathers.append(Gather(name, slabs[at], rows, (*shape, *feature), feature))
+            return None
         for slab, (lo, hi) in zip(slabs, layout.slot_spans):
             stamps.append((slab, [slots[lo * n: hi * n]]))
-        return True
+        return Fused(self.outputs(layout, n), slabs, idx, n)
+
+    def gather(self, f: Fused, empty: Empty, arena: Arena | None) -> dict[str, np.ndarray]:
+        """The batch's outputs in one ``kernel.gather_rows`` call, into arrays from
+        ``empty``, or all at once from ``arena``."""
+        o = f.outputs
+        outs = arena.empty_many(o.shapes) if arena is not None else list(map(empty, o.shapes))
+        kernel.gather_rows(outs, tuple(map(self.cache.slab_data, f.slabs)), f.idx, f.n, o.spec)
+        return dict(zip(o.names, outs))
+
+    def outputs(self, layout: Layout, n: int) -> Outputs:
+        """The layout's outputs at batch size ``n`` (kept: a loader's batch size rarely
+        changes)."""
+        key = (id(layout), n)
+        got = self._outputs.get(key)
+        if got is None or got[0] is not layout:
+            if len(self._outputs) >= MAX_LAYOUTS:
+                self._outputs.clear()
+            names, shapes, spec = [], [], []
+            for at, name, width, time_axis, idx_at, feature in layout.gathers:
+                shape = (n, width, *feature) if time_axis else (n, *feature)
+                names.append(name)
+                shapes.append(shape)
+                spec.append((at, idx_at, width if time_axis else 1,
+                             4 * int(np.prod(feature, dtype=np.int64))))
+            got = self._outputs[key] = (layout, Outputs(tuple(names), tuple(shapes),
+                                                        tuple(spec)))
+        return got[1]
 
     def slab_rows(self) -> np.ndarray:
         """Rows per slot of each slab the cache has, as the kernel takes them."""

@@ -31,6 +31,9 @@ class Arena(Protocol):
 
     def empty(self, shape: tuple[int, ...]) -> np.ndarray: ...
 
+    def empty_many(self, shapes: tuple[tuple[int, ...], ...]) -> list[np.ndarray]:
+        """What ``empty`` gives for each shape in turn."""
+
 
 def too_big(nbytes: int, limit: int, batch: int, *, at_least: bool = False) -> ResponseTooLarge:
     fit = max(1, batch * limit // max(nbytes, 1))

@@ -116,11 +116,12 @@ class Planner:
         if warm.out_bytes >= GATHER_OFFLOAD_BYTES:  # a large gather runs off the event loop
             self.cache.hold()
             try:
-                arrays = await asyncio.to_thread(self.compiled.gather, warm, empty)
+                arrays = await asyncio.to_thread(self.compiled.gather, warm, empty,
+                                                 options.arena)
             finally:
                 self.cache.unhold()
         else:
-            arrays = self.compiled.gather(warm, empty)
+            arrays = self.compiled.gather(warm, empty, options.arena)
         result = self.compiled.result(warm, keymap, arrays, distinct, options.all_masks)
         if options.max_response_bytes and result.nbytes > options.max_response_bytes:
             raise too_big(result.nbytes, options.max_response_bytes, len(samples))

@@ -43,9 +43,7 @@ async def place(conn: Connection, result: BatchResult,
                                "batch")
     # A bulk blob is bytes (a cached frame: never in the segment) or a byte view.
     sizes = list(map(len, blobs))
-    offset_of = arena.offset_of
-    at: list[int | None] = [None if isinstance(b, bytes) else offset_of(b, n)
-                            for b, n in zip(blobs, sizes)]
+    at = arena.offsets(blobs)
     seg = arena.segment
     total, copied_bytes = kernel.place_blobs(None, blobs, at, arena.used, lp.ALIGN)
     if seg is None or total > seg.size:  # write it all into a segment of its size

@@ -17,24 +17,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import fcntl
 import itertools
 import math
 import mmap
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from episerve_proto import local as lp
 from episerve_proto.errors import Overloaded, ResponseTooLarge, Unavailable
+from episerve_server.core import kernel
 
 #: A Read waits this long for a lent segment to come back before it answers Overloaded.
 LEND_WAIT_S = 30.0
 #: The smallest segment made; larger ones are the next power of two of what a batch needs.
 MIN_SEGMENT_BYTES = 1 << 20
+#: Sets of output arrays a segment keeps (cleared when more turn up).
+MAX_KEPT_LAYOUTS = 16
 
 
 @dataclass(eq=False)
@@ -45,6 +48,9 @@ class Segment:
     mm: mmap.mmap
     view: np.ndarray  # its bytes
     floats: np.ndarray  # the same memory as float32 (a segment's size is a multiple of 64)
+    #: The output arrays handed out of it, per (offset, shapes): ``SegmentArena.empty_many``.
+    arrays: dict[tuple[int, tuple[tuple[int, ...], ...]], tuple[list[np.ndarray], int]] = \
+        field(default_factory=dict)
     sent: bool = False  # the client has its descriptor
     out: bool = False  # in the client's hands: sent, not yet returned
     #: Where the client's stream stood when this lending's answer was sent: a RELEASE that
@@ -65,6 +71,7 @@ class Segment:
 
     def close(self) -> None:
         os.close(self.fd)
+        self.arrays.clear()
         del self.view, self.floats
         with contextlib.suppress(BufferError):  # a copy still running: freed by refcount
             self.mm.close()
@@ -213,18 +220,17 @@ class SegmentArena:
     sent in, so the planner's gather out of the chunk cache is the only copy of their bytes.
 
     The planner calls ``open`` once it knows the outputs' size (again if the read is tried
-    once more) and takes each output array from ``empty``. ``offset_of`` then tells which of
-    the answer's blobs already lie in the segment; the others are written after ``used``.
-    A segment is taken for at least ``hint`` bytes (the connection's latest answer), so the
-    frames, masks and indexes that follow usually fit too.
+    once more) and takes each output array from ``empty`` (or all of them from
+    ``empty_many``). ``offsets`` then tells which of the answer's blobs already lie in the
+    segment; the others are written after ``used``. A segment is taken for at least
+    ``hint`` bytes (the connection's latest answer), so the frames, masks and indexes that
+    follow usually fit too.
     """
 
     def __init__(self, pool: SegmentPool, keep: bool, hint: int = 0) -> None:
         self.pool, self.keep, self.hint = pool, keep, hint
         self.segment: Segment | None = None
         self.used = 0  # bytes handed out, 64-byte aligned
-        self._base = 0
-        self._given: dict[int, tuple[np.ndarray, int]] = {}  # id -> (array, offset)
 
     async def open(self, nbytes: int, outputs: int) -> None:
         # A kept segment is made to size, so it gets a quarter more than the last answer
@@ -233,12 +239,10 @@ class SegmentArena:
         hint = self.hint + self.hint // 4 if self.keep else self.hint
         want = max(1, nbytes + lp.ALIGN * outputs, hint)
         self.used = 0
-        self._given = {}
         if self.segment is not None and self.segment.size >= want:
             return
         await self.release()
         self.segment = await self.pool.acquire(want, keep=self.keep)
-        self._base = self.segment.view.ctypes.data
 
     def empty(self, shape: tuple[int, ...]) -> np.ndarray:
         """A float32 array of ``shape`` in the segment (a private one if it is full)."""
@@ -246,37 +250,40 @@ class SegmentArena:
         seg, used = self.segment, self.used
         if seg is None or used + n > seg.size:
             return np.empty(shape, np.float32)
-        out = seg.floats[used >> 2:(used + n) >> 2].reshape(shape)
         self.used = (used + n + lp.ALIGN - 1) & -lp.ALIGN
-        self._given[id(out)] = (out, used)  # kept: the id names this array until the end
-        return out
+        return seg.floats[used >> 2:(used + n) >> 2].reshape(shape)
 
-    def offset_of(self, blob: memoryview, nbytes: int) -> int | None:
-        """The offset of ``blob`` in the segment if it is one of the arrays handed out
-        (whole, as the encoder sends it: found by the array's id; a part of one or a view
-        of it: by its address)."""
-        owner: object = blob.obj
-        if self.segment is None or not nbytes or type(owner) is bytes:
-            return None  # (a bytes object, such as a cached frame, owns its memory)
-        given = self._given.get(id(owner))
-        if given is not None and given[0] is owner and given[0].nbytes == nbytes:
-            return given[1]
-        off = address(blob) - self._base
-        return off if off >= 0 and off + nbytes <= self.used else None
+    def empty_many(self, shapes: tuple[tuple[int, ...], ...]) -> list[np.ndarray]:
+        """What ``empty`` gives for each shape in turn. A segment keeps the arrays it gave
+        for the same shapes at the same offset (its memory never moves, and it is written
+        by one Read at a time), so a pooled segment's next batch of a keymap gets them in
+        one lookup."""
+        seg = self.segment
+        if seg is None:
+            return [np.empty(shape, np.float32) for shape in shapes]
+        key = (self.used, shapes)
+        got = seg.arrays.get(key)
+        if got is None:
+            given = [self.empty(shape) for shape in shapes]
+            if len(seg.arrays) >= MAX_KEPT_LAYOUTS:
+                seg.arrays.clear()
+            if all(a.base is not None for a in given):  # all in the segment: kept
+                seg.arrays[key] = (given, self.used)
+            return given
+        arrays, self.used = got
+        return list(arrays)
+
+    def offsets(self, blobs: list[Any]) -> list[int | None]:
+        """Per blob, its offset in the segment if it lies in the part handed out (an array
+        from ``empty``, whole or in part), else None (to be copied)."""
+        if self.segment is None:
+            return [None] * len(blobs)
+        return kernel.inside(blobs, self.segment.view, self.used)
 
     async def release(self) -> None:
         """Give the segment up (the read failed, or its answer went elsewhere)."""
         seg, self.segment, self.used = self.segment, None, 0
-        self._given = {}
         if seg is not None:
             await (self.pool.give_away(seg.ident) if self.keep else self.pool.put_back(seg.ident))
 
 
-def address(blob: memoryview) -> int:
-    """Where ``blob``'s first byte lies in memory. A writable buffer (every array handed
-    out of a segment) goes through ctypes without building an array (~0.5 us, against
-    ~3 us for numpy's ``.ctypes``); a read-only one through numpy."""
-    try:
-        return ctypes.addressof(ctypes.c_char.from_buffer(blob))
-    except (TypeError, ValueError):  # read-only, or not C-contiguous, or empty
-        return int(np.frombuffer(blob, np.uint8).ctypes.data)

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from episerve_proto.answer import FRAME_SOURCE, IMAGE_COLUMN, RESPONSE, TENSOR, TEXT_COLUMN, TEXTS
+from episerve_server.core import kernel
 from episerve_server.core.result import BatchResult, ImageColumn
 
 Buf = bytes | memoryview
@@ -56,32 +57,12 @@ def _varint_table() -> list[bytes]:
 def varints(values: np.ndarray) -> bytes:
     """The varints of an integer array, concatenated (a packed repeated int field's body).
     Negative values take ten bytes, as protobuf writes an ``int64``."""
-    v = np.ascontiguousarray(values).astype(np.int64, copy=False).view(np.uint64).ravel()
-    if v.size == 0:
-        return b""
-    top = int(v.max())
-    if top < 0x80:
-        return v.astype(np.uint8).tobytes()
-    if top < _TABLE_MAX and v.size <= 4096:  # a batch's frame indexes: one join
-        return b"".join(map(_varint_table().__getitem__, v.tolist()))
-    return _varints_wide(v)
-
-
-def _varints_wide(v: np.ndarray) -> bytes:
-    """``varints`` by byte position, vectorized (values of any size)."""
-    width = np.ones(v.size, np.int64)
-    rest = v >> np.uint64(7)
-    while rest.any():
-        width += rest > 0
-        rest >>= np.uint64(7)
-    out = np.empty(int(width.sum()), np.uint8)
-    at = np.cumsum(width) - width
-    for k in range(int(width.max())):
-        live = np.flatnonzero(width > k)
-        byte = ((v[live] >> np.uint64(7 * k)) & np.uint64(0x7F)).astype(np.uint8)
-        byte[width[live] > k + 1] |= 0x80
-        out[at[live] + k] = byte
-    return out.tobytes()
+    v = np.ascontiguousarray(values).astype(np.int64, copy=False).ravel()
+    if not kernel.COMPILED and 0 < v.size <= 4096:  # a batch's frame indexes: one join
+        top = int(v.view(np.uint64).max())
+        if 0x80 <= top < _TABLE_MAX:
+            return b"".join(map(_varint_table().__getitem__, v.tolist()))
+    return kernel.varints(v)
 
 
 def _tag(field: int) -> bytes:
