@@ -78,24 +78,43 @@ def queued(sock: socket.socket) -> int:
 
 
 async def send(conn: Connection, data: bytes, fds: Sequence[int] = ()) -> None:
-    """``data`` (and ``fds`` with its first bytes) on the connection, whole."""
-    loop = asyncio.get_running_loop()
-    async with conn.send_lock:
-        view = memoryview(data)
-        if fds:
-            rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
-            try:
-                sent = conn.sock.sendmsg([view], rights)
-            except BlockingIOError as exc:
-                # Never waited for: a call is served only once the client has received
-                # every earlier answer, so the queue is empty here and a unix stream
-                # socket takes part of the frame (a wait here, cancelled by a stop, was
-                # uvloop's remove_writer on a closed socket).
-                raise RuntimeError(f"{conn.peer}: a descriptor met a full socket queue, "
-                                   "with earlier answers unread") from exc
-            view = view[sent:]
-        if view:
-            await loop.sock_sendall(conn.sock, view)
+    """``data`` (and ``fds`` with its first bytes) on the connection, whole. When no other
+    send is under way the frame is sent at once (a unix socket's queue usually takes all
+    of it); only the rest, if any, waits for room, under the connection's send lock."""
+    if conn.send_lock.locked():
+        async with conn.send_lock:
+            await _send(conn, _sent_now(conn, data, fds))
+        return
+    rest = _sent_now(conn, data, fds)
+    if rest:
+        async with conn.send_lock:
+            await _send(conn, rest)
+
+
+def _sent_now(conn: Connection, data: bytes, fds: Sequence[int]) -> memoryview:
+    """What of ``data`` the socket takes now, without waiting; returns the rest."""
+    view = memoryview(data)
+    if fds:
+        rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
+        try:
+            sent = conn.sock.sendmsg([view], rights)
+        except BlockingIOError as exc:
+            # Never waited for: a call is served only once the client has received
+            # every earlier answer, so the queue is empty here and a unix stream
+            # socket takes part of the frame (a wait here, cancelled by a stop, was
+            # uvloop's remove_writer on a closed socket).
+            raise RuntimeError(f"{conn.peer}: a descriptor met a full socket queue, "
+                               "with earlier answers unread") from exc
+        return view[sent:]
+    try:
+        return view[conn.sock.send(view):]
+    except BlockingIOError:
+        return view
+
+
+async def _send(conn: Connection, rest: memoryview) -> None:
+    if rest:
+        await asyncio.get_running_loop().sock_sendall(conn.sock, rest)
 
 
 def error_body(error: EpiserveError) -> bytes:
@@ -116,8 +135,18 @@ async def recv_into(sock: socket.socket, into: memoryview) -> int:
 
 
 async def recv_exact(sock: socket.socket, n: int) -> bytes:
+    try:  # usually all there already (a frame's head and body arrive together)
+        first = sock.recv(n)
+    except BlockingIOError:
+        first = b""
+    else:
+        if len(first) == n:
+            return first
+        if not first:
+            raise ConnectionClosed("the peer closed the connection")
     buf = bytearray(n)
-    view, got = memoryview(buf), 0
+    buf[:len(first)] = first
+    view, got = memoryview(buf), len(first)
     while got < n:
         k = await recv_into(sock, view[got:])
         if k == 0:

@@ -88,6 +88,7 @@ class SegmentPool:
         self.lent: dict[int, Segment] = {}
         self.retired: list[int] = []  # ids closed since the client last heard
         self._changed = asyncio.Condition()
+        self._waiting = 0  # Reads waiting for a segment to come back
         self._closed = False
         self._ids = itertools.count(1)
         self._on_change = on_change  # (segments delta, bytes delta), for the gauges
@@ -100,13 +101,19 @@ class SegmentPool:
         """A segment of at least ``nbytes``, lent until it comes back. ``keep``: one made
         for this batch alone, at once (the client takes it over when it is sent)."""
         if keep:
-            async with self._changed:
-                if self._closed:
-                    raise Unavailable("the local connection closed")
-                size = lp.aligned(max(nbytes, 1))
-                self._admit(size)
-                seg = Segment.make(next(self._ids), size)
-                self._on_change(1, seg.size)
+            if self._closed:
+                raise Unavailable("the local connection closed")
+            size = lp.aligned(max(nbytes, 1))
+            self._admit(size)
+            seg = Segment.make(next(self._ids), size)
+            self._on_change(1, seg.size)
+            self.lent[seg.ident] = seg
+            return seg
+        if not self._waiting and not self._closed:  # a free one that fits: no lock
+            fits = [s for s in self.free.values() if s.size >= nbytes]
+            if fits:
+                seg = min(fits, key=lambda s: s.size)
+                del self.free[seg.ident]
                 self.lent[seg.ident] = seg
                 return seg
         async with self._changed:
@@ -115,7 +122,11 @@ class SegmentPool:
 
             try:
                 if not ready():  # a free segment is taken without a timer (or a task)
-                    await asyncio.wait_for(self._changed.wait_for(ready), wait_s)
+                    self._waiting += 1
+                    try:
+                        await asyncio.wait_for(self._changed.wait_for(ready), wait_s)
+                    finally:
+                        self._waiting -= 1
             except TimeoutError:
                 raise Overloaded(
                     f"the client holds all {self.limit} shared-memory segments of its "
@@ -164,25 +175,28 @@ class SegmentPool:
 
     async def put_back(self, ident: int) -> None:
         """A lent segment the daemon takes back (its Read failed, or its client returned
-        it): free for the next Read."""
-        async with self._changed:
-            seg = self.lent.pop(ident, None)
-            if seg is None:
-                return
-            seg.out = False
-            if self._closed:
-                self._close_one(seg)
-            else:
-                self.free[seg.ident] = seg
-            self._changed.notify_all()
+        it): free for the next Read (a Read waiting for one is woken)."""
+        seg = self.lent.pop(ident, None)
+        if seg is None:
+            return
+        seg.out = False
+        if self._closed:
+            self._close_one(seg)
+        else:
+            self.free[seg.ident] = seg
+        if self._waiting:
+            async with self._changed:
+                self._changed.notify_all()
 
     async def give_away(self, ident: int) -> None:
-        """A lent segment the client keeps: the daemon closes its side and forgets it."""
-        async with self._changed:
-            seg = self.lent.pop(ident, None)
-            if seg is not None:
-                self._close_one(seg)
-            self._changed.notify_all()
+        """A lent segment the client keeps: the daemon closes its side and forgets it (a
+        Read waiting for room in the pool is woken)."""
+        seg = self.lent.pop(ident, None)
+        if seg is not None:
+            self._close_one(seg)
+        if self._waiting:
+            async with self._changed:
+                self._changed.notify_all()
 
     def _retire(self, seg: Segment) -> None:
         del self.free[seg.ident]
