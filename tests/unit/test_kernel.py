@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -593,3 +594,50 @@ def test_inside_matches_numpy_and_a_per_blob_oracle(seed: int) -> None:
             kernel.use(kernel.BUILT)
     del blobs, base
     seg.close()
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_a_large_gather_lets_other_threads_run(compiled: bool) -> None:
+    """A large warm gather runs in a worker thread beside the event loop: the copy must
+    not hold the GIL. The loop thread's turns per second while it copies are compared
+    with its turns alone, the interpreter's switch interval long (so a thread that holds
+    the GIL keeps it for the whole copy: the loop thread then had none of its turns)."""
+    import sys
+    import threading
+
+    if compiled and not kernel.BUILT:
+        pytest.skip("the compiled kernel is not built")
+    src = np.ones((1 << 15, 256), np.float32)  # 32 MiB of rows
+    idx = np.arange(1 << 15, dtype=np.int64)[::-1].copy()  # no runs: one copy per row
+    out = [np.empty((1, 1 << 15, 256), np.float32)]
+
+    def spin(stop: threading.Event) -> float:
+        turns, start = 0, time.perf_counter()
+        while not stop.is_set():
+            turns += 1
+        return turns / (time.perf_counter() - start)
+
+    def gather(started: threading.Event, done: threading.Event) -> None:
+        started.set()
+        kernel.gather_rows(out, (src,), idx, 1, ((0, 0, 1 << 15, 1024),))
+        done.set()
+
+    interval = sys.getswitchinterval()
+    kernel.use(compiled)
+    sys.setswitchinterval(0.25)
+    try:
+        stop = threading.Event()
+        timer = threading.Timer(0.1, stop.set)
+        timer.start()
+        alone = spin(stop)
+        started, done = threading.Event(), threading.Event()
+        worker = threading.Thread(target=gather, args=(started, done))
+        worker.start()
+        started.wait()
+        during = spin(done)
+        worker.join()
+    finally:
+        sys.setswitchinterval(interval)
+        kernel.use(kernel.BUILT)
+    assert out[0][0, 0, 0] == 1.0
+    assert during > 0.3 * alone, (during, alone)

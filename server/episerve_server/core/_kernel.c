@@ -7,6 +7,10 @@
 #include <Python.h>
 #include <stdint.h>
 
+/* Copies of at least this many bytes are made without the GIL (a large gather or answer
+ * is done in a worker thread, beside the event loop). */
+#define RELEASE_GIL_BYTES (256 << 10)
+
 typedef struct {
     Py_buffer view;
     int64_t *p;
@@ -436,7 +440,13 @@ static PyObject *place_blobs(PyObject *self, PyObject *args) {
             fail = 1;
             break;
         }
-        memcpy((char *)d.buf + off, v.buf, (size_t)v.len);
+        if (v.len >= RELEASE_GIL_BYTES) {  /* (a large answer is placed in a worker thread) */
+            Py_BEGIN_ALLOW_THREADS
+            memcpy((char *)d.buf + off, v.buf, (size_t)v.len);
+            Py_END_ALLOW_THREADS
+        } else {
+            memcpy((char *)d.buf + off, v.buf, (size_t)v.len);
+        }
         Py_ssize_t size = v.len;
         PyBuffer_Release(&v);
         PyObject *where = PyLong_FromSsize_t(off);
@@ -589,12 +599,16 @@ static PyObject *gather_rows(PyObject *self, PyObject *args) {
         const char *s = (const char *)sv.buf;
         char *o = (char *)ov.buf;
         const int64_t *r = idx.p + at * (int64_t)n;
+        /* a large output is copied without the GIL (a large gather runs in a worker
+         * thread, beside the event loop): only the buffers held here are touched */
+        PyThreadState *ts = !fail && ov.len >= RELEASE_GIL_BYTES ? PyEval_SaveThread() : NULL;
         for (int64_t i = 0; i < count && !fail;) {
             int64_t first = r[i] < 0 ? 0 : (r[i] >= rows ? rows - 1 : r[i]), last = first, j;
             for (j = i + 1; j < count && r[j] == last + 1 && r[j] < rows; j++) last = r[j];
             memcpy(o + i * rb, s + first * rb, (size_t)((j - i) * rb));
             i = j;
         }
+        if (ts != NULL) PyEval_RestoreThread(ts);
         PyBuffer_Release(&ov);
         PyBuffer_Release(&sv);
     }
