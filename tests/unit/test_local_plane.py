@@ -513,6 +513,50 @@ def test_a_body_is_charged_as_it_arrives_and_dropped_past_the_budget() -> None:
     asyncio.run(run())
 
 
+@pytest.mark.parametrize("arrived", ["whole", "half", "nothing"])
+@pytest.mark.parametrize("room", [True, False])
+def test_a_small_body_is_taken_at_once_when_it_has_arrived(arrived: str, room: bool) -> None:
+    """A body of at most BODY_CHUNK that has wholly arrived is received in one go and
+    only its request bytes are allocated (charged first); one that has partly arrived, or
+    not at all, is finished piece by piece as a large one is; with no room either is
+    read, dropped and reported as None, nothing left charged."""
+    async def run() -> None:
+        buffers = ResponseBuffers(1 << 20, 1 << 20)
+        a, b = socket.socketpair()
+        a.setblocking(False)
+        b.setblocking(False)
+        loop = asyncio.get_running_loop()
+        request = bytes(range(256)) * 12  # a batch's Read: a few KiB
+        body = _call("Read", request)
+        cut = {"whole": len(body), "half": len(body) // 2, "nothing": 0}[arrived]
+        if not room:
+            buffers.charge(1 << 20)  # the budget is full
+        try:
+            if cut:
+                await loop.sock_sendall(b, body[:cut])
+                await asyncio.sleep(0.01)
+            got = asyncio.create_task(recv_call(a, len(body), buffers, "a call body"))
+            await asyncio.sleep(0.01)
+            assert got.done() == (cut == len(body))
+            if cut < len(body):
+                await loop.sock_sendall(b, body[cut:])
+            answer = await asyncio.wait_for(got, 5)
+            if room:
+                assert answer == ("Read", request, len(request))
+                assert buffers.total == len(request)  # the request bytes only, still held
+            else:
+                assert answer is None and buffers.total == 1 << 20
+            # the next frame's bytes were not taken
+            await loop.sock_sendall(b, b"next")
+            await asyncio.sleep(0.01)
+            assert a.recv(16) == b"next"
+        finally:
+            a.close()
+            b.close()
+
+    asyncio.run(run())
+
+
 def test_what_a_body_allocates_is_charged_before_it_is_allocated() -> None:
     """Traced by tracemalloc while a 3 MiB body arrives in odd writes: what the intake has
     allocated never exceeds what it has charged (before: each piece was allocated whole and

@@ -204,7 +204,20 @@ async def recv_call(sock: socket.socket, n: int, buffers: ResponseBuffers,
     ``BODY_PIECE``, up to ``BODY_READ`` per receive), and the request bytes joined from
     them once the body is whole (the method name is cut off in that join, not by a second
     copy). The first piece is allocated once the first bytes (at most ``FIRST_READ``)
-    have arrived. A body that finds no room is read into one shared buffer and dropped."""
+    have arrived. A body that finds no room is read into one shared buffer and dropped.
+
+    A body of at most ``BODY_CHUNK`` is first received at once into another shared buffer
+    (no allocation, no wait): when it has wholly arrived, as it usually has (a client sends
+    a call's head and body together), only its request bytes are allocated, charged first;
+    otherwise what came is the start of the first piece."""
+    pre = 0
+    if n <= BODY_CHUNK:
+        pre = _recv_now(sock, _WHOLE[:n])
+        if pre == n:
+            method, skip = _method(_WHOLE[:n])
+            if not _charge(buffers, n - skip, what):
+                return None
+            return method, bytes(_WHOLE[skip:n]), n - skip
     pieces: list[memoryview] = []
     charged = got = filled = 0
     piece = _DROPPED[:0]
@@ -213,7 +226,9 @@ async def recv_call(sock: socket.socket, n: int, buffers: ResponseBuffers,
             if filled == len(piece):  # full: the next piece, sized by what has arrived
                 size = min(n - got, BODY_CHUNK if not got else min(got, BODY_PIECE))
                 early, first = 0, memoryview(b"")
-                if not got:  # the first bytes first: a head alone allocates next to nothing
+                if pre:  # received at once: copied out below, before anything waits
+                    early, first, pre = pre, _WHOLE, 0
+                elif not got:  # the first bytes first: a head alone allocates next to nothing
                     first = memoryview(bytearray(min(size, FIRST_READ)))
                     early = await _recv(sock, first)
                 if charged < 0 or not _charge(buffers, size, what):
@@ -241,6 +256,20 @@ async def recv_call(sock: socket.socket, n: int, buffers: ResponseBuffers,
     finally:
         pieces.clear()
         buffers.charge(-max(charged, 0))  # the pieces are freed
+
+
+#: Where a small body is received at once (``recv_call``): its bytes are copied out
+#: before the coroutine waits for anything, so one buffer serves every connection.
+_WHOLE = memoryview(bytearray(BODY_CHUNK))
+
+
+def _recv_now(sock: socket.socket, into: memoryview) -> int:
+    """What has arrived, without waiting (0: nothing yet, or the peer closed: the next
+    receive that waits tells which)."""
+    try:
+        return sock.recv_into(into)
+    except BlockingIOError:
+        return 0
 
 
 async def _recv(sock: socket.socket, into: memoryview) -> int:
