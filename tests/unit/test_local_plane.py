@@ -19,12 +19,14 @@ import pytest
 from episerve_client.errors import DataLossError
 from episerve_client.read_answer import InSegment, read_result
 from episerve_proto import local as lp
-from episerve_proto.errors import Overloaded
+from episerve_proto.errors import Overloaded, Unavailable
 from episerve_proto.v1 import episerve_pb2 as pb
 from episerve_server.core import kernel
 from episerve_server.core.result import BatchResult, ImageColumn
 from episerve_server.preflight import StartupError, bind_private_socket
 from episerve_server.rpc.handlers.buffers import ResponseBuffers
+from episerve_server.rpc.local.conn import Connection
+from episerve_server.rpc.local.conn import send as conn_send
 from episerve_server.rpc.local.guard import (
     BODY_CHUNK,
     BODY_PIECE,
@@ -255,6 +257,36 @@ def test_pool_is_bounded_waits_when_full_and_reuses() -> None:
     before = _open_memfds()
     asyncio.run(run())
     assert _open_memfds() == before  # every descriptor closed
+
+
+def test_a_segment_given_away_or_a_closed_pool_wakes_a_waiting_read() -> None:
+    """A Read waiting for room in a full pool is woken when a lent segment is given away
+    (the client keeps it: room for a new one) and, in a pool closed meanwhile, told so;
+    while it waits, a segment put back goes to it, not to a later Read."""
+    async def run() -> None:
+        gauge = Gauge()
+        pool = SegmentPool(1, gauge)
+        a = await pool.acquire(100)
+        waiting = asyncio.create_task(pool.acquire(100))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        await pool.give_away(a.ident)
+        b = await asyncio.wait_for(waiting, 1)
+        assert b.ident != a.ident and gauge.segments == 1
+        # a waiter first: the segment put back is taken under the lock, by it
+        second = asyncio.create_task(pool.acquire(100))
+        await asyncio.sleep(0.05)
+        await pool.put_back(b.ident)
+        assert await asyncio.wait_for(second, 1) is b
+        third = asyncio.create_task(pool.acquire(100))
+        await asyncio.sleep(0.05)
+        await pool.close()
+        with pytest.raises(Unavailable):
+            await asyncio.wait_for(third, 1)
+        await pool.put_back(b.ident)
+        assert gauge.segments == 0
+
+    asyncio.run(run())
 
 
 def test_pool_replaces_a_free_segment_too_small_for_the_batch() -> None:
@@ -555,6 +587,46 @@ def test_a_small_body_is_taken_at_once_when_it_has_arrived(arrived: str, room: b
             b.close()
 
     asyncio.run(run())
+
+
+def test_frames_sent_together_are_never_interleaved() -> None:
+    """Two tasks send on one connection whose socket takes a little at a time: each frame
+    arrives whole (one sent while another waits for room queues behind it, even arriving
+    just as the lock is handed over)."""
+    async def run() -> bytes:
+        a, b = socket.socketpair()
+        a.setblocking(False)
+        b.setblocking(False)
+        a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        conn = Connection(a, "test", SegmentPool(1, lambda segments, nbytes: None))
+        loop = asyncio.get_running_loop()
+        total = 2 * len(BIG) + len(SMALL)
+
+        async def first() -> None:
+            await conn_send(conn, BIG)
+            await conn_send(conn, BIG2)  # the same task, right after its first frame
+
+        async def second() -> None:
+            await asyncio.sleep(0.01)  # while the first frame waits for room
+            await conn_send(conn, SMALL)
+
+        async def reader() -> bytes:
+            got = bytearray()
+            while len(got) < total:
+                await asyncio.sleep(0.001)
+                got += await loop.sock_recv(b, 1 << 16)
+            return bytes(got)
+
+        try:
+            return (await asyncio.wait_for(asyncio.gather(first(), second(), reader()),
+                                           10))[2]
+        finally:
+            a.close()
+            b.close()
+
+    BIG, BIG2, SMALL = b"1" * (1 << 20), b"2" * (1 << 20), b"U" * 100
+    got = asyncio.run(run())
+    assert got in (BIG + BIG2 + SMALL, BIG + SMALL + BIG2), got.find(b"U")
 
 
 def test_what_a_body_allocates_is_charged_before_it_is_allocated() -> None:

@@ -7,9 +7,6 @@
 #include <Python.h>
 #include <stdint.h>
 
-/* Copies of at least this many bytes are made without the GIL (a large gather or answer
- * is done in a worker thread, beside the event loop). */
-#define RELEASE_GIL_BYTES (256 << 10)
 
 typedef struct {
     Py_buffer view;
@@ -386,61 +383,72 @@ static PyObject *plan_keys(PyObject *self, PyObject *args) {
  * offset from ``start`` (in list order); ``end`` is where the last one ends, aligned, and
  * ``copied`` their bytes. With ``dst`` (a writable buffer) and ``end`` within it, each such
  * entry of ``at`` becomes its offset and the blob is copied there; with ``dst`` None, or
- * ``end`` past it, nothing is written (the layout alone). */
+ * ``end`` past it, nothing is written (the layout alone). With ``nogil`` (called from a
+ * worker thread) each copy is made without the GIL. */
 static PyObject *place_blobs(PyObject *self, PyObject *args) {
-    PyObject *dst, *blobs, *at;
+    PyObject *dst, *blobs_l, *at;
     Py_ssize_t start, align;
-    if (!PyArg_ParseTuple(args, "OO!O!nn", &dst, &PyList_Type, &blobs, &PyList_Type, &at,
-                          &start, &align))
+    int nogil = 0;
+    if (!PyArg_ParseTuple(args, "OO!O!nn|p", &dst, &PyList_Type, &blobs_l, &PyList_Type, &at,
+                          &start, &align, &nogil))
         return NULL;
-    Py_ssize_t n = PyList_GET_SIZE(blobs);
+    Py_ssize_t n = PyList_GET_SIZE(blobs_l);
     if (PyList_GET_SIZE(at) != n || align <= 0 || (align & (align - 1)) || start < 0
         || (start & (align - 1))) {
         PyErr_SetString(PyExc_ValueError, "place_blobs: bad arguments");
         return NULL;
     }
+    /* the blobs as they are now (a buffer's export, or another thread while the GIL is
+     * released, may change the list); ``at`` is looked at again before each access */
+    PyObject *blobs = PyList_AsTuple(blobs_l);
+    if (blobs == NULL) return NULL;
     Py_ssize_t end = start, copied = 0, mask = align - 1;
-    for (Py_ssize_t i = 0; i < n; i++) {
+    int fail = 0;
+    for (Py_ssize_t i = 0; i < n && !fail; i++) {
+        if (i >= PyList_GET_SIZE(at)) { fail = 2; break; }
         if (PyList_GET_ITEM(at, i) != Py_None) continue;
-        PyObject *b = PyList_GET_ITEM(blobs, i);
+        PyObject *b = PyTuple_GET_ITEM(blobs, i);
         Py_ssize_t size;
         if (PyBytes_CheckExact(b)) {
             size = PyBytes_GET_SIZE(b);
         } else {
             Py_buffer v;
-            if (PyObject_GetBuffer(b, &v, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+            if (PyObject_GetBuffer(b, &v, PyBUF_C_CONTIGUOUS) < 0) { fail = 1; break; }
             size = v.len;
             PyBuffer_Release(&v);
         }
         if (size > PY_SSIZE_T_MAX / 2 - end - mask) {
             PyErr_SetString(PyExc_OverflowError, "place_blobs: the blobs are too large");
-            return NULL;
+            fail = 1;
+            break;
         }
         end += (size + mask) & ~mask;
         copied += size;
     }
-    if (dst == Py_None) return Py_BuildValue("nn", end, copied);
+    if (fail || dst == Py_None) goto done;
     Py_buffer d;
-    if (PyObject_GetBuffer(dst, &d, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) return NULL;
+    if (PyObject_GetBuffer(dst, &d, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
+        fail = 1;
+        goto done;
+    }
     if (end > d.len) {
         PyBuffer_Release(&d);
-        return Py_BuildValue("nn", end, copied);
+        goto done;
     }
     Py_ssize_t off = start;
-    int fail = 0;
     for (Py_ssize_t i = 0; i < n && !fail; i++) {
+        if (i >= PyList_GET_SIZE(at)) { fail = 2; break; }
         if (PyList_GET_ITEM(at, i) != Py_None) continue;
-        PyObject *b = PyList_GET_ITEM(blobs, i);
+        PyObject *b = PyTuple_GET_ITEM(blobs, i);
         Py_buffer v;
         if (PyObject_GetBuffer(b, &v, PyBUF_C_CONTIGUOUS) < 0) { fail = 1; break; }
-        /* the list may have changed under a buffer's release: every copy is checked */
+        /* a blob may have changed under a buffer's release: every copy is checked */
         if (v.len > d.len - off) {
             PyBuffer_Release(&v);
-            PyErr_SetString(PyExc_ValueError, "place_blobs: the blobs changed");
-            fail = 1;
+            fail = 2;
             break;
         }
-        if (v.len >= RELEASE_GIL_BYTES) {  /* (a large answer is placed in a worker thread) */
+        if (nogil) {  /* called from a worker thread: the loop runs while this copies */
             Py_BEGIN_ALLOW_THREADS
             memcpy((char *)d.buf + off, v.buf, (size_t)v.len);
             Py_END_ALLOW_THREADS
@@ -449,11 +457,15 @@ static PyObject *place_blobs(PyObject *self, PyObject *args) {
         }
         Py_ssize_t size = v.len;
         PyBuffer_Release(&v);
+        if (i >= PyList_GET_SIZE(at)) { fail = 2; break; }
         PyObject *where = PyLong_FromSsize_t(off);
         if (where == NULL || PyList_SetItem(at, i, where) < 0) { fail = 1; break; }
         off += (size + mask) & ~mask;
     }
     PyBuffer_Release(&d);
+done:
+    Py_DECREF(blobs);
+    if (fail == 2) PyErr_SetString(PyExc_ValueError, "place_blobs: the blobs changed");
     if (fail) return NULL;
     return Py_BuildValue("nn", end, copied);
 }
@@ -548,20 +560,25 @@ static PyObject *stamp_keys(PyObject *self, PyObject *args) {
  * ``outs``: output k is rows idx[idx_at * n : (idx_at + units) * n] of the buffer
  * srcs[src] viewed as rows of row_bytes, in order, each index clipped into [0, rows) as
  * numpy's ``take(mode="clip")`` clips it; outs[k] (a writable contiguous buffer) must be
- * exactly units * n rows. Runs of consecutive rows are copied as one block. */
+ * exactly units * n rows. Runs of consecutive rows are copied as one block. With ``nogil``
+ * (called from a worker thread) the copies are made without the GIL. */
 static PyObject *gather_rows(PyObject *self, PyObject *args) {
-    PyObject *outs, *srcs, *idx_o, *spec;
+    PyObject *outs_l, *srcs, *idx_o, *spec;
     Py_ssize_t n;
-    if (!PyArg_ParseTuple(args, "O!O!OnO!", &PyList_Type, &outs, &PyTuple_Type, &srcs,
-                          &idx_o, &n, &PyTuple_Type, &spec))
+    int nogil = 0;
+    if (!PyArg_ParseTuple(args, "O!O!OnO!|p", &PyList_Type, &outs_l, &PyTuple_Type, &srcs,
+                          &idx_o, &n, &PyTuple_Type, &spec, &nogil))
         return NULL;
     Py_ssize_t m = PyTuple_GET_SIZE(spec), ns = PyTuple_GET_SIZE(srcs);
-    if (PyList_GET_SIZE(outs) != m || n < 0 || n > (1 << 30)) {
+    if (PyList_GET_SIZE(outs_l) != m || n < 0 || n > (1 << 30)) {
         PyErr_SetString(PyExc_ValueError, "gather_rows: bad arguments");
         return NULL;
     }
+    /* the outputs as they are now (parsing a spec entry may run Python code) */
+    PyObject *outs = PyList_AsTuple(outs_l);
+    if (outs == NULL) return NULL;
     I64 idx;
-    if (get_i64(idx_o, &idx, 0) < 0) return NULL;
+    if (get_i64(idx_o, &idx, 0) < 0) { Py_DECREF(outs); return NULL; }
     int fail = 0;
     for (Py_ssize_t k = 0; k < m && !fail; k++) {
         Py_ssize_t src, at, units, rb;
@@ -583,7 +600,7 @@ static PyObject *gather_rows(PyObject *self, PyObject *args) {
             fail = 1;
             break;
         }
-        if (PyObject_GetBuffer(PyList_GET_ITEM(outs, k), &ov,
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(outs, k), &ov,
                                PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
             PyBuffer_Release(&sv);
             fail = 1;
@@ -599,9 +616,9 @@ static PyObject *gather_rows(PyObject *self, PyObject *args) {
         const char *s = (const char *)sv.buf;
         char *o = (char *)ov.buf;
         const int64_t *r = idx.p + at * (int64_t)n;
-        /* a large output is copied without the GIL (a large gather runs in a worker
-         * thread, beside the event loop): only the buffers held here are touched */
-        PyThreadState *ts = !fail && ov.len >= RELEASE_GIL_BYTES ? PyEval_SaveThread() : NULL;
+        /* called from a worker thread (a large gather), the copy is made without the GIL
+         * so that the event loop runs meanwhile: only the buffers held here are touched */
+        PyThreadState *ts = !fail && nogil ? PyEval_SaveThread() : NULL;
         for (int64_t i = 0; i < count && !fail;) {
             int64_t first = r[i] < 0 ? 0 : (r[i] >= rows ? rows - 1 : r[i]), last = first, j;
             for (j = i + 1; j < count && r[j] == last + 1 && r[j] < rows; j++) last = r[j];
@@ -613,6 +630,7 @@ static PyObject *gather_rows(PyObject *self, PyObject *args) {
         PyBuffer_Release(&sv);
     }
     PyBuffer_Release(&idx.view);
+    Py_DECREF(outs);
     if (fail) return NULL;
     Py_RETURN_NONE;
 }
@@ -622,26 +640,27 @@ static PyObject *gather_rows(PyObject *self, PyObject *args) {
  * planner gathered into the answer's segment), else None (bytes objects, such as cached
  * frames, and every blob elsewhere, to be copied). An empty blob is None. */
 static PyObject *inside(PyObject *self, PyObject *args) {
-    PyObject *blobs, *base_o;
+    PyObject *blobs_l, *base_o;
     Py_ssize_t used;
-    if (!PyArg_ParseTuple(args, "O!On", &PyList_Type, &blobs, &base_o, &used)) return NULL;
+    if (!PyArg_ParseTuple(args, "O!On", &PyList_Type, &blobs_l, &base_o, &used)) return NULL;
     Py_buffer bv;
     if (PyObject_GetBuffer(base_o, &bv, PyBUF_SIMPLE) < 0) return NULL;
     if (used < 0 || used > bv.len) used = used < 0 ? 0 : bv.len;
-    const char *lo = (const char *)bv.buf;
-    Py_ssize_t n = PyList_GET_SIZE(blobs);
-    PyObject *out = PyList_New(n);
+    uintptr_t lo = (uintptr_t)bv.buf;
+    PyObject *blobs = PyList_AsTuple(blobs_l);  /* as they are now */
+    Py_ssize_t n = blobs == NULL ? 0 : PyTuple_GET_SIZE(blobs);
+    PyObject *out = blobs == NULL ? NULL : PyList_New(n);
     for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
-        PyObject *b = PyList_GET_ITEM(blobs, i), *got = Py_None;
+        PyObject *b = PyTuple_GET_ITEM(blobs, i), *got = Py_None;
         if (!PyBytes_CheckExact(b)) {
             Py_buffer v;
             if (PyObject_GetBuffer(b, &v, PyBUF_C_CONTIGUOUS) < 0) {
                 Py_CLEAR(out);
                 break;
             }
-            const char *p = (const char *)v.buf;
-            if (v.len > 0 && p >= lo && p - lo <= used - v.len) {
-                got = PyLong_FromSsize_t(p - lo);
+            uintptr_t p = (uintptr_t)v.buf;
+            if (v.len > 0 && p >= lo && p - lo <= (uintptr_t)(used - v.len) && v.len <= used) {
+                got = PyLong_FromSsize_t((Py_ssize_t)(p - lo));
                 if (got == NULL) {
                     PyBuffer_Release(&v);
                     Py_CLEAR(out);
@@ -656,6 +675,7 @@ static PyObject *inside(PyObject *self, PyObject *args) {
         }
         PyList_SET_ITEM(out, i, got);
     }
+    Py_XDECREF(blobs);
     PyBuffer_Release(&bv);
     return out;
 }

@@ -169,13 +169,14 @@ def check_batch(ids: np.ndarray, frame: np.ndarray, totals: np.ndarray, uids_of:
 
 
 def place_blobs(dst: Any, blobs: list[Any], at: list[int | None], start: int,
-                align: int) -> tuple[int, int]:
+                align: int, nogil: bool = False) -> tuple[int, int]:
     """Lay out the blobs whose entry of ``at`` is None: each at the next ``align``-aligned
     offset from ``start``, in order. Returns (where the last ends, aligned; their bytes).
     With ``dst`` (a writable buffer) long enough for them, each such entry of ``at``
-    becomes the blob's offset and the blob is copied there; otherwise nothing is written."""
+    becomes the blob's offset and the blob is copied there; otherwise nothing is written.
+    ``nogil``: called from a worker thread, the compiled loop copies without the GIL."""
     if COMPILED:
-        end, copied = _c.place_blobs(dst, blobs, at, start, align)
+        end, copied = _c.place_blobs(dst, blobs, at, start, align, nogil)
         return int(end), int(copied)
     rest = [k for k, off in enumerate(at) if off is None]
     sizes = [memoryview(blobs[k]).nbytes for k in rest]
@@ -192,24 +193,30 @@ RowsSpec = tuple[int, int, int, int]
 
 
 def gather_rows(outs: list[np.ndarray], srcs: tuple[np.ndarray, ...], idx: np.ndarray, n: int,
-                spec: tuple[RowsSpec, ...]) -> None:
+                spec: tuple[RowsSpec, ...], nogil: bool = False) -> None:
     """Every numeric output of a batch: output k, with ``spec[k] = (src, idx_at, units,
     row_bytes)``, is the rows ``idx[idx_at * n: (idx_at + units) * n]`` of ``srcs[src]``
     viewed as rows of ``row_bytes``, in order, each index clipped into the source as
     ``take(mode="clip")`` clips it, written into ``outs[k]`` (contiguous, exactly that many
-    rows). Raises ValueError for an output that does not fit."""
+    rows). Raises ValueError for an output that does not fit. ``nogil``: called from a
+    worker thread, the compiled loop copies without the GIL (numpy's take releases it)."""
     if COMPILED:
-        _c.gather_rows(outs, srcs, idx, n, spec)
+        _c.gather_rows(outs, srcs, idx, n, spec, nogil)
         return
-    if len(outs) != len(spec):
+    if len(outs) != len(spec) or not 0 <= n <= 1 << 30:
         raise ValueError("gather_rows: bad arguments")
     for out, (src, at, units, row_bytes) in zip(outs, spec):
-        rows = srcs[src].reshape(-1).view(np.uint8).reshape(-1, row_bytes)
-        dest = out.reshape(-1).view(np.uint8)
-        if (at + units) * n > len(idx):
+        if not 0 <= src < len(srcs) or at < 0 or units < 0 or row_bytes <= 0 \
+                or (at + units) * n > len(idx):
             raise ValueError("gather_rows: an output does not fit")
+        if not out.flags.c_contiguous or not out.flags.writeable:
+            raise ValueError("gather_rows: an output is not a writable contiguous array")
+        dest = out.reshape(-1).view(np.uint8)
         if dest.size != units * n * row_bytes:
             raise ValueError("gather_rows: an output's size does not match")
+        rows = srcs[src].reshape(-1).view(np.uint8).reshape(-1, row_bytes)
+        if units * n and not len(rows):
+            raise ValueError("gather_rows: rows taken from an empty source")
         rows.take(idx[at * n: (at + units) * n], axis=0, mode="clip",
                   out=dest.reshape(-1, row_bytes))
 
@@ -225,7 +232,7 @@ def inside(blobs: list[Any], base: Any, used: int) -> list[int | None]:
     used = min(max(used, 0), memoryview(base).nbytes)
     out: list[int | None] = []
     for blob in blobs:
-        size = 0 if isinstance(blob, bytes) else memoryview(blob).nbytes
+        size = 0 if type(blob) is bytes else memoryview(blob).nbytes
         at = int(np.frombuffer(blob, np.uint8).ctypes.data) - lo if size else -1
         out.append(at if 0 <= at <= used - size else None)
     return out

@@ -5,8 +5,9 @@ key's feature shape, array length and chunk size per episode) depends only on th
 and the catalog's episodes, so it is compiled once per (keymap, catalog version) into
 arrays indexed by the catalog directory's dense episode ids. A batch then costs one dict
 lookup per sample and a handful of numpy calls per key: the rows of every window, the
-slots from the cache's slot table (``flat[base[uid] + row // chunk_rows]``), one ``take``
-per output into the answer's buffer, one stamp per key for the LRU.
+slots from the cache's slot table (``flat[base[uid] + row // chunk_rows]``), the outputs
+copied into the answer's buffer (one kernel call for them all when the layout covers the
+keymap, ``numeric.py``; else one ``take`` each), one stamp per key for the LRU.
 
 ``Compiled.plan`` has no side effect and returns None for anything it does not cover
 (a miss, ``annotation_cutoff``, numeric chunk sizes or feature shapes that differ within
@@ -223,12 +224,13 @@ class Compiled:
                 self.cache.take_frames(f.chunks[: k + 1], f.entries[: k + 1], f.fids[: k + 1])
                 raise
 
-    def gather(self, warm: Warm, empty: Empty,
-               arena: Arena | None = None) -> dict[str, np.ndarray]:
+    def gather(self, warm: Warm, empty: Empty, arena: Arena | None = None,
+               nogil: bool = False) -> dict[str, np.ndarray]:
         """Every numeric output, into arrays from ``empty`` (or ``arena``): in one kernel
-        call when the layout covers the keymap, else one ``take`` each."""
+        call when the layout covers the keymap (``nogil``: in a worker thread), else one
+        ``take`` each."""
         if warm.fused is not None:
-            return self.numeric.gather(warm.fused, empty, arena)
+            return self.numeric.gather(warm.fused, empty, arena, nogil)
         out: dict[str, np.ndarray] = {}
         rows = self._rows
         for g in warm.gathers:

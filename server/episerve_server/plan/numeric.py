@@ -1,10 +1,13 @@
-"""The compiled plan's numeric keys in one kernel call (``kernel.plan_keys``).
+"""The compiled plan's numeric keys in one kernel call (``kernel.plan_keys``), and their
+outputs gathered in another (``kernel.gather_rows``).
 
 When each numeric key of a keymap has one feature shape and one chunk size over the
 servable episodes, where each output's slots and gather rows go is fixed per keymap plan
-(a ``Layout``): a batch then allocates one slots and one rows buffer, and the kernel checks
-and resolves every key and output in one call. Keymaps it does not cover keep the per-key
-path in ``compiled``; both give the same plan (``tests/unit/test_compiled_plan.py``).
+(a ``Layout``): a batch then allocates one slots and one rows buffer, the kernel checks
+and resolves every key and output in one call, and copies every output in one more (the
+outputs' names, shapes and row sizes are kept per batch size). Keymaps it does not cover
+keep the per-key path in ``compiled``; both give the same answer
+(``tests/unit/test_compiled_plan.py``).
 """
 
 from __future__ import annotations
@@ -110,12 +113,14 @@ class NumericKeys:
             stamps.append((slab, [slots[lo * n: hi * n]]))
         return Fused(self.outputs(layout, n), slabs, idx, n)
 
-    def gather(self, f: Fused, empty: Empty, arena: Arena | None) -> dict[str, np.ndarray]:
+    def gather(self, f: Fused, empty: Empty, arena: Arena | None,
+               nogil: bool = False) -> dict[str, np.ndarray]:
         """The batch's outputs in one ``kernel.gather_rows`` call, into arrays from
-        ``empty``, or all at once from ``arena``."""
+        ``empty``, or all at once from ``arena`` (``nogil``: in a worker thread)."""
         o = f.outputs
         outs = arena.empty_many(o.shapes) if arena is not None else list(map(empty, o.shapes))
-        kernel.gather_rows(outs, tuple(map(self.cache.slab_data, f.slabs)), f.idx, f.n, o.spec)
+        kernel.gather_rows(outs, tuple(map(self.cache.slab_data, f.slabs)), f.idx, f.n, o.spec,
+                           nogil)
         return dict(zip(o.names, outs))
 
     def outputs(self, layout: Layout, n: int) -> Outputs:

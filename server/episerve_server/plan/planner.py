@@ -117,7 +117,7 @@ class Planner:
             self.cache.hold()
             try:
                 arrays = await asyncio.to_thread(self.compiled.gather, warm, empty,
-                                                 options.arena)
+                                                 options.arena, True)
             finally:
                 self.cache.unhold()
         else:

@@ -56,7 +56,7 @@ async def place(conn: Connection, result: BatchResult,
     try:
         if copied_bytes >= OFFLOAD_ENCODE_BYTES:
             await asyncio.to_thread(kernel.place_blobs, seg.mm, blobs, at, arena.used,
-                                    lp.ALIGN)
+                                    lp.ALIGN, True)
         else:
             kernel.place_blobs(seg.mm, blobs, at, arena.used, lp.ALIGN)
     except BaseException:

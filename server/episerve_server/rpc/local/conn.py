@@ -78,17 +78,13 @@ def queued(sock: socket.socket) -> int:
 
 
 async def send(conn: Connection, data: bytes, fds: Sequence[int] = ()) -> None:
-    """``data`` (and ``fds`` with its first bytes) on the connection, whole. When no other
-    send is under way the frame is sent at once (a unix socket's queue usually takes all
-    of it); only the rest, if any, waits for room, under the connection's send lock."""
-    if conn.send_lock.locked():
-        async with conn.send_lock:
-            await _send(conn, _sent_now(conn, data, fds))
-        return
-    rest = _sent_now(conn, data, fds)
-    if rest:
-        async with conn.send_lock:
-            await _send(conn, rest)
+    """``data`` (and ``fds`` with its first bytes) on the connection, whole, under the
+    connection's send lock (frames never interleave). The socket takes what it can at once
+    (a unix socket's queue usually takes all of it); only a rest waits for room."""
+    async with conn.send_lock:
+        rest = _sent_now(conn, data, fds)
+        if rest:
+            await asyncio.get_running_loop().sock_sendall(conn.sock, rest)
 
 
 def _sent_now(conn: Connection, data: bytes, fds: Sequence[int]) -> memoryview:
@@ -110,11 +106,6 @@ def _sent_now(conn: Connection, data: bytes, fds: Sequence[int]) -> memoryview:
         return view[conn.sock.send(view):]
     except BlockingIOError:
         return view
-
-
-async def _send(conn: Connection, rest: memoryview) -> None:
-    if rest:
-        await asyncio.get_running_loop().sock_sendall(conn.sock, rest)
 
 
 def error_body(error: EpiserveError) -> bytes:
