@@ -7,7 +7,6 @@
 #include <Python.h>
 #include <stdint.h>
 
-
 typedef struct {
     Py_buffer view;
     int64_t *p;
