@@ -510,14 +510,20 @@ def _call(method: str, request: bytes) -> bytes:
     return lp.call_body(method, request)
 
 
+def _pair() -> tuple[socket.socket, socket.socket]:
+    """A connected pair of non-blocking unix sockets (the daemon's end first)."""
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    b.setblocking(False)
+    return a, b
+
+
 def test_a_body_is_charged_as_it_arrives_and_dropped_past_the_budget() -> None:
     """A body is allocated and charged piece by piece (a head alone costs nothing); one
     that finds the budget full is read, dropped and reported as None."""
     async def run() -> None:
         buffers = ResponseBuffers(1 << 20, 1 << 20)
-        a, b = socket.socketpair()
-        a.setblocking(False)
-        b.setblocking(False)
+        a, b = _pair()
         loop = asyncio.get_running_loop()
         body = _call("Read", b"x" * 100_000 + b"y" * 200_000)
         view = memoryview(body)
@@ -554,9 +560,7 @@ def test_a_small_body_is_taken_at_once_when_it_has_arrived(arrived: str, room: b
     read, dropped and reported as None, nothing left charged."""
     async def run() -> None:
         buffers = ResponseBuffers(1 << 20, 1 << 20)
-        a, b = socket.socketpair()
-        a.setblocking(False)
-        b.setblocking(False)
+        a, b = _pair()
         loop = asyncio.get_running_loop()
         request = bytes(range(256)) * 12  # a batch's Read: a few KiB
         body = _call("Read", request)
@@ -594,9 +598,7 @@ def test_frames_sent_together_are_never_interleaved() -> None:
     arrives whole (one sent while another waits for room queues behind it, even arriving
     just as the lock is handed over)."""
     async def run() -> bytes:
-        a, b = socket.socketpair()
-        a.setblocking(False)
-        b.setblocking(False)
+        a, b = _pair()
         a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
         conn = Connection(a, "test", SegmentPool(1, lambda segments, nbytes: None))
         loop = asyncio.get_running_loop()
@@ -636,9 +638,7 @@ def test_what_a_body_allocates_is_charged_before_it_is_allocated() -> None:
     never charged; the joined copy was not counted)."""
     async def run() -> None:
         buffers = ResponseBuffers(64 << 20, 64 << 20)
-        a, b = socket.socketpair()
-        a.setblocking(False)
-        b.setblocking(False)
+        a, b = _pair()
         loop = asyncio.get_running_loop()
         body = _call("Read", bytes(range(256)) * (3 * 4096))
         view = memoryview(body)
@@ -718,9 +718,7 @@ def test_a_body_in_pieces_is_received_whole_whatever_its_size() -> None:
 
     async def run() -> None:
         buffers = ResponseBuffers(64 << 20, 64 << 20)
-        a, b = socket.socketpair()
-        a.setblocking(False)
-        b.setblocking(False)
+        a, b = _pair()
         loop = asyncio.get_running_loop()
         rng = np.random.default_rng(5)
         try:

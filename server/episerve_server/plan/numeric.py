@@ -21,6 +21,7 @@ from episerve_server.core import kernel
 from episerve_server.core.cache import ChunkCache
 from episerve_server.core.windows import Window
 from episerve_server.plan.assemble import Empty
+from episerve_server.plan.checks import row_bytes
 from episerve_server.plan.geometry import KeymapPlan
 from episerve_server.plan.options import Arena
 
@@ -136,8 +137,7 @@ class NumericKeys:
                 shape = (n, width, *feature) if time_axis else (n, *feature)
                 names.append(name)
                 shapes.append(shape)
-                spec.append((at, idx_at, width if time_axis else 1,
-                             4 * int(np.prod(feature, dtype=np.int64))))
+                spec.append((at, idx_at, width if time_axis else 1, row_bytes(feature, False)))
             got = self._outputs[key] = (layout, Outputs(tuple(names), tuple(shapes),
                                                         tuple(spec)))
         return got[1]

@@ -157,9 +157,12 @@ _HEADERS = _Headers()
 
 
 def _raw(arr: np.ndarray) -> memoryview:
-    if not arr.flags.c_contiguous:
-        arr = np.ascontiguousarray(arr)
-    return memoryview(arr).cast("B")  # type: ignore[arg-type]
+    """The array's bytes: viewed at once when it is C-contiguous (a batch's arrays are),
+    else from a contiguous copy."""
+    try:
+        return memoryview(arr).cast("B")  # type: ignore[arg-type]
+    except TypeError:  # not C-contiguous
+        return memoryview(np.ascontiguousarray(arr)).cast("B")  # type: ignore[arg-type]
 
 
 def _message(field: int, parts: list[Buf]) -> list[Buf]:
@@ -202,25 +205,12 @@ def _columns(field: int, columns: list[tuple[str, str, np.ndarray]], sink: Sink)
 
 
 def _tensors(field: int, arrays: dict[str, np.ndarray], sink: Sink) -> list[Buf]:
-    """``_columns`` of the arrays, each little-endian, in one loop (a batch's arrays are
-    contiguous: each is viewed as bytes at once, and copied only when it is not)."""
-    parts: list[Buf] = []
-    headers = _HEADERS
+    columns = []
     for name, arr in arrays.items():
-        dtype = arr.dtype
-        if not (_LITTLE and dtype.isnative):
-            arr = arr.astype(dtype.newbyteorder("<"))
-            dtype = arr.dtype
-        try:
-            raw = memoryview(arr).cast("B")  # type: ignore[arg-type]
-        except TypeError:  # not C-contiguous
-            raw = _raw(arr)
-        if sink is None:
-            parts += (headers[(field, name, dtype.str, arr.shape, raw.nbytes)], raw)
-        else:
-            parts.append(headers[(field, name, dtype.str, arr.shape, -1)])
-            sink.append(raw)
-    return parts
+        if not (_LITTLE and arr.dtype.isnative):
+            arr = arr.astype(arr.dtype.newbyteorder("<"))
+        columns.append((name, arr.dtype.str, arr))
+    return _columns(field, columns, sink)
 
 
 def _images(field: int, images: dict[str, ImageColumn], sink: Sink) -> list[Buf]:
