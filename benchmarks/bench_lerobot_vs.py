@@ -1,21 +1,32 @@
 """``LeRobotDataset`` itself against ``LeRobotWindowDataset`` on the same root, written by
-LeRobot's own writer: DataLoader samples/s, cold and warm, float32 and uint8 frames, and
-each side's worker RSS.
+LeRobot's own writer: DataLoader samples/s, cold and warm, float32 and uint8 frames, each
+side's worker RSS, and what the daemon decoded.
 
     python benchmarks/bench_lerobot_vs.py [--size 96x128] [--episodes 4] [--length 200]
-                                          [--batches 20] [--cache-bytes 2GiB]
-                                          [--buffered-bytes 1GiB]
+                                          [--fps 10] [--codec h264|default]
+                                          [--cache 2GiB | --cache-share 0.25,1]
+                                          [--batches N] [--buffered-bytes 1GiB]
 
 Runs in LeRobot's venv (``make lerobot-env``): started from any other interpreter, it runs
 itself again with ``.venv-lerobot/bin/python`` (``--lerobot-python``), and the daemon runs
-from the interpreter that started it. 2 cameras, h264, 2 workers, batch 32, 2 observation
-frames per camera and state, 16 actions, random samples; both sides hand their items to
-torch's default collate, as a LeRobot training loop does. Each pass times from each
-worker's second batch on (worker start-up is excluded); "cold" is the daemon's first pass
-(its cache empty; LeRobotDataset has no cache, so its two passes are alike). Worker RSS is
-the largest VmRSS of the loader's worker processes, read every 4th batch of the pass.
-After each of the daemon's passes a line gives the video frames it converted (decoded to
-RGB) per sample.
+from the interpreter that started it. 2 cameras, 2 workers, batch 32, 2 observation frames
+per camera (``delta_timestamps`` one frame apart) and the state, 16 actions; both sides hand
+their items to torch's default collate, as a LeRobot training loop does.
+
+``--codec default`` writes the videos with the writer's own defaults (LeRobot 0.6: AV1 by
+SVT-AV1, a keyframe every 2 frames), as a LeRobot user's root is; ``h264`` passes an h264
+encoder config. ``--cache-share`` sizes the daemon's cache as shares of the decoded frames
+(frames x (H x W x 3 + header)), one daemon per share; ``--cache`` gives it in bytes.
+
+Each pass is a shuffled order of every sample (a new permutation per pass, as a shuffled
+DataLoader's epochs are; ``--batches`` cuts it shorter), timed from each worker's second
+batch on (worker start-up is excluded); "cold" is the daemon's first pass (its cache
+empty; LeRobotDataset has no cache, so its two passes are alike). Worker RSS is the
+largest VmRSS of the loader's worker processes, read every 4th batch of the pass. After
+each of the daemon's passes a line gives, per sample, the video frames its decoder gave,
+those it converted to RGB, and its CPU (``/proc``); LeRobot's frames decoded per sample
+are counted from its rule (seek to the keyframe at or before the first time less a tick,
+decode through the first frame at or after the last) over the files' own keyframes.
 
 The daemon's ``--max-buffered-bytes`` is 1 GiB here: at 480x640 one batch's answer is
 ~140 MB, and a DataLoader worker waiting for its next indices keeps its last answer
@@ -35,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-WORKERS, BATCH, FPS = 2, 32, 10
+WORKERS, BATCH = 2, 32
 CAMERAS = ("observation.images.top", "observation.images.wrist")
 
 
@@ -50,7 +61,8 @@ def rerun_in_lerobot_venv(python: Path) -> int:
                           check=False).returncode
 
 
-def write(root: Path, episodes: int, length: int, size: tuple[int, int]) -> None:
+def write(root: Path, episodes: int, length: int, size: tuple[int, int], fps: int,
+          codec: str) -> None:
     import numpy as np
     from lerobot.configs.video import RGBEncoderConfig
     from lerobot.datasets.lerobot_dataset import LeRobotDataset
@@ -62,8 +74,9 @@ def write(root: Path, episodes: int, length: int, size: tuple[int, int]) -> None
     for cam in CAMERAS:
         features[cam] = {"dtype": "video", "shape": (h, w, 3),
                          "names": ["height", "width", "channels"]}
-    ds = LeRobotDataset.create(repo_id="bench/vs", fps=FPS, root=root, features=features,
-                               use_videos=True, rgb_encoder=RGBEncoderConfig(vcodec="h264"))
+    encoder = {} if codec == "default" else {"rgb_encoder": RGBEncoderConfig(vcodec=codec)}
+    ds = LeRobotDataset.create(repo_id="bench/vs", fps=fps, root=root, features=features,
+                               use_videos=True, **encoder)
     y, x = np.mgrid[0:h, 0:w]
     for ep in range(episodes):
         for f in range(length):
@@ -108,13 +121,53 @@ def run(ds: Any, order: list[int]) -> tuple[float, float]:
     return rate, rss
 
 
+def lerobot_decodes(ds: Any, order: list[int], delta: dict[str, list[float]]) -> float:
+    """Frames per sample LeRobot's pyav loop decodes for ``order``: per camera, from the
+    keyframe at or before (the first time less a tick) through the first frame at or after
+    the last, over each file's own packets (demuxed, not decoded)."""
+    import av
+
+    fps = ds.meta.fps
+    packets: dict[str, tuple[list[float], list[bool], float]] = {}
+    total = 0
+    for g in order:
+        item = ds.hf_dataset[g]
+        ep = int(item["episode_index"])
+        length = int(ds.meta.episodes[ep]["length"])
+        ts = float(item["timestamp"])
+        for cam in CAMERAS:
+            path = str(ds.root / ds.meta.get_video_file_path(ep, cam))
+            if path not in packets:
+                with av.open(path) as c:
+                    st = c.streams.video[0]
+                    ps = sorted((float(p.pts * st.time_base), bool(p.is_keyframe))
+                                for p in c.demux(st) if p.pts is not None)
+                    packets[path] = ([t for t, _ in ps], [k for _, k in ps],
+                                     float(st.time_base))
+            times, keys, tick = packets[path]
+            shift = float(ds.meta.episodes[ep][f"videos/{cam}/from_timestamp"])
+            query = [min(max(ts + d, 0.0), (length - 1) / fps) + shift for d in delta[cam]]
+            seek = (round(query[0] / tick) - 1) * tick
+            start = max((i for i, t in enumerate(times) if keys[i] and t <= seek + tick / 4),
+                        default=0)
+            end = next((i for i in range(start, len(times)) if times[i] >= max(query)),
+                       len(times) - 1)
+            total += end - start + 1
+    return total / max(1, len(order))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--size", default="96x128", help="HxW of each camera")
     p.add_argument("--episodes", type=int, default=4)
     p.add_argument("--length", type=int, default=200)
-    p.add_argument("--batches", type=int, default=20)
-    p.add_argument("--cache-bytes", default="2GiB", help="the daemon's --cache-bytes")
+    p.add_argument("--fps", type=int, default=10)
+    p.add_argument("--codec", default="h264", help="h264, or default: the writer's own")
+    p.add_argument("--batches", type=int, default=0,
+                   help="batches per pass after the workers' first (0: every sample)")
+    p.add_argument("--cache", default="", help="the daemon's --cache-bytes")
+    p.add_argument("--cache-share", default="",
+                   help="comma-separated shares of the decoded frames, a daemon each")
     p.add_argument("--buffered-bytes", default="1GiB", help="the daemon's --max-buffered-bytes")
     p.add_argument("--lerobot-python", type=Path, default=REPO / ".venv-lerobot/bin/python")
     a = p.parse_args()
@@ -124,57 +177,78 @@ def main() -> None:
         raise SystemExit(rerun_in_lerobot_venv(a.lerobot_python)) from None
 
     import numpy as np
-    from common import table
+    from common import cpu_s, table
     from lerobot.datasets.lerobot_dataset import LeRobotDataset
 
     from episerve_client import Client, LeRobotWindowDataset
     from episerve_tools.launch import DaemonProcess
 
     h, w = (int(v) for v in a.size.split("x"))
-    step = 1 / FPS
+    step = 1 / a.fps
     delta = {"observation.state": [-step, 0.0], "action": [k * step for k in range(16)]}
     delta |= {cam: [-step, 0.0] for cam in CAMERAS}
+    total = a.episodes * a.length
+    decoded_bytes = total * len(CAMERAS) * (h * w * 3 + 16)
+    caches = [(f"{float(x):g} of the frames", str(int(float(x) * decoded_bytes)))
+              for x in a.cache_share.split(",") if x] or [(a.cache or "2GiB", a.cache or "2GiB")]
+    rng = np.random.default_rng(0)
+    per_pass = min(total, (a.batches + WORKERS) * BATCH) if a.batches else total
+    orders = {pass_: rng.permutation(total)[:per_pass].tolist() for pass_ in ("cold", "warm")}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp) / "root"
         t0 = time.perf_counter()
-        write(root, a.episodes, a.length, (h, w))
+        write(root, a.episodes, a.length, (h, w), a.fps, a.codec)
         written_s = time.perf_counter() - t0
-        total = a.episodes * a.length
-        order = np.random.default_rng(0).integers(
-            0, total, (a.batches + WORKERS) * BATCH).tolist()
-        for uint8 in (False, True):
-            theirs = LeRobotDataset("bench/vs", root=root, delta_timestamps=delta,
-                                    video_backend="pyav", return_uint8=uint8)
-            sock = Path(tmp) / f"d{int(uint8)}.sock"
-            with DaemonProcess(root, "--rescan-s", "0", "--max-response-bytes", "250MiB",
-                               "--cache-bytes", a.cache_bytes,
-                               "--max-buffered-bytes", a.buffered_bytes, unix=sock,
-                               python=os.environ.get("DAEMON_PYTHON")) as d:
-                ours = LeRobotWindowDataset(d.target, root, delta, return_uint8=uint8)
-                counts = Client(d.target)
-                seen = {"video_frames_decoded": 0, "samples_read": 0}
-                for pass_ in ("cold", "warm"):
-                    ours_s, ours_rss = run(ours, order)
-                    now = {k: int(counts.stats().get(k, 0)) for k in seen}
-                    done = {k: now[k] - seen[k] for k in seen}
-                    seen = now
-                    print(f"daemon, {pass_}: {done['video_frames_decoded']} video frames "
-                          f"converted for {done['samples_read']} samples "
-                          f"({done['video_frames_decoded'] / max(1, done['samples_read']):.1f}"
-                          f" a sample)", flush=True)
-                    theirs_s, theirs_rss = run(theirs, order)
-                    rows.append((f"{'uint8' if uint8 else 'float32'} {pass_}",
-                                 f"{ours_s:.0f}", f"{theirs_s:.0f}",
-                                 f"{ours_s / theirs_s:.1f}x", f"{ours_rss:.0f}",
-                                 f"{theirs_rss:.0f}"))
-                    print(*rows[-1], flush=True)
-    print(f"{a.episodes} episodes x {a.length} frames written by LeRobot's writer in "
-          f"{written_s:.0f} s, 2 cameras of {h}x{w} h264, {WORKERS} workers, batch {BATCH}, "
-          f"daemon --cache-bytes {a.cache_bytes}")
-    print(table(rows, ("frames, pass", "LeRobotWindowDataset samples/s",
-                       "LeRobotDataset samples/s", "ratio", "episerve worker RSS MB",
-                       "LeRobot worker RSS MB")))
+        ref = LeRobotDataset("bench/vs", root=root, delta_timestamps=delta,
+                             video_backend="pyav")
+        theirs_decoded = {k: lerobot_decodes(ref, o[: len(o) - len(o) % BATCH], delta)
+                          for k, o in orders.items()}
+        print(f"LeRobotDataset decodes {theirs_decoded['cold']:.1f} / "
+              f"{theirs_decoded['warm']:.1f} frames a sample (its rule, these orders)",
+              flush=True)
+        for label, cache in caches:
+            for uint8 in (False, True):
+                theirs = LeRobotDataset("bench/vs", root=root, delta_timestamps=delta,
+                                        video_backend="pyav", return_uint8=uint8)
+                sock = Path(tmp) / f"d{int(uint8)}.sock"
+                with DaemonProcess(root, "--rescan-s", "0", "--max-response-bytes", "250MiB",
+                                   "--cache-bytes", cache,
+                                   "--max-buffered-bytes", a.buffered_bytes, unix=sock,
+                                   python=os.environ.get("DAEMON_PYTHON")) as d:
+                    ours = LeRobotWindowDataset(d.target, root, delta, return_uint8=uint8)
+                    counts = Client(d.target)
+                    keys = ("video_frames_decoded", "video_frames_converted", "samples_read")
+                    seen = {k: 0 for k in keys}
+                    cpu = cpu_s(d.proc.pid)
+                    for pass_, order in orders.items():
+                        ours_s, ours_rss = run(ours, order)
+                        now = {k: int(counts.stats().get(k, 0)) for k in keys}
+                        done = {k: now[k] - seen[k] for k in keys}
+                        seen = now
+                        n = max(1, done["samples_read"])
+                        used, cpu = cpu_s(d.proc.pid) - cpu, cpu_s(d.proc.pid)
+                        frames = "uint8" if uint8 else "float32"
+                        print(f"daemon, cache {label}, {frames} {pass_}: per sample "
+                              f"{done['video_frames_decoded'] / n:.1f} frames decoded, "
+                              f"{done['video_frames_converted'] / n:.1f} converted, "
+                              f"{1e3 * used / n:.1f} ms CPU ({n} samples)", flush=True)
+                        theirs_s, theirs_rss = run(theirs, order)
+                        rows.append((label, f"{frames} {pass_}", f"{ours_s:.1f}",
+                                     f"{theirs_s:.1f}", f"{ours_s / theirs_s:.2f}x",
+                                     f"{done['video_frames_decoded'] / n:.1f}",
+                                     f"{theirs_decoded[pass_]:.1f}",
+                                     f"{1e3 * used / n:.1f}", f"{ours_rss:.0f}",
+                                     f"{theirs_rss:.0f}"))
+                        print(*rows[-1], flush=True)
+    print(f"{a.episodes} episodes x {a.length} frames at {a.fps} fps written by LeRobot's "
+          f"writer in {written_s:.0f} s, 2 cameras of {h}x{w} ({a.codec} codec), "
+          f"{decoded_bytes / 2**20:.0f} MiB of decoded frames; {WORKERS} workers, batch "
+          f"{BATCH}, {per_pass} samples a pass")
+    print(table(rows, ("daemon cache", "frames, pass", "LeRobotWindowDataset samples/s",
+                       "LeRobotDataset samples/s", "ratio", "episerve frames decoded/sample",
+                       "LeRobot frames decoded/sample", "daemon CPU ms/sample",
+                       "episerve worker RSS MB", "LeRobot worker RSS MB")))
 
 
 if __name__ == "__main__":

@@ -71,6 +71,12 @@ def timed(fn: Callable[[], Any], reps: int) -> list[float]:
     return times
 
 
+def cpu_s(pid: int) -> float:
+    """CPU seconds of every thread of ``pid`` so far (``/proc``, user and system)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def median(xs: Sequence[float]) -> float:
     return statistics.median(xs)
 

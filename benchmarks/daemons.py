@@ -21,12 +21,6 @@ CLIENTS = 16
 EPISODES = 24
 
 
-def cpu_s(pid: int) -> float:
-    """CPU seconds of every thread of ``pid`` so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def loadtest(target: str, keymap: Path, seconds: float, transport: str,
              tmp: str) -> tuple[float, float]:
     """(samples in all, the loadtest process's CPU seconds)."""

@@ -216,7 +216,8 @@ def test_only_the_frame_nearest_each_time_is_converted(
     served = serve(root)
     result = served.read(TOP, [("episode_000000", f) for f in range(8)])
     assert len(result.frames["observation.images.top"]) == 8
-    assert served.stats.video_frames_decoded == 8
+    assert served.stats.video_frames_converted == 8
+    assert served.stats.video_frames_decoded == 29  # frames 0.0 .. 0.7 s at 40 a second
 
 
 @pytest.mark.parametrize("codec", [

@@ -110,8 +110,9 @@ def test_a_timestamp_without_a_frame_names_episode_key_and_time(
         served.read({"top": KEYMAP["top"]}, [("episode_000001", 2)])
     text = str(info.value)
     assert "'episode_000001'" in text and "'observation.images.top'" in text
-    # the read decodes frames 0..5 of the episode together: the first is 0.6 + 0.03 s
-    assert "tolerance_s=0.0001" in text and "timestamp 0.63 s" in text
+    # the read decodes the one frame it serves, frame 1 (0.6 + 0.03 + 0.1 s), from the
+    # keyframe before it: the nearest frame decoded is 0.03 s away
+    assert "tolerance_s=0.0001" in text and "frame 1:" in text and "timestamp 0.73 s" in text
     assert "nearest frame is at 0.7 s" in text
     assert served.read({"s": KEYMAP["observation.state"]}, [("episode_000001", 2)])
     # --video-tolerance-s 0.05: the frame 0.03 s off is within it, and served

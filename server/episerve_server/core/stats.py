@@ -37,8 +37,10 @@ COUNTERS = (
     # the catalog
     "episodes_reopened",
     "change_checks",
-    # LeRobot roots: video frames decoded (and converted to RGB) by the daemon
+    # LeRobot roots: video frames the daemon's decoder gave, and those converted to RGB (the
+    # frames served and cached: a pass decodes from a keyframe, converting only its frames)
     "video_frames_decoded",
+    "video_frames_converted",
 )
 
 
@@ -80,6 +82,7 @@ class Stats:
     # opening and reading need
     change_checks: int = 0
     video_frames_decoded: int = 0
+    video_frames_converted: int = 0
     cache_bytes: int = 0
     cache_entries: int = 0
     episodes: defaultdict[str, EpisodeCounters] = field(

@@ -278,10 +278,14 @@ class Fetcher:
         requests = [req for plan in plans if plan is not None for req in plan.requests]
         others = [k for k, plan in enumerate(plans) if plan is None]
         async with self._background_slot() if background else self.slot():
+            # the runs a reader reads itself, one call per reader (one job per video)
+            by_reader: dict[ChunkReader, list[int]] = {}
+            for k in others:
+                by_reader.setdefault(runs[k][0], []).append(k)
             try:
                 got: list[Any] = await asyncio.gather(
                     self.catalog.store.get_many(requests),
-                    *(runs[k][0].fetch(runs[k][1], runs[k][2]) for k in others))
+                    *(r.fetch_runs([runs[k][1:] for k in ks]) for r, ks in by_reader.items()))
             except Refused as exc:
                 episode, key = split_key(exc.key)
                 raise DataLossError(f"episode {episode!r} key {key!r}: store object "
@@ -293,7 +297,9 @@ class Fetcher:
                                          requests[0][0] if requests else "")
                 raise storage_error(exc, episode, key) from exc
         raws: list[bytes | None] = got[0]
-        fallback: dict[int, list[Raw | Chunk]] = dict(zip(others, got[1:]))
+        fallback: dict[int, list[Raw | Chunk]] = {
+            k: chunks for ks, per_run in zip(by_reader.values(), got[1:])
+            for k, chunks in zip(ks, per_run)}
         nbytes = sum(len(r) for r in raws if r is not None)
         self._count(runs, plans, raws, fallback)
         args = (runs, plans, raws, fallback)

@@ -73,6 +73,7 @@ COUNTER_HELP = {
     "episodes_reopened": "Episodes reopened because their files were rewritten in place.",
     "change_checks": "Store requests made to see whether an episode was rewritten.",
     "video_frames_decoded": "Video frames of LeRobot datasets decoded by the daemon.",
+    "video_frames_converted": "Decoded video frames converted to RGB (those served).",
 }
 
 

@@ -40,7 +40,7 @@ from episerve_server.storage.local import ConfinedLocalStore
 T = TypeVar("T")
 #: Open files kept per kind; the least recently used is closed past this.
 MAX_OPEN_PARQUET = 32
-MAX_OPEN_VIDEOS = 16
+MAX_OPEN_VIDEOS = 16  # containers: a file may have DECODE_THREADS open
 MAX_PARQUET_BYTES = 4 << 30  # one parquet data file on disk (read in row groups, never whole)
 MAX_META_PARQUET_BYTES = 256 << 20  # meta/episodes and meta/tasks files (read whole)
 MAX_VIDEO_BYTES = 64 << 30  # one mp4 file on disk (decoded in GOPs, never whole)
@@ -96,19 +96,27 @@ class OpenFiles:
 
     # -- opening (worker threads) -------------------------------------------------------
 
-    def _get(self, table: OrderedDict[str, _Open], limit: int, path: str,
-             make: Callable[[BinaryIO], _Open], cap: int) -> _Open:
+    def _get(self, table: OrderedDict[str, _Open], limit: int, key: str,
+             make: Callable[[BinaryIO], _Open], cap: int, path: str = "") -> _Open:
+        """The open file kept under ``key`` (``path``, or ``path`` and a slot), opened from
+        ``path`` (default: ``key``) if it is not kept."""
+        path = path or key
         with self._guard:
-            found = table.get(path)
+            found = table.get(key)
             if found is not None:
-                table.move_to_end(path)
+                table.move_to_end(key)
                 return found
         # Checked on the descriptor opened; the library then opens that same file through
         # /proc/self/fd (its own descriptor, native reads) and the checked one is closed.
         with self.store.open_sync(path, cap) as handle, _about(path):
             opened = make(handle)
         with self._guard:
-            table[path] = opened
+            if key in table:  # opened meanwhile by another thread: keep the first
+                table.move_to_end(key)
+                with contextlib.suppress(Exception):
+                    opened.close()
+                return table[key]
+            table[key] = opened
             while len(table) > limit:
                 _, old = table.popitem(last=False)
                 with old.lock:  # not while another thread reads it
@@ -118,9 +126,13 @@ class OpenFiles:
     def parquet(self, path: str, cap: int = MAX_PARQUET_BYTES) -> _Open:
         return self._get(self._parquet, MAX_OPEN_PARQUET, path, _parquet_file, cap)
 
-    def video(self, path: str, size: tuple[int, int]) -> _Open:
-        """The container of ``path``, opened (by its first opener) with frames of more than
-        ``size``'s pixels refused by FFmpeg itself, and its stream's size checked."""
+    @contextlib.contextmanager
+    def video(self, path: str, size: tuple[int, int]) -> Iterator[Any]:
+        """A container of ``path``, held by this thread until the block ends: one nobody
+        holds, else a new one while the file has fewer than ``DECODE_THREADS`` open (so the
+        decode threads can read one file at once, an episode each), else the first, once
+        free. A container is opened with frames of more than ``size``'s pixels refused by
+        FFmpeg itself, and its stream's size checked."""
         import av
 
         limit = {"max_pixels": str(pixel_limit(size))}
@@ -139,7 +151,25 @@ class OpenFiles:
                 raise
             return _Open(container)
 
-        return self._get(self._videos, MAX_OPEN_VIDEOS, path, make, MAX_VIDEO_BYTES)
+        held = None
+        with self._guard:
+            for k in range(DECODE_THREADS):
+                found = self._videos.get(f"{path}\0{k}")
+                if found is not None and found.lock.acquire(blocking=False):
+                    self._videos.move_to_end(f"{path}\0{k}")
+                    held = found
+                    break
+            else:
+                free = [k for k in range(DECODE_THREADS) if f"{path}\0{k}" not in self._videos]
+        if held is None:
+            slot = f"{path}\0{free[0] if free else 0}"
+            held = self._get(self._videos, MAX_OPEN_VIDEOS, slot, make, MAX_VIDEO_BYTES,
+                             path)
+            held.lock.acquire()
+        try:
+            yield held.obj
+        finally:
+            held.lock.release()
 
     @staticmethod
     def checked_stream(container: Any, path: str, size: tuple[int, int]) -> Any:

@@ -70,9 +70,6 @@ class Feature:
     kind: str  # "numeric" or "video"
     shape: tuple[int, ...]  # numeric: per row; video: (H, W, 3)
     dtype: str
-    #: A video's keyframe interval as ``info.json`` declares it (``video.g``), 0 when it
-    #: does not: it sizes cached chunks only, never which frame is served.
-    gop: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,17 +182,11 @@ def _feature(name: object, spec: object) -> Feature | None:
                         "a list of 1 to 4 positive ints")
     if dtype == "video":
         hwc = _video_shape(name, shape, spec.get("names"))
-        return Feature(name, "video", hwc, "uint8", _gop(spec.get("info")))
+        return Feature(name, "video", hwc, "uint8")
     if math.prod(shape) > MAX_FEATURE_ELEMENTS:
         raise MetaError(f"{INFO_PATH}: feature {name!r} has shape {shape!r}, more than "
                         f"{MAX_FEATURE_ELEMENTS} values per frame")
     return Feature(name, "numeric", tuple(shape), str(dtype))
-
-
-def _gop(info: object) -> int:
-    """``video.g`` of a video feature's ``info`` when it is a positive int, else 0."""
-    g = info.get("video.g") if isinstance(info, dict) else None
-    return g if isinstance(g, int) and not isinstance(g, bool) and 0 < g <= 1 << 20 else 0
 
 
 def _video_shape(name: str, shape: list[int], names: object) -> tuple[int, int, int]:

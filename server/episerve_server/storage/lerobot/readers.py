@@ -9,9 +9,10 @@ video), and decoded chunks are cached once for every client.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -40,8 +41,11 @@ class LeRobotReader(ChunkReader):
         self.files = files
 
     async def fetch(self, first: int, last: int) -> list[Raw | Chunk]:
+        return (await self.fetch_runs([(first, last)]))[0]
+
+    async def fetch_runs(self, runs: Sequence[tuple[int, int]]) -> list[list[Raw | Chunk]]:
         try:
-            return await self._fetch(first, last)
+            return await self._fetch_runs(runs)
         except Refused as exc:
             raise self.loss(f"file {exc.key!r} refused: {exc.why}") from exc
         except FileProblem as exc:
@@ -50,6 +54,12 @@ class LeRobotReader(ChunkReader):
             raise self.loss(f"file {exc.filename!r} is missing") from exc
         except (OSError, pa.ArrowException) as exc:  # a corrupt page or row group
             raise self.loss(f"read failed ({type(exc).__name__}: {str(exc)[:300]})") from exc
+
+    async def _fetch_runs(self, runs: Sequence[tuple[int, int]]) -> list[list[Raw | Chunk]]:
+        return list(await asyncio.gather(*(self._fetch(first, last) for first, last in runs)))
+
+    async def _fetch(self, first: int, last: int) -> list[Raw | Chunk]:
+        raise NotImplementedError
 
     def _rows(self, first: int, last: int) -> tuple[int, int]:
         c = self.info.chunk_rows

@@ -1,18 +1,30 @@
 """A LeRobot video feature as a chunk reader: frame ``r`` of the episode is the decoded frame
 nearest to ``from_s + r / fps`` in its mp4 file, if one is strictly within ``tolerance_s``.
 
+**What is decoded.** Each frame is its own cached chunk, so a read converts to RGB only the
+frames it serves, and keeps only those. Where the keyframes are is read from the stream
+itself the first time an episode's video is read: its packets are demuxed (their flags and
+times, nothing decoded) over the episode's span, once. A read's frames are then decoded in
+passes: one seek to the keyframe at or before a frame, and one run of decoding through the
+last frame that lies before the next keyframe that is worth seeking to, so two frames of
+one group of pictures are decoded in one pass and frames of different ones never decode
+the frames between them. A file whose keyframes cannot be listed (too many packets for the
+span, or none with a time) is read in passes of consecutive frames, as a seek per run.
+
 Bounded before decoding: the container is opened with FFmpeg's ``max_pixels`` (the stream
 probe cannot decode a frame larger than ``info.json`` declares), the stream's size from its
 headers is compared with the declared one before the first frame is decoded, and the
 decoder's own context carries the same pixel limit (a size changed mid-stream is refused by
 FFmpeg). While decoding, only the one frame nearest each wanted time is kept (as FFmpeg's
 frame) and only those are converted to RGB at the end; frames decoded faster than the
-declared ``fps`` allows, or more than ``MAX_DECODED_FRAMES`` in all, stop the read.
+declared ``fps`` allows, or more than ``MAX_DECODED_FRAMES`` in all, stop the read, and so
+do packets demuxed at such a rate when the keyframes are listed.
 """
 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
 from typing import Any
 
 from episerve_proto import rawframe
@@ -24,72 +36,125 @@ from episerve_server.storage.lerobot.meta import Feature, VideoSpan
 from episerve_server.storage.lerobot.readers import LeRobotReader
 from episerve_server.storage.readers import ArrayInfo, Raw
 
-#: The most frames of one cached chunk of video. A chunk is as many frames as the video's
-#: keyframe interval (``video.g`` in ``info.json``; LeRobot's writer keeps a keyframe
-#: every 2 frames) when that is smaller, so a chunk is decoded from its own keyframe with
-#: nothing before it, and a read of a few random frames converts few frames it does not
-#: use (with chunks of 8 and a cache too small to keep them, most of each chunk went
-#: unused: 8 frames converted and 11 decoded for the 2 a sample needed).
-VIDEO_CHUNK_ROWS = 8
-#: The most frames one video read may decode (from the keyframe before its first frame):
-#: a GOP longer than this is refused rather than decoded without end.
+#: The most frames one pass of decoding may take from the decoder (from the keyframe at or
+#: before its first frame): a group of pictures longer than this is refused rather than
+#: decoded without end.
 MAX_DECODED_FRAMES = 4096
-#: Frames decoded from the keyframe on may come at most this many times faster than the
-#: declared ``fps``, plus ``FRAME_SLACK``: a file packing thousands of frames into the
-#: span of a few is refused after a few dozen.
+#: Frames decoded from the keyframe on, or packets demuxed over an episode's span, may come
+#: at most this many times faster than the declared ``fps``, plus ``FRAME_SLACK``: a file
+#: packing thousands of frames into the span of a few is refused after a few dozen.
 MAX_RATE_FACTOR = 4
 FRAME_SLACK = 32
 
 
-def chunk_rows(gop: int) -> int:
-    """Frames per cached chunk of a video whose keyframe interval is ``gop`` (0: unknown)."""
-    return gop if 0 < gop < VIDEO_CHUNK_ROWS else VIDEO_CHUNK_ROWS
-
-
 class VideoReader(LeRobotReader):
-    """Frames of one video feature of one episode, decoded in runs of whole chunks.
+    """Frames of one video feature of one episode, a chunk a frame, decoded in passes that
+    start at keyframes found in the stream.
 
     ``frames_decoded`` counts the frames its reads took from the decoder and
-    ``frames_converted`` those converted to RGB (what ``Stats.video_frames_decoded``
-    counts for every video)."""
+    ``frames_converted`` those converted to RGB (``Stats.video_frames_decoded`` and
+    ``Stats.video_frames_converted`` count the same over every video)."""
 
     def __init__(self, episode: str, feature: Feature, files: OpenFiles, span: VideoSpan,
                  length: int, fps: float, tolerance_s: float, stats: Stats) -> None:
         h, w, _ = feature.shape
-        super().__init__(ArrayInfo(episode, feature.name, length, chunk_rows(feature.gop), (), True,
+        super().__init__(ArrayInfo(episode, feature.name, length, 1, (), True,
                                    1, rawframe.HEADER_BYTES + h * w * 3), files)
         self.span, self.fps, self.tolerance_s, self.size = span, fps, tolerance_s, (h, w)
         self.stats = stats
         self.frames_decoded = self.frames_converted = 0
+        #: the keyframes' times over the episode's span, sorted; [] when they could not be
+        #: listed, None until the first read lists them (in a worker thread, under the
+        #: container's lock: the list is only ever replaced whole)
+        self.keyframes: list[float] | None = None
 
-    async def _fetch(self, first: int, last: int) -> list[Raw | Chunk]:
-        start, stop = self._rows(first, last)
-        frames, decoded, converted = await self.files.run(lambda: self._decode(start, stop))
-        self.stats.video_frames_decoded += converted  # (on the loop, as every counter)
+    async def _fetch_runs(self, runs: Sequence[tuple[int, int]]) -> list[list[Raw | Chunk]]:
+        rows = sorted({r for first, last in runs for r in range(first, last + 1)})
+        frames, decoded, converted = await self.files.run(lambda: self._decode(rows))
+        self.stats.video_frames_decoded += decoded  # (on the loop, as every counter)
+        self.stats.video_frames_converted += converted
         self.frames_decoded += decoded
         self.frames_converted += converted
-        c = self.info.chunk_rows
-        out: list[Raw | Chunk] = []
-        for k in range(last - first + 1):
-            part = frames[k * c: (k + 1) * c]
-            out.append(part + [b""] * (c - len(part)))
-        return out
+        return [[[frames[r]] for r in range(first, last + 1)] for first, last in runs]
 
-    def _decode(self, start: int, stop: int) -> tuple[list[bytes], int, int]:
-        """Frames [start, stop): one seek to the keyframe before the first, one pass; how
-        many frames were decoded, and how many distinct ones converted to RGB."""
-        targets = [self.span.from_s + r / self.fps for r in range(start, stop)]
-        opened = self.files.video(self.span.path, self.size)
-        with opened.lock:  # (frames are converted under it too: they are the decoder's)
-            best, times, decoded = self._scan(opened.obj, targets)
-            frames, converted = self._convert(start, targets, best, times)
+    def _decode(self, rows: list[int]) -> tuple[dict[int, bytes], int, int]:
+        """Frames ``rows`` (sorted, distinct), pass by pass; how many frames were decoded,
+        and how many distinct ones converted to RGB."""
+        frames: dict[int, bytes] = {}
+        decoded = converted = 0
+        with self.files.video(self.span.path, self.size) as container:
+            if self.keyframes is None:
+                self.keyframes = self._list_keyframes(container)
+            for part in self.passes(rows):
+                targets = [self.span.from_s + r / self.fps for r in part]
+                best, times, n = self._scan(container, targets)
+                got, k = self._convert(part, targets, best, times)
+                frames.update(zip(part, got))
+                decoded, converted = decoded + n, converted + k
         return frames, decoded, converted
 
-    def _convert(self, start: int, targets: list[float], best: dict[int, tuple[float, Any]],
-                 times: list[float]) -> tuple[list[bytes], int]:
+    def passes(self, rows: list[int]) -> list[list[int]]:
+        """``rows`` (sorted, distinct) cut into passes of decoding. A frame joins the pass
+        before it when no keyframe lies between them but one right after the pass's last
+        frame (decoding on costs no more frames than seeking would), else it starts a pass
+        at its own keyframe. Without a keyframe list, a pass is a run of consecutive rows."""
+        keys = self.keyframes
+        out: list[list[int]] = []
+        tick = 1 / self.fps
+        for r in rows:
+            if out:
+                prev = out[-1][-1]
+                if keys:
+                    t = self.span.from_s + r / self.fps
+                    t_prev = self.span.from_s + prev / self.fps
+                    k = bisect.bisect_right(keys, t + tick / 4) - 1
+                    joins = k < 0 or keys[k] <= t_prev + tick + tick / 4
+                else:
+                    joins = r == prev + 1
+                if joins:
+                    out[-1].append(r)
+                    continue
+            out.append([r])
+        return out
+
+    def _list_keyframes(self, container: Any) -> list[float]:
+        """The keyframes' times from the episode's first frame to its last, demuxed (no
+        frame decoded), with the keyframe at or before the first; [] when they cannot be
+        listed: no packet with a time, or more packets than the span's frames allow."""
+        import av
+
+        stream = self.files.checked_stream(container, self.span.path, self.size)
+        base = stream.time_base
+        if base is None:
+            return []
+        first = self.span.from_s
+        last = first + (self.info.rows - 1) / self.fps
+        allowed = FRAME_SLACK + MAX_RATE_FACTOR * self.info.rows
+        keys: list[float] = []
+        try:
+            container.seek(max(0, int((first + float(base) / 4) / base)), stream=stream,
+                           backward=True, any_frame=False)
+            for n, packet in enumerate(container.demux(stream), start=1):
+                if n > allowed:
+                    return []
+                if packet.pts is None:
+                    continue
+                t = float(packet.pts * base)
+                if t > last + self.tolerance_s:
+                    break
+                if packet.is_keyframe:
+                    keys.append(t)
+        except av.FFmpegError as exc:
+            raise FileProblem(f"{self.span.path!r} cannot be demuxed ({exc})") from exc
+        keys.sort()
+        return keys
+
+    def _convert(self, rows: list[int], targets: list[float],
+                 best: dict[int, tuple[float, Any]], times: list[float]
+                 ) -> tuple[list[bytes], int]:
         packed: dict[int, bytes] = {}
         out = []
-        for k, (r, t) in enumerate(zip(range(start, start + len(targets)), targets)):
+        for k, (r, t) in enumerate(zip(rows, targets)):
             found = best.get(k)
             if found is None or not abs(found[0] - t) < self.tolerance_s:
                 nearest = min(times, key=lambda f: abs(f - t), default=None)
@@ -108,7 +173,7 @@ class VideoReader(LeRobotReader):
               ) -> tuple[dict[int, tuple[float, Any]], list[float], int]:
         """For each target (by index), the decoded frame nearest to it, if any is within
         ``tolerance_s`` (a frame between two targets is kept by both: ``tolerance_s`` is
-        not bounded by half a frame); the times of the frames decoded in the span; and how
+        not bounded by half a frame); the times of the frames decoded; and how
         many frames the decoder gave.
 
         The seek goes to the keyframe at or before the first target, not before the first
@@ -118,7 +183,8 @@ class VideoReader(LeRobotReader):
         first frame decoded land after the first target (a demuxer seeking by another
         clock), the span is decoded again from the keyframe before the first target less
         ``tolerance_s``, as it always was. Decoding stops at the first frame at or after
-        the last target: every later frame is farther from every target."""
+        the last target less a quarter tick (a time like 5.8 s comes as 5.800000000000001
+        from ``from_s + r / fps``): every later frame is farther from every target."""
         import av
 
         tol, path = self.tolerance_s, self.span.path
@@ -129,21 +195,22 @@ class VideoReader(LeRobotReader):
         try:
             # (seeking a quarter tick on: a time like 0.7 s is 7167.99.. ticks of 1/10240)
             got = self._pass(container, stream, targets, targets[0] + slack,
-                             targets[0] + slack)
+                             targets[0] + slack, slack)
             if got is None:
-                got = self._pass(container, stream, targets, targets[0] - tol, None)
+                got = self._pass(container, stream, targets, targets[0] - tol, None, slack)
         except av.FFmpegError as exc:
             raise FileProblem(f"{path!r} cannot be decoded ({exc})") from exc
         assert got is not None
         return got
 
     def _pass(self, container: Any, stream: Any, targets: list[float], seek_s: float,
-              landing: float | None
+              landing: float | None, slack: float
               ) -> tuple[dict[int, tuple[float, Any]], list[float], int] | None:
         """One seek to the keyframe at or before ``seek_s`` and one pass of decoding; None
         when the first timed frame is after ``landing`` (None: wherever it lands)."""
         tol = self.tolerance_s
         lo, last = targets[0] - tol, targets[-1]
+        stop = last - slack
         hi = last + tol
         best: dict[int, tuple[float, Any]] = {}
         times: list[float] = []
@@ -161,18 +228,20 @@ class VideoReader(LeRobotReader):
                 self._bound(n, float(first_ts), float(ts), hi)
             elif n > MAX_DECODED_FRAMES:
                 self._bound(n, 0.0, 0.0, hi)
-            if ts is None or ts < lo:
+            if ts is None:
+                continue
+            times.append(float(ts))
+            if ts < lo:
                 continue
             if ts > hi:
                 break
             ts = float(ts)
-            times.append(ts)
             for k in range(bisect.bisect_left(targets, ts - tol),
                            bisect.bisect_right(targets, ts + tol)):
                 kept = best.get(k)
                 if kept is None or abs(ts - targets[k]) < abs(kept[0] - targets[k]):
                     best[k] = (ts, frame)
-            if ts >= last:
+            if ts >= stop:
                 break
         return best, times, n
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import asyncio
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from episerve_proto.errors import DataLossError
@@ -52,6 +53,11 @@ class ChunkReader:
 
     async def _fetch(self, first: int, last: int) -> list[Raw | Chunk]:
         raise NotImplementedError
+
+    async def fetch_runs(self, runs: Sequence[tuple[int, int]]) -> list[list[Raw | Chunk]]:
+        """Several runs of one array at once, each as ``fetch`` returns it: a reader that
+        decodes (video) plans one job over them all; by default, each run concurrently."""
+        return list(await asyncio.gather(*(self.fetch(first, last) for first, last in runs)))
 
     #: Whether chunks can be read through ``plan`` (one batched store call for many runs).
     batched = False

@@ -1,0 +1,227 @@
+"""How much a LeRobot video read decodes: each frame its own chunk, keyframes listed from the
+stream's packets (no metadata needed), frames decoded in passes from the keyframe at or
+before them, converted only when served; counted through the reader's own counters (never
+timed).
+
+With chunks of 8 frames (the reader before), a sample of 2 random frames under a cache too
+small to keep the rest converted 8 frames (16 across a chunk edge) and decoded 11.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from episerve_server.core.stats import Stats
+from episerve_server.storage.lerobot.meta import Feature, VideoSpan
+from episerve_server.storage.lerobot.video import VideoReader
+from tests.support import lerobot as lr
+from tests.support.served import Served
+
+TOP = "observation.images.top"
+WINDOW = {"top": {"zarr_key": TOP, "key_type": "camera_keys", "offsets_s": [-0.1, 0.0]}}
+
+
+def keyframes(path: Path) -> list[float]:
+    """The times of the file's keyframe packets (demuxed, not decoded)."""
+    import av
+
+    with av.open(str(path)) as container:
+        stream = container.streams.video[0]
+        base = stream.time_base
+        assert base is not None
+        return [float(p.pts * base) for p in container.demux(stream)
+                if p.pts is not None and p.is_keyframe]
+
+
+def lerobot_decodes(keys: list[float], times: list[float]) -> int:
+    """Frames LeRobot's pyav loop decodes for ``times`` (1/FPS apart on the grid): from the
+    keyframe at or before the first through the last."""
+    first = max(k for k in keys if k <= min(times) + 1e-9)
+    return round((max(times) - first) * lr.FPS) + 1
+
+
+def reader_of(served: Served, episode: str) -> Any:
+    return served.catalog.episodes[episode].readers[TOP]
+
+
+def _pixels(data: bytes) -> np.ndarray:
+    from episerve_proto import rawframe
+
+    return np.frombuffer(data, np.uint8, offset=rawframe.HEADER_BYTES)
+
+
+def test_keyframes_are_listed_from_the_packets_of_the_episodes_span(
+        tmp_path: Path, serve: Callable[..., Served]) -> None:
+    """No ``video.g`` in ``info.json``: the reader lists the keyframes of its own episode's
+    span (and the one at or before its first frame) from the stream, once."""
+    layout = lr.Layout(lengths=(20, 16, 24), per_file=3, cameras=(TOP,), gop=3)
+    root = lr.write(tmp_path / "ds", layout)
+    video = root / lr.VIDEO_PATH.format(video_key=TOP, chunk_index=0, file_index=0)
+    keys = keyframes(video)
+    assert len(keys) > 3
+    served = serve(root, cache_bytes=0)
+    reader = reader_of(served, "episode_000001")
+    assert reader.keyframes is None  # not listed before the first read
+    served.read(WINDOW, [("episode_000001", 5)])
+    start, end = 2.0, 2.0 + 15 / lr.FPS
+    want = [k for k in keys if start - 1e-9 <= k <= end + 1e-9]
+    before = [k for k in keys if k < start - 1e-9]
+    if before and (not want or want[0] > start + 1e-9):
+        want.insert(0, before[-1])
+    assert [round(k, 6) for k in reader.keyframes] == [round(k, 6) for k in want]
+    listed = reader.keyframes
+    served.read(WINDOW, [("episode_000001", 9)])
+    assert reader.keyframes is listed  # listed once
+
+
+def test_random_samples_without_a_cache_decode_no_more_than_lerobot(
+        tmp_path: Path, serve: Callable[..., Served]) -> None:
+    """LeRobot's own layout (a keyframe every 2 frames), no ``video.g`` declared, no cache:
+    each sample of 2 frames converts exactly its distinct frames and decodes no more
+    frames than LeRobot's loop does for it (from the keyframe at or before its first frame
+    through its last), and every frame is PyAV's own decode of the file."""
+    layout = lr.Layout(lengths=(20, 16, 24), per_file=3, cameras=(TOP,), gop=2)
+    root = lr.write(tmp_path / "ds", layout)
+    video = root / lr.VIDEO_PATH.format(video_key=TOP, chunk_index=0, file_index=0)
+    keys = keyframes(video)
+    assert keys == [k / lr.FPS for k in range(0, sum(layout.lengths), 2)]
+    truth = lr.videos(root, layout)
+    served = serve(root, cache_bytes=0)
+    samples = [(f"episode_{e:06d}", f) for e, n in enumerate(layout.lengths)
+               for f in range(n)]
+    random.Random(0).shuffle(samples)
+    decoded = theirs = 0
+    for name, frame in samples:
+        reader = reader_of(served, name)
+        assert reader.info.chunk_rows == 1
+        before = (reader.frames_decoded, reader.frames_converted)
+        result = served.read(WINDOW, [(name, frame)])
+        got_decoded = reader.frames_decoded - before[0]
+        got_converted = reader.frames_converted - before[1]
+        _, length, file, start_s = lr.place(layout, name)
+        rows, _ = lr.window(length, frame, [-0.1, 0.0])
+        assert got_converted == len(set(rows)), (name, frame)
+        times = [start_s + r / lr.FPS for r in rows]
+        assert got_decoded <= lerobot_decodes(keys, times), (name, frame)
+        column = result.images["top"]
+        for k, r in enumerate(rows):
+            data = result.frames[column.source][int(column.index[0, k])]
+            assert np.array_equal(_pixels(data).reshape(*layout.size, 3),
+                                  truth[TOP, file][round(start_s + r / lr.FPS, 6)]), (name, r)
+        decoded += got_decoded
+        theirs += lerobot_decodes(keys, times)
+    # 2.5 frames a sample on average where LeRobot's loop decodes the same, and chunks of 8
+    # decoded 11 and converted 8 (16 across a chunk edge)
+    assert decoded <= theirs <= 3 * len(samples)
+
+
+def test_two_frames_of_one_group_of_pictures_decode_in_one_pass(
+        tmp_path: Path, serve: Callable[..., Served]) -> None:
+    """Keyframes far apart (x264 adds some at scene cuts, so the test finds them in the
+    file): two frames of one group of pictures are decoded in one pass from its keyframe,
+    and two frames of groups apart in two, never decoding the frames between the groups."""
+    layout = lr.Layout(lengths=(60,), per_file=1, cameras=(TOP,), gop=12)
+    root = lr.write(tmp_path / "ds", layout)
+    video = root / lr.VIDEO_PATH.format(video_key=TOP, chunk_index=0, file_index=0)
+    keys = [round(k * lr.FPS) for k in keyframes(video)]
+    gaps = [(a, b) for a, b in itertools.pairwise(keys) if b - a >= 4]
+    assert len(gaps) >= 2, keys
+    truth = lr.videos(root, layout)
+    served = serve(root, cache_bytes=0)
+    reader = reader_of(served, "episode_000000")
+
+    def read(rows: tuple[int, int]) -> tuple[int, int]:
+        before = (reader.frames_decoded, reader.frames_converted)
+        offsets = [(rows[0] - rows[1]) / lr.FPS, 0.0]
+        keymap = {"top": {"zarr_key": TOP, "key_type": "camera_keys", "offsets_s": offsets}}
+        result = served.read(keymap, [("episode_000000", rows[1])])
+        column = result.images["top"]
+        for k, r in enumerate(rows):
+            data = result.frames[column.source][int(column.index[0, k])]
+            assert np.array_equal(_pixels(data).reshape(*layout.size, 3),
+                                  truth[TOP, 0][round(r / lr.FPS, 6)])
+        return reader.frames_decoded - before[0], reader.frames_converted - before[1]
+
+    (a, b), (c, _) = gaps[0], gaps[1]
+    # one group: from its keyframe a through a + 3, one pass (a seek each: 2 + 4)
+    assert read((a + 1, a + 3)) == (4, 2)
+    # two groups: a + 1 from a (2 frames), then c + 1 from c (2 frames)
+    assert read((a + 1, c + 1)) == (4, 2)
+    assert b <= c
+
+
+def test_passes_follow_the_keyframes() -> None:
+    """The rule itself: a frame joins the pass before it when its keyframe is at or before
+    the frame after that pass's last; without a list, passes are runs of consecutive rows."""
+    reader = fake_reader()
+    reader.keyframes = [0.0, 0.4, 0.8, 1.2]  # every 4 frames at 10 fps
+    assert reader.passes([1, 2, 3]) == [[1, 2, 3]]
+    assert reader.passes([1, 3, 4, 6]) == [[1, 3, 4, 6]]  # 4's keyframe is right after 3
+    assert reader.passes([1, 5]) == [[1], [5]]  # 5's keyframe (4) lies after 2
+    assert reader.passes([0, 9, 10, 13]) == [[0], [9, 10], [13]]
+    reader.keyframes = []  # not listed: consecutive runs
+    assert reader.passes([1, 2, 4, 5, 9]) == [[1, 2], [4, 5], [9]]
+
+
+class _Frame:
+    def __init__(self, time: float) -> None:
+        self.time, self.height, self.width = time, 4, 4
+
+
+class _Container:
+    """Frames every 0.1 s from 0; a seek lands on the keyframe (every 0.4 s) at or before
+    the time asked, the first seek ``late`` s after it (a demuxer seeking by another
+    clock)."""
+
+    def __init__(self, late: float = 0.0) -> None:
+        self.late, self.decoded = late, 0
+        self.seeks: list[float] = []
+        self._at = 0.0
+
+    def seek(self, ticks: int, *, stream: Any, backward: bool, any_frame: bool) -> None:
+        at = ticks * float(stream.time_base)
+        self.seeks.append(at)
+        key = int(round(at * 10, 6)) // 4 * 4 / 10
+        self._at = key + (self.late if len(self.seeks) == 1 else 0.0)
+
+    def decode(self, stream: Any) -> Iterator[_Frame]:
+        k = round(self._at * 10)
+        while k < 100:
+            self.decoded += 1
+            yield _Frame(k / 10)
+            k += 1
+
+
+class _Stream:
+    time_base = 1 / 1000
+
+
+class _Files:
+    @staticmethod
+    def checked_stream(container: Any, path: str, size: tuple[int, int]) -> _Stream:
+        return _Stream()
+
+
+def fake_reader() -> VideoReader:
+    feature = Feature(TOP, "video", (4, 4, 3), "uint8")
+    return VideoReader("episode_000000", feature, _Files(), VideoSpan("v.mp4", 0.0),
+                       100, 10.0, 1e-4, Stats())
+
+
+def test_a_seek_landing_after_the_first_frame_decodes_again_from_before_it() -> None:
+    reader = fake_reader()
+    targets = [0.9, 1.0, 1.1]
+    on_time = _Container()
+    best, _, decoded = reader._scan(on_time, targets)
+    assert [round(best[k][0], 6) for k in range(3)] == targets
+    assert len(on_time.seeks) == 1 and decoded == on_time.decoded == 4  # 0.8 .. 1.1
+    late = _Container(late=0.2)  # lands on 1.0 for a seek to 0.9: 0.9 would be skipped
+    best, _, decoded = reader._scan(late, targets)
+    assert [round(best[k][0], 6) for k in range(3)] == targets
+    assert len(late.seeks) == 2 and late.seeks[1] < late.seeks[0]
