@@ -138,11 +138,14 @@ SUITE: tuple[Bench, ...] = (
           "against `LeRobotWindowDataset` on the same root, written by LeRobot's own writer "
           "(4 episodes x 200 frames, 2 cameras, h264): 2 workers, batch 32, torch's default "
           "collate on both sides, cold then warm, float32 and uint8 frames, worker RSS."),
-    Bench("lerobot_vs_large", "LeRobotDataset itself, 480x640, frames over the cache",
-          ("benchmarks/bench_lerobot_vs.py", "--size", "480x640", "--batches", "10",
-           "--cache-bytes", "256MiB"),
-          "As above at 480x640 with 2 cameras, the daemon's cache (256 MiB) smaller than the "
-          "decoded frames (1,600 frames of 0.9 MB)."),
+    Bench("lerobot_vs_large", "LeRobotDataset itself, 480x640, as LeRobot's writer makes it",
+          ("benchmarks/bench_lerobot_vs.py", "--size", "480x640", "--episodes", "4",
+           "--length", "150", "--fps", "30", "--codec", "default", "--cache-share", "0.25,1"),
+          "As above on a root as a LeRobot user has it: LeRobot's writer with its defaults "
+          "(AV1, a keyframe every 2 frames, `video.g` not relied on), 4 episodes x 150 frames "
+          "at 30 fps, 2 cameras of 480x640, one frame apart per camera; full shuffled passes; "
+          "the daemon's cache at a quarter of the decoded frames (1,055 MiB) and at all of "
+          "them; frames decoded and daemon CPU per sample from its counters and `/proc`."),
     Bench("front_limit", "The front's response limit", ("benchmarks/bench_front_limit.py",),
           "Reads split over both workers of `--workers 2`, over and under "
           "`--max-response-bytes`: the front's memory and health."),

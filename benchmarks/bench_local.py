@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 import yaml
-from common import BATCH, MECKA, NUMERIC_MECKA, ensure_dataset, table
-from daemons import CLIENTS, EPISODES, cpu_s, loadtest
+from common import BATCH, MECKA, NUMERIC_MECKA, cpu_s, ensure_dataset, table
+from daemons import CLIENTS, EPISODES, loadtest
 from loaders import Index, run
 
 from episerve_client import WindowDataset, collate

@@ -23,8 +23,8 @@ from collections import Counter
 from pathlib import Path
 
 import yaml
-from common import MECKA, NUMERIC_MECKA, ensure_dataset, table
-from daemons import EPISODES, cpu_s, loadtest
+from common import MECKA, NUMERIC_MECKA, cpu_s, ensure_dataset, table
+from daemons import EPISODES, loadtest
 
 from episerve_tools.launch import DaemonProcess
 

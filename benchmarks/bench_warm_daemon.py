@@ -35,8 +35,8 @@ from pathlib import Path
 
 import numpy as np
 import yaml
-from common import MECKA, NUMERIC_MECKA, ensure_dataset, table
-from daemons import EPISODES, cpu_s, loadtest, warm_loadtest
+from common import MECKA, NUMERIC_MECKA, cpu_s, ensure_dataset, table
+from daemons import EPISODES, loadtest, warm_loadtest
 
 from episerve_tools.launch import DaemonProcess
 

@@ -1,4 +1,4 @@
-"""The import graph of the packages has no cycle, and no module is over 400 lines.
+"""The import graph of the packages has no cycle.
 
 Every import counts, at module level or inside a function (a function-local import that
 dodges a cycle at import time is still a cycle of the design). An edge goes from a module to
@@ -14,7 +14,6 @@ from pathlib import Path
 from tests.support.imports import MODULES
 
 #: No module is longer than this: a longer one holds more than one job, and is split.
-MAX_LINES = 400
 
 
 def edges_of(path: Path, known: set[str]) -> set[str]:
@@ -87,8 +86,3 @@ def test_a_function_local_import_is_an_edge(tmp_path: Path) -> None:
 def test_no_import_cycle() -> None:
     assert cycles(graph(MODULES)) == []
 
-
-def test_no_module_is_over_the_line_limit() -> None:
-    long = {mod: n for mod, path in MODULES.items()
-            if (n := len(path.read_text().splitlines())) > MAX_LINES}
-    assert long == {}

@@ -11,11 +11,19 @@ Recency is one clock for both kinds: every hit and every store stamps its chunks
 eviction takes the least recently stamped chunks first, numeric or bytes, until the
 budget holds. The scalar ``get``/``put`` and the batched ``lookup``/``store`` share it.
 The slabs and slot tables themselves are in ``slots``.
+
+**Frames a read to come wants** (``want``: the frame chunks a prefetch hint names) are kept
+ahead of the rest: eviction takes them last, and a frame chunk no such read wants is not
+kept at all when keeping it would evict one that is wanted (it is served, and counted in
+``frames_not_cached``). A hint's frames stay wanted until ``WANTED_HINTS`` later hints have
+come, or for ``WANTED_S`` seconds, whichever is first.
 """
 
 from __future__ import annotations
 
 import operator
+import time
+from collections import deque
 from collections.abc import Sequence
 from typing import Any, TypeAlias, cast
 
@@ -32,6 +40,10 @@ Chunk: TypeAlias = np.ndarray | list[bytes]
 BYTES_OVERHEAD = 64  # per frame: the bytes object and its list slot
 _FRAMES = operator.itemgetter(0)  # of a frame chunk's entry
 MAX_SLABS = 32  # distinct numeric chunk shapes cached; chunks of further shapes are not
+#: A prefetch hint's frames are wanted until this many later hints have come (a sampler
+#: hints a batch a few batches ahead of its read), or for this long.
+WANTED_HINTS = 8
+WANTED_S = 30.0
 
 
 def chunk_nbytes(chunk: Chunk) -> int:
@@ -57,6 +69,8 @@ class ChunkCache:
         self._slabs: list[Slab] = []
         self._slab_of: dict[tuple[int, ...], int] = {}
         self._frames = FrameChunks()
+        self._wanted: dict[ChunkKey, int] = {}  # frame chunk -> hints wanting it
+        self._hinted: deque[tuple[float, list[ChunkKey]]] = deque()  # (when, its chunks)
         self._holds = 0  # gathers running in worker threads: slots are not reused meanwhile
         self._deferred: list[tuple[Slab, np.ndarray]] = []
         #: Bumped by every change of what is cached (a plan made before an await checks it).
@@ -278,9 +292,41 @@ class ChunkCache:
             return
         self.put_frames([(key, chunk)])
 
+    def want(self, keys: Sequence[ChunkKey]) -> None:
+        """Frame chunks a read to come uses (a prefetch hint's): kept ahead of the others
+        until ``WANTED_HINTS`` later hints have come or ``WANTED_S`` have passed."""
+        if not self.enabled:
+            return
+        mine = list(dict.fromkeys(keys))
+        self._hinted.append((time.monotonic(), mine))
+        for key in mine:
+            self._wanted[key] = self._wanted.get(key, 0) + 1
+        self._frames.mark(mine, True)
+        self._forget_wanted()
+
+    def wanted(self, key: ChunkKey) -> bool:
+        return key in self._wanted
+
+    def _forget_wanted(self) -> None:
+        """Hints past ``WANTED_HINTS`` or older than ``WANTED_S``: their frames are no longer
+        wanted (unless a later hint wants them too)."""
+        expired = time.monotonic() - WANTED_S
+        while self._hinted and (len(self._hinted) > WANTED_HINTS
+                                or self._hinted[0][0] < expired):
+            gone = []
+            for key in self._hinted.popleft()[1]:
+                left = self._wanted.pop(key) - 1
+                if left:
+                    self._wanted[key] = left
+                else:
+                    gone.append(key)
+            self._frames.mark(gone, False)
+
     def put_frames(self, items: Sequence[tuple[ChunkKey, list[bytes]]]) -> int:
         """Keep chunks of frame bytes; room for all of them is made in one eviction pass.
-        Returns how many were already cached (replaced: a chunk fetched twice)."""
+        Chunks no read to come wants are kept only as far as they fit beside those that
+        are wanted. Returns how many were already cached (replaced: a chunk fetched
+        twice)."""
         if not self.enabled:
             return 0
         replaced = 0
@@ -292,6 +338,16 @@ class ChunkCache:
                 self._bytes -= old[1]
                 self._entries -= 1
                 replaced += 1
+        wanted = self._wanted
+        if wanted:
+            self._forget_wanted()
+            ahead = [item for item in fits if item[0] in wanted]
+            rest = [item for item in fits if item[0] not in wanted]
+            room = self.budget_bytes - self._frames.kept_bytes() - sum(n for *_, n in ahead)
+            while rest and sum(n for _, _, n in rest) > room:
+                rest.pop(0)  # served, not kept: it would push out a wanted frame
+                self.stats.frames_not_cached += 1
+            fits = rest + ahead
         while sum(n for _, _, n in fits) > self.budget_bytes:
             fits.pop(0)  # more than the whole budget: keep the last ones
         if not fits:
@@ -299,7 +355,7 @@ class ChunkCache:
         self._make_room(sum(n for _, _, n in fits))
         self._clock += 1
         for key, chunk, size in fits:
-            self._frames.add(key, list(chunk), size, self._clock)
+            self._frames.add(key, list(chunk), size, self._clock, key in wanted)
             self._bytes += size
             self._entries += 1
         self._sync_gauges()
@@ -322,7 +378,10 @@ class ChunkCache:
                     stamps.append(slab.stamp[pick])
                     owners.append((sid, pick))
             oldest = self._frames.oldest(deficit)
-            frame_stamps, frame_sizes = self._frames.stamp[oldest], self._frames.nbytes[oldest]
+            frame_sizes = self._frames.nbytes[oldest]
+            # wanted frames go after every slot: last in the merge, in ``oldest``'s order
+            frame_stamps = np.where(self._frames.kept[oldest], np.iinfo(np.int64).max,
+                                    self._frames.stamp[oldest])
             kinds = [np.full(len(st), i, np.int64) for i, st in enumerate(stamps)]
             all_stamps = np.concatenate([*stamps, frame_stamps])
             all_kinds = np.concatenate([*kinds, np.full(len(frame_stamps), -1, np.int64)])

@@ -7,11 +7,15 @@ slabs' stamps), its order (a count of every store and hit of a frame chunk: the 
 the least recently used first) and its bytes. A batch's hits are then two array
 assignments, however many chunks it takes, where a linked list moved each chunk to its
 end one at a time; eviction partitions the orders instead of walking that list.
+
+A chunk may be *kept* (``kept``): a read to come wants it (a prefetch hint named it).
+Eviction takes kept chunks only once every other frame chunk is gone.
 """
 
 from __future__ import annotations
 
 import operator
+from collections.abc import Sequence
 from typing import Any, TypeAlias
 
 import numpy as np
@@ -32,6 +36,7 @@ class FrameChunks:
         self.order = np.zeros(FIRST_ROOM, np.int64)
         self.nbytes = np.zeros(FIRST_ROOM, np.int64)
         self.payload = np.zeros(FIRST_ROOM, np.int64)  # the frames' own bytes
+        self.kept = np.zeros(FIRST_ROOM, bool)  # wanted by a read to come
         self._key: list[ChunkKey | None] = [None] * FIRST_ROOM
         self._free = list(range(FIRST_ROOM - 1, -1, -1))
         self._count = 0  # stores and hits so far: the last one's order
@@ -39,15 +44,18 @@ class FrameChunks:
     def __len__(self) -> int:
         return len(self.entries)
 
-    def add(self, key: ChunkKey, frames: list[bytes], nbytes: int, clock: int) -> None:
+    def add(self, key: ChunkKey, frames: list[bytes], nbytes: int, clock: int,
+            kept: bool = False) -> None:
         """Keep a chunk that is not kept yet, the most recent one, stamped ``clock``
-        (``nbytes``: what it is charged, its frames' bytes and an overhead per frame)."""
+        (``nbytes``: what it is charged, its frames' bytes and an overhead per frame;
+        ``kept``: a read to come wants it)."""
         if not self._free:
             self._grow()
         fid = self._free.pop()
         self._count += 1
         self.stamp[fid], self.order[fid], self.nbytes[fid] = clock, self._count, nbytes
         self.payload[fid] = sum(map(len, frames))
+        self.kept[fid] = kept
         self._key[fid] = key
         self.entries[key] = [frames, nbytes, fid]
         self._of_episode.setdefault(key[0], set()).add(key)
@@ -89,12 +97,34 @@ class FrameChunks:
         self._count += 1
         self.stamp[fid], self.order[fid] = clock, self._count
 
+    def mark(self, keys: Sequence[ChunkKey], kept: bool) -> None:
+        """Mark the cached chunks of ``keys`` as wanted by a read to come, or no longer."""
+        fids = [entry[2] for entry in map(self.entries.get, keys) if entry is not None]
+        if fids:
+            self.kept[np.array(fids, np.int64)] = kept
+
+    def kept_bytes(self) -> int:
+        return int(self.nbytes[self.kept].sum())
+
     def oldest(self, nbytes: int) -> np.ndarray:
-        """The fids of the least recently used chunks, oldest first: the fewest whose bytes
-        reach ``nbytes`` (all of them if they do not). One pass over the kept chunks finds
-        them and partitions their orders (as the slabs' eviction does); only the partition
-        is sorted, widened until it covers ``nbytes``, so the sort grows with what goes."""
+        """The fids of the chunks eviction takes first, the fewest whose bytes reach
+        ``nbytes`` (all of them if they do not): the least recently used of those no read
+        to come wants, oldest first, then, if they are not enough, of the wanted ones."""
         live = np.flatnonzero(self.stamp >= 0)
+        wanted = self.kept[live]
+        if not wanted.any():
+            return self._lru(live, nbytes)
+        first = self._lru(live[~wanted], nbytes)
+        short = nbytes - int(self.nbytes[first].sum())
+        if short <= 0:
+            return first
+        return np.concatenate([first, self._lru(live[wanted], short)])
+
+    def _lru(self, live: np.ndarray, nbytes: int) -> np.ndarray:
+        """Of the chunks ``live``, the least recently used, oldest first, the fewest whose
+        bytes reach ``nbytes``. One pass finds them and partitions their orders (as the
+        slabs' eviction does); only the partition is sorted, widened until it covers
+        ``nbytes``, so the sort grows with what goes."""
         k = min(len(live), FIRST_ROOM)
         while k:
             part = live if k == len(live) else live[np.argpartition(self.order[live], k - 1)[:k]]
@@ -123,6 +153,7 @@ class FrameChunks:
 
     def _release(self, fid: int) -> None:
         self.stamp[fid] = -1
+        self.kept[fid] = False
         self._key[fid] = None
         self._free.append(fid)
 
@@ -132,5 +163,6 @@ class FrameChunks:
         self.order = np.concatenate([self.order, np.zeros(n, np.int64)])
         self.nbytes = np.concatenate([self.nbytes, np.zeros(n, np.int64)])
         self.payload = np.concatenate([self.payload, np.zeros(n, np.int64)])
+        self.kept = np.concatenate([self.kept, np.zeros(n, bool)])
         self._key.extend([None] * n)
         self._free.extend(range(2 * n - 1, n - 1, -1))

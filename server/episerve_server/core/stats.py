@@ -19,6 +19,7 @@ COUNTERS = (
     "cache_hits",
     "cache_misses",
     "cache_evictions",
+    "frames_not_cached",
     "bytes_fetched",
     "bytes_sent",
     "read_ns",
@@ -60,6 +61,9 @@ class Stats:
     cache_hits: int = 0
     cache_misses: int = 0
     cache_evictions: int = 0
+    # frame chunks served but not kept: keeping them would have evicted frames that a read
+    # to come (a prefetch hint) wants
+    frames_not_cached: int = 0
     bytes_fetched: int = 0
     bytes_sent: int = 0
     read_ns: int = 0  # time spent serving successful Reads, parse to serialized response

@@ -3,9 +3,10 @@
 **Hints** (``ReadRequest.prefetch``): samples a caller expects to read soon. After its read
 is served, a hint is queued (at most ``MAX_QUEUED_HINTS``; a full queue drops it). One
 worker takes hints in order and, once the store has spare slots (no read waiting for one,
-at most half in use), plans the hint's chunks as a read would, keeps those neither cached
-nor in flight, and fetches them into the cache as one job of the fetcher, so a read that
-needs one of them meanwhile waits for that fetch instead of repeating it. At most
+at most half in use), plans the hint's chunks as a read would, marks its frame chunks as
+wanted in the cache (kept ahead of frames no read to come uses), keeps those neither
+cached nor in flight, and fetches them into the cache as one job of the fetcher, so a read
+that needs one of them meanwhile waits for that fetch instead of repeating it. At most
 ``budget_bytes`` of decoded chunks are in flight for hints; a hint over it is dropped, and
 so is a hint that waited ``HINT_TTL_S`` for spare slots. A hint is never an error to its
 caller: samples the daemon cannot serve (an unknown episode, a frame out of range, a key an
@@ -42,6 +43,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from episerve_proto.errors import EpiserveError
+from episerve_server.core.framecache import ChunkKey
 from episerve_server.core.keymap import Keymap, Rule
 from episerve_server.plan.misses import Need
 
@@ -206,17 +208,20 @@ class Background:
         step = max(1, PLAN_SLICE_CELLS // per_sample)
         needs: list[Need] = []
         seen: set[object] = set()
+        frames: list[ChunkKey] = []
         for start in range(0, len(good), step):
             if start:
                 await asyncio.sleep(0)
             try:
-                part = self.planner.uncached(keymap, good[start: start + step])
+                part = self.planner.uncached(keymap, good[start: start + step], frames)
             except EpiserveError:
                 return None
             for need in part:
                 if need.id not in seen and not self.fetcher.in_flight(need.id):
                     seen.add(need.id)
                     needs.append(need)
+        if frames:
+            self.cache.want(frames)  # kept ahead of frames no read to come uses
         return needs
 
     def _servable(self, samples: list[tuple[str, int]]) -> list[tuple[str, int]]:

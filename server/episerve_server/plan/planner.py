@@ -24,6 +24,7 @@ from episerve_proto.errors import (
     Unavailable,
 )
 from episerve_server.core.cache import ChunkCache
+from episerve_server.core.framecache import ChunkKey
 from episerve_server.core.keymap import Keymap, Rule
 from episerve_server.core.result import BatchResult
 from episerve_server.core.spans import cutoff_ends
@@ -163,10 +164,13 @@ class Planner:
         self.stats.samples_read += len(samples)
         return result
 
-    def uncached(self, keymap: Keymap, samples: Sequence[tuple[str, int]]) -> list[Need]:
+    def uncached(self, keymap: Keymap, samples: Sequence[tuple[str, int]],
+                 frames: list[ChunkKey] | None = None) -> list[Need]:
         """The chunks a read of ``samples`` would fetch now: neither cached nor in flight
         (for prefetch hints; the annotation cutoff only shortens windows, so it is left
-        out). Raises as a read would for a sample it cannot serve. Counts no hits."""
+        out); ``frames``, if given, is extended with every frame chunk the read uses,
+        cached or not. Raises as a read would for a sample it cannot serve. Counts no
+        hits."""
         batch = self._resolve(keymap, samples)
         windows = self._windows(keymap, batch, {}, ReadOptions())
         uids = self.cache.uids([e.hash for e in batch.episodes])
@@ -175,8 +179,11 @@ class Planner:
             table = self._table(key, keymap, batch, windows)
             ep_pos, chunk = np.divmod(table.packed, PACK)
             if table.reader_of[0].info.is_bytes:
-                missing = [j for j, (p, c) in enumerate(zip(ep_pos.tolist(), chunk.tolist()))
-                           if not self.cache.has_frames((batch.episodes[p].hash, key, c))]
+                keys = [(batch.episodes[p].hash, key, c)
+                        for p, c in zip(ep_pos.tolist(), chunk.tolist())]
+                if frames is not None:
+                    frames.extend(keys)
+                missing = [j for j, k in enumerate(keys) if not self.cache.has_frames(k)]
             else:
                 slab, _ = self.cache.lookup(key, uids[ep_pos], chunk)
                 missing = np.flatnonzero(slab < 0).tolist()

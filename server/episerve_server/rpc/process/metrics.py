@@ -57,6 +57,8 @@ COUNTER_HELP = {
     "cache_hits": "Chunk cache hits.",
     "cache_misses": "Chunk cache misses.",
     "cache_evictions": "Chunks evicted from the cache to stay within its budget.",
+    "frames_not_cached": "Frame chunks served but not kept, to keep frames a prefetch hint "
+                         "wants.",
     "bytes_fetched": "Bytes fetched from the store.",
     "bytes_sent": "Bytes of Read responses sent.",
     "duplicate_fetches": "Chunks fetched while already cached or being fetched (0: single-flight).",
