@@ -49,23 +49,24 @@ def test_wanted_frames_outlive_any_number_of_unwanted_ones() -> None:
 
 
 def test_a_batch_of_unwanted_frames_larger_than_the_room_keeps_its_last_ones() -> None:
-    """8 unwanted frames in one store with room for 6 beside the wanted 4: the first 2 are
+    """6 unwanted frames in one store with room for 4 beside the 6 wanted: the first 2 are
     served but not kept (counted), the wanted ones are not evicted."""
     stats = Stats()
     cache = ChunkCache(10 * SIZE, stats)
-    cache.want([key(n) for n in range(4)])
-    put(cache, range(4))
-    put(cache, range(10, 18))
-    assert cached(cache, range(4)) == [0, 1, 2, 3]
-    assert cached(cache, range(10, 18)) == list(range(12, 18))
+    cache.want([key(n) for n in range(6)])
+    for n in range(6):
+        put(cache, [n])
+    put(cache, range(10, 16))
+    assert cached(cache, range(6)) == list(range(6))
+    assert cached(cache, range(10, 16)) == [12, 13, 14, 15]
     assert stats.frames_not_cached == 2
 
 
 def test_without_hints_the_cache_is_plain_lru() -> None:
     stats = Stats()
     cache = ChunkCache(10 * SIZE, stats)
-    put(cache, range(4))
-    put(cache, range(10, 18))
+    for n in [*range(4), *range(10, 18)]:
+        put(cache, [n])
     assert cached(cache, range(4)) == [2, 3]  # the 2 least recent went
     assert cached(cache, range(10, 18)) == list(range(10, 18))
     assert stats.frames_not_cached == 0
@@ -85,7 +86,8 @@ def test_wanted_frames_are_let_go_after_later_hints_or_time(
     assert cache.wanted(key(0)) and cache.wanted(key(1))
     cache.want([key(2000)])  # the first hint has gone: key 0 is let go, key 1 is still wanted
     assert not cache.wanted(key(0)) and cache.wanted(key(1))
-    put(cache, range(100, 110))  # 10 more frames: key 0 (now the oldest unwanted) goes
+    for n in range(100, 110):  # 10 more frames: key 0 (now the oldest unwanted) goes
+        put(cache, [n])
     assert cached(cache, [0, 1]) == [1]
     monkeypatch.setattr(cache_module, "WANTED_S", 0.0)
     cache.want([key(3000)])
@@ -133,3 +135,17 @@ def test_a_hinted_batch_finds_its_frames_after_other_batches_churned_the_cache(
         assert core.stats.frames_not_cached > 0  # other batches' frames did not push them
     else:
         assert after - before >= 8
+
+
+def test_a_batch_larger_than_half_the_cache_keeps_only_half() -> None:
+    """A batch of 12 frames into a cache of 10 holding 6 older ones: the batch keeps its
+    last 5 (half the budget), the older frames lose only the one room needs, and the 7
+    frames not kept are counted."""
+    stats = Stats()
+    cache = ChunkCache(10 * SIZE, stats)
+    for n in range(6):
+        put(cache, [n])
+    put(cache, range(100, 112))
+    assert cached(cache, range(100, 112)) == list(range(107, 112))
+    assert cached(cache, range(6)) == [1, 2, 3, 4, 5]
+    assert stats.frames_not_cached == 7

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
 from episerve_server.core.stats import Stats
 from episerve_server.storage.lerobot.meta import Feature, VideoSpan
@@ -225,3 +226,28 @@ def test_a_seek_landing_after_the_first_frame_decodes_again_from_before_it() -> 
     best, _, decoded = reader._scan(late, targets)
     assert [round(best[k][0], 6) for k in range(3)] == targets
     assert len(late.seeks) == 2 and late.seeks[1] < late.seeks[0]
+
+
+@pytest.mark.parametrize("room", [True, False])
+def test_frames_decoded_on_the_way_are_kept_while_the_cache_has_room(
+        tmp_path: Path, serve: Callable[..., Served], room: bool) -> None:
+    """A keyframe every 2 frames: a read of frame 13 decodes its keyframe 12 too. With room
+    in the cache, frame 12 is converted and kept, and a later read of it decodes nothing;
+    with a cache of one frame, it is neither converted nor kept (it would evict)."""
+    layout = lr.Layout(lengths=(40,), per_file=1, cameras=(TOP,), gop=2)
+    root = lr.write(tmp_path / "ds", layout)
+    frame_bytes = layout.size[0] * layout.size[1] * 3 + 16 + 64
+    served = serve(root, cache_bytes=(64 << 20) if room else frame_bytes)
+    reader = reader_of(served, "episode_000000")
+    one = {"top": {"zarr_key": TOP, "key_type": "camera_keys"}}
+    served.read(one, [("episode_000000", 10)])  # a keyframe: lists the keyframes
+    assert (reader.frames_decoded, reader.frames_converted) == (1, 1)
+    served.read(one, [("episode_000000", 13)])  # from keyframe 12
+    assert reader.frames_decoded == 3
+    assert reader.frames_converted == (3 if room else 2)
+    truth = lr.videos(root, layout)[TOP, 0][1.2]
+    result = served.read(one, [("episode_000000", 12)])
+    assert reader.frames_decoded == (3 if room else 4)
+    column = result.images["top"]
+    data = result.frames[column.source][int(column.index[0])]
+    assert np.array_equal(_pixels(data).reshape(*layout.size, 3), truth)

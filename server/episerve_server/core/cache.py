@@ -12,6 +12,9 @@ eviction takes the least recently stamped chunks first, numeric or bytes, until 
 budget holds. The scalar ``get``/``put`` and the batched ``lookup``/``store`` share it.
 The slabs and slot tables themselves are in ``slots``.
 
+**One store keeps at most half the budget of frames**: a batch that decoded more than
+that keeps its last frames, and what earlier batches kept stays.
+
 **Frames a read to come wants** (``want``: the frame chunks a prefetch hint names) are kept
 ahead of the rest: eviction takes them last, and a frame chunk no such read wants is not
 kept at all when keeping it would evict one that is wanted (it is served, and counted in
@@ -80,6 +83,11 @@ class ChunkCache:
     @property
     def enabled(self) -> bool:
         return self.budget_bytes > 0
+
+    @property
+    def room(self) -> int:
+        """Bytes the cache can take before it must evict."""
+        return max(0, self.budget_bytes - self._bytes)
 
     # -- identities ---------------------------------------------------------------------------
 
@@ -323,10 +331,12 @@ class ChunkCache:
             self._frames.mark(gone, False)
 
     def put_frames(self, items: Sequence[tuple[ChunkKey, list[bytes]]]) -> int:
-        """Keep chunks of frame bytes; room for all of them is made in one eviction pass.
-        Chunks no read to come wants are kept only as far as they fit beside those that
-        are wanted. Returns how many were already cached (replaced: a chunk fetched
-        twice)."""
+        """Keep chunks of frame bytes; room for them is made in one eviction pass. Chunks
+        no read to come wants are kept only as far as they fit beside those that are
+        wanted, and one store keeps at most half the budget (its last chunks; a single
+        chunk up to the whole budget), so a batch that decoded more than the cache can
+        hold does not push out everything earlier batches kept. Returns how many were
+        already cached (replaced: a chunk fetched twice)."""
         if not self.enabled:
             return 0
         replaced = 0
@@ -348,8 +358,9 @@ class ChunkCache:
                 rest.pop(0)  # served, not kept: it would push out a wanted frame
                 self.stats.frames_not_cached += 1
             fits = rest + ahead
-        while sum(n for _, _, n in fits) > self.budget_bytes:
-            fits.pop(0)  # more than the whole budget: keep the last ones
+        while len(fits) > 1 and sum(n for _, _, n in fits) > self.budget_bytes // 2:
+            fits.pop(0)  # one store keeps at most half the budget: its last chunks
+            self.stats.frames_not_cached += 1
         if not fits:
             return replaced
         self._make_room(sum(n for _, _, n in fits))

@@ -157,7 +157,8 @@ class Fetcher:
             self.stats.shared_fetches += len(pending) - len(own)
             mine = None
             if own:
-                mine = self.start([needs[i] for i in own], charge)
+                mine_needs = [needs[i] for i in own]
+                mine = self.start(mine_needs + self._on_the_way(mine_needs), charge)
                 by_job[mine] = own
             failed, error = await self._wait(by_job, mine)
             for job, idx in by_job.items():
@@ -177,6 +178,30 @@ class Fetcher:
                 return out  # type: ignore[return-value]
         assert error is not None
         raise error
+
+    def _on_the_way(self, needs: Sequence[Need]) -> list[Need]:
+        """Chunks a reader decodes on the way to ``needs`` anyway (a video's frames between
+        a keyframe and a frame read), to be kept too while the cache has free room for
+        them beside ``needs``: with every frame fitting, a frame decoded once is never
+        decoded again. With the cache full (or off), none: they would evict others."""
+        cache = self.cache
+        if not cache.enabled:
+            return []
+        room = cache.room - sum(n.reader.info.decoded_bound for n in needs
+                                if n.reader.info.is_bytes)
+        taken = {n.id for n in needs}
+        extra: list[Need] = []
+        for need in needs:
+            for chunk in need.reader.companions(need.chunk):
+                more = Need(need.reader, chunk)
+                size = need.reader.info.decoded_bound
+                if (room < size or more.id in taken or more.id in self._flights
+                        or cache.has_frames(more.id)):
+                    continue
+                taken.add(more.id)
+                extra.append(more)
+                room -= size
+        return extra
 
     async def _wait(self, by_job: dict[Job, list[int]],
                     mine: Job | None) -> tuple[set[Job], BaseException | None]:

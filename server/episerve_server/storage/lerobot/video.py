@@ -117,6 +117,19 @@ class VideoReader(LeRobotReader):
             out.append([r])
         return out
 
+    def companions(self, chunk: int) -> Sequence[int]:
+        """The frames from the keyframe at or before frame ``chunk`` up to it (not listed
+        yet: none), which a pass to ``chunk`` decodes anyway."""
+        keys = self.keyframes
+        if not keys:
+            return ()
+        t = self.span.from_s + chunk / self.fps
+        k = bisect.bisect_right(keys, t + 1 / (4 * self.fps)) - 1
+        if k < 0:
+            return ()
+        first = max(0, round((keys[k] - self.span.from_s) * self.fps))
+        return range(first, chunk)
+
     def _list_keyframes(self, container: Any) -> list[float]:
         """The keyframes' times from the episode's first frame to its last, demuxed (no
         frame decoded), with the keyframe at or before the first; [] when they cannot be

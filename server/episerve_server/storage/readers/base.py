@@ -59,6 +59,11 @@ class ChunkReader:
         decodes (video) plans one job over them all; by default, each run concurrently."""
         return list(await asyncio.gather(*(self.fetch(first, last) for first, last in runs)))
 
+    def companions(self, chunk: int) -> Sequence[int]:
+        """Chunks a read of ``chunk`` decodes on the way to it anyway (a video's frames
+        from the keyframe before it), which the miss path may keep too; none by default."""
+        return ()
+
     #: Whether chunks can be read through ``plan`` (one batched store call for many runs).
     batched = False
 
