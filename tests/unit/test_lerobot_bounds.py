@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import av
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -187,8 +188,9 @@ def test_a_14000x14000_video_declared_32x48_is_refused_before_a_frame_is_decoded
 def test_3000_frames_in_three_quarters_of_a_second_are_refused_after_a_few_dozen(
         tmp_path: Path, serve: Callable[..., Served]) -> None:
     """An 80 KB mp4 of 3,000 frames of 320x320 in 0.75 s where ``fps`` is 10: the read
-    stops once frames come faster than 4x the declared rate (after 33, none converted);
-    before, every frame of the window was converted to RGB and kept (and served)."""
+    stops once packets come faster than 4x the declared rate (after 33, while its
+    keyframes are listed: nothing decoded); long ago, every frame of the window was
+    converted to RGB and kept (and served)."""
     layout = lr.Layout(lengths=(8, 8), per_file=1, cameras=lr.Layout.cameras[:1],
                        size=(320, 320))
     root = lr.write(tmp_path / "ds", layout)
@@ -198,10 +200,20 @@ def test_3000_frames_in_three_quarters_of_a_second_are_refused_after_a_few_dozen
     assert target.stat().st_size < 256 * 1024
     served = serve(root)
     text = refused_frame(served)
-    assert "33 frames decoded between 0.0 s and" in text and "fps 10.0" in text
+    # the first read lists the file's keyframes: its packets come too fast, nothing decoded
+    assert "33 packets demuxed between 0.0 s and" in text and "fps 10.0" in text
     assert served.stats.video_frames_decoded == 0
     served.read(TOP, [("episode_000001", 5)])
-    assert served.stats.video_frames_decoded == 8  # the good file: one chunk, once each
+    good = root / lr.VIDEO_PATH.format(video_key=layout.cameras[0], chunk_index=0,
+                                       file_index=1)
+    with av.open(str(good)) as container:
+        stream = container.streams.video[0]
+        key = max(round(float(p.pts * stream.time_base) * lr.FPS)
+                  for p in container.demux(stream) if p.is_keyframe and p.pts is not None
+                  and float(p.pts * stream.time_base) <= 0.5 + 1e-9)
+    # the good file: frame 5 alone converted, decoded from its keyframe
+    assert served.stats.video_frames_converted == 1
+    assert served.stats.video_frames_decoded == 5 - key + 1
 
 
 def test_only_the_frame_nearest_each_time_is_converted(

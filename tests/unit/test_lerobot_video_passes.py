@@ -229,25 +229,39 @@ def test_a_seek_landing_after_the_first_frame_decodes_again_from_before_it() -> 
 
 
 @pytest.mark.parametrize("room", [True, False])
-def test_frames_decoded_on_the_way_are_kept_while_the_cache_has_room(
+def test_a_group_of_pictures_is_kept_whole_while_the_cache_has_room(
         tmp_path: Path, serve: Callable[..., Served], room: bool) -> None:
-    """A keyframe every 2 frames: a read of frame 13 decodes its keyframe 12 too. With room
-    in the cache, frame 12 is converted and kept, and a later read of it decodes nothing;
-    with a cache of one frame, it is neither converted nor kept (it would evict)."""
+    """A keyframe every 2 frames. With room in the cache, a read of 13 keeps its keyframe 12
+    (decoded on the way) and a read of keyframe 16 decodes and keeps 17 too: later reads of
+    12 and 17 decode nothing (the very first read, of 10, lists the keyframes and reads 10
+    alone). With a cache of one frame, only the frames read are
+    converted (12 is decoded on the way to 13, not kept) and 12 is decoded again."""
     layout = lr.Layout(lengths=(40,), per_file=1, cameras=(TOP,), gop=2)
     root = lr.write(tmp_path / "ds", layout)
     frame_bytes = layout.size[0] * layout.size[1] * 3 + 16 + 64
     served = serve(root, cache_bytes=(64 << 20) if room else frame_bytes)
     reader = reader_of(served, "episode_000000")
     one = {"top": {"zarr_key": TOP, "key_type": "camera_keys"}}
-    served.read(one, [("episode_000000", 10)])  # a keyframe: lists the keyframes
-    assert (reader.frames_decoded, reader.frames_converted) == (1, 1)
-    served.read(one, [("episode_000000", 13)])  # from keyframe 12
-    assert reader.frames_decoded == 3
-    assert reader.frames_converted == (3 if room else 2)
-    truth = lr.videos(root, layout)[TOP, 0][1.2]
-    result = served.read(one, [("episode_000000", 12)])
-    assert reader.frames_decoded == (3 if room else 4)
-    column = result.images["top"]
-    data = result.frames[column.source][int(column.index[0])]
-    assert np.array_equal(_pixels(data).reshape(*layout.size, 3), truth)
+    truth = lr.videos(root, layout)[TOP, 0]
+
+    def read(frame: int) -> tuple[int, int]:
+        result = served.read(one, [("episode_000000", frame)])
+        column = result.images["top"]
+        data = result.frames[column.source][int(column.index[0])]
+        assert np.array_equal(_pixels(data).reshape(*layout.size, 3),
+                              truth[round(frame / lr.FPS, 6)])
+        return reader.frames_decoded, reader.frames_converted
+
+    assert read(10) == (1, 1)  # the first read lists the keyframes
+    assert reader.keyframes[:3] == [0.0, 0.2, 0.4]
+    if room:
+        assert read(13) == (3, 3)  # 12 and 13
+        assert read(12) == (3, 3)
+        assert read(15) == (5, 5)  # 14 and 15
+        assert read(14) == (5, 5)
+        assert read(16) == (7, 7)  # a keyframe: 17 is decoded and kept with it
+        assert read(17) == (7, 7)
+    else:
+        assert read(13) == (3, 2)
+        assert read(12) == (4, 3)
+        assert read(14) == (5, 4)

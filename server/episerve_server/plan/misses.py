@@ -180,10 +180,11 @@ class Fetcher:
         raise error
 
     def _on_the_way(self, needs: Sequence[Need]) -> list[Need]:
-        """Chunks a reader decodes on the way to ``needs`` anyway (a video's frames between
-        a keyframe and a frame read), to be kept too while the cache has free room for
-        them beside ``needs``: with every frame fitting, a frame decoded once is never
-        decoded again. With the cache full (or off), none: they would evict others."""
+        """Chunks its reader says are worth reading with each of ``needs`` (a video's
+        frames of the same group of pictures), kept too while the cache has free room for
+        them beside ``needs``: with every frame fitting, no frame is decoded twice and no
+        keyframe decoded again for the frame after it. With the cache full (or off), none:
+        they would evict others."""
         cache = self.cache
         if not cache.enabled:
             return []

@@ -2,14 +2,15 @@
 nearest to ``from_s + r / fps`` in its mp4 file, if one is strictly within ``tolerance_s``.
 
 **What is decoded.** Each frame is its own cached chunk, so a read converts to RGB only the
-frames it serves, and keeps only those. Where the keyframes are is read from the stream
+frames it serves (and, while the cache has room for them, the rest of their groups of
+pictures: ``companions``). Where the keyframes are is read from the stream
 itself the first time an episode's video is read: its packets are demuxed (their flags and
 times, nothing decoded) over the episode's span, once. A read's frames are then decoded in
 passes: one seek to the keyframe at or before a frame, and one run of decoding through the
 last frame that lies before the next keyframe that is worth seeking to, so two frames of
 one group of pictures are decoded in one pass and frames of different ones never decode
-the frames between them. A file whose keyframes cannot be listed (too many packets for the
-span, or none with a time) is read in passes of consecutive frames, as a seek per run.
+the frames between them. A stream without a time base is read in passes of consecutive
+frames, a seek per run.
 
 Bounded before decoding: the container is opened with FFmpeg's ``max_pixels`` (the stream
 probe cannot decode a frame larger than ``info.json`` declares), the stream's size from its
@@ -45,6 +46,9 @@ MAX_DECODED_FRAMES = 4096
 #: packing thousands of frames into the span of a few is refused after a few dozen.
 MAX_RATE_FACTOR = 4
 FRAME_SLACK = 32
+#: Frames after a frame read, within its group of pictures, that the miss path may decode
+#: and keep with it while the cache has room (``companions``).
+AHEAD = 4
 
 
 class VideoReader(LeRobotReader):
@@ -118,22 +122,27 @@ class VideoReader(LeRobotReader):
         return out
 
     def companions(self, chunk: int) -> Sequence[int]:
-        """The frames from the keyframe at or before frame ``chunk`` up to it (not listed
-        yet: none), which a pass to ``chunk`` decodes anyway."""
+        """The other frames of frame ``chunk``'s group of pictures (none before the
+        keyframes are listed): those from its keyframe up to it, which a pass to it decodes
+        anyway, and at most ``AHEAD`` after it, before the next keyframe, which a later
+        read would decode from that keyframe again."""
         keys = self.keyframes
         if not keys:
             return ()
-        t = self.span.from_s + chunk / self.fps
-        k = bisect.bisect_right(keys, t + 1 / (4 * self.fps)) - 1
-        if k < 0:
-            return ()
-        first = max(0, round((keys[k] - self.span.from_s) * self.fps))
-        return range(first, chunk)
+        tick = 1 / self.fps
+        t = self.span.from_s + chunk * tick
+        k = bisect.bisect_right(keys, t + tick / 4) - 1
+        first = max(0, round((keys[k] - self.span.from_s) * self.fps)) if k >= 0 else chunk
+        end = min(chunk + 1 + AHEAD, self.info.rows)
+        if k + 1 < len(keys):
+            end = min(end, round((keys[k + 1] - self.span.from_s) * self.fps))
+        return [r for r in range(first, max(end, chunk + 1)) if r != chunk]
 
     def _list_keyframes(self, container: Any) -> list[float]:
         """The keyframes' times from the episode's first frame to its last, demuxed (no
-        frame decoded), with the keyframe at or before the first; [] when they cannot be
-        listed: no packet with a time, or more packets than the span's frames allow."""
+        frame decoded), with the keyframe at or before the first; [] when the stream has
+        no time base. Packets coming faster than the declared fps allows are refused as
+        decoded frames are (``_bound``), and so are more than the span's frames allow."""
         import av
 
         stream = self.files.checked_stream(container, self.span.path, self.size)
@@ -142,18 +151,23 @@ class VideoReader(LeRobotReader):
             return []
         first = self.span.from_s
         last = first + (self.info.rows - 1) / self.fps
+        hi = last + self.tolerance_s
         allowed = FRAME_SLACK + MAX_RATE_FACTOR * self.info.rows
         keys: list[float] = []
+        first_t: float | None = None
         try:
             container.seek(max(0, int((first + float(base) / 4) / base)), stream=stream,
                            backward=True, any_frame=False)
             for n, packet in enumerate(container.demux(stream), start=1):
                 if n > allowed:
-                    return []
+                    raise FileProblem(f"{self.span.path!r}: more than {allowed} packets "
+                                      f"demuxed over the episode's {self.info.rows} frames")
                 if packet.pts is None:
                     continue
                 t = float(packet.pts * base)
-                if t > last + self.tolerance_s:
+                first_t = t if first_t is None else first_t
+                self._bound(n, first_t, t, hi, "packets demuxed")
+                if t > hi:
                     break
                 if packet.is_keyframe:
                     keys.append(t)
@@ -258,15 +272,17 @@ class VideoReader(LeRobotReader):
                 break
         return best, times, n
 
-    def _bound(self, n: int, first_ts: float, ts: float, hi: float) -> None:
-        """``n`` frames decoded from ``first_ts`` up to ``ts``: refused past the absolute
-        bound, or faster than ``MAX_RATE_FACTOR`` times the declared fps."""
+    def _bound(self, n: int, first_ts: float, ts: float, hi: float,
+               what: str = "frames decoded") -> None:
+        """``n`` frames decoded (or packets demuxed) from ``first_ts`` up to ``ts``: refused
+        past the absolute bound, or faster than ``MAX_RATE_FACTOR`` times the declared
+        fps."""
         allowed = FRAME_SLACK + MAX_RATE_FACTOR * self.fps * max(0.0, ts - first_ts)
         if n > MAX_DECODED_FRAMES:
-            raise FileProblem(f"{self.span.path!r}: more than {MAX_DECODED_FRAMES} frames "
-                              f"decoded to reach {hi!r} s")
+            raise FileProblem(f"{self.span.path!r}: more than {MAX_DECODED_FRAMES} {what} "
+                              f"to reach {hi!r} s")
         if n > allowed:
-            raise FileProblem(f"{self.span.path!r}: {n} frames decoded between {first_ts!r} s "
+            raise FileProblem(f"{self.span.path!r}: {n} {what} between {first_ts!r} s "
                               f"and {ts!r} s, more than {int(allowed)} at the fps "
                               f"{self.fps!r} info.json declares")
 

@@ -60,8 +60,10 @@ class ChunkReader:
         return list(await asyncio.gather(*(self.fetch(first, last) for first, last in runs)))
 
     def companions(self, chunk: int) -> Sequence[int]:
-        """Chunks a read of ``chunk`` decodes on the way to it anyway (a video's frames
-        from the keyframe before it), which the miss path may keep too; none by default."""
+        """Chunks worth reading with ``chunk`` while the cache has room for them: a
+        video's frames of the same group of pictures, which a read of ``chunk`` decodes on
+        the way, or a later read would decode from the same keyframe again; none by
+        default."""
         return ()
 
     #: Whether chunks can be read through ``plan`` (one batched store call for many runs).
