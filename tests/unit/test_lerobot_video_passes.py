@@ -265,3 +265,20 @@ def test_a_group_of_pictures_is_kept_whole_while_the_cache_has_room(
         assert read(13) == (3, 2)
         assert read(12) == (4, 3)
         assert read(14) == (5, 4)
+
+
+def test_a_file_held_by_one_thread_opens_a_second_container_for_another(
+        tmp_path: Path, serve: Callable[..., Served]) -> None:
+    """Both decode threads can read one file (the episodes of a LeRobot v3 file share it):
+    while one container of a file is held, the next request gets a second one; once both
+    are free, requests take the ones already open."""
+    layout = lr.Layout(lengths=(6, 6), per_file=2, cameras=(TOP,))
+    root = lr.write(tmp_path / "ds", layout)
+    served = serve(root)
+    reader = reader_of(served, "episode_000000")
+    files, path = reader.files, reader.span.path
+    with files.video(path, layout.size) as first:
+        with files.video(path, layout.size) as second:
+            assert first is not second
+    with files.video(path, layout.size) as again:
+        assert again is first
