@@ -277,8 +277,7 @@ def test_a_file_held_by_one_thread_opens_a_second_container_for_another(
     served = serve(root)
     reader = reader_of(served, "episode_000000")
     files, path = reader.files, reader.span.path
-    with files.video(path, layout.size) as first:
-        with files.video(path, layout.size) as second:
-            assert first is not second
+    with files.video(path, layout.size) as first, files.video(path, layout.size) as second:
+        assert first is not second
     with files.video(path, layout.size) as again:
         assert again is first
