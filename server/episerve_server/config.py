@@ -106,6 +106,15 @@ class ServerConfig:
         "off", "numeric: after start-up, fetch every numeric array of every episode into "
         "the cache, in the background, up to --cache-bytes", "cache", kind="choice",
         choices=("off", "numeric"))
+    # The spill tier (storage/spill.py): decoded frames the cache lets go, kept on disk.
+    spill_dir: str = setting(
+        "", "keep decoded video frames the cache evicts in files under this folder (the "
+        "daemon's own: made 0700, refused if a symlink, another user's, or in use by another "
+        "daemon), read back instead of decoded again, also after a restart", "cache",
+        says="off", if_empty=_KEEP)
+    spill_bytes: int = setting(
+        16 * 2**30, "the spill folder's budget, least recently used entries deleted first",
+        "cache", kind="size", low=1)
     stats_cache_bytes: int = setting(
         512 * 2**20, "GetKeyStats keeps each (episode, key)'s moments and values, and the "
         "percentile tails of recent episode sets, under this budget, least recently used "

@@ -8,13 +8,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from episerve_server.config import ServerConfig
-from episerve_server.core.cache import ChunkCache
+from episerve_server.core.cache import ChunkCache, EvictHook
 from episerve_server.core.collector import COLLECTOR
 from episerve_server.core.stats import Stats
 from episerve_server.plan.background import Background
 from episerve_server.plan.planner import Planner
 from episerve_server.plan.statistics import KeyStatsEngine
+from episerve_server.preflight import StartupError
 from episerve_server.storage.catalog import Catalog
+from episerve_server.storage.spill import SpillRefused, SpillTier
 from episerve_server.storage.store import CountingStore, open_root
 
 
@@ -29,6 +31,7 @@ class ReadCore:
     planner: Planner
     background: Background  # prefetch hints and --preload
     key_stats: KeyStatsEngine
+    spill: SpillTier | None = None  # --spill-dir
 
 
 def build_read_core(config: ServerConfig, *, stats: Stats | None = None) -> ReadCore:
@@ -60,7 +63,33 @@ def build_read_core(config: ServerConfig, *, stats: Stats | None = None) -> Read
     key_stats = KeyStatsEngine(catalog, planner, cache, config.stats_cache_bytes)
     dropped.append(key_stats.drop_episode)
     dropped.append(COLLECTOR.episode_dropped)  # frozen episodes are reclaimed in batches
-    return ReadCore(stats, store, cache, catalog, planner, background, key_stats)
+    spill = None
+    if config.spill_dir:  # decoded frames the cache lets go, kept on disk and read back
+        spill = SpillTier(config.spill_dir, config.spill_bytes, stats)
+        try:
+            spill.open()
+        except (SpillRefused, OSError) as exc:
+            raise StartupError(f"--spill-dir: {exc}") from exc
+        planner.fetcher.spill = spill
+        cache.on_evict = spill_evicted(spill, catalog)
+    return ReadCore(stats, store, cache, catalog, planner, background, key_stats, spill)
+
+
+def spill_evicted(spill: SpillTier, catalog: Catalog) -> EvictHook:
+    """The cache's eviction hook: frame chunks of readers with a spill token go to the
+    spill tier (with it); others (raw bytes a store holds) do not."""
+
+    def offer(items: list[tuple[tuple[str, str, int], list[bytes]]]) -> None:
+        out = []
+        for cid, frames in items:
+            episode = catalog.episodes.get(cid[0])
+            reader = episode.readers.get(cid[1]) if episode is not None else None
+            if reader is not None and reader.spill_token is not None:
+                out.append((reader.spill_token, cid, frames))
+        if out:
+            spill.offer(out)
+
+    return offer
 
 
 def storage_options(config: ServerConfig) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import operator
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeAlias, cast
 
 import numpy as np
@@ -39,6 +39,8 @@ from episerve_server.core.slots import Slab, SlotTable
 from episerve_server.core.stats import Stats
 
 Chunk: TypeAlias = np.ndarray | list[bytes]
+#: Told the frame chunks the cache lets go (evicted, or not kept): (key, frames) each.
+EvictHook: TypeAlias = Callable[[list[tuple[ChunkKey, list[bytes]]]], None]
 
 BYTES_OVERHEAD = 64  # per frame: the bytes object and its list slot
 _FRAMES = operator.itemgetter(0)  # of a frame chunk's entry
@@ -74,6 +76,8 @@ class ChunkCache:
         self._frames = FrameChunks()
         self._wanted: dict[ChunkKey, int] = {}  # frame chunk -> hints wanting it
         self._hinted: deque[tuple[float, list[ChunkKey]]] = deque()  # (when, its chunks)
+        #: told the frame chunks evicted or not kept (the spill tier), if set
+        self.on_evict: EvictHook | None = None
         self._holds = 0  # gathers running in worker threads: slots are not reused meanwhile
         self._deferred: list[tuple[Slab, np.ndarray]] = []
         #: Bumped by every change of what is cached (a plan made before an await checks it).
@@ -349,18 +353,21 @@ class ChunkCache:
                 self._entries -= 1
                 replaced += 1
         wanted = self._wanted
+        let_go: list[tuple[ChunkKey, list[bytes], int]] = []
         if wanted:
             self._forget_wanted()
             ahead = [item for item in fits if item[0] in wanted]
             rest = [item for item in fits if item[0] not in wanted]
             room = self.budget_bytes - self._frames.kept_bytes() - sum(n for *_, n in ahead)
             while rest and sum(n for _, _, n in rest) > room:
-                rest.pop(0)  # served, not kept: it would push out a wanted frame
-                self.stats.frames_not_cached += 1
+                let_go.append(rest.pop(0))  # served, not kept: it would push out a wanted one
             fits = rest + ahead
         while len(fits) > 1 and sum(n for _, _, n in fits) > self.budget_bytes // 2:
-            fits.pop(0)  # one store keeps at most half the budget: its last chunks
-            self.stats.frames_not_cached += 1
+            let_go.append(fits.pop(0))  # one store keeps at most half the budget: its last
+        if let_go:
+            self.stats.frames_not_cached += len(let_go)
+            if self.on_evict is not None:
+                self.on_evict([(k, c) for k, c, _ in let_go])
         if not fits:
             return replaced
         self._make_room(sum(n for _, _, n in fits))
@@ -406,6 +413,8 @@ class ChunkCache:
             chosen = order[:n]
             frames_out = int((all_kinds[chosen] == -1).sum())
             if frames_out:
+                if self.on_evict is not None:
+                    self.on_evict(self._frames.items(oldest[:frames_out]))
                 self._bytes -= self._frames.evict(oldest[:frames_out])
                 self._entries -= frames_out
             for i, (sid, pick) in enumerate(owners):

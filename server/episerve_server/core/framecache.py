@@ -135,6 +135,15 @@ class FrameChunks:
             k = min(len(live), 4 * k)
         return live
 
+    def items(self, fids: np.ndarray) -> list[tuple[ChunkKey, list[bytes]]]:
+        """The kept chunks ``fids``: (key, frames) each."""
+        out = []
+        for fid in fids.tolist():
+            key = self._key[fid]
+            if key is not None:
+                out.append((key, self.entries[key][0]))
+        return out
+
     def evict(self, fids: np.ndarray) -> int:
         """Forget the chunks ``fids`` (from ``oldest``); returns their bytes."""
         nbytes = 0

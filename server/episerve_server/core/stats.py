@@ -38,6 +38,14 @@ COUNTERS = (
     # the catalog
     "episodes_reopened",
     "change_checks",
+    # the spill tier: chunks read back instead of decoded, entries written, entries that
+    # failed their checks (deleted, decoded again), evicted chunks not written (the queue
+    # was full), entries deleted to stay within its budget
+    "spill_hits",
+    "spill_writes",
+    "spill_drops",
+    "spill_skipped",
+    "spill_evictions",
     # LeRobot roots: video frames the daemon's decoder gave, and those converted to RGB (the
     # frames served and cached: a pass decodes from a keyframe, converting only its frames)
     "video_frames_decoded",
@@ -86,6 +94,14 @@ class Stats:
     # opening and reading need
     change_checks: int = 0
     video_frames_decoded: int = 0
+    spill_hits: int = 0
+    spill_writes: int = 0
+    spill_drops: int = 0
+    spill_skipped: int = 0
+    spill_evictions: int = 0
+    spill_bytes: int = 0  # a gauge: bytes of entries on disk
+    spill_entries: int = 0  # a gauge
+    spill_on: int = 0  # a gauge: 1 while the tier works
     video_frames_converted: int = 0
     cache_bytes: int = 0
     cache_entries: int = 0
@@ -99,6 +115,9 @@ class Stats:
         out["cache_bytes"] = self.cache_bytes
         out["cache_entries"] = self.cache_entries
         out["preload_total"] = self.preload_total
+        out["spill_bytes"] = self.spill_bytes
+        out["spill_entries"] = self.spill_entries
+        out["spill_on"] = self.spill_on
         out["episodes"] = {
             ep: {"chunks_fetched": c.chunks_fetched, "read_rpcs": c.read_rpcs}
             for ep, c in sorted(self.episodes.items())

@@ -35,6 +35,7 @@ from episerve_server.plan.store_reads import Vanished, split_decode, storage_err
 from episerve_server.storage.catalog import Catalog
 from episerve_server.storage.readers import ChunkReader, Raw, episode_exists
 from episerve_server.storage.readers.base import RunPlan
+from episerve_server.storage.spill import SpillTier
 from episerve_server.storage.store import Refused, split_key
 
 ChunkId: TypeAlias = tuple[str, str, int]  # episode, zarr key, chunk
@@ -81,6 +82,9 @@ class Fetcher:
                  limit: int = 64, offload_bytes: int = 1 << 20) -> None:
         self.catalog, self.cache, self.stats = catalog, cache, stats
         self.limit, self.offload_bytes = limit, offload_bytes
+        #: decoded chunks kept on disk (``storage/spill.py``), read before decoding; set by
+        #: the wiring when ``--spill-dir`` is given
+        self.spill: SpillTier | None = None
         self._flights: dict[ChunkId, Job] = {}
         self._sem: asyncio.Semaphore | None = None
         self.active = 0  # store jobs holding a slot
@@ -253,17 +257,26 @@ class Fetcher:
     async def _run(self, job: Job, needs: list[Need], charge: Callable[[int], None] | None,
                    count: str, background: bool) -> dict[ChunkId, Chunk]:
         try:
+            spilled = await self._from_spill(needs)
+            if spilled:
+                readers = {n.id: n.reader for n in needs if n.id in spilled}
+                needs = [n for n in needs if n.id not in spilled]
             runs = _runs(needs)
-            plans = await self._plans(runs)
-            known = [(run, plan) for run, plan in zip(runs, plans)
-                     if plan is not None and run[0].info.is_bytes and plan.known_bytes]
-            if charge is not None and known:
-                charge(sum(plan.known_bytes for _, plan in known))
-                job.charged.update((r.info.episode, r.info.name, c)
-                                   for (r, c0, c1), _ in known for c in range(c0, c1 + 1))
-            decoded = await self._fetch_decode(runs, plans, background)
-            await self._check_absent(runs, decoded)
-            result = self._keep(runs, decoded)
+            result: dict[ChunkId, Chunk] = {}
+            if runs:
+                plans = await self._plans(runs)
+                known = [(run, plan) for run, plan in zip(runs, plans)
+                         if plan is not None and run[0].info.is_bytes and plan.known_bytes]
+                if charge is not None and known:
+                    charge(sum(plan.known_bytes for _, plan in known))
+                    job.charged.update((r.info.episode, r.info.name, c) for (r, c0, c1), _
+                                       in known for c in range(c0, c1 + 1))
+                decoded = await self._fetch_decode(runs, plans, background)
+                await self._check_absent(runs, decoded)
+                result = self._keep(runs, decoded)
+            if spilled:
+                result.update(spilled)
+                self._keep_spilled(spilled, readers)
             if count:
                 setattr(self.stats, count, getattr(self.stats, count) + len(result))
             return result
@@ -271,6 +284,29 @@ class Fetcher:
             for cid in job.ids:
                 if self._flights.get(cid) is job:
                     del self._flights[cid]
+
+    async def _from_spill(self, needs: Sequence[Need]) -> dict[ChunkId, Chunk]:
+        """The chunks of ``needs`` the spill tier holds (read in a worker thread, each
+        checked), so they are not decoded again."""
+        spill = self.spill
+        if spill is None or not spill.enabled:
+            return {}
+        wanted = [(n.reader.spill_token, n.id) for n in needs
+                  if n.reader.spill_token is not None and spill.has(n.reader.spill_token, n.id)]
+        if not wanted:
+            return {}
+        got = await asyncio.to_thread(spill.read_many, wanted)
+        spill.publish()
+        return dict(got)
+
+    def _keep_spilled(self, chunks: dict[ChunkId, Chunk],
+                      readers: dict[ChunkId, ChunkReader]) -> None:
+        """Chunks read back from the spill tier go into the cache, as decoded ones do
+        (unless their episode was dropped or reopened meanwhile)."""
+        keep = [(cid, chunk) for cid, chunk in chunks.items() if isinstance(chunk, list)
+                and self.catalog.current(cid[0], cid[1], readers[cid])]
+        if keep:
+            self.stats.duplicate_fetches += self.cache.put_frames(keep)
 
     async def _plans(self, runs: list[tuple[ChunkReader, int, int]]) -> list[RunPlan | None]:
         """Each batched run's store reads (None: read by the reader itself). Shard indexes

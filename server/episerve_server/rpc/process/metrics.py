@@ -76,6 +76,11 @@ COUNTER_HELP = {
     "change_checks": "Store requests made to see whether an episode was rewritten.",
     "video_frames_decoded": "Video frames of LeRobot datasets decoded by the daemon.",
     "video_frames_converted": "Decoded video frames converted to RGB (those served).",
+    "spill_hits": "Chunks read back from the spill tier instead of decoded.",
+    "spill_writes": "Entries written to the spill tier.",
+    "spill_drops": "Spill entries that failed their checks (deleted, decoded again).",
+    "spill_skipped": "Evicted chunks not spilled: the write queue was full.",
+    "spill_evictions": "Spill entries deleted to stay within --spill-bytes.",
 }
 
 
@@ -113,6 +118,10 @@ class StatsCollector(Collector):
             ("reads_in_flight", "Read RPCs in progress.", service.admission.inflight),
             ("preload_total_chunks", "Chunks --preload means to fetch (progress: "
              "episerve_preload_chunks).", stats.preload_total),
+            ("spill_bytes", "Bytes of entries in the spill folder.", stats.spill_bytes),
+            ("spill_entries", "Entries in the spill folder.", stats.spill_entries),
+            ("spill_on", "1 while the spill tier works (0: off, or turned off by a disk "
+             "error).", stats.spill_on),
             ("draining", "1 while the daemon drains before stopping.",
              int(service.admission.draining)),
         )

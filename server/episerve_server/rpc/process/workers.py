@@ -86,11 +86,14 @@ def runtime_dir(config: ServerConfig) -> Path:
     return Path(tempfile.mkdtemp(prefix="episerve-workers-"))  # made exclusively, mode 0700
 
 
-def worker_config(config: ServerConfig, socket: Path, n: int) -> ServerConfig:
-    """What worker ``i`` of ``n`` runs with: a unix socket, its share of the cache, and no
-    ports or TLS of its own (the front has them)."""
+def worker_config(config: ServerConfig, socket: Path, n: int, index: int = 0) -> ServerConfig:
+    """What worker ``index`` of ``n`` runs with: a unix socket, its share of the cache and
+    of the spill tier (its own folder in ``--spill-dir``: a folder serves one process), and
+    no ports or TLS of its own (the front has them)."""
+    spill_dir = os.path.join(config.spill_dir, f"worker-{index}") if config.spill_dir else ""
     return dataclasses.replace(
         config, unix=str(socket), port=0, cache_bytes=config.cache_bytes // n,
+        spill_dir=spill_dir, spill_bytes=max(1, config.spill_bytes // n),
         metrics_port=0, health_port=0, tls_cert="", tls_key="", tls_client_ca="", workers=1)
 
 
@@ -144,7 +147,7 @@ class WorkerPool:
         n = config.worker_count
         folder = runtime_dir(config)
         workers = [Worker(i, folder / f"{i}.sock", worker_config(config, folder / f"{i}.sock",
-                                                                   n), count=n)
+                                                                   n, i), count=n)
                    for i in range(n)]
         return cls(config, folder, workers, config.token)
 

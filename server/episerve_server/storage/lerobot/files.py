@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import os
 import struct
 import threading
 from collections import OrderedDict
@@ -197,6 +198,18 @@ class OpenFiles:
             except av.FFmpegError as exc:
                 raise FileProblem(f"{name}cannot be decoded ({exc})") from exc
         return stream
+
+    def identity(self, path: str) -> str:
+        """What changes when the file ``path`` is rewritten: its size, mtime and inode (not
+        followed out of the root; "" when it cannot be seen)."""
+        real = os.path.realpath(os.path.join(self.store.root, path))
+        if not self.store.inside(real):
+            return ""
+        try:
+            st = os.stat(real)
+        except OSError:
+            return ""
+        return f"{st.st_size}:{st.st_mtime_ns}:{st.st_ino}:{st.st_dev}"
 
     # -- reading (worker threads) -------------------------------------------------------
 

@@ -192,8 +192,10 @@ class LeRobotSource:
             if not await self.store.exists(span.path):
                 opened.problems[key] = f"video file {span.path!r} is missing"
                 continue
+            identity = await asyncio.to_thread(self.files.identity, span.path)
             opened.readers[key] = VideoReader(name, feature, self.files, span, meta.length,
-                                              info.fps, self.tolerance_s, self.store.stats)
+                                              info.fps, self.tolerance_s, self.store.stats,
+                                              identity)
             features[key] = {"dtype": "video", "shape": list(feature.shape)}
         if TASK_INDEX in columns:
             opened.readers[TASK_KEY] = TaskReader(name, self.files, meta.data_path, row0,

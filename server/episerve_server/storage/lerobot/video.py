@@ -51,6 +51,15 @@ FRAME_SLACK = 32
 AHEAD = 4
 
 
+def decoder_version() -> str:
+    """PyAV's and FFmpeg's decoding libraries' versions: a frame decoded by another build
+    may differ, so the spill tier keys entries by it."""
+    import av
+
+    libs = av.library_versions
+    return f"av{av.__version__}/avcodec{libs.get('libavcodec')}/swscale{libs.get('libswscale')}"
+
+
 class VideoReader(LeRobotReader):
     """Frames of one video feature of one episode, a chunk a frame, decoded in passes that
     start at keyframes found in the stream.
@@ -60,11 +69,18 @@ class VideoReader(LeRobotReader):
     ``Stats.video_frames_converted`` count the same over every video)."""
 
     def __init__(self, episode: str, feature: Feature, files: OpenFiles, span: VideoSpan,
-                 length: int, fps: float, tolerance_s: float, stats: Stats) -> None:
+                 length: int, fps: float, tolerance_s: float, stats: Stats,
+                 identity: str = "") -> None:
+        """``identity``: the video file's own (``OpenFiles.identity``), for the spill
+        tier's token; empty: its frames are not spilled."""
         h, w, _ = feature.shape
         super().__init__(ArrayInfo(episode, feature.name, length, 1, (), True,
                                    1, rawframe.HEADER_BYTES + h * w * 3), files)
         self.span, self.fps, self.tolerance_s, self.size = span, fps, tolerance_s, (h, w)
+        if identity:
+            self.spill_token = "|".join(map(str, (
+                "video", 1, span.path, identity, repr(span.from_s), repr(fps), h, w,
+                repr(tolerance_s), decoder_version())))
         self.stats = stats
         self.frames_decoded = self.frames_converted = 0
         #: the keyframes' times over the episode's span, sorted; [] when they could not be

@@ -39,6 +39,12 @@ class ChunkReader:
     large) is ``DataLossError`` naming the episode, the key and the object.
     """
 
+    #: For a reader whose chunks are decoded here at a cost (a video's frames): what they
+    #: were decoded from (files, versions, settings), so the spill tier keeps them across
+    #: evictions and restarts, and never serves one decoded from an older file. None: its
+    #: chunks are not spilled.
+    spill_token: str | None = None
+
     def __init__(self, info: ArrayInfo, decoder: Decoder) -> None:
         self.info = info
         self.decode = decoder
