@@ -146,6 +146,14 @@ SUITE: tuple[Bench, ...] = (
           "at 30 fps, 2 cameras of 480x640, one frame apart per camera; full shuffled passes; "
           "the daemon's cache at a quarter of the decoded frames (1,055 MiB) and at all of "
           "them; frames decoded and daemon CPU per sample from its counters and `/proc`."),
+    Bench("lerobot_spill", "LeRobotDataset itself, 480x640, with the spill tier",
+          ("benchmarks/bench_lerobot_vs.py", "--size", "480x640", "--episodes", "4",
+           "--length", "150", "--fps", "30", "--codec", "default", "--cache-share", "0.25",
+           "--spill"),
+          "The same root and loaders as the 480x640 run above, the daemon's cache at a "
+          "quarter of the decoded frames, with the spill tier off and on (`--spill-dir` on "
+          "local disk): frames decoded and daemon CPU per sample in the second epoch, and in "
+          "a pass after the daemon restarted on the same folder."),
     Bench("front_limit", "The front's response limit", ("benchmarks/bench_front_limit.py",),
           "Reads split over both workers of `--workers 2`, over and under "
           "`--max-response-bytes`: the front's memory and health."),

@@ -4,7 +4,7 @@ side's worker RSS, and what the daemon decoded.
 
     python benchmarks/bench_lerobot_vs.py [--size 96x128] [--episodes 4] [--length 200]
                                           [--fps 10] [--codec h264|default]
-                                          [--cache 2GiB | --cache-share 0.25,1]
+                                          [--cache 2GiB | --cache-share 0.25,1] [--spill]
                                           [--batches N] [--buffered-bytes 1GiB]
 
 Runs in LeRobot's venv (``make lerobot-env``): started from any other interpreter, it runs
@@ -17,6 +17,10 @@ their items to torch's default collate, as a LeRobot training loop does.
 SVT-AV1, a keyframe every 2 frames), as a LeRobot user's root is; ``h264`` passes an h264
 encoder config. ``--cache-share`` sizes the daemon's cache as shares of the decoded frames
 (frames x (H x W x 3 + header)), one daemon per share; ``--cache`` gives it in bytes.
+``--spill`` runs each with the spill tier off and on (``--spill-dir`` in the run's
+temporary folder, 8 GiB): cold, warm, and a third pass after the daemon is stopped and
+started again on the same folder ("restarted", the warm pass's order); per pass, the
+frames read back from the tier per sample beside those decoded.
 
 Each pass is a shuffled order of every sample (a new permutation per pass, as a shuffled
 DataLoader's epochs are; ``--batches`` cuts it shorter), timed from each worker's second
@@ -47,6 +51,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 WORKERS, BATCH = 2, 32
+KEYS = ("video_frames_decoded", "video_frames_converted", "spill_hits", "samples_read")
 CAMERAS = ("observation.images.top", "observation.images.wrist")
 
 
@@ -169,6 +174,9 @@ def main() -> None:
     p.add_argument("--cache-share", default="",
                    help="comma-separated shares of the decoded frames, a daemon each")
     p.add_argument("--buffered-bytes", default="1GiB", help="the daemon's --max-buffered-bytes")
+    p.add_argument("--spill", action="store_true",
+                   help="each cache size with the spill tier off and on (and a pass after "
+                        "the daemon restarts on its folder)")
     p.add_argument("--lerobot-python", type=Path, default=REPO / ".venv-lerobot/bin/python")
     a = p.parse_args()
     try:
@@ -207,40 +215,60 @@ def main() -> None:
         print(f"LeRobotDataset decodes {theirs_decoded['cold']:.1f} / "
               f"{theirs_decoded['warm']:.1f} frames a sample (its rule, these orders)",
               flush=True)
+        tiers = ("off", "on") if a.spill else ("",)
+        order_of = {"cold": "cold", "warm": "warm", "restarted": "warm"}
         for label, cache in caches:
-            for uint8 in (False, True):
-                theirs = LeRobotDataset("bench/vs", root=root, delta_timestamps=delta,
-                                        video_backend="pyav", return_uint8=uint8)
-                sock = Path(tmp) / f"d{int(uint8)}.sock"
-                with DaemonProcess(root, "--rescan-s", "0", "--max-response-bytes", "250MiB",
-                                   "--cache-bytes", cache,
-                                   "--max-buffered-bytes", a.buffered_bytes, unix=sock,
-                                   python=os.environ.get("DAEMON_PYTHON")) as d:
-                    ours = LeRobotWindowDataset(d.target, root, delta, return_uint8=uint8)
-                    counts = Client(d.target)
-                    keys = ("video_frames_decoded", "video_frames_converted", "samples_read")
-                    seen = {k: 0 for k in keys}
-                    cpu = cpu_s(d.proc.pid)
-                    for pass_, order in orders.items():
-                        ours_s, ours_rss = run(ours, order)
-                        now = {k: int(counts.stats().get(k, 0)) for k in keys}
-                        done = {k: now[k] - seen[k] for k in keys}
-                        seen = now
-                        n = max(1, done["samples_read"])
-                        used, cpu = cpu_s(d.proc.pid) - cpu, cpu_s(d.proc.pid)
-                        frames = "uint8" if uint8 else "float32"
-                        print(f"daemon, cache {label}, {frames} {pass_}: per sample "
-                              f"{done['video_frames_decoded'] / n:.1f} frames decoded, "
-                              f"{done['video_frames_converted'] / n:.1f} converted, "
-                              f"{1e3 * used / n:.1f} ms CPU ({n} samples)", flush=True)
-                        theirs_s, theirs_rss = run(theirs, order)
-                        rows.append((label, f"{frames} {pass_}", f"{ours_s:.1f}",
-                                     f"{theirs_s:.1f}", f"{ours_s / theirs_s:.2f}x",
-                                     f"{done['video_frames_decoded'] / n:.1f}",
-                                     f"{theirs_decoded[pass_]:.1f}",
-                                     f"{1e3 * used / n:.1f}", f"{ours_rss:.0f}",
-                                     f"{theirs_rss:.0f}"))
-                        print(*rows[-1], flush=True)
+            for tier in tiers:
+                for uint8 in (False, True):
+                    frames = "uint8" if uint8 else "float32"
+                    theirs = LeRobotDataset("bench/vs", root=root, delta_timestamps=delta,
+                                            video_backend="pyav", return_uint8=uint8)
+                    spill = ["--spill-dir", str(Path(tmp) / f"spill-{label}-{frames}"),
+                             "--spill-bytes", "8GiB"] if tier == "on" else []
+                    passes = [("cold", 0), ("warm", 0)] + ([("restarted", 1)] if spill else [])
+                    pid, daemon = -1, None
+                    try:
+                        for pass_, generation in passes:
+                            if daemon is None or generation:
+                                if daemon is not None:
+                                    daemon.stop()
+                                daemon = DaemonProcess(
+                                    root, "--rescan-s", "0", "--max-response-bytes", "250MiB",
+                                    "--cache-bytes", cache, *spill,
+                                    "--max-buffered-bytes", a.buffered_bytes,
+                                    unix=Path(tmp) / f"d{int(uint8)}.sock",
+                                    python=os.environ.get("DAEMON_PYTHON"))
+                                ours = LeRobotWindowDataset(daemon.target, root, delta,
+                                                            return_uint8=uint8)
+                                counts = Client(daemon.target)
+                                seen = {k: 0 for k in KEYS}
+                                pid = daemon.proc.pid
+                                cpu = cpu_s(pid)
+                            order = orders[order_of[pass_]]
+                            ours_s, ours_rss = run(ours, order)
+                            now = {k: int(counts.stats().get(k, 0)) for k in KEYS}
+                            done = {k: now[k] - seen[k] for k in KEYS}
+                            seen = now
+                            n = max(1, done["samples_read"])
+                            used, cpu = cpu_s(pid) - cpu, cpu_s(pid)
+                            where = f"{label}{f', spill {tier}' if tier else ''}"
+                            print(f"daemon, cache {where}, {frames} {pass_}: per sample "
+                                  f"{done['video_frames_decoded'] / n:.2f} frames decoded, "
+                                  f"{done['video_frames_converted'] / n:.2f} converted, "
+                                  f"{done['spill_hits'] / n:.2f} read back from the spill "
+                                  f"tier, {1e3 * used / n:.1f} ms CPU ({n} samples)",
+                                  flush=True)
+                            theirs_s, theirs_rss = run(theirs, order)
+                            rows.append((where, f"{frames} {pass_}", f"{ours_s:.1f}",
+                                         f"{theirs_s:.1f}", f"{ours_s / theirs_s:.2f}x",
+                                         f"{done['video_frames_decoded'] / n:.2f}",
+                                         f"{theirs_decoded[order_of[pass_]]:.1f}",
+                                         f"{1e3 * used / n:.1f}", f"{ours_rss:.0f}",
+                                         f"{theirs_rss:.0f}"))
+                            print(*rows[-1], flush=True)
+                    finally:
+                        if daemon is not None:
+                            daemon.stop()
     print(f"{a.episodes} episodes x {a.length} frames at {a.fps} fps written by LeRobot's "
           f"writer in {written_s:.0f} s, 2 cameras of {h}x{w} ({a.codec} codec), "
           f"{decoded_bytes / 2**20:.0f} MiB of decoded frames; {WORKERS} workers, batch "

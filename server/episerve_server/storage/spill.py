@@ -63,8 +63,9 @@ MAX_PENDING_BYTES = 256 << 20
 MIN_ENTRY_BYTES = 4 << 10
 #: One entry's identity, as JSON, at most.
 MAX_IDENTITY_BYTES = 4 << 10
-#: Frames in one entry, at most.
+#: Frames in one entry, and bytes of one entry, at most (a 4K RGB frame is 25 MB).
 MAX_FRAMES = 1 << 16
+MAX_ENTRY_BYTES = 256 << 20
 
 
 class SpillRefused(Exception):
@@ -161,7 +162,7 @@ class SpillTier:
                     st = entry.stat(follow_symlinks=False)
                 except OSError:
                     continue
-                if stat.S_ISREG(st.st_mode):
+                if stat.S_ISREG(st.st_mode) and st.st_size <= MAX_ENTRY_BYTES:
                     found.append((st.st_mtime_ns, entry.name, st.st_size))
         found.sort()
         for _, name, size in found:
@@ -214,7 +215,8 @@ class SpillTier:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
         try:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_size != size or size < HEADER.size:
+            if not stat.S_ISREG(st.st_mode) or st.st_size != size or size < HEADER.size \
+                    or size > MAX_ENTRY_BYTES:
                 return None
             data = os.pread(fd, size, 0)
         finally:
@@ -234,7 +236,8 @@ class SpillTier:
             if name in self._index:
                 continue
             size = sum(map(len, frames))
-            if self._pending_bytes + size > MAX_PENDING_BYTES or len(frames) > MAX_FRAMES:
+            if self._pending_bytes + size > MAX_PENDING_BYTES or len(frames) > MAX_FRAMES \
+                    or size > MAX_ENTRY_BYTES // 2:
                 with self._lock:
                     self.counters.skipped += 1
                 continue
