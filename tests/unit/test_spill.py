@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
 import subprocess
 from collections.abc import Callable, Iterator
@@ -179,3 +180,23 @@ def test_a_read_only_folder_starts_the_tier_off_with_one_warning(
         assert sum("spill tier" in r.getMessage() for r in caplog.records) == 1
         t.offer([(TOKEN, CID, FRAMES)])  # nothing queued, no error
         assert not t._queue
+
+
+def test_an_io_error_reading_an_entry_turns_the_tier_off(
+        tmp_path: Path, run: Callable[..., Any], monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """EIO from the disk (pread raising, as a failing device does): the tier turns off with
+    one WARNING naming EIO and answers nothing, so the caller decodes instead."""
+    t = tier(tmp_path / "spill")
+    items = [(TOKEN, (CID[0], CID[1], k), [b"x" * 100]) for k in range(3)]
+    write(t, run, items)
+
+    def failing(*_: object) -> bytes:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(spill_module.os, "pread", failing)
+    with caplog.at_level("WARNING"):
+        assert t.read_many([(TOKEN, cid) for _, cid, _ in items]) == {}
+        assert t.read_many([(TOKEN, cid) for _, cid, _ in items]) == {}
+    assert not t.enabled and "EIO" in t.off_reason
+    assert sum("spill tier" in r.getMessage() for r in caplog.records) == 1

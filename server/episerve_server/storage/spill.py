@@ -10,7 +10,7 @@ starts warm.
   decoder's version) and the chunk's (episode, key, index). A rewritten file has a new
   token, so its old frames are never found again; they age out.
 - **Never trusted beyond its checksum.** An entry is one file: a fixed header (magic,
-  version, CRC-32 and length of the rest), the chunk's identity as JSON (checked against the
+  version, CRC-32C and length of the rest), the chunk's identity as JSON (checked against the
   one asked for) and its frames. A read checks the file's size against the index, the
   header, the identity and the CRC before a byte is served; an entry that fails is deleted
   and counted (``spill_drops``), and the frame is decoded again.
@@ -40,18 +40,19 @@ import os
 import stat
 import struct
 import threading
-import zlib
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeAlias
+
+from crc32c import crc32c
 
 from episerve_server.core.stats import Stats
 
 log = logging.getLogger(__name__)
 
 ChunkId: TypeAlias = tuple[str, str, int]  # episode, key, chunk
-#: The header of an entry: magic, format version, CRC-32 and length of what follows.
+#: The header of an entry: magic, format version, CRC-32C and length of what follows.
 HEADER = struct.Struct("<8sIIQ")
 MAGIC = b"EPISPILL"
 VERSION = 1
@@ -364,7 +365,7 @@ def build_entry(token: str, cid: ChunkId, frames: list[bytes]) -> bytes:
     identity = json.dumps({"token": token, "chunk": list(cid),
                            "lengths": [len(f) for f in frames]}).encode()
     body = b"".join([struct.pack("<I", len(identity)), identity, *frames])
-    return HEADER.pack(MAGIC, VERSION, zlib.crc32(body), len(body)) + body
+    return HEADER.pack(MAGIC, VERSION, crc32c(body), len(body)) + body
 
 
 def parse_entry(data: bytes, token: str, cid: ChunkId) -> list[bytes] | None:
@@ -374,7 +375,7 @@ def parse_entry(data: bytes, token: str, cid: ChunkId) -> list[bytes] | None:
         return None
     magic, version, crc, length = HEADER.unpack_from(data)
     body = memoryview(data)[HEADER.size:]
-    if magic != MAGIC or version != VERSION or length != len(body) or zlib.crc32(body) != crc:
+    if magic != MAGIC or version != VERSION or length != len(body) or crc32c(body) != crc:
         return None
     (n,) = struct.unpack_from("<I", body)
     if n > MAX_IDENTITY_BYTES or 4 + n > len(body):
