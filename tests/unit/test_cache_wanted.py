@@ -127,6 +127,9 @@ def test_a_hinted_batch_finds_its_frames_after_other_batches_churned_the_cache(
             await core.planner.read(WINDOW, batch)
         before = core.stats.video_frames_decoded
         await core.planner.read(WINDOW, hinted_samples)
+        if core.background._worker is not None:
+            core.background._worker.cancel()
+            await asyncio.sleep(0)
         return before, core.stats.video_frames_decoded
 
     before, after = run(go())

@@ -57,6 +57,21 @@ def chunk_nbytes(chunk: Chunk) -> int:
     return sum(len(b) for b in chunk) + BYTES_OVERHEAD * len(chunk)
 
 
+def _last_within(items: list[tuple[ChunkKey, list[bytes], int]], limit: int,
+                 keep_one: bool = False
+                 ) -> tuple[list[tuple[ChunkKey, list[bytes], int]],
+                            list[tuple[ChunkKey, list[bytes], int]]]:
+    """(the first ones, the last ones whose sizes add up to at most ``limit``; with
+    ``keep_one``, at least the last one)."""
+    total, k = 0, len(items)
+    while k and total + items[k - 1][2] <= limit:
+        total += items[k - 1][2]
+        k -= 1
+    if keep_one and k == len(items) and items:
+        k -= 1
+    return items[:k], items[k:]
+
+
 class ChunkCache:
     """LRU over (episode, key, chunk) under a byte budget. A budget of 0 turns it off."""
 
@@ -359,11 +374,12 @@ class ChunkCache:
             ahead = [item for item in fits if item[0] in wanted]
             rest = [item for item in fits if item[0] not in wanted]
             room = self.budget_bytes - self._frames.kept_bytes() - sum(n for *_, n in ahead)
-            while rest and sum(n for _, _, n in rest) > room:
-                let_go.append(rest.pop(0))  # served, not kept: it would push out a wanted one
+            # served, not kept: keeping them would push out a wanted one
+            let_go, rest = _last_within(rest, room)
             fits = rest + ahead
-        while len(fits) > 1 and sum(n for _, _, n in fits) > self.budget_bytes // 2:
-            let_go.append(fits.pop(0))  # one store keeps at most half the budget: its last
+        # one store keeps at most half the budget (its last chunks), a single chunk whole
+        over, fits = _last_within(fits, self.budget_bytes // 2, keep_one=True)
+        let_go += over
         if let_go:
             self.stats.frames_not_cached += len(let_go)
             if self.on_evict is not None:

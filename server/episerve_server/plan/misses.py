@@ -10,7 +10,14 @@
   single-flight, in the reader), every run's byte ranges go to the store in one
   ``get_many`` (a local root reads them in one worker thread, opening each shard file
   once), then every chunk is cut out and decoded in one more thread job, and the decoded
-  chunks go into the cache once, by the job, for every read that waits on it.
+  chunks go into the cache once, by the job, for every read that waits on it. A reader that
+  reads itself (video) gets all its runs of a job in one call (``fetch_runs``), so it can
+  plan its passes of decoding over them.
+- **Spilled first.** With ``--spill-dir``, a job first reads back the chunks the spill tier
+  holds (``storage/spill.py``) and decodes only the rest.
+- **A group of pictures while there is room.** A read's own job also takes the chunks its
+  readers say are worth reading with its chunks (``companions``: a video frame's group of
+  pictures), while the cache has free room for them, never when they would evict.
 - **Bounded.** At most ``limit`` store jobs hold a slot at once (``--max-store-concurrency``);
   each store call is bounded by the store's timeout; every decode by the array's metadata.
 
