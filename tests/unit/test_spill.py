@@ -73,13 +73,18 @@ def test_the_folder_is_made_0700_and_a_second_daemon_is_refused(tmp_path: Path) 
     tier(folder).close()  # free again once the first let go
 
 
-def test_a_symlink_or_another_users_folder_is_refused(tmp_path: Path) -> None:
+def test_a_symlink_another_users_folder_or_an_open_parent_is_refused(tmp_path: Path) -> None:
     real = tmp_path / "real"
     real.mkdir(mode=0o700)
     link = tmp_path / "link"
     link.symlink_to(real)
     with pytest.raises(SpillRefused, match="is a symlink"):
         tier(link)
+    open_parent = tmp_path / "everyone"
+    open_parent.mkdir()
+    open_parent.chmod(0o777)  # not sticky: anyone could move our folder away
+    with pytest.raises(SpillRefused, match="which another user can change"):
+        tier(open_parent / "spill")
     if os.geteuid() != 0:
         pytest.skip("changing a folder's owner needs root")
     other = tmp_path / "other"

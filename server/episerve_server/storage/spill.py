@@ -22,7 +22,9 @@ starts warm.
   index (in memory) holds a name, a size and an order per entry, rebuilt at start from the
   folder (at most ``budget_bytes / MIN_ENTRY_BYTES`` entries are looked at).
 - **The daemon's own folder.** Created 0700; refused when it is a symlink, not a folder, or
-  owned by another user, or when another daemon holds its lock (``flock`` on ``lock``).
+  owned by another user, when its parent lets another user replace it (not this user's or
+  root's, or writable by others without the sticky bit), or when another daemon holds its
+  lock (``flock`` on ``lock``).
 - **A failing disk turns it off.** ENOSPC, EIO, EROFS or any other error writing or reading
   an entry turns the tier off with one WARNING; reads go on, decoding as without it.
 """
@@ -122,6 +124,15 @@ class SpillTier:
         if st.st_uid != os.geteuid():
             raise SpillRefused(f"spill folder {folder!r} belongs to uid {st.st_uid}, not to "
                                f"this daemon's uid {os.geteuid()}")
+        parent = os.path.dirname(folder)
+        pst = os.stat(parent)
+        if pst.st_uid not in (0, os.geteuid()) or (
+                pst.st_mode & 0o022 and not pst.st_mode & stat.S_ISVTX):
+            # another user could move the folder away and put one of theirs in its place
+            raise SpillRefused(f"spill folder {folder!r} is in {parent!r}, which another "
+                               f"user can change (owner uid {pst.st_uid}, mode "
+                               f"{stat.S_IMODE(pst.st_mode):o}); give a folder whose parent "
+                               "only this user (or root, sticky) may write")
         try:
             if st.st_mode & 0o077:
                 os.chmod(folder, 0o700)  # ours: others may not read what we decoded
