@@ -75,9 +75,10 @@ def build_read_core(config: ServerConfig, *, stats: Stats | None = None) -> Read
     return ReadCore(stats, store, cache, catalog, planner, background, key_stats, spill)
 
 
-def spill_evicted(spill: SpillTier, catalog: Catalog) -> EvictHook:
+def spill_evicted(spill: SpillTier, catalog: Catalog, *, bounded: bool = True) -> EvictHook:
     """The cache's eviction hook: frame chunks of readers with a spill token go to the
-    spill tier (with it); others (raw bytes a store holds) do not."""
+    spill tier (with it); others (raw bytes a store holds) do not. Not ``bounded``: for
+    the cache's own frames at a drain (``SpillTier.offer``)."""
 
     def offer(items: list[tuple[tuple[str, str, int], list[bytes]]]) -> None:
         out = []
@@ -87,7 +88,7 @@ def spill_evicted(spill: SpillTier, catalog: Catalog) -> EvictHook:
             if reader is not None and reader.spill_token is not None:
                 out.append((reader.spill_token, cid, frames))
         if out:
-            spill.offer(out)
+            spill.offer(out, bounded=bounded)
 
     return offer
 

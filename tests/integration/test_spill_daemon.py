@@ -158,3 +158,19 @@ def test_the_guides_spill_example_serves_with_the_tier_on(tmp_path: Path) -> Non
     assert got["spill_on"] == 1 and got["spill_drops"] == 0
     assert (tmp_path / "episerve-spill").is_dir()
     assert ((tmp_path / "episerve-spill").stat().st_mode & 0o777) == 0o700
+
+
+def test_a_drained_daemon_leaves_what_its_cache_held_on_disk_too(root: Path,
+                                                                 tmp_path: Path) -> None:
+    """SIGTERM after one pass: the frames the cache still held (never evicted) are written
+    at the drain, so the daemon started again decodes none of the pass's frames."""
+    want = batches()
+    args = ("--rescan-s", "0", "--cache-bytes", str(8 * FRAME_BYTES),
+            "--spill-dir", str(tmp_path / "spill"))
+    with DaemonProcess(root, *args, unix=tmp_path / "a.sock") as first:
+        assert read_all(first.target, want) == truth(root, want)
+        assert first.stop() == 0
+    with DaemonProcess(root, *args, unix=tmp_path / "b.sock") as again:
+        assert read_all(again.target, want) == truth(root, want)
+        got = stats(again.target)
+    assert got["video_frames_decoded"] == 0, got

@@ -331,6 +331,10 @@ class ChunkCache:
         self._frames.mark(mine, True)
         self._forget_wanted()
 
+    def frame_items(self) -> list[tuple[ChunkKey, list[bytes]]]:
+        """Every frame chunk kept: (key, frames) each."""
+        return [(key, entry[0]) for key, entry in self._frames.entries.items()]
+
     def wanted(self, key: ChunkKey) -> bool:
         return key in self._wanted
 

@@ -182,6 +182,13 @@ class SpillTier:
             self._bytes += size
         self._trim()
 
+    async def flush(self, timeout_s: float) -> None:
+        """Wait (on the loop) up to ``timeout_s`` for the queued entries to be written."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while self.enabled and (self._queue or self._pending_bytes) \
+                and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)
+
     def close(self) -> None:
         self.enabled = False
         if self._writer is not None:
@@ -237,9 +244,12 @@ class SpillTier:
 
     # -- writes (evicted frames) ------------------------------------------------------------
 
-    def offer(self, items: Sequence[tuple[str, ChunkId, list[bytes]]]) -> None:
+    def offer(self, items: Sequence[tuple[str, ChunkId, list[bytes]]], *,
+              bounded: bool = True) -> None:
         """Queue evicted frame chunks (token, chunk id, frames) for writing; on the loop,
-        never waits. Those already there, or past ``MAX_PENDING_BYTES``, are skipped."""
+        never waits. Those already there, or past ``MAX_PENDING_BYTES`` (unless not
+        ``bounded``: the cache's own frames at a drain, held in memory anyway), are
+        skipped."""
         if not self.enabled:
             return
         queued = 0
@@ -248,8 +258,8 @@ class SpillTier:
             if name in self._index:
                 continue
             size = sum(map(len, frames))
-            if self._pending_bytes + size > MAX_PENDING_BYTES or len(frames) > MAX_FRAMES \
-                    or size > MAX_ENTRY_BYTES // 2:
+            if (bounded and self._pending_bytes + size > MAX_PENDING_BYTES) \
+                    or len(frames) > MAX_FRAMES or size > MAX_ENTRY_BYTES // 2:
                 with self._lock:
                     self.counters.skipped += 1
                 continue

@@ -14,7 +14,7 @@ from episerve_server.core.stats import Stats
 from episerve_server.rpc.handlers.service import EpiserveService
 from episerve_server.rpc.local.plane import LocalPlane
 from episerve_server.rpc.process import server
-from episerve_server.wiring import build_read_core
+from episerve_server.wiring import build_read_core, spill_evicted
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,16 @@ async def start(config: ServerConfig, *, stats: Stats | None = None,
     if config.preload == "numeric":  # in the background: health and reads never wait for it
         core.background.start_preload(owns)
     srv = await server.start(config, service)
+    if core.spill is not None:  # a drained daemon leaves what its cache held on disk too
+        spill, cache = core.spill, core.cache
+        everything = spill_evicted(spill, core.catalog, bounded=False)
+
+        async def spill_cache() -> None:
+            everything(cache.frame_items())
+            await spill.flush(config.grace_s)
+            spill.close()
+
+        srv.on_stop.append(spill_cache)
     if config.unix and config.local_plane:
         try:
             plane = await LocalPlane.start(config, service)
