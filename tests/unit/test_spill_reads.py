@@ -60,17 +60,24 @@ def batches_of(seed: int) -> list[list[tuple[str, int]]]:
     return [samples[k: k + 6] for k in range(0, len(samples), 6)]
 
 
+def setup(tmp_path: Path, run: Callable[..., Any]
+          ) -> tuple[Path, ReadCore, Path, dict[str, Any]]:
+    """A root, a cache-off core over it (the truth), the spill folder, and the config of a
+    core with a cache of 8 frames spilling there."""
+    root = lr.write(tmp_path / "ds", LAYOUT)
+    spill_dir = tmp_path / "spill"
+    config = {"cache_bytes": 8 * FRAME_BYTES, "spill_dir": str(spill_dir),
+              "spill_bytes": 64 << 20}
+    return root, core_of(root, run, cache_bytes=0), spill_dir, config
+
+
 def distinct_frames(batches: list[list[tuple[str, int]]]) -> int:
     return len({(e, r) for batch in batches for e, f in batch for r in (max(f - 1, 0), f)})
 
 
 def test_a_second_pass_and_a_restart_read_back_what_was_decoded(
         tmp_path: Path, run: Callable[..., Any]) -> None:
-    root = lr.write(tmp_path / "ds", LAYOUT)
-    truth_core = core_of(root, run, cache_bytes=0)
-    spill_dir = tmp_path / "spill"
-    config = {"cache_bytes": 8 * FRAME_BYTES, "spill_dir": str(spill_dir),
-              "spill_bytes": 64 << 20}
+    root, truth_core, _, config = setup(tmp_path, run)
     core = core_of(root, run, **config)
     first, second = batches_of(0), batches_of(1)
     served = 2 * sum(len(b) for b in second)  # frames a pass serves (2 a sample)
@@ -107,11 +114,7 @@ def test_a_second_pass_and_a_restart_read_back_what_was_decoded(
 
 def test_a_corrupt_entry_is_decoded_again_and_counted(
         tmp_path: Path, run: Callable[..., Any]) -> None:
-    root = lr.write(tmp_path / "ds", LAYOUT)
-    truth_core = core_of(root, run, cache_bytes=0)
-    spill_dir = tmp_path / "spill"
-    config = {"cache_bytes": 8 * FRAME_BYTES, "spill_dir": str(spill_dir),
-              "spill_bytes": 64 << 20}
+    root, truth_core, spill_dir, config = setup(tmp_path, run)
     core = core_of(root, run, **config)
     batches = batches_of(0)
     one_pass(core, run, batches)
