@@ -33,6 +33,7 @@ from episerve_client.errors import (
     DeadlineExceeded,
     EpiserveError,
     InvalidArgument,
+    KeymapError,
     ResponseTooLarge,
     Unavailable,
     UnknownKeymap,
@@ -57,24 +58,68 @@ class LoadedKeymap(dict[str, dict[str, Any]]):
     key: str
 
 
+def bundled_keymaps() -> dict[str, Path]:
+    """The keymaps that come with the client, by name (``"mecka_keypoints_k4"``)."""
+    folder = Path(__file__).resolve().parent / "keymaps"
+    return {p.stem: p for p in sorted(folder.glob("*.yaml"))}
+
+
 def load_keymap(keymap: KeymapLike) -> LoadedKeymap:
-    """A keymap from a mapping or a YAML file, as users keep them (one already loaded is
-    returned as it is)."""
+    """A keymap from a mapping, a YAML file, or the name of a keymap that comes with the
+    client (``"mecka_keypoints_k4"``, from any folder), as users keep them (one already
+    loaded is returned as it is). A file that is not YAML is a ``KeymapError`` naming the
+    file, line and column."""
     if isinstance(keymap, LoadedKeymap):
         return keymap
     if isinstance(keymap, str | Path):
-        import yaml
-
-        path = Path(keymap)
-        if not path.is_file():
-            raise InvalidArgument(f"keymap file {str(path)!r} does not exist")
-        keymap = yaml.safe_load(path.read_text())
+        path = _keymap_path(keymap)
+        keymap = _read_yaml(path)
+        if not isinstance(keymap, Mapping) or not keymap:
+            raise KeymapError(f"keymap file {str(path)!r} holds {type(keymap).__name__} "
+                              f"{_short(keymap)}, expected a non-empty mapping of output "
+                              "names to entries")
     if not isinstance(keymap, Mapping) or not keymap:
         raise InvalidArgument(f"a keymap is a non-empty mapping, got {keymap!r}")
     out = LoadedKeymap((str(k), dict(v) if isinstance(v, Mapping) else v)
                        for k, v in keymap.items())
     out.key = json.dumps(out, sort_keys=True, default=str)
     return out
+
+
+def _keymap_path(given: str | Path) -> Path:
+    """The file a keymap argument names: a path, or a bundled keymap's name."""
+    path = Path(given)
+    if path.is_file():
+        return path
+    bundled = bundled_keymaps()
+    if isinstance(given, str) and given in bundled:
+        return bundled[given]
+    names = ", ".join(repr(n) for n in bundled)
+    if isinstance(given, str) and os.sep not in given and path.suffix not in (".yaml", ".yml"):
+        raise KeymapError(f"no keymap named {given!r}: the keymaps that come with the client "
+                          f"are {names}; or give a YAML file's path")
+    raise KeymapError(f"keymap file {str(path)!r} does not exist (in {os.getcwd()!r}); "
+                      f"a keymap that comes with the client can be named instead: {names}")
+
+
+def _read_yaml(path: Path) -> Any:
+    import yaml
+
+    try:
+        return yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise KeymapError(f"keymap file {str(path)!r} is not valid YAML{where}: "
+                          f"{problem}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise KeymapError(f"keymap file {str(path)!r} cannot be read ({exc})") from None
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 class BaseClient:

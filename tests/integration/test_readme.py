@@ -61,7 +61,8 @@ def test_usage_examples_run(tmp_path: Path) -> None:
                    for line in daemon.lines)
         for code in _blocks("python"):
             code = code.replace("/tmp/", f"{tmp_path}/")
-            result = subprocess.run([sys.executable, "-c", code], cwd=REPO, text=True,
+            # from a folder of its own, not the checkout: as a user runs them
+            result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, text=True,
                                     capture_output=True, timeout=120, check=False)
             assert result.returncode == 0, result.stderr
             for want in re.findall(r"# (torch\.Size\(\[.*?\]\)|\(\d+(?:, \d+)*\))", code):
