@@ -205,3 +205,15 @@ def test_an_io_error_reading_an_entry_turns_the_tier_off(
         assert t.read_many([(TOKEN, cid) for _, cid, _ in items]) == {}
     assert not t.enabled and "EIO" in t.off_reason
     assert sum("spill tier" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_restart_with_a_smaller_budget_leaves_no_entry_it_does_not_count(
+        tmp_path: Path, run: Callable[..., Any]) -> None:
+    folder = tmp_path / "spill"
+    t = tier(folder)
+    write(t, run, [(TOKEN, (CID[0], CID[1], k), [b"x" * 1000]) for k in range(6)])
+    t.close()
+    one = len(build_entry(TOKEN, CID, [b"x" * 1000]))
+    small = tier(folder, budget=2 * one)
+    assert small.entries <= 2 and small.stored_bytes <= 2 * one
+    assert len(list(folder.glob("*.spill"))) == small.entries  # nothing left uncounted

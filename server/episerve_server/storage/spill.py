@@ -158,8 +158,8 @@ class SpillTier:
 
     def _scan(self) -> None:
         """Index the entries left by an earlier run (regular files named ``*.spill``),
-        least recently written first; remove temporary files a crash left, and what is
-        over the budget."""
+        least recently written first; remove temporary files a crash left, entries past
+        the most this budget can index, and what is over the budget."""
         limit = max(1, self.budget_bytes // MIN_ENTRY_BYTES)
         found: list[tuple[int, str, int]] = []
         with os.scandir(self.folder) as it:
@@ -168,7 +168,11 @@ class SpillTier:
                     with contextlib.suppress(OSError):
                         os.unlink(entry.path)
                     continue
-                if not entry.name.endswith(SUFFIX) or len(found) >= limit:
+                if not entry.name.endswith(SUFFIX):
+                    continue
+                if len(found) >= limit:  # more than this budget can hold: gone
+                    with contextlib.suppress(OSError):
+                        os.unlink(entry.path)
                     continue
                 try:
                     st = entry.stat(follow_symlinks=False)
