@@ -56,9 +56,14 @@ def write(t: SpillTier, run: Callable[..., Any],
         t.offer(items)
         for _ in range(2000):
             if not t._queue and t._pending_bytes == 0:
-                return
+                break
             await asyncio.sleep(0.002)
-        raise AssertionError("the spill writer did not finish")
+        else:
+            raise AssertionError("the spill writer did not finish")
+        if t._writer is not None:  # idle: stopped here, so the loop ends with no task left
+            t._writer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await t._writer
 
     run(go())
 
@@ -137,6 +142,8 @@ def test_a_full_queue_skips_instead_of_waiting(tmp_path: Path, run: Callable[...
     async def go() -> None:
         t.offer([(TOKEN, (CID[0], CID[1], k), [b"x" * 1000]) for k in range(4)])
         assert t.counters.skipped == 2  # 2 fit in the queue; the read never waited
+        t.close()  # (its writer stopped while the loop runs)
+        await asyncio.sleep(0)
 
     run(go())
 
