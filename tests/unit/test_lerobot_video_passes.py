@@ -13,12 +13,14 @@ import itertools
 import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import pytest
 
 from episerve_server.core.stats import Stats
+from episerve_server.storage.lerobot.columns import FileProblem
 from episerve_server.storage.lerobot.meta import Feature, VideoSpan
 from episerve_server.storage.lerobot.video import VideoReader
 from tests.support import lerobot as lr
@@ -281,3 +283,36 @@ def test_a_file_held_by_one_thread_opens_a_second_container_for_another(
         assert first is not second
     with files.video(path, layout.size) as again:
         assert again is first
+
+
+class _Packets:
+    """A stream's packets (demuxed, nothing decoded): ``count`` of them ``step_s`` apart
+    from 0, a keyframe every ``gop``."""
+
+    def __init__(self, count: int, step_s: float, gop: int) -> None:
+        self.count, self.step_s, self.gop = count, step_s, gop
+        self.demuxed = 0
+
+    def seek(self, ticks: int, *, stream: Any, backward: bool, any_frame: bool) -> None:
+        pass
+
+    def demux(self, stream: Any) -> Iterator[Any]:
+        for k in range(self.count):
+            self.demuxed += 1
+            yield SimpleNamespace(pts=round(k * self.step_s * 1000), is_keyframe=k % self.gop == 0)
+
+
+def test_a_long_episodes_keyframes_are_listed_and_a_dense_one_refused() -> None:
+    """An episode of 6,000 frames (far more than one pass may decode) has its 1,200
+    keyframes listed; packets 40 times denser than the declared 10 fps are refused after
+    a few dozen, naming the rate."""
+    feature = Feature(TOP, "video", (4, 4, 3), "uint8")
+    reader = VideoReader("episode_000000", feature, _Files(), VideoSpan("v.mp4", 0.0),
+                         6000, 10.0, 1e-4, Stats())
+    stream = _Packets(6000, 0.1, 5)
+    keys = reader._list_keyframes(stream)
+    assert len(keys) == 1200 and keys[:2] == [0.0, 0.5] and stream.demuxed == 6000
+    dense = _Packets(6000, 0.0025, 5)
+    with pytest.raises(FileProblem, match=r"packets demuxed between 0\.0 s and"):
+        reader._list_keyframes(dense)
+    assert dense.demuxed < 64

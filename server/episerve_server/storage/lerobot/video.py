@@ -175,14 +175,15 @@ class VideoReader(LeRobotReader):
             container.seek(max(0, int((first + float(base) / 4) / base)), stream=stream,
                            backward=True, any_frame=False)
             for n, packet in enumerate(container.demux(stream), start=1):
-                if n > allowed:
-                    raise FileProblem(f"{self.span.path!r}: more than {allowed} packets "
-                                      f"demuxed over the episode's {self.info.rows} frames")
                 if packet.pts is None:
+                    if n > allowed:
+                        self._bound(n, 0.0, 0.0, hi, "packets demuxed", allowed)
                     continue
                 t = float(packet.pts * base)
                 first_t = t if first_t is None else first_t
-                self._bound(n, first_t, t, hi, "packets demuxed")
+                # (bounded by the span's length, not by one pass's MAX_DECODED_FRAMES: an
+                # episode may be far longer than a group of pictures)
+                self._bound(n, first_t, t, hi, "packets demuxed", allowed)
                 if t > hi:
                     break
                 if packet.is_keyframe:
@@ -289,14 +290,13 @@ class VideoReader(LeRobotReader):
         return best, times, n
 
     def _bound(self, n: int, first_ts: float, ts: float, hi: float,
-               what: str = "frames decoded") -> None:
+               what: str = "frames decoded", most: int = MAX_DECODED_FRAMES) -> None:
         """``n`` frames decoded (or packets demuxed) from ``first_ts`` up to ``ts``: refused
-        past the absolute bound, or faster than ``MAX_RATE_FACTOR`` times the declared
-        fps."""
+        past ``most`` in all, or faster than ``MAX_RATE_FACTOR`` times the declared fps."""
         allowed = FRAME_SLACK + MAX_RATE_FACTOR * self.fps * max(0.0, ts - first_ts)
-        if n > MAX_DECODED_FRAMES:
-            raise FileProblem(f"{self.span.path!r}: more than {MAX_DECODED_FRAMES} {what} "
-                              f"to reach {hi!r} s")
+        if n > most:
+            raise FileProblem(f"{self.span.path!r}: more than {most} {what} to reach "
+                              f"{hi!r} s")
         if n > allowed:
             raise FileProblem(f"{self.span.path!r}: {n} {what} between {first_ts!r} s "
                               f"and {ts!r} s, more than {int(allowed)} at the fps "
