@@ -106,7 +106,7 @@ class VideoReader(LeRobotReader):
             if self.keyframes is None:
                 self.keyframes = self._list_keyframes(container)
             for part in self.passes(rows):
-                targets = [self.span.from_s + r / self.fps for r in part]
+                targets = [self._time(r) for r in part]
                 best, times, n = self._scan(container, targets)
                 got, k = self._convert(part, targets, best, times)
                 frames.update(zip(part, got))
@@ -125,10 +125,8 @@ class VideoReader(LeRobotReader):
             if out:
                 prev = out[-1][-1]
                 if keys:
-                    t = self.span.from_s + r / self.fps
-                    t_prev = self.span.from_s + prev / self.fps
-                    k = bisect.bisect_right(keys, t + tick / 4) - 1
-                    joins = k < 0 or keys[k] <= t_prev + tick + tick / 4
+                    k = self._keyframe_of(r)
+                    joins = k < 0 or keys[k] <= self._time(prev) + tick + tick / 4
                 else:
                     joins = r == prev + 1
                 if joins:
@@ -145,14 +143,21 @@ class VideoReader(LeRobotReader):
         keys = self.keyframes
         if not keys:
             return ()
-        tick = 1 / self.fps
-        t = self.span.from_s + chunk * tick
-        k = bisect.bisect_right(keys, t + tick / 4) - 1
+        k = self._keyframe_of(chunk)
         first = max(0, round((keys[k] - self.span.from_s) * self.fps)) if k >= 0 else chunk
         end = min(chunk + 1 + AHEAD, self.info.rows)
         if k + 1 < len(keys):
             end = min(end, round((keys[k + 1] - self.span.from_s) * self.fps))
         return [r for r in range(first, max(end, chunk + 1)) if r != chunk]
+
+    def _time(self, row: int) -> float:
+        return self.span.from_s + row / self.fps
+
+    def _keyframe_of(self, row: int) -> int:
+        """The index in ``keyframes`` (listed) of the keyframe at or before frame ``row``
+        (within a quarter of a frame: times are rounded), -1 if none is listed."""
+        assert self.keyframes is not None
+        return bisect.bisect_right(self.keyframes, self._time(row) + 1 / (4 * self.fps)) - 1
 
     def _list_keyframes(self, container: Any) -> list[float]:
         """The keyframes' times from the episode's first frame to its last, demuxed (no
