@@ -224,3 +224,16 @@ def test_a_restart_with_a_smaller_budget_leaves_no_entry_it_does_not_count(
     small = tier(folder, budget=2 * one)
     assert small.entries <= 2 and small.stored_bytes <= 2 * one
     assert len(list(folder.glob("*.spill"))) == small.entries  # nothing left uncounted
+
+
+def test_a_disk_already_full_at_start_starts_the_tier_off(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with tiny_tmpfs(tmp_path / "disk", "64k") as disk:
+        with open(disk / "filler", "wb", buffering=0) as f, contextlib.suppress(OSError):
+            while True:  # until ENOSPC
+                f.write(b"x" * 4096)
+        with caplog.at_level("WARNING"):
+            t = tier(disk)  # not an error: the daemon serves without the tier
+        assert not t.enabled and "ENOSPC" in t.off_reason
+        assert sum("spill tier" in r.getMessage() for r in caplog.records) == 1
+        t.close()

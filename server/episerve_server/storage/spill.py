@@ -149,10 +149,14 @@ class SpillTier:
             raise SpillRefused(f"spill folder {folder!r} is in use by another daemon"
                                f"{f' (pid {holder})' if holder else ''}; give each daemon "
                                "its own --spill-dir") from exc
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
         self._lock_fd = fd
-        self._scan()
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+            self._scan()
+        except OSError as exc:  # a full or failing disk: serve without the tier
+            self._turn_off(f"the folder cannot be used ({_why(exc)})")
+            return
         self.enabled = self.budget_bytes > 0
         self.publish()
 
