@@ -237,3 +237,23 @@ def test_a_disk_already_full_at_start_starts_the_tier_off(
         assert not t.enabled and "ENOSPC" in t.off_reason
         assert sum("spill tier" in r.getMessage() for r in caplog.records) == 1
         t.close()
+
+
+def test_each_worker_of_a_daemon_gets_its_own_folder_and_share(tmp_path: Path) -> None:
+    """``--workers 2``: two processes cannot share one folder (its lock), so each worker
+    spills into ``DIR/worker-<i>`` with half the budget, and both open side by side."""
+    from episerve_server.config import ServerConfig
+    from episerve_server.rpc.process.workers import worker_config
+
+    config = ServerConfig(root=str(tmp_path), spill_dir=str(tmp_path / "spill"),
+                          spill_bytes=10 << 30)
+    made = [worker_config(config, tmp_path / f"{i}.sock", 2, i) for i in range(2)]
+    assert [c.spill_dir for c in made] == [str(tmp_path / "spill" / f"worker-{i}")
+                                           for i in range(2)]
+    assert all(c.spill_bytes == 5 << 30 for c in made)
+    tiers = [tier(Path(c.spill_dir)) for c in made]
+    assert all(t.enabled for t in tiers)
+    for t in tiers:
+        t.close()
+    off = worker_config(ServerConfig(root=str(tmp_path)), tmp_path / "0.sock", 2, 0)
+    assert off.spill_dir == ""
