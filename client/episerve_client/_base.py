@@ -204,6 +204,10 @@ class BaseClient:
         connection: a target that never answered, with no other target to fail over to."""
         return target not in self.answered and self.waits_for_ready(target)
 
+    def daemon_pid(self, target: str) -> int | None:
+        """The pid of the daemon process serving ``target``, when this client knows it."""
+        return None
+
     def connect_wait_s(self, call: Call) -> float:
         return min(self.connect_timeout_s, max(call.timeout_s, 0.001))
 
@@ -241,7 +245,7 @@ class BaseClient:
             if not out.transient or left(deadline) <= 0.01:
                 raise _final(out, deadline)
             if isinstance(out, Unavailable) and self.waits_for_ready(t):
-                self.outages.failed(t, out, deadline)
+                self.outages.failed(t, out, deadline, self.daemon_pid(t))
             yield [Sleep(min(self.backoff(attempt), left(deadline)))]
             attempt += 1
 
@@ -322,7 +326,7 @@ class BaseClient:
                     max_per_call = max(1, min(max_per_call, len(idx)) // 2)
                 elif out.transient and left(deadline) > 0.01:
                     if isinstance(out, Unavailable) and self.waits_for_ready(t):
-                        self.outages.failed(t, out, deadline)  # one daemon: wait, say so
+                        self.outages.failed(t, out, deadline, self.daemon_pid(t))  # one daemon: wait, say so
                     if isinstance(out, Unavailable) and not self.workers.mark_down(t):
                         self.router.mark_down(t)
                     retry_after = True
@@ -374,7 +378,7 @@ class BaseClient:
             # a transient failure leaves the id unset: the Read then fails over or retries;
             # one daemon that does not answer is an outage, as a Read's failure would be
             if isinstance(out, Unavailable) and self.waits_for_ready(t) and left(deadline) > 0.01:
-                self.outages.failed(t, out, deadline)
+                self.outages.failed(t, out, deadline, self.daemon_pid(t))
 
 
 def _final(err: EpiserveError, deadline: float) -> EpiserveError:

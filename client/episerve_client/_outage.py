@@ -21,9 +21,9 @@ Read that legitimately takes longer still succeeds once the doubled wait covers 
 from __future__ import annotations
 
 import logging
-import os
 import time
 
+from episerve_client.channel import nobody_listens, unix_path
 from episerve_client.errors import DeadlineExceeded, EpiserveError, InvalidArgument, Unavailable
 
 log = logging.getLogger(__name__)
@@ -86,9 +86,11 @@ class Outages:
                                target=target)
         return out
 
-    def failed(self, target: str, err: EpiserveError, deadline: float) -> None:
+    def failed(self, target: str, err: EpiserveError, deadline: float,
+               pid: int | None = None) -> None:
         """``target`` did not answer (``err``, transient); the call would give up at the
-        monotonic ``deadline``. Says so when due; raises once ``max_outage_s`` is over."""
+        monotonic ``deadline``. Says so when due, naming the daemon's ``pid`` when known;
+        raises once ``max_outage_s`` is over."""
         now, wall = time.monotonic(), time.time()
         since, since_wall = self._since.setdefault(target, (now, wall))
         self._attempts[target] = self._attempts.get(target, 0) + 1
@@ -107,14 +109,23 @@ class Outages:
             return
         self._reported[target] = now
         until = clock(wall + give_up - now)
+        # What is known beside the error: the daemon's pid, and a unix socket left with
+        # nothing listening on it (then the error itself adds nothing).
+        path = unix_path(target)
+        stale = nobody_listens(path) if path is not None else ""
+        notes = [f"daemon pid {pid}"] if pid else []
+        notes += [stale] if stale else []
+        if not stale or "listens" not in err.message:  # else it says the same again
+            notes.append(f"last error: {err.message}")
         if last is None:
-            log.warning("episerve: no answer from the daemon at %s since %s (pid %d; last "
-                        "error: %s); retrying until %s, then the call fails", target,
-                        clock(since_wall), os.getpid(), err.message, until)
+            log.warning("episerve: no answer from the daemon at %s since %s (%s); retrying "
+                        "until %s, then the call fails", target, clock(since_wall),
+                        "; ".join(notes), until)
         else:
-            log.warning("episerve: still no answer from the daemon at %s since %s (%.0fs, "
-                        "pid %d); giving up at %s (in %.0fs)", target, clock(since_wall),
-                        out_s, os.getpid(), until, max(0.0, give_up - now))
+            log.warning("episerve: still no answer from the daemon at %s since %s (%.0fs; "
+                        "%s); giving up at %s (in %.0fs)", target, clock(since_wall), out_s,
+                        "; ".join(notes), until,
+                        max(0.0, give_up - now))
 
     def answered(self, target: str) -> None:
         if target not in self._since:

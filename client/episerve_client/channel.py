@@ -7,7 +7,9 @@ import ipaddress
 import logging
 import multiprocessing.util
 import os
+import socket
 import stat
+import struct
 import threading
 import time
 import weakref
@@ -192,11 +194,49 @@ DEFAULT_CONNECT_TIMEOUT_S = 3.0
 def not_answering(target: str, waited_s: float, tls: bool) -> Unavailable:
     """The error for a target that never answered: nothing listens there (or it speaks
     another protocol), which waiting longer will not change."""
+    path = unix_path(target)
+    if path is not None and (why := nobody_listens(path)):
+        return Unavailable(f"no daemon at {target!r}: {why}", target=target)
     hint = ("is the daemon running at this address, and started with --tls-cert?" if tls
             else "is the daemon running at this address, and without TLS?")
     return Unavailable(f"no daemon answered at {target!r} within {waited_s:g}s: nothing "
                        f"listens there or it did not accept the connection ({hint})",
                        target=target)
+
+
+def nobody_listens(path: str) -> str:
+    """Why no daemon can answer at the unix socket ``path``, or ``""`` when one may: a
+    socket file with nothing listening on it (left by a daemon that was killed, which
+    cannot remove it) refuses every connection at once, and waiting will not change that
+    until a daemon is started there again."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        sock.settimeout(0.5)
+        sock.connect(path)
+    except ConnectionRefusedError:
+        return (f"nothing listens on the unix socket {path!r} (the connection is refused: "
+                "the socket is left from a daemon that stopped; start the daemon again)")
+    except FileNotFoundError:
+        return f"the unix socket {path!r} does not exist (the daemon stopped)"
+    except OSError:
+        return ""  # busy, or not ours to judge: the call's own error says the rest
+    finally:
+        sock.close()
+    return ""
+
+
+def peer_pid(sock: socket.socket) -> int | None:
+    """The pid of the process at the other end of a connected unix socket (Linux), if the
+    kernel says."""
+    try:
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+    except (AttributeError, OSError):
+        return None
+    pid = _UCRED.unpack(creds)[0]
+    return pid if pid > 0 else None
+
+
+_UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
 #: A unix socket that does not exist yet is looked for this long before the call fails (a

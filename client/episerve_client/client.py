@@ -146,6 +146,9 @@ class Client(BaseClient):
         if len(calls) != len(ops):
             raise TypeError(f"a flow step mixes calls with sleeps: {ops!r}")
         planes = [self._plane(call.target) for call in calls]
+        for call, plane in zip(calls, planes):
+            if plane is not None and self.must_connect(call.target):
+                plane.connect(self.connect_wait_s(call))  # fails in seconds, naming why
         # A target that cannot be reached fails the whole call here, before any is sent.
         stubs = [self._stub(call) if plane is None else None
                  for call, plane in zip(calls, planes)]
@@ -166,6 +169,10 @@ class Client(BaseClient):
             except EpiserveError as exc:
                 out.append(exc)
         return out
+
+    def daemon_pid(self, target: str) -> int | None:
+        plane = self._local.get(target) if self._pid == os.getpid() else None
+        return plane.daemon_pid if plane is not None else None
 
     def _plane(self, target: str) -> LocalChannel | None:
         """This process's local-plane channel to ``target``, or None for gRPC."""

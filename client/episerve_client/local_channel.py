@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from episerve_client.channel import DEFAULT_CONNECT_TIMEOUT_S
+from episerve_client.channel import DEFAULT_CONNECT_TIMEOUT_S, peer_pid
 from episerve_client.errors import (
     DataLossError,
     DeadlineExceeded,
@@ -87,6 +87,8 @@ class LocalChannel:
         self._ids = 0
         self._lock = threading.Lock()
         self._pid = os.getpid()
+        #: The pid of the daemon process that last welcomed this client (None: not yet).
+        self.daemon_pid: int | None = None
 
     # -- public ------------------------------------------------------------------------
 
@@ -118,6 +120,24 @@ class LocalChannel:
                 raise Unavailable(f"the daemon's local plane at {self.path!r} is not "
                                   f"reachable ({exc.strerror or exc})",
                                   target=self.target) from None
+
+    def connect(self, wait_s: float) -> None:
+        """Be connected and welcomed, trying for ``wait_s`` at most (a daemon just started
+        may not listen yet); then a socket nothing listens on is ``Unavailable`` naming it.
+        For a target that never answered: its first call fails in seconds, not at the
+        deadline."""
+        give_up = time.monotonic() + wait_s
+        with self._lock:
+            while True:
+                try:
+                    # past the welcome's own limit, so a silent daemon is Unavailable
+                    self._connected(time.monotonic() + 2 * self.connect_timeout_s)
+                    return
+                except Unavailable:
+                    self._drop()
+                    if time.monotonic() >= give_up:
+                        raise
+                time.sleep(min(0.1, max(0.0, give_up - time.monotonic())))
 
     def close(self) -> None:
         with self._lock:
@@ -183,7 +203,16 @@ class LocalChannel:
         welcome_by = min(deadline, time.monotonic() + self.connect_timeout_s)
         try:
             sock.settimeout(_left(welcome_by))
-            sock.connect(local_socket(self.path))
+            try:
+                sock.connect(local_socket(self.path))
+            except (ConnectionRefusedError, FileNotFoundError) as exc:
+                why = ("refuses connections: it is left from a daemon that stopped"
+                       if isinstance(exc, ConnectionRefusedError) else
+                       "does not exist: the daemon stopped")
+                raise Unavailable(f"no daemon listens at {self.path!r}: its local-plane "
+                                  f"socket {local_socket(self.path)!r} {why}",
+                                  target=self.target) from None
+            self.daemon_pid = peer_pid(sock) or self.daemon_pid
             sock.sendall(lp.frame(lp.HELLO, 0, self.token.encode()))
             head, body, _ = self._recv(sock, welcome_by)
         except TimeoutError:

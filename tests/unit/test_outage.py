@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import logging
+import os
 import re
+import socket
 import time
+from pathlib import Path
 
 import pytest
 
@@ -111,3 +114,28 @@ def test_an_attempt_never_waits_past_the_next_reminder(caplog: pytest.LogCapture
     with caplog.at_level(logging.WARNING, logger="episerve_client._outage"):
         outages.failed(TARGET, REFUSED, time.monotonic() + 600)
     assert len(caplog.records) == 2 and "still no answer" in caplog.records[1].getMessage()
+
+
+def test_an_outage_names_the_daemons_pid_and_a_socket_nothing_listens_on(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A killed daemon leaves its socket file: the WARNING says nothing listens there (a
+    connection to it is refused), and names the daemon's pid when the client knew it, never
+    the client's own."""
+    path = tmp_path / "d.sock"
+    left = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    left.bind(str(path))  # bound, never listening: what a killed daemon leaves
+    target = f"unix://{path}"
+    try:
+        for pid in (4242, None):
+            outages = Outages()
+            outages.warn_after_s = 0.0
+            caplog.clear()
+            with caplog.at_level(logging.WARNING, logger="episerve_client._outage"):
+                outages.failed(target, Unavailable("refused", target=target),
+                               time.monotonic() + 60, pid)
+            [line] = [r.getMessage() for r in caplog.records]
+            assert f"nothing listens on the unix socket {str(path)!r}" in line, line
+            assert ("daemon pid 4242" in line) == (pid == 4242), line
+            assert f"pid {os.getpid()}" not in line, line
+    finally:
+        left.close()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import traceback
 
-from episerve_proto.errors import EpiserveError, InternalError, clipped, shown
+from episerve_proto.errors import EpiserveError, InternalError, UnknownKeymap, clipped, shown
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +55,10 @@ def answered(exc: Exception, where: str) -> EpiserveError:
     nothing of the failed request outlives the answer; client mistakes are logged once."""
     error = exc if isinstance(exc, EpiserveError) else _bug(exc, where)
     release_chain(exc)
-    if error.code not in ("CANCELLED", "UNAVAILABLE", "RESOURCE_EXHAUSTED", "INTERNAL"):
+    if isinstance(error, UnknownKeymap):
+        # A client of the daemon before a restart: it registers its keymap again and
+        # retries, which is the protocol working, not a mistake to warn about.
+        log.info("%s: %s (the client registers it again)", where, clipped(error.message))
+    elif error.code not in ("CANCELLED", "UNAVAILABLE", "RESOURCE_EXHAUSTED", "INTERNAL"):
         log.warning("%s failed: %s %s", where, error.code, clipped(error.message))
     return error
