@@ -326,7 +326,8 @@ class BaseClient:
                     max_per_call = max(1, min(max_per_call, len(idx)) // 2)
                 elif out.transient and left(deadline) > 0.01:
                     if isinstance(out, Unavailable) and self.waits_for_ready(t):
-                        self.outages.failed(t, out, deadline, self.daemon_pid(t))  # one daemon: wait, say so
+                        # one daemon: wait, say so
+                        self.outages.failed(t, out, deadline, self.daemon_pid(t))
                     if isinstance(out, Unavailable) and not self.workers.mark_down(t):
                         self.router.mark_down(t)
                     retry_after = True

@@ -13,13 +13,14 @@ from episerve_client._base import BaseClient, KeymapLike, load_keymap
 from episerve_client._ops import Call, Flow, Op, Outcome, Sleep
 from episerve_client.channel import CHANNEL_OPTIONS
 from episerve_client.convert import KeymapCheck
-from episerve_client.errors import from_rpc_error
+from episerve_client.errors import from_rpc_error, surfaced
 from episerve_client.keystats import KeyStats
 from episerve_client.listing import Listing
 from episerve_client.read_answer import ReadResult
 from episerve_proto.contract import SERVICE_PATH
 
 
+@surfaced
 class AsyncClient(BaseClient):
     """Like ``Client``; channels belong to the event loop of the process that made them."""
 

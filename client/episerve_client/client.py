@@ -15,7 +15,7 @@ from episerve_client._base import BaseClient, KeymapLike, load_keymap
 from episerve_client._ops import Call, Flow, Op, Outcome, Sleep
 from episerve_client.channel import CHANNEL_OPTIONS, close_at_exit
 from episerve_client.convert import KeymapCheck
-from episerve_client.errors import EpiserveError, from_rpc_error
+from episerve_client.errors import EpiserveError, from_rpc_error, surfaced
 from episerve_client.keystats import KeyStats
 from episerve_client.listing import Listing
 from episerve_client.local import check_transport, pick_local
@@ -27,6 +27,7 @@ from episerve_proto.contract import SERVICE_PATH
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 
 
+@surfaced
 class Client(BaseClient):
     """``Client("unix:///run/episerve.sock")``, ``Client("host:50051")`` or a list of targets.
 

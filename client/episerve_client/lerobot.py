@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from episerve_client.errors import KeymapError
+from episerve_client.errors import KeymapError, surfaced
 from episerve_client.keystats import KeyStats
 from episerve_proto.contract import (
     ACTION_KEYS,
@@ -38,6 +38,7 @@ BOOKKEEPING = frozenset({"timestamp", "frame_index", "episode_index", "index", "
 _MAX_INFO_BYTES = 1 << 20
 
 
+@surfaced
 def keymap_from_delta_timestamps(
     delta_timestamps: Mapping[str, Sequence[float]],
     keys: Mapping[str, tuple[str, str]],
@@ -88,6 +89,7 @@ def _offsets(name: str, entry: dict[str, Any], value: Any) -> list[float]:
     return list(fields.offsets_s or ())
 
 
+@surfaced
 def keymap_from_lerobot(
     root_or_info: str | os.PathLike[str] | Mapping[str, Any],
     delta_timestamps: Mapping[str, Sequence[float]] | None = None,

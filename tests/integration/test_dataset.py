@@ -110,17 +110,43 @@ def test_dataloader_matches_oracle(name: str, cutoff: bool, context: str, persis
         assert [starts[e] + f for e, f in delivered] == INDICES
 
 
-def test_default_collate_and_getitem_give_spec_samples(daemon: DaemonProcess) -> None:
+def test_getitem_gives_spec_samples_with_the_types_of_a_batchs_rows(
+        daemon: DaemonProcess) -> None:
     ds = WindowDataset(daemon.target, KEYMAPS["mecka_keypoints_k4"], embodiment_ids={
         "human_bimanual": 3})
     sample = ds[40]
     assert sample["episode_hash"] == "ep001b" and sample["frame_index"] == 3
     assert sample["embodiment"] == 3
-    assert sample["fps"].dtype == torch.float32 and sample["fps"].ndim == 0
     assert sample["observations.images.front_img_1"].shape == (3, 24, 32)
-    batch = next(iter(DataLoader(ds, batch_size=3, num_workers=0)))
+    batch = next(iter(DataLoader(ds, batch_size=3, num_workers=0, collate_fn=collate)))
     assert batch["left.action_keypoints"].shape == (3, 30, 63)
     assert batch["embodiment"].tolist() == [3, 3, 3]
+    for key in ("fps", "frame_index", "embodiment"):  # one sample's scalars: 0-d, same dtype
+        assert isinstance(sample[key], torch.Tensor) and sample[key].ndim == 0, key
+        assert sample[key].dtype == batch[key].dtype, (key, sample[key].dtype)
+    assert sample["fps"].dtype == torch.float32 and sample["frame_index"].dtype == torch.int64
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_torchs_default_collate_is_refused_naming_the_key_and_the_fix(
+        daemon: DaemonProcess, workers: int, caplog: pytest.LogCaptureFixture) -> None:
+    """Per-sample annotation lists cannot go through torch's default collate (it fails on
+    unequal lengths, naming neither key nor fix, and transposes equal ones): the first
+    batch says which key and what to pass. A keymap without texts works, with a WARNING."""
+    ds = WindowDataset(daemon.target, KEYMAPS["mecka_keypoints_k4"])
+    spawn = {"multiprocessing_context": "spawn"} if workers else {}
+    with pytest.raises(errors.InvalidArgument) as refused:
+        next(iter(DataLoader(ds, batch_size=3, num_workers=workers, **spawn)))
+    message = str(refused.value)
+    assert "'annotations'" in message and "collate_fn=episerve_client.collate" in message
+    numeric = {"k": {"zarr_key": "left.obs_keypoints", "key_type": "proprio_keys"}}
+    plain = WindowDataset(daemon.target, numeric)
+    with caplog.at_level("WARNING", logger="episerve_client.data.collation"):
+        first = next(iter(DataLoader(plain, batch_size=3, num_workers=0)))
+        assert first["k"].shape == (3, 63)
+        next(iter(DataLoader(plain, batch_size=3, num_workers=0)))
+    said = [r for r in caplog.records if "default collate" in r.getMessage()]
+    assert len(said) == 1, caplog.text  # once per dataset and process
 
 
 def test_negative_indices_count_from_the_end_as_in_a_sequence(daemon: DaemonProcess) -> None:

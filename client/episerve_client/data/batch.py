@@ -44,13 +44,16 @@ class SampleBatch(Sequence[dict[str, Any]]):
         for k, v in self.objects.items():
             item = v[b]
             out[k] = list(item) if isinstance(item, list) else item
+        # Scalars are 0-d tensors of the dtypes the batch's columns have (as LeRobot's
+        # items are), so one sample and one row of a batch hold the same types.
         out["episode_hash"] = self.episode_hash[b]
         emb = self.embodiment[b]
-        out["embodiment"] = int(emb) if isinstance(self.embodiment, np.ndarray) else emb
-        out["fps"] = torch.tensor(self.fps[b], dtype=torch.float32)
-        out["frame_index"] = int(self.frame_index[b])
+        out["embodiment"] = (torch.tensor(emb) if isinstance(self.embodiment, np.ndarray)
+                             else emb)
+        out["fps"] = torch.tensor(self.fps[b])
+        out["frame_index"] = torch.tensor(self.frame_index[b])
         if self.total_frames is not None:
-            out["total_frames"] = int(self.total_frames[b])
+            out["total_frames"] = torch.tensor(self.total_frames[b])
         return out
 
     def columns(self) -> dict[str, Any]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -9,9 +11,12 @@ import torch
 from torch.utils.data import default_collate
 
 from episerve_client.data.batch import SampleBatch
-from episerve_client.errors import InvalidArgument
+from episerve_client.errors import InvalidArgument, surfaced
+
+log = logging.getLogger(__name__)
 
 
+@surfaced
 def collate(batch: Sequence[dict[str, Any]] | SampleBatch) -> dict[str, Any]:
     """Use as ``DataLoader(..., collate_fn=episerve_client.collate)``.
 
@@ -41,3 +46,46 @@ def collate(batch: Sequence[dict[str, Any]] | SampleBatch) -> dict[str, Any]:
         else:
             out[key] = default_collate(values)
     return out
+
+
+#: Frames above the dataset's batch method searched for the DataLoader's fetcher.
+_CALLER_FRAMES = 6
+
+
+def loader_collate(dataset: object) -> Any:
+    """The ``collate_fn`` of the DataLoader fetching from ``dataset`` right now, or None
+    when it is not called by one (a plain call, a wrapping dataset). Found on the calling
+    frames: torch's fetcher calls ``dataset.__getitems__`` and then its ``collate_fn``."""
+    frame = sys._getframe(1)
+    for _ in range(_CALLER_FRAMES):
+        frame = frame.f_back  # type: ignore[assignment]
+        if frame is None:
+            return None
+        caller = frame.f_locals.get("self")
+        if caller is not None and getattr(caller, "dataset", None) is dataset:
+            return getattr(caller, "collate_fn", None)
+    return None
+
+
+def check_collate(dataset: object, batch: SampleBatch) -> bool:
+    """Refuse, naming the key and the fix, a DataLoader that batches with torch's default
+    collate a batch it cannot batch: per-sample text lists (annotations) of unequal length
+    make it fail with a message naming neither, and lists of equal length it transposes.
+    Without texts it works, slowly (every batch unstacked and stacked again): one WARNING.
+    Returns whether the loader was checked (a later call need not look again)."""
+    collate_fn = loader_collate(dataset)
+    if collate_fn is None:
+        return False
+    if collate_fn is not default_collate:
+        return True
+    texts = [k for k, v in batch.objects.items() if v and isinstance(v[0], list)]
+    if texts:
+        raise InvalidArgument(
+            f"this DataLoader batches with torch's default collate, which cannot batch "
+            f"{texts[0]!r}: each sample holds a list of texts, and their lengths differ "
+            "from sample to sample. Pass collate_fn=episerve_client.collate to the DataLoader "
+            "(DataLoader(dataset, batch_size=..., collate_fn=collate))", key=texts[0])
+    log.warning("episerve: this DataLoader batches with torch's default collate; it works "
+                "for this keymap but takes every batch apart and stacks it again. Pass "
+                "collate_fn=episerve_client.collate to the DataLoader")
+    return True

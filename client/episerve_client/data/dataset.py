@@ -16,6 +16,7 @@ from episerve_client._probe import Survey, describe, key_stats, probe
 from episerve_client.client import Client
 from episerve_client.data import ranks
 from episerve_client.data.batch import SampleBatch
+from episerve_client.data.collation import check_collate
 from episerve_client.data.episodes import ON_BROKEN, as_manifest, explicit, whole_root
 from episerve_client.data.frames import FRAME_MODES
 from episerve_client.data.jpeg import (
@@ -32,6 +33,7 @@ from episerve_client.errors import (
     EpisodeNotFound,
     FailedPrecondition,
     InvalidArgument,
+    surfaced,
 )
 from episerve_client.keystats import KeyStats
 from episerve_client.listing import EpisodeInfo
@@ -44,6 +46,7 @@ MASK_MODES = ("spec", "all")
 Transform = Callable[[dict[str, Any]], dict[str, Any]]
 
 
+@surfaced
 class WindowDataset(Dataset[dict[str, Any]]):
     """Samples over episodes sorted by hash; global index ``g`` -> (episode, frame).
 
@@ -117,6 +120,8 @@ class WindowDataset(Dataset[dict[str, Any]]):
                                   f"{max_decoded_bytes!r}")
         self.max_decoded_bytes = max_decoded_bytes
         self._client: Client | None = None
+        #: Whether the DataLoader reading this dataset was checked for its collate_fn.
+        self._collate_checked = False
         self._timeout_s = connect_timeout_s
         self._full: list[EpisodeInfo] | None = None  # ``episodes``, once asked for
         self._brief, survey = self._choose(episodes, as_manifest(manifest), sync_ranks)
@@ -213,6 +218,8 @@ class WindowDataset(Dataset[dict[str, Any]]):
         ahead = getattr(indices, "prefetch", None) or ()
         hints = [self.locate(int(g)) for g in ahead if 0 <= int(g) < len(self)]
         batch = self.read_batch(samples, prefetch=hints) if hints else self.read_batch(samples)
+        if not self._collate_checked:
+            self._collate_checked = check_collate(self, batch)
         if self.transforms:
             out = []
             for sample in batch:

@@ -28,7 +28,7 @@ import torch
 from episerve_client._probe import rows
 from episerve_client.data.batch import SampleBatch
 from episerve_client.data.dataset import WindowDataset
-from episerve_client.errors import DataLossError, InvalidArgument
+from episerve_client.errors import DataLossError, InvalidArgument, surfaced
 from episerve_client.lerobot import TASK_KEY, _info, keymap_from_lerobot
 from episerve_client.lerobot_quantiles import Stats, as_json, dataset_stats
 from episerve_proto.contract import PROPRIO_KEYS
@@ -40,6 +40,7 @@ _TIMESTAMP, _TASK_INDEX = "lerobot.timestamp", "lerobot.task_index"
 _BOOKKEEPING = ("timestamp", "frame_index", "episode_index", "index", "task_index")
 
 
+@surfaced
 class LeRobotWindowDataset(WindowDataset):
     """``WindowDataset`` over a LeRobot v3 root whose items are LeRobot's items.
 
@@ -85,6 +86,7 @@ class LeRobotWindowDataset(WindowDataset):
         super().__init__(target, keymap, episodes=names, masks="all",
                          frames="uint8" if return_uint8 else "float32", on_broken="error",
                          **options)
+        self._collate_checked = True  # plain dicts, made for torch's default collate
         self._first_index = {e.hash: _first_index(e.hash, e.attrs) for e in self.episodes}
         self._episode_index = {e.hash: _attr_int(e.hash, e.attrs, "lerobot_episode_index")
                                for e in self.episodes}

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from episerve_client.errors import InvalidArgument
+from episerve_client.errors import InvalidArgument, surfaced
 from episerve_proto.contract import MAX_EPISODE_FRAMES, MAX_MANIFEST_FRAMES, MAX_NAME_CHARS
 from episerve_proto.errors import shown
 
@@ -39,6 +39,7 @@ MAX_MANIFEST_DEPTH = 8
 
 
 @dataclass(frozen=True, slots=True)
+@surfaced
 class Manifest:
     """Episodes as ``(hash, total_frames)``, sorted by hash, each hash once."""
 

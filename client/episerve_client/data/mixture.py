@@ -32,11 +32,12 @@ from episerve_client.data.sampler import (
     check_format,
     world,
 )
-from episerve_client.errors import InvalidArgument
+from episerve_client.errors import InvalidArgument, surfaced
 
 MIXTURE_FORMAT = "episerve.mixture_sampler/1"
 
 
+@surfaced
 class MixtureDataset(Dataset[dict[str, Any]]):
     """The concatenation of ``datasets`` (global index ``g`` -> (sub-dataset, local index),
     as ``ConcatDataset``), read one batch per sub-dataset.
@@ -184,6 +185,7 @@ class MixtureBatch(WindowBatch):
     ``drop_last=False``), else 0."""
 
 
+@surfaced
 class WeightedMixtureSampler(EpochCursor, Sampler[list[int]]):
     """Batches of global indices of a ``MixtureDataset``, drawn from its sub-datasets by
     weight; pass it as ``DataLoader(mixture, batch_sampler=sampler)``.

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch.utils.data import Sampler
 
 from episerve_client.data.manifest import Manifest
-from episerve_client.errors import InvalidArgument
+from episerve_client.errors import InvalidArgument, surfaced
 
 FORMAT = "episerve.sampler/1"
 #: Rows per chunk neighbourhood for ``locality`` (the usual 100-row chunk length).
@@ -213,6 +213,7 @@ class EpochCursor:
         return epoch, start + steps * self._stride()
 
 
+@surfaced
 class WindowSampler(EpochCursor, Sampler[list[int]]):
     """A batch sampler (``DataLoader(dataset, batch_sampler=WindowSampler(...))``).
 
