@@ -8,6 +8,7 @@ with ``masks="all"`` each such output also gets ``<name>_is_pad``, LeRobot's nam
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -36,21 +37,28 @@ TASK_KEY = "task"
 #: already carries ``frame_index`` and ``episode_hash``, names a keymap may not take).
 BOOKKEEPING = frozenset({"timestamp", "frame_index", "episode_index", "index", "task_index"})
 _MAX_INFO_BYTES = 1 << 20
+#: LeRobot's default ``tolerance_s``: how far an offset may be from the frame grid.
+DEFAULT_TOLERANCE_S = 1e-4
 
 
 @surfaced
 def keymap_from_delta_timestamps(
     delta_timestamps: Mapping[str, Sequence[float]],
     keys: Mapping[str, tuple[str, str]],
+    *,
+    fps: float | None = None,
+    tolerance_s: float = DEFAULT_TOLERANCE_S,
 ) -> dict[str, dict[str, Any]]:
     """A keymap from a LeRobot ``delta_timestamps`` dict.
 
     ``keys`` maps every output name to its ``(zarr_key, key_type)``. A name with a list in
     ``delta_timestamps`` becomes an ``offsets_s`` window, shape (len(offsets), *feature); a
-    name without one is the sample's own frame, as in LeRobot. Offsets are rounded to the
-    nearest frame of each episode (``round(o * fps)``, ties to even) and clamped into the
-    episode. Each entry is checked as the daemon checks it (finite offsets, at most 3600 s,
-    at most 4096 per key), and an error names the output key.
+    name without one is the sample's own frame, as in LeRobot. With ``fps`` (the episodes'
+    rate), an offset more than ``tolerance_s`` off that frame grid is refused, as
+    ``LeRobotDataset`` refuses it; without, each episode's reads round offsets to its
+    nearest frame (``round(o * fps)``, ties to even), and clamp them into the episode.
+    Each entry is checked as the daemon checks it (finite offsets, at most 3600 s, at most
+    4096 per key), and an error names the output key.
 
     >>> keymap_from_delta_timestamps(
     ...     {"action": [0.0, 0.1]},
@@ -64,6 +72,11 @@ def keymap_from_delta_timestamps(
                 f"delta_timestamps names {shown(name)}, which is not in keys"
                 f"{did_you_mean(str(name), list(keys))}; keys must give its (zarr_key, "
                 f"key_type)")
+    if fps is not None:
+        if isinstance(fps, bool) or not isinstance(fps, int | float) or not fps > 0:
+            raise KeymapError(f"fps must be a positive number of frames a second, got "
+                              f"{shown(fps)}")
+        check_tolerance(delta_timestamps, float(fps), tolerance_s)
     out: dict[str, dict[str, Any]] = {}
     for name, pair in keys.items():
         if isinstance(pair, str) or not isinstance(pair, Sequence) or len(pair) != 2 \
@@ -95,11 +108,14 @@ def keymap_from_lerobot(
     delta_timestamps: Mapping[str, Sequence[float]] | None = None,
     *,
     features: Iterable[str] | None = None,
+    tolerance_s: float = DEFAULT_TOLERANCE_S,
 ) -> dict[str, dict[str, Any]]:
     """The keymap of a LeRobot v3 dataset, from its own ``meta/info.json``.
 
     ``root_or_info`` is the dataset's root folder or its parsed ``info.json``;
-    ``delta_timestamps`` is the dict given to ``LeRobotDataset``. Every output is named as
+    ``delta_timestamps`` is the dict given to ``LeRobotDataset``, checked by its rule: an
+    offset more than ``tolerance_s`` off the dataset's frame grid (``info.json``'s
+    ``fps``) is refused, naming the key and the offset. Every output is named as
     the feature is, as ``LeRobotDataset.__getitem__`` names it: video features are
     ``camera_keys``, features whose name starts with ``action`` are ``action_keys``, every
     other numeric feature is ``proprio_keys``, and ``task`` is the task text
@@ -150,7 +166,33 @@ def keymap_from_lerobot(
                 + ("features= leaves it out" if features is not None and name in declared
                    else "the dataset's info.json declares no numeric or video feature of "
                    "that name"), key=str(name)[:200])
-    return keymap_from_delta_timestamps(delta, keys)
+    fps = info.get("fps")
+    if delta and (isinstance(fps, bool) or not isinstance(fps, int | float) or not fps > 0):
+        raise KeymapError(f"the dataset's info.json has no positive 'fps' (got {shown(fps)}), "
+                          "so delta_timestamps cannot be put on its frame grid")
+    return keymap_from_delta_timestamps(delta, keys, fps=float(fps) if delta else None,
+                                        tolerance_s=tolerance_s)
+
+
+def check_tolerance(delta: Mapping[str, Sequence[float]], fps: float,
+                    tolerance_s: float) -> None:
+    """LeRobot's rule: each offset must be within ``tolerance_s`` of a multiple of 1/fps."""
+    if isinstance(tolerance_s, bool) or not isinstance(tolerance_s, int | float) \
+            or not tolerance_s >= 0:
+        raise KeymapError(f"tolerance_s must be a number of seconds >= 0, got "
+                          f"{shown(tolerance_s)}")
+    for key, offsets in delta.items():
+        if hasattr(offsets, "tolist"):
+            offsets = offsets.tolist()
+        if isinstance(offsets, str) or not isinstance(offsets, Sequence):
+            continue  # the entry's own check names what is wrong with it
+        off = [o for o in offsets if isinstance(o, int | float) and (
+            not math.isfinite(o) or abs(o * fps - round(o * fps)) / fps > tolerance_s)]
+        if off:
+            raise KeymapError(
+                f"delta_timestamps[{key!r}]: offsets {off!r} are more than tolerance_s="
+                f"{tolerance_s!r} from the {fps:g} fps frame grid (multiples of {1 / fps:.6g} "
+                "s); LeRobotDataset refuses them too", key=str(key))
 
 
 def _info(root_or_info: str | os.PathLike[str] | Mapping[str, Any]) -> Mapping[str, Any]:

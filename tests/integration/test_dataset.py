@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -147,6 +148,27 @@ def test_torchs_default_collate_is_refused_naming_the_key_and_the_fix(
         next(iter(DataLoader(plain, batch_size=3, num_workers=0)))
     said = [r for r in caplog.records if "default collate" in r.getMessage()]
     assert len(said) == 1, caplog.text  # once per dataset and process
+
+
+def test_a_window_longer_than_every_episode_warns_once_naming_the_entry(
+        daemon: DaemonProcess) -> None:
+    keymap = {"act": {"zarr_key": "left.obs_keypoints", "key_type": "action_keys",
+                      "horizon": 500},
+              "hist": {"zarr_key": "left.obs_keypoints", "key_type": "proprio_keys",
+                       "history": 40, "history_stride": 5},  # 196 frames: longer too
+              "ok": {"zarr_key": "left.obs_keypoints", "key_type": "action_keys",
+                     "horizon": 30}}
+    with pytest.warns(UserWarning, match="longer than every episode") as said:
+        ds = WindowDataset(daemon.target, keymap, episodes=EPISODES)  # 37 and 101 frames
+    [warning] = [w for w in said if "longer than every episode" in str(w.message)]
+    text = str(warning.message)
+    assert "'act' (500 frames)" in text and "'hist' (196 frames)" in text, text
+    assert "'ok'" not in text and "the longest has 101 frames" in text, text
+    assert warning.filename == __file__  # points at the line that built it
+    assert ds[0]["act"].shape == (500, 63)  # still served as asked
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        WindowDataset(daemon.target, {"ok": keymap["ok"]}, episodes=EPISODES)
 
 
 def test_negative_indices_count_from_the_end_as_in_a_sequence(daemon: DaemonProcess) -> None:

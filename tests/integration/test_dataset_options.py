@@ -176,7 +176,7 @@ def test_collate_takes_annotation_lists_that_default_collate_refuses(
     indices = [238, 308, 368]  # ep003d frames 0, 70, 130: 2, 3 and 1 annotation spans
     batch = collate(ds.__getitems__(indices))
     assert batch["annotations"] == [["whole", "reach"], ["whole", "reach", "grasp"], ["whole"]]
-    with pytest.raises(errors.InvalidArgument, match="'annotations'.*collate_fn=episerve"):
+    with pytest.raises(errors.InvalidArgument, match=r"'annotations'.*collate_fn=episerve"):
         next(iter(DataLoader(ds, batch_size=3, sampler=indices)))  # not torch's "equal size"
     # without annotation keys, PyTorch's default collate gives the same tensors
     numeric = {k: v for k, v in KEYMAPS["mecka_keypoints_k4"].items()

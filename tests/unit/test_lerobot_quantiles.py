@@ -7,8 +7,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from episerve_client.data.lerobot_dataset import check_tolerance
-from episerve_client.errors import InvalidArgument
+from episerve_client.errors import InvalidArgument, KeymapError
+from episerve_client.lerobot import (
+    check_tolerance,
+    keymap_from_delta_timestamps,
+    keymap_from_lerobot,
+)
 from episerve_client.lerobot_quantiles import BINS, QUANTILES, dataset_stats, episode_stats
 
 
@@ -62,3 +66,22 @@ def test_offsets_off_the_frame_grid_are_refused_naming_key_and_offset() -> None:
         check_tolerance({"action": [0.0, 0.01]}, 30.0, 1e-4)
     with pytest.raises(InvalidArgument, match="nan"):
         check_tolerance({"s": [float("nan")]}, 30.0, 1e-4)
+
+
+def test_every_helper_that_takes_delta_timestamps_refuses_the_same_off_grid_offset() -> None:
+    """One rule wherever a ``delta_timestamps`` is taken: ``keymap_from_lerobot`` (the fps of
+    the root's info.json) and ``keymap_from_delta_timestamps`` given the fps refuse what
+    ``LeRobotWindowDataset`` refuses, instead of rounding it to the nearest frame."""
+    info = {"fps": 30, "features": {"action": {"dtype": "float32", "shape": [2]}}}
+    off_grid = {"action": [0.0, 0.01]}
+    for build in (lambda: keymap_from_lerobot(info, off_grid),
+                  lambda: keymap_from_delta_timestamps(
+                      off_grid, {"action": ("action", "action_keys")}, fps=30)):
+        with pytest.raises(KeymapError, match=r"offsets \[0\.01\] are more than tolerance_s"):
+            build()
+    on_grid = keymap_from_lerobot(info, {"action": [0.0, 1 / 30]})
+    assert on_grid["action"]["offsets_s"] == [0.0, 1 / 30]
+    loose = keymap_from_lerobot(info, off_grid, tolerance_s=0.02)  # as LeRobot's option
+    assert loose["action"]["offsets_s"] == [0.0, 0.01]
+    with pytest.raises(KeymapError, match="no positive 'fps'"):
+        keymap_from_lerobot({"features": info["features"]}, {"action": [0.0]})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import operator
 import random
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -127,6 +128,7 @@ class WindowDataset(Dataset[dict[str, Any]]):
         self._brief, survey = self._choose(episodes, as_manifest(manifest), sync_ranks)
         self.manifest = Manifest(tuple((e.hash, e.total_frames) for e in self._brief))
         self._lengths = dict(self.manifest.episodes)
+        warn_long_windows(self.keymap, self._lengths)
         # The frame size each of the dataset's episodes declares, per camera zarr key.
         self._sizes = {key: {h: size for h, size in by_episode.items() if h in self._lengths}
                        for key, by_episode in survey.frame_sizes.items()}
@@ -371,6 +373,37 @@ class WindowDataset(Dataset[dict[str, Any]]):
                 f"episode {episode!r}: embodiment {b!r} is not in embodiment_ids "
                 f"{sorted(self.embodiment_ids)!r}", episode=episode,
             ) from exc
+
+
+def window_frames(spec: Mapping[str, Any]) -> int | None:
+    """How many frames an entry's window spans, when the keymap says it in frames (an
+    action chunk's ``horizon``; a ``history`` and its ``history_stride``); None when it is
+    in seconds (that depends on each episode's fps) or the entry is one frame."""
+    if isinstance(spec.get("horizon"), int):
+        return int(spec["horizon"])
+    history = spec.get("history")
+    if isinstance(history, int) and "history_stride_s" not in spec:
+        stride = spec.get("history_stride", 1)
+        return (history - 1) * (stride if isinstance(stride, int) else 1) + 1
+    return None
+
+
+def warn_long_windows(keymap: Mapping[str, Mapping[str, Any]],
+                      lengths: Mapping[str, int]) -> None:
+    """One warning for the entries whose window spans more frames than the longest episode
+    of the dataset: every such window is mostly padding, which is rarely what was meant
+    (a horizon typed in the wrong unit, or a dataset of short episodes)."""
+    if not lengths:
+        return
+    longest = max(lengths.values())
+    long = {name: n for name, spec in keymap.items()
+            if (n := window_frames(spec)) is not None and n > longest}
+    if long:
+        listed = ", ".join(f"{name!r} ({n} frames)" for name, n in long.items())
+        warnings.warn(f"the window of {listed} is longer than every episode of this dataset "
+                      f"(the longest has {longest} frames): each of its samples is mostly "
+                      "padding; check the keymap's horizon or history", UserWarning,
+                      stacklevel=4)  # the line that built the dataset
 
 
 def sequence_index(index: int, n: int) -> int:

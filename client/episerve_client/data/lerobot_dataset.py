@@ -16,7 +16,6 @@ string). Index ``i`` is LeRobot's ``i``: the episodes in order, their frames in 
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -29,12 +28,10 @@ from episerve_client._probe import rows
 from episerve_client.data.batch import SampleBatch
 from episerve_client.data.dataset import WindowDataset
 from episerve_client.errors import DataLossError, InvalidArgument, surfaced
-from episerve_client.lerobot import TASK_KEY, _info, keymap_from_lerobot
+from episerve_client.lerobot import DEFAULT_TOLERANCE_S, TASK_KEY, _info, keymap_from_lerobot
 from episerve_client.lerobot_quantiles import Stats, as_json, dataset_stats
 from episerve_proto.contract import PROPRIO_KEYS
 
-#: LeRobot's default ``tolerance_s``.
-DEFAULT_TOLERANCE_S = 1e-4
 #: Outputs that carry a row's own ``timestamp`` and ``task_index`` columns.
 _TIMESTAMP, _TASK_INDEX = "lerobot.timestamp", "lerobot.task_index"
 _BOOKKEEPING = ("timestamp", "frame_index", "episode_index", "index", "task_index")
@@ -73,8 +70,7 @@ class LeRobotWindowDataset(WindowDataset):
         if isinstance(fps, bool) or not isinstance(fps, int | float) or not fps > 0:
             raise InvalidArgument(f"the dataset's info.json has no positive 'fps', got {fps!r}")
         delta = {k: _as_list(k, v) for k, v in (delta_timestamps or {}).items()}
-        check_tolerance(delta, float(fps), tolerance_s)
-        keymap = keymap_from_lerobot(info, delta)
+        keymap = keymap_from_lerobot(info, delta, tolerance_s=tolerance_s)
         self.features: dict[str, dict[str, Any]] = {
             name: dict(info["features"][name]) for name in keymap if name != TASK_KEY}
         keymap[_TIMESTAMP] = {"zarr_key": "timestamp", "key_type": PROPRIO_KEYS}
@@ -169,19 +165,6 @@ class LeRobotWindowDataset(WindowDataset):
         spec = self.features[key]
         values = values.astype(np.dtype(spec["dtype"]))
         return values.reshape(length) if list(spec.get("shape", ())) == [1] else values
-
-
-def check_tolerance(delta: Mapping[str, Sequence[float]], fps: float,
-                    tolerance_s: float) -> None:
-    """LeRobot's rule: each offset must be within ``tolerance_s`` of a multiple of 1/fps."""
-    for key, offsets in delta.items():
-        off = [o for o in offsets
-               if not math.isfinite(o) or abs(o * fps - round(o * fps)) / fps > tolerance_s]
-        if off:
-            raise InvalidArgument(
-                f"delta_timestamps[{key!r}]: offsets {off!r} are more than tolerance_s="
-                f"{tolerance_s!r} from the {fps:g} fps frame grid (multiples of {1 / fps:.6g} "
-                "s); LeRobotDataset refuses them too", key=str(key))
 
 
 def _as_list(key: str, value: Any) -> list[float]:
