@@ -166,12 +166,13 @@ def keymap_from_lerobot(
                 + ("features= leaves it out" if features is not None and name in declared
                    else "the dataset's info.json declares no numeric or video feature of "
                    "that name"), key=str(name)[:200])
+    if not delta:
+        return keymap_from_delta_timestamps(delta, keys)
     fps = info.get("fps")
-    if delta and (isinstance(fps, bool) or not isinstance(fps, int | float) or not fps > 0):
+    if isinstance(fps, bool) or not isinstance(fps, int | float) or not fps > 0:
         raise KeymapError(f"the dataset's info.json has no positive 'fps' (got {shown(fps)}), "
                           "so delta_timestamps cannot be put on its frame grid")
-    return keymap_from_delta_timestamps(delta, keys, fps=float(fps) if delta else None,
-                                        tolerance_s=tolerance_s)
+    return keymap_from_delta_timestamps(delta, keys, fps=float(fps), tolerance_s=tolerance_s)
 
 
 def check_tolerance(delta: Mapping[str, Sequence[float]], fps: float,

@@ -1,4 +1,4 @@
-"""``episerve``: serve, make-dataset, demo, loadtest and stats."""
+"""``episerve``: serve, make-dataset, demo, loadtest, stats and check."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ commands:
   demo                write a demo dataset, serve it, train-loop over it, report
   loadtest TARGET...  drive a running daemon and report throughput and latency
   stats TARGET        per-key statistics (mean, std, min, max, q01, q99) from a daemon
+  check ROOT          read every chunk of every episode and list the damaged ones
 """
 
 
@@ -146,6 +147,10 @@ def _run(command: str, rest: list[str]) -> int:
         from episerve_tools.loadtest import main as loadtest
 
         return loadtest(rest)
+    if command == "check":
+        from episerve_tools.check import main as check
+
+        return check(rest)
     if command == "stats":
         from episerve_tools.stats import main as stats
 

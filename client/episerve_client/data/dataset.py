@@ -18,6 +18,7 @@ from episerve_client.client import Client
 from episerve_client.data import ranks
 from episerve_client.data.batch import SampleBatch
 from episerve_client.data.collation import check_collate
+from episerve_client.data.data_loss import ON_DATA_LOSS, DataLossSkipper
 from episerve_client.data.episodes import ON_BROKEN, as_manifest, explicit, whole_root
 from episerve_client.data.frames import FRAME_MODES
 from episerve_client.data.jpeg import (
@@ -81,6 +82,13 @@ class WindowDataset(Dataset[dict[str, Any]]):
       default) uses the daemon's local shared-memory plane for a unix-socket daemon of this
       host that offers it (no gRPC in the workers then), gRPC otherwise; ``"grpc"`` and
       ``"local"`` force one.
+    - ``on_data_loss``: a read that fails on damaged data mid-run (a corrupt or truncated
+      chunk: ``DataLossError`` naming the episode) raises (``"error"``, the default), or
+      (``"skip"``) marks the episode damaged in this process and serves each of its samples
+      that cannot be read by another, chosen by the sample alone (so every worker and a
+      resumed run choose the same): one WARNING per damaged episode, naming it, the key and
+      the chunk; ``self.data_loss.damaged`` and ``.replaced`` count them per process.
+      ``episerve check ROOT`` finds every damaged chunk before a run.
     - ``max_outage_s``: a worker whose daemon stops answering fails that many seconds after
       it stopped (``Unavailable``) instead of retrying until the read's deadline (120 s by
       default); either way it says so in a WARNING line within seconds (``Client``).
@@ -96,8 +104,10 @@ class WindowDataset(Dataset[dict[str, Any]]):
                  manifest: Manifest | str | Path | None = None, on_broken: str = "skip",
                  sync_ranks: bool = True,
                  max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES,
-                 transport: str = "auto", max_outage_s: float | None = None) -> None:
+                 transport: str = "auto", max_outage_s: float | None = None,
+                 on_data_loss: str = "error") -> None:
         _choice("frames", frames, FRAME_MODES)
+        _choice("on_data_loss", on_data_loss, ON_DATA_LOSS)
         _choice("transport", transport, TRANSPORTS)
         _choice("masks", masks, MASK_MODES)
         _choice("on_broken", on_broken, ON_BROKEN)
@@ -128,6 +138,9 @@ class WindowDataset(Dataset[dict[str, Any]]):
         self._brief, survey = self._choose(episodes, as_manifest(manifest), sync_ranks)
         self.manifest = Manifest(tuple((e.hash, e.total_frames) for e in self._brief))
         self._lengths = dict(self.manifest.episodes)
+        self.on_data_loss = on_data_loss
+        #: ``on_data_loss="skip"``: this process's damaged episodes and replaced samples.
+        self.data_loss = DataLossSkipper(len(self.manifest), self.locate)
         warn_long_windows(self.keymap, self._lengths)
         # The frame size each of the dataset's episodes declares, per camera zarr key.
         self._sizes = {key: {h: size for h, size in by_episode.items() if h in self._lengths}
@@ -288,7 +301,11 @@ class WindowDataset(Dataset[dict[str, Any]]):
         raises ``DeclaredSizeMismatch`` (a ``DataLossError``) at once, without decoding it
         and without a retry: every frame of such a dataset is the wrong size.
         """
-        batch, failed = self._materialize(self._read(samples, prefetch))
+        if self.on_data_loss == "skip":
+            result, samples = self.data_loss.read(samples, prefetch, self._read)
+        else:
+            result = self._read(samples, prefetch)
+        batch, failed = self._materialize(result)
         for b in sorted(failed):
             batch.replace(b, self._retry(samples[b]))
         return batch

@@ -206,5 +206,6 @@ class ShardedReader(ChunkReader):
             try:
                 data = bytes(numcodecs.CRC32C().decode(data))
             except Exception as exc:
-                raise self.loss(f"shard index checksum failed ({exc})") from exc
+                raise self.loss(f"the index of shard {self.key_of(shard)!r} fails its "
+                                f"checksum ({exc})") from exc
         return np.frombuffer(data, dtype=self.index_dtype).reshape(self.per_shard, 2)
