@@ -67,6 +67,14 @@ def test_usage_examples_run(tmp_path: Path) -> None:
             assert result.returncode == 0, result.stderr
             for want in re.findall(r"# (torch\.Size\(\[.*?\]\)|\(\d+(?:, \d+)*\))", code):
                 assert want in result.stdout, (want, result.stdout)
+        checks = [line for block in _blocks("bash") for line in block.splitlines()
+                  if line.startswith("episerve check")]
+        assert checks
+        for line in checks:
+            args = shlex.split(line.replace("/tmp/", f"{tmp_path}/"))
+            done = subprocess.run([sys.executable, "-m", "episerve_tools.cli", *args[1:]],
+                                  text=True, capture_output=True, timeout=120, check=False)
+            assert done.returncode == 0 and "every chunk reads" in done.stdout, done
         loadtests = [line for block in _blocks("bash") for line in block.splitlines()
                      if line.startswith("episerve loadtest")]
         assert loadtests
