@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from PIL import Image
+from PIL import Image, ImageDraw
 from torch.utils.data import DataLoader, default_collate
 
 from episerve_client.listing import EpisodeInfo
@@ -28,7 +28,13 @@ from episerve_client.viz import (
     video_loader,
     write_video,
 )
-from episerve_client.viz.overlay import DEFAULT_FOCAL_PER_WIDTH, batch_overlays, intrinsics, project
+from episerve_client.viz.overlay import (
+    DEFAULT_FOCAL_PER_WIDTH,
+    batch_overlays,
+    caption,
+    intrinsics,
+    project,
+)
 
 
 class RecordingLoader(DataLoader[Any]):
@@ -335,3 +341,19 @@ def test_overlays_project_with_the_episode_intrinsics_when_present() -> None:
         r, g, b = (int(c) for c in img[v, u])
         assert g > 100 and g > r + 50 and g > b + 50, (u, v, img[v, u])  # a green GT dot
         assert img[v_off, u_off].max() == 0  # and nothing where the other camera would put it
+
+
+def test_a_caption_keeps_a_visible_gap_for_every_space() -> None:
+    """The demo's sheet once read "letgoof the cup": the caption font must leave gaps
+    between words clearly wider than those between letters."""
+    img = Image.new("RGB", (300, 20))
+    caption(ImageDraw.Draw(img), "let go of the cup", img.width)
+    ink = (np.asarray(img.convert("L"))[:18] > 100).any(axis=0)
+    xs = np.flatnonzero(ink)
+    gaps, run = [], 0
+    for lit in ink[xs[0]:xs[-1] + 1]:
+        if lit:
+            gaps, run = gaps + ([run] if run else []), 0
+        else:
+            run += 1
+    assert sum(g >= 4 for g in gaps) == "let go of the cup".count(" "), gaps

@@ -108,7 +108,7 @@ def contact_sheet(dataset: WindowDataset, path: Path, n: int = 6, seed: int = 0)
         k = intrinsics(attrs[sample["episode_hash"]], frame.shape[2], frame.shape[1])
         texts = sample.get("annotations") or []
         img = overlay(frame, k, gt=_trace(sample), text=f"{sample['episode_hash']} "
-                      f"@{sample['frame_index']}: {' / '.join(texts)}")
+                      f"@{int(sample['frame_index'])}: {' / '.join(texts)}")
         tiles.append(img)
     cols = 3
     w, h = tiles[0].size

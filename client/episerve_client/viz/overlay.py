@@ -8,11 +8,12 @@ Points are in the camera frame: x right, y down, z forward, in metres.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
-from PIL import Image, ImageDraw
+from PIL import Image, ImageDraw, ImageFont
 
 DEFAULT_FOCAL_PER_WIDTH = 0.72
 GT_COLOR = (40, 200, 60)
@@ -59,10 +60,17 @@ def draw_trace(draw: ImageDraw.ImageDraw, uv: np.ndarray, front: np.ndarray,
             draw.ellipse((u - radius, v - radius, u + radius, v + radius), fill=c)
 
 
+@functools.cache
+def caption_font() -> ImageFont.FreeTypeFont | ImageFont.ImageFont:
+    """Pillow's own scalable font at 13 px: the font it draws with when none is given
+    leaves almost no gap for a space, so a caption read "letgoof the cup"."""
+    return ImageFont.load_default(size=13)
+
+
 def caption(draw: ImageDraw.ImageDraw, text: str, width: int) -> None:
     if text:
         draw.rectangle((0, 0, width, 18), fill=(0, 0, 0))
-        draw.text((6, 3), text[:110], fill=(255, 255, 255))
+        draw.text((6, 2), text[:110], fill=(255, 255, 255), font=caption_font())
 
 
 def chw_to_image(frame: np.ndarray) -> Image.Image:
@@ -126,8 +134,9 @@ def batch_overlays(batch: Mapping[str, Any], attrs: Mapping[str, Mapping[str, An
 def legend(draw: ImageDraw.ImageDraw, width: int, *, pred: bool = True) -> None:
     """"GT" in green and "pred" in red at the right end of the caption bar."""
     labels = [("GT", GT_COLOR), *([("pred", PRED_COLOR)] if pred else [])]
-    x = width - 6 - sum(draw.textlength(t) + 8 for t, _ in labels)
+    font = caption_font()
+    x = width - 6 - sum(draw.textlength(t, font=font) + 8 for t, _ in labels)
     draw.rectangle((x - 4, 0, width, 18), fill=(0, 0, 0))
     for text, color in labels:
-        draw.text((x, 3), text, fill=color)
-        x += draw.textlength(text) + 8
+        draw.text((x, 2), text, fill=color, font=font)
+        x += draw.textlength(text, font=font) + 8
