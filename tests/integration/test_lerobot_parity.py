@@ -209,3 +209,37 @@ def test_lerobot_stats_match_meta_stats_json(served: tuple[Path, str]) -> None:
             mine, theirs = np.asarray(got[key][name]), np.asarray(want[key][name])
             assert mine.shape == theirs.shape, (key, name)
             np.testing.assert_allclose(mine, theirs, rtol=1e-9, atol=0, err_msg=f"{key} {name}")
+
+
+def test_the_root_make_dataset_writes_reads_as_lerobot_reads_it(
+        tmp_path: Path) -> None:
+    """``episerve make-dataset --layout lerobot`` (the docs' first LeRobot example) writes a
+    root ``LeRobotDataset`` reads, and the daemon serves its items as LeRobot gives them."""
+    import subprocess
+    import sys
+
+    python = os.environ.get("DAEMON_PYTHON") or sys.executable
+    root = tmp_path / "made"
+    subprocess.run([python, "-m", "episerve_tools.cli", "make-dataset", str(root), "--layout",
+                    "lerobot", "--episodes", "2", "--min-frames", "30", "--max-frames", "40"],
+                   check=True, capture_output=True, timeout=300)
+    delta = {"observation.state": [-1 / 30, 0.0], "action": [0.0, 1 / 30, 2 / 30],
+             "observation.images.top": [-1 / 30, 0.0]}
+    theirs = LeRobotDataset("episerve/made", root=root, delta_timestamps=delta,
+                            video_backend="pyav")
+    with DaemonProcess(root, "--rescan-s", "0", unix=tmp_path / "d.sock", python=python) as d:
+        ours = LeRobotWindowDataset(d.target, root, delta)
+        assert len(ours) == len(theirs) > 0
+        worst = 0.0
+        for i in range(len(theirs)):
+            want, got = theirs[i], ours[i]
+            assert sorted(got) == sorted(want), i
+            for key, value in want.items():
+                if isinstance(value, torch.Tensor):
+                    assert got[key].dtype == value.dtype and got[key].shape == value.shape
+                    diff = float((got[key].double() - value.double()).abs().max())
+                    worst = max(worst, diff)
+                else:
+                    assert got[key] == value, (i, key, got[key], value)
+        assert worst == 0.0, worst
+        assert isinstance(theirs[0]["task"], str) and theirs[0]["task"].startswith("Pick up")

@@ -1,8 +1,9 @@
-"""Every example in README.md and docs/GUIDE.md runs, as written, with temporary paths in
-place of /tmp."""
+"""Every example in README.md, docs/GUIDE.md and docs/LEROBOT.md runs, as written, with
+temporary paths in place of /tmp, against the daemons the README's own lines start."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shlex
@@ -19,11 +20,13 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 README = (REPO / "README.md").read_text()
 GUIDE = (REPO / "docs" / "GUIDE.md").read_text()
-BLOCKS = re.findall(r"```(\w+)\n(.*?)```", README + GUIDE, flags=re.S)
+LEROBOT = (REPO / "docs" / "LEROBOT.md").read_text()
+BLOCKS = re.findall(r"```(\w+)\n(.*?)```", README + GUIDE + LEROBOT, flags=re.S)
 
 
-def _blocks(lang: str) -> list[str]:
-    return [body for tag, body in BLOCKS if tag == lang]
+def _blocks(lang: str, text: str = "") -> list[str]:
+    blocks = re.findall(r"```(\w+)\n(.*?)```", text, flags=re.S) if text else BLOCKS
+    return [body for tag, body in blocks if tag == lang]
 
 
 def test_readme_opens_with_demo_and_test_commands() -> None:
@@ -43,19 +46,44 @@ def test_make_demo_runs(tmp_path: Path) -> None:
     assert (tmp_path / "sheet.png").stat().st_size > 10_000
 
 
+def _served_blocks() -> list[tuple[str, str]]:
+    """Each documented (make-dataset, serve) pair of lines, once, README's first."""
+    pairs = []
+    for body in _blocks("bash")[1:]:
+        lines = [ln.split("  #")[0].strip() for ln in body.splitlines() if ln.strip()]
+        make = [ln for ln in lines if ln.startswith("episerve make-dataset")]
+        serve = [ln for ln in lines if ln.startswith("episerve serve")]
+        if make and serve:
+            pairs.append((make[0], serve[0]))
+    return list(dict.fromkeys(pairs))
+
+
+def test_lerobot_docs_first_example_is_one_the_readme_runs() -> None:
+    """docs/LEROBOT.md opens with a root the project makes and a daemon over it: the same
+    lines as README's LeRobot example, which the test below runs."""
+    body = re.findall(r"```bash\n(.*?)```", LEROBOT, flags=re.S)[0]
+    lines = [ln.split("  #")[0].strip() for ln in body.splitlines() if ln.strip()]
+    assert lines[0].startswith("episerve make-dataset") and "--layout lerobot" in lines[0]
+    assert tuple(lines) in _served_blocks()
+
+
 def test_usage_examples_run(tmp_path: Path) -> None:
-    shell, *_ = (b for b in _blocks("bash")[1:] if "episerve serve" in b)
-    make_line, serve_line = (line for line in shell.splitlines() if line.strip())
-    make_args = shlex.split(make_line.replace("/tmp/", f"{tmp_path}/"))
-    assert make_args[0] == "episerve"
-    subprocess.run([sys.executable, "-m", "episerve_tools.cli", *make_args[1:]], check=True,
-                   timeout=300, capture_output=True)
-    serve_args = shlex.split(serve_line.replace("/tmp/", f"{tmp_path}/"))
-    assert serve_args[:2] == ["episerve", "serve"]
-    root, flags = serve_args[2], serve_args[3:]
-    unix = flags.pop(flags.index("--unix") + 1)
-    flags.remove("--unix")
-    with DaemonProcess(root, *flags, unix=unix) as daemon:
+    pairs = _served_blocks()
+    assert len(pairs) >= 2 and any("--layout lerobot" in make for make, _ in pairs)
+    with contextlib.ExitStack() as running:
+        daemons = []
+        for make_line, serve_line in pairs:
+            make_args = shlex.split(make_line.replace("/tmp/", f"{tmp_path}/"))
+            assert make_args[0] == "episerve"
+            subprocess.run([sys.executable, "-m", "episerve_tools.cli", *make_args[1:]],
+                           check=True, timeout=300, capture_output=True)
+            serve_args = shlex.split(serve_line.replace("/tmp/", f"{tmp_path}/"))
+            assert serve_args[:2] == ["episerve", "serve"]
+            root, flags = serve_args[2], serve_args[3:]
+            unix = flags.pop(flags.index("--unix") + 1)
+            flags.remove("--unix")
+            daemons.append(running.enter_context(DaemonProcess(root, *flags, unix=unix)))
+        daemon = daemons[0]
         announced = README.split("It prints one line, `")[1].split("`")[0]
         assert any(announced.replace("/tmp/", f"{tmp_path}/") in line
                    for line in daemon.lines)
@@ -92,7 +120,7 @@ def test_usage_examples_run(tmp_path: Path) -> None:
 def test_install_lines_name_real_extras() -> None:
     """The README's pip lines install this project with extras it declares (a dry run that
     needs no index: everything they pull in is installed here already)."""
-    [block] = [b for b in _blocks("bash") if b.startswith("pip install")]
+    [block] = [b for b in _blocks("bash", README) if b.startswith("pip install")]
     for line in block.splitlines():
         spec = shlex.split(line.split("#")[0])[2]
         done = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--no-index",

@@ -69,8 +69,10 @@ def _make_dataset_parser() -> argparse.ArgumentParser:
                    help="shortest episode, in frames (default 120)")
     p.add_argument("--max-frames", type=int, default=700,
                    help="longest episode, in frames (default 700)")
-    p.add_argument("--layout", choices=("sharded", "unsharded", "v2"), default="sharded",
-                   help="zarr v3 sharded (as the converters write), v3 unsharded, or zarr v2 "
+    p.add_argument("--layout", choices=("sharded", "unsharded", "v2", "lerobot"),
+                   default="sharded",
+                   help="zarr v3 sharded (as the converters write), v3 unsharded, zarr v2, or "
+                   "a LeRobot v3.0 root (parquet and H.264 mp4; needs the server extra) "
                    "(default sharded)")
     p.add_argument("--workers", type=int, default=None,
                    help="writer processes (default: one per core)")
@@ -82,9 +84,16 @@ def _make_dataset(argv: Sequence[str]) -> int:
     args = p.parse_args(argv)
     if args.episodes < 1 or not 1 <= args.min_frames <= args.max_frames:
         p.error("need --episodes >= 1 and 1 <= --min-frames <= --max-frames")
-    from episerve_tools.synth.writer import make_dataset
-
     try:
+        if args.layout == "lerobot":
+            from episerve_tools.synth.lerobot_root import write_lerobot_root
+
+            write_lerobot_root(args.out, episodes=args.episodes, seed=args.seed,
+                               min_frames=args.min_frames, max_frames=args.max_frames)
+            print(f"wrote a LeRobot v3.0 root of {args.episodes} episodes to {args.out}")
+            return 0
+        from episerve_tools.synth.writer import make_dataset
+
         paths = make_dataset(args.out, episodes=args.episodes, seed=args.seed,
                              min_frames=args.min_frames, max_frames=args.max_frames,
                              layout=args.layout, workers=args.workers)
