@@ -10,25 +10,44 @@ setup: $(STAMP)
 
 # torch first, pinned: that build is the CPU one on local disk; the range in pyproject is
 # then already satisfied, so nothing large is downloaded.
-# Each step says what it installs; pip shows each package as it goes (no --quiet): the
-# first run took 2 min 5 s here with the wheels on local disk, longer when they download.
+# Each step says what it installs; pip shows each package as it goes (no --quiet), and
+# through a pipe tools/heartbeat.sh adds a line every 10 s while pip is silent. The first
+# run took 2 min 5 s here with the wheels on local disk, longer when they download.
+PIP := tools/heartbeat.sh $(PY) -m pip install --progress-bar on
+DEMO_EXTRAS := server,synth,client
+ALL_EXTRAS := server,synth,client,video,s3,lightning,dev,bench
+# What the demo needs and no more: `make demo` on a fresh clone installs only this.
+DEMO_STAMP := $(VENV)/.installed-demo
+
+define venv_and_torch
+	$(PYTHON) -m venv $(VENV)
+	@echo "setup: upgrading pip"
+	$(PY) -m pip install --quiet --upgrade pip
+	@echo "setup: torch 2.13.0, the CPU build (a 192 MB wheel, 754 MB installed)"
+	$(PIP) torch==2.13.0
+endef
+
+$(DEMO_STAMP): pyproject.toml setup.py server/episerve_server/core/_kernel.c
+	@echo "setup: creating $(VENV) with what the demo needs (episerve with its $(DEMO_EXTRAS) extras); about 1-2 minutes, once; make setup adds the rest"
+	$(venv_and_torch)
+	@echo "setup: episerve (editable) with its extras $(DEMO_EXTRAS)"
+	$(PIP) -e '.[$(DEMO_EXTRAS)]'
+	touch $(DEMO_STAMP)
+	@echo "setup: done; $(VENV) has what the demo needs"
+
 $(STAMP): pyproject.toml setup.py server/episerve_server/core/_kernel.c
 	@echo "setup: creating $(VENV) with episerve and every extra; about 2-5 minutes, once"
-	@echo "setup [1/4]: a Python venv in $(VENV)"
-	$(PYTHON) -m venv $(VENV)
-	@echo "setup [2/4]: upgrading pip"
-	$(PY) -m pip install --quiet --upgrade pip
-	@echo "setup [3/4]: torch 2.13.0, the CPU build (a 192 MB wheel, 754 MB installed)"
-	$(PY) -m pip install --progress-bar on torch==2.13.0
-	@echo "setup [4/4]: episerve (editable) with its extras server, synth, client, video, s3, lightning, dev, bench"
-	$(PY) -m pip install --progress-bar on -e '.[server,synth,client,video,s3,lightning,dev,bench]'
-	touch $(STAMP)
+	$(venv_and_torch)
+	@echo "setup: episerve (editable) with its extras $(ALL_EXTRAS)"
+	$(PIP) -e '.[$(ALL_EXTRAS)]'
+	touch $(DEMO_STAMP) $(STAMP)
 	@echo "setup: done; $(VENV) is ready"
 
-demo: $(STAMP)
+# The full setup holds the demo's, so a venv already set up is used as it is.
+demo: $(if $(wildcard $(STAMP)),$(STAMP),$(DEMO_STAMP))
 	$(VENV)/bin/episerve demo $(DEMO_ARGS)
 
-serve: $(STAMP)
+serve: $(if $(wildcard $(STAMP)),$(STAMP),$(DEMO_STAMP))
 	$(VENV)/bin/episerve serve
 
 # The test tiers (docs/TESTING.md). Bytecode is cached even where PYTHONDONTWRITEBYTECODE is
