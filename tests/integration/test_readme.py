@@ -139,3 +139,8 @@ def test_install_lines_name_real_extras() -> None:
 def test_linked_documents_exist(path: str) -> None:
     assert f"({path})" in README
     assert (REPO / path).is_file()
+
+
+def test_readme_keeps_within_its_length() -> None:
+    """The README is the front page: 350 lines at most; detail goes to docs/."""
+    assert len(README.splitlines()) <= 350, len(README.splitlines())
