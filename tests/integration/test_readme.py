@@ -95,26 +95,30 @@ def test_usage_examples_run(tmp_path: Path) -> None:
             assert result.returncode == 0, result.stderr
             for want in re.findall(r"# (torch\.Size\(\[.*?\]\)|\(\d+(?:, \d+)*\))", code):
                 assert want in result.stdout, (want, result.stdout)
-        checks = [line for block in _blocks("bash") for line in block.splitlines()
-                  if line.startswith("episerve check")]
-        assert checks
-        for line in checks:
-            args = shlex.split(line.replace("/tmp/", f"{tmp_path}/"))
-            done = subprocess.run([sys.executable, "-m", "episerve_tools.cli", *args[1:]],
-                                  text=True, capture_output=True, timeout=120, check=False)
+        for line in _commands("episerve check"):
+            done = _run_documented(line, tmp_path)
             assert done.returncode == 0 and "every chunk reads" in done.stdout, done
-        loadtests = [line for block in _blocks("bash") for line in block.splitlines()
-                     if line.startswith("episerve loadtest")]
-        assert loadtests
-        for line in loadtests:
-            args = shlex.split(line.replace("/tmp/", f"{tmp_path}/"))
-            done = subprocess.run([sys.executable, "-m", "episerve_tools.cli", *args[1:]],
-                                  text=True, capture_output=True, timeout=120, check=False)
+        for line in _commands("episerve loadtest"):
+            done = _run_documented(line, tmp_path)
             assert done.returncode == 0, done.stdout + done.stderr
             report = json.loads((tmp_path / "load.json").read_text())
             assert report["codes"] == {"OK": report["codes"]["OK"]} and report["codes"]["OK"]
             assert {"rpc_per_s", "samples_per_s", "mb_per_s", "cache_hit_rate",
                     "latency_ms"} <= set(report)
+
+
+def _commands(prefix: str) -> list[str]:
+    """Every documented shell line that starts with ``prefix``; at least one."""
+    lines = [line for block in _blocks("bash") for line in block.splitlines()
+             if line.startswith(prefix)]
+    assert lines, prefix
+    return lines
+
+
+def _run_documented(line: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    args = shlex.split(line.replace("/tmp/", f"{tmp_path}/"))
+    return subprocess.run([sys.executable, "-m", "episerve_tools.cli", *args[1:]],
+                          text=True, capture_output=True, timeout=120, check=False)
 
 
 def test_install_lines_name_real_extras() -> None:

@@ -14,11 +14,12 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from episerve_tools.synth.lerobot_root import write_mp4 as write_video
 
 FPS = 10
 STATE_DIM = 3
@@ -155,19 +156,7 @@ def info(layout: Layout, total_frames: int) -> dict[str, Any]:
 
 
 def write_mp4(path: Path, frames: Sequence[np.ndarray], gop: int) -> None:
-    import av
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    h, w = frames[0].shape[:2]
-    with av.open(str(path), "w") as out:
-        stream = out.add_stream("libx264", rate=FPS)
-        stream.width, stream.height, stream.pix_fmt = w, h, "yuv420p"
-        stream.options = {"g": str(gop), "bf": "0", "crf": "18"}
-        for k, img in enumerate(frames):
-            frame = av.VideoFrame.from_ndarray(img, format="rgb24")
-            frame.pts, frame.time_base = k, Fraction(1, FPS)
-            out.mux(stream.encode(frame))
-        out.mux(stream.encode(None))
+    write_video(path, frames, FPS, gop=gop, crf=18)
 
 
 def decoded_frames(path: Path) -> dict[float, np.ndarray]:

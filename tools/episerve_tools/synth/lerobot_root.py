@@ -18,6 +18,7 @@ Episode ``i`` is the same scene and motion as episode ``i`` of the zarr layouts 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -51,7 +52,7 @@ def write_lerobot_root(out: str | Path, *, episodes: int, seed: int = 0,
     tasks: dict[str, int] = {}
     meta: list[dict[str, Any]] = []
     frames: list[bytes] = []
-    start_s, index, size = 0.0, 0, (0, 0)
+    start_s, index = 0.0, 0
     for ep in tqdm(range(episodes), unit="episode", desc="writing", disable=not progress):
         rng = np.random.default_rng([seed, ep])
         total = int(rng.integers(min_frames, max_frames + 1))
@@ -79,8 +80,10 @@ def write_lerobot_root(out: str | Path, *, episodes: int, seed: int = 0,
         })
         start_s += total / fps
         index += total
-    size = _write_mp4(root / VIDEO_PATH.format(video_key=CAMERA, chunk_index=0, file_index=0),
-                      frames, fps)
+    import simplejpeg
+
+    size = write_mp4(root / VIDEO_PATH.format(video_key=CAMERA, chunk_index=0, file_index=0),
+                     (simplejpeg.decode_jpeg(j, colorspace="RGB") for j in frames), fps)
     data = root / DATA_PATH.format(chunk_index=0, file_index=0)
     data.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.table({
@@ -123,25 +126,29 @@ def _tasks_table(tasks: dict[str, int]) -> Any:
     return table.replace_schema_metadata({"pandas": json.dumps(pandas)})
 
 
-def _write_mp4(path: Path, jpegs: list[bytes], fps: int) -> tuple[int, int]:
-    """Every frame, decoded from its JPEG, into one H.264 file; returns (height, width)."""
+def write_mp4(path: Path, frames: Iterable[np.ndarray], fps: int, *, gop: int = GOP,
+              crf: int = CRF) -> tuple[int, int]:
+    """RGB frames (H, W, 3 uint8) into one H.264 file at ``fps``, a keyframe every ``gop``
+    frames and no B-frames; returns (height, width)."""
     import av
-    import simplejpeg
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    first = simplejpeg.decode_jpeg(jpegs[0], colorspace="RGB")
-    h, w = first.shape[:2]
+    size = (0, 0)
     with av.open(str(path), "w") as out:
-        stream = out.add_stream("libx264", rate=fps)
-        stream.width, stream.height, stream.pix_fmt = w, h, "yuv420p"
-        stream.options = {"g": str(GOP), "bf": "0", "crf": str(CRF)}
-        for k, jpeg in enumerate(jpegs):
-            rgb = simplejpeg.decode_jpeg(jpeg, colorspace="RGB")
+        stream = None
+        for k, rgb in enumerate(frames):
+            if stream is None:
+                size = rgb.shape[:2]
+                stream = out.add_stream("libx264", rate=fps)
+                stream.height, stream.width = size
+                stream.pix_fmt = "yuv420p"
+                stream.options = {"g": str(gop), "bf": "0", "crf": str(crf)}
             frame = av.VideoFrame.from_ndarray(rgb, format="rgb24")
             frame.pts, frame.time_base = k, Fraction(1, fps)
             out.mux(stream.encode(frame))
-        out.mux(stream.encode(None))
-    return h, w
+        if stream is not None:
+            out.mux(stream.encode(None))
+    return size
 
 
 def _info(episodes: int, frames: int, tasks: int, fps: int,
