@@ -12,7 +12,8 @@ import pytest
 from torch.utils.data import DataLoader
 
 from episerve_client import Client, WindowDataset, collate, errors
-from episerve_tools.check import main as check_main
+
+pytestmark = pytest.mark.slow
 
 KEYPOINTS = {"k": {"zarr_key": "left.obs_keypoints", "key_type": "proprio_keys"}}
 #: ep003d has 257 frames in 100-row chunks: chunk 1 holds frames 100-199.
@@ -28,19 +29,6 @@ def damaged_root(ramp_roots: dict[str, Path], tmp_path: Path) -> Path:
     return root
 
 
-def test_check_lists_the_damaged_chunk_and_exits_1(
-        damaged_root: Path, ramp_roots: dict[str, Path],
-        capsys: pytest.CaptureFixture[str]) -> None:
-    assert check_main([str(damaged_root)]) == 1
-    out, err = capsys.readouterr()
-    [line] = [ln for ln in out.splitlines() if ln.startswith("  episode")]
-    assert "episode ep003d key left.obs_keypoints chunk 1 (frames 100-199)" in line, out
-    assert "1 damaged chunks" in out and "on_data_loss='skip'" in out
-    assert "checking" in err  # the progress bar
-    assert check_main([str(ramp_roots["unsharded"])]) == 0
-    assert "every chunk reads" in capsys.readouterr().out
-
-
 def _served(target: str, workers: int, **options: Any) -> list[tuple[str, int]]:
     dataset = WindowDataset(target, KEYPOINTS, **options)
     spawn = {"multiprocessing_context": "spawn"} if workers else {}
@@ -50,7 +38,6 @@ def _served(target: str, workers: int, **options: Any) -> list[tuple[str, int]]:
             for h, f in zip(batch["episode_hash"], batch["frame_index"].tolist())]
 
 
-@pytest.mark.slow
 def test_skip_replaces_exactly_the_unreadable_samples_the_same_way_in_every_worker(
         damaged_root: Path, start_daemon: Any, capfd: pytest.CaptureFixture[str]) -> None:
     d = start_daemon(damaged_root, unix=True)

@@ -9,6 +9,7 @@ takes the daemon's own storage flags (``--allow``, ``--max-item-bytes``, ...).""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import math
 import os
@@ -152,6 +153,14 @@ def _runs(damaged: list[Damage]) -> list[tuple[Damage, Damage]]:
                 continue
         runs.append((d, d))
     return runs
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The command's own arguments (for --help); the rest go to serve's flags."""
+    p = argparse.ArgumentParser(prog="episerve check", usage=USAGE.splitlines()[0][7:],
+                                description=USAGE.split("\n\n", 1)[1].strip())
+    p.add_argument("root", help="the dataset root, as given to episerve serve")
+    return p
 
 
 def main(argv: Sequence[str]) -> int:

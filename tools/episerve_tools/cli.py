@@ -109,12 +109,14 @@ def _make_dataset(argv: Sequence[str]) -> int:
 def parsers() -> dict[str, argparse.ArgumentParser]:
     """Every subcommand's argument parser, by command name (``episerve COMMAND --help``)."""
     from episerve_server.config import _parser as serve_parser
+    from episerve_tools.check import _parser as check_parser
     from episerve_tools.demo import _parser as demo_parser
     from episerve_tools.loadtest import _parser as loadtest_parser
     from episerve_tools.stats import _parser as stats_parser
 
     return {"serve": serve_parser(), "make-dataset": _make_dataset_parser(),
-            "demo": demo_parser(), "loadtest": loadtest_parser(), "stats": stats_parser()}
+            "demo": demo_parser(), "loadtest": loadtest_parser(), "stats": stats_parser(),
+            "check": check_parser()}
 
 
 def _version() -> str:

@@ -27,6 +27,7 @@ COMMAND_EXTRAS: dict[str, tuple[str, ...]] = {
     "demo": ("server", "synth", "client"),
     "loadtest": (),
     "stats": (),
+    "check": ("server",),
 }
 
 
