@@ -251,7 +251,7 @@ def test_rows_holding_more_values_than_declared_are_refused_from_the_footer(
 
 def test_a_missing_or_garbage_video_fails_only_its_key(
         tmp_path: Path, serve: Callable[..., Served]) -> None:
-    root = lr.write(tmp_path / "ds", lr.Layout(lengths=(5, 4, 6)))
+    root = lr.write(tmp_path / "ds", lr.Layout(lengths=(5, 4, 6, 3)))
     top, wrist = (root / lr.VIDEO_PATH.format(video_key=cam, chunk_index=0, file_index=1)
                   for cam in lr.Layout.cameras)
     top.unlink()
@@ -301,3 +301,32 @@ def test_a_corrupt_episodes_file_serves_nothing_and_says_why(
     assert not served.catalog.episodes
     problem = served.catalog.lerobot.problem  # type: ignore[union-attr]
     assert "meta/episodes/chunk-000/file-000.parquet" in problem
+
+
+def test_a_row_whose_timestamp_is_not_its_frame_refuses_the_episode(
+        tmp_path: Path, serve: Callable[..., Served]) -> None:
+    """LeRobot finds a row's image by its ``timestamp`` column; a row whose timestamp is
+    another frame's would get another image from the daemon (which finds it by frame_index
+    / fps), so its episode is refused, naming the row and both times. Without a video the
+    numbers are read by row either way, and the episode is served."""
+    root = lr.write(tmp_path / "ds", lr.Layout(lengths=(5, 4, 6, 3)))
+    path = root / "data/chunk-000/file-001.parquet"  # episodes 2 and 3
+    table = pq.read_table(path)
+    stamps = table.column("timestamp").to_pylist()
+    stamps[2] += 0.1  # episode 2, row 2: at frame 3's time
+    table = table.set_column(table.schema.get_field_index("timestamp"), "timestamp",
+                             pa.array(stamps, pa.float32()))
+    pq.write_table(table, path, row_group_size=8)
+    served = serve(root)
+    broken = served.catalog.broken_listing()
+    assert set(broken) == {"episode_000002"}, broken
+    why = broken["episode_000002"]
+    assert "row 2 of the episode" in why and "frame 2 at 10 fps is at 0.2" in why, why
+    result = served.read({"top": KEYMAP["top"]}, [("episode_000003", 1)])
+    assert result.images["top"].index.shape == (1, 2)
+    no_video = lr.write(tmp_path / "nv", lr.Layout(lengths=(5, 4, 6, 3), cameras=()))
+    table = pq.read_table(no_video / "data/chunk-000/file-001.parquet")
+    table = table.set_column(table.schema.get_field_index("timestamp"), "timestamp",
+                             pa.array(stamps, pa.float32()))
+    pq.write_table(table, no_video / "data/chunk-000/file-001.parquet")
+    assert serve(no_video).catalog.broken_listing() == {}

@@ -16,8 +16,10 @@ import asyncio
 import hashlib
 import json
 import logging
+import math
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 from zarr.core.buffer import default_buffer_prototype
 
@@ -57,6 +59,8 @@ log = logging.getLogger(__name__)
 
 #: The one entry a refused dataset lists, broken with its reason (it has no episodes).
 REFUSED_ENTRY = "lerobot_dataset"
+#: The column LeRobot finds a row's video frame by.
+TIMESTAMP = "timestamp"
 
 
 class LeRobotSource:
@@ -197,6 +201,8 @@ class LeRobotSource:
                                               info.fps, self.tolerance_s, self.store.stats,
                                               identity)
             features[key] = {"dtype": "video", "shape": list(feature.shape)}
+        if meta.videos and TIMESTAMP in opened.readers:
+            await self._check_timestamps(opened, meta.data_path, row0)
         if TASK_INDEX in columns:
             opened.readers[TASK_KEY] = TaskReader(name, self.files, meta.data_path, row0,
                                                   meta.length, self.tasks)
@@ -208,6 +214,27 @@ class LeRobotSource:
             [repr(meta), info.raw_features, rows], sort_keys=True, default=str).encode())
         opened.content_hash = digest.hexdigest()[:16]
         return opened
+
+    async def _check_timestamps(self, opened: Episode, path: str, row0: int) -> None:
+        """LeRobot finds a row's video frame by the row's ``timestamp`` column; the daemon by
+        ``frame_index / fps``. Where they disagree by more than ``tolerance_s`` the two would
+        serve different images, so the episode is refused (listed broken, naming the row and
+        both times) rather than served another frame's image silently. The column is read
+        once, at open; it has the episode's real rows, not a declared count."""
+        reader = opened.readers[TIMESTAMP]
+        n = math.ceil(reader.info.rows / reader.info.chunk_rows)
+        chunks = await reader.fetch(0, n - 1)
+        got = np.concatenate([np.asarray(c).reshape(-1) for c in chunks])[:reader.info.rows]
+        want = (np.arange(reader.info.rows) / opened.fps).astype(np.float32)
+        off = np.flatnonzero(~(np.abs(got.astype(np.float64) - want) <= self.tolerance_s))
+        if len(off):
+            r = int(off[0])
+            opened.problems[TIMESTAMP] = (
+                f"row {r} of the episode (row {row0 + r} of {path!r}) has timestamp "
+                f"{float(got[r])!r} s, but frame {r} at {opened.fps:g} fps is at "
+                f"{float(want[r])!r} s ({len(off)} rows differ by more than tolerance_s="
+                f"{self.tolerance_s!r}): LeRobot finds a frame's image by its timestamp, so "
+                "the video frames served would not be LeRobot's")
 
     async def _data_file(self, path: str) -> tuple[int, frozenset[str]]:
         """A data file's row count and columns, read once (concurrent opens share it)."""
