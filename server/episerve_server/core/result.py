@@ -8,6 +8,11 @@ from typing import Any
 import numpy as np
 
 
+def utf8_len(text: str) -> int:
+    """A string's UTF-8 bytes; an ASCII one (the flag CPython keeps) without encoding it."""
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+
+
 @dataclass(slots=True)
 class ImageColumn:
     """Frames of one camera output: ``index`` points into ``BatchResult.frames[source]``.
@@ -37,13 +42,17 @@ class BatchResult:
 
     @property
     def nbytes(self) -> int:
+        """Every byte the answer carries: arrays, frames, and each sample's texts and strings
+        (its annotation texts, embodiment and episode hash) as UTF-8, so a batch whose size
+        is in its strings (a long text on every sample) meets the response limit too."""
         # (comprehensions and ``map``: this is asked of every batch, and a batch of
         # frames and texts has a few hundred of them)
         n = sum([a.nbytes for a in self.arrays.values()])
         n += sum([c.index.nbytes for c in self.images.values()])
         n += sum([sum(map(len, fs)) for fs in self.frames.values()])
         n += 0 if self.total_frames is None else self.total_frames.nbytes
-        return n + sum([len(t) for ts in self.texts.values() for s in ts for t in s])
+        n += sum(map(utf8_len, self.embodiments)) + sum(map(utf8_len, self.episodes))
+        return n + sum([sum(map(utf8_len, s)) for ts in self.texts.values() for s in ts])
 
     def sample(self, b: int) -> dict[str, Any]:
         """Sample ``b`` as plain values: arrays (copies), raw JPEG bytes, lists of texts."""
