@@ -139,6 +139,24 @@ def test_text_tables_equal_texts_at() -> None:
         assert [list(t) for t in table] == want
 
 
+def test_a_text_table_is_as_large_as_its_spans_not_its_declared_frames() -> None:
+    """An episode may declare 10^8 frames in a few KiB of files: its table holds one entry
+    per run of frames between span boundaries (a list per frame was 800 MB)."""
+    import tracemalloc
+
+    spans = [Span("a", 0, 5), Span("b", 3, 10**8 - 1)]
+    tracemalloc.start()
+    try:
+        table = per_frame(spans, 10**8)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert table is not None and len(table) == 10**8
+    assert peak < 1 << 20, peak
+    assert [table[f] for f in (0, 3, 5, 10**8 - 2, 10**8 - 1)] == [
+        ("a",), ("a", "b"), ("b",), ("b",), ()]
+
+
 def test_texts_of_a_batch_planned_before_a_rescan_are_its_own_episodes() -> None:
     """A warm batch's texts are read after an await (a large gather runs in a thread);
     another batch planned meanwhile on a rescanned catalog (dense ids renumbered) must not

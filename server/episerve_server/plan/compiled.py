@@ -45,7 +45,7 @@ from episerve_server.plan.geometry import (
 )
 from episerve_server.plan.numeric import Fused, Gather, NumericKeys
 from episerve_server.plan.options import Arena, ReadOptions
-from episerve_server.plan.texts import TextTables
+from episerve_server.plan.texts import TextRuns, TextTables
 from episerve_server.storage.catalog import Catalog
 from episerve_server.storage.directory import Directory
 
@@ -83,7 +83,7 @@ class Warm:
     frames: tuple[_Frames, ...]  # camera keys, sorted
     position: np.ndarray  # per sample: its episode's rank by first appearance
     order: np.ndarray  # per rank: the episode's dense id
-    texts: dict[str, dict[int, list[tuple[str, ...]]]]  # per annotation key, its tables
+    texts: dict[str, dict[int, TextRuns]]  # per annotation key, its tables
     out_bytes: int
     cache_version: int
     directory: Directory
