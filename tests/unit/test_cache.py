@@ -10,8 +10,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from episerve_server.core.cache import ChunkCache, chunk_nbytes
+from episerve_server.core.slots import SLOT_BOOKKEEPING
 from episerve_server.core.stats import Stats
 from tests.support.profiles import scaled
+
+
+#: What a numeric chunk of ``n`` bytes costs the budget: its data and its slot's bookkeeping.
+def cost(n: int) -> int:
+    return n + SLOT_BOOKKEEPING
 
 
 def chunk(nbytes: int, value: float = 0.0) -> np.ndarray:
@@ -24,18 +30,18 @@ def key(n: int, episode: str = "ep") -> tuple[str, str, int]:
 
 
 def test_chunk_nbytes() -> None:
-    assert chunk_nbytes(chunk(400)) == 400
+    assert chunk_nbytes(chunk(400)) == 400 + SLOT_BOOKKEEPING
     assert chunk_nbytes([b"abc", b""]) == 3 + 0 + 2 * 64
     assert chunk_nbytes([]) == 0
 
 
 def test_lru_eviction_order_under_a_byte_budget() -> None:
     stats = Stats()
-    cache = ChunkCache(300, stats)
+    cache = ChunkCache(3 * cost(100), stats)
     for n in range(3):
         cache.put(key(n), chunk(100, n))
     assert stats.cache_evictions == 0
-    assert stats.cache_bytes == 300
+    assert stats.cache_bytes == 3 * cost(100)
     assert stats.cache_entries == 3
     hit = cache.get(key(0))  # 0 becomes the most recently used; 1 is now the oldest
     assert hit is not None
@@ -55,7 +61,7 @@ def test_lru_eviction_order_under_a_byte_budget() -> None:
     assert cache.get(key(2)) is None
     assert cache.get(key(3)) is not None
     assert cache.get(key(4, "big")) is not None
-    assert stats.cache_bytes == 300
+    assert stats.cache_bytes == cost(100) + cost(200)
     assert stats.cache_entries == 2
 
 
@@ -87,13 +93,13 @@ def test_budget_zero_stores_nothing() -> None:
 
 def test_a_chunk_over_the_budget_is_not_stored_and_evicts_nothing() -> None:
     stats = Stats()
-    cache = ChunkCache(100, stats)
+    cache = ChunkCache(cost(100), stats)
     cache.put(key(1), chunk(40))
     cache.put(key(2), chunk(104))
     assert cache.get(key(2)) is None
     assert cache.get(key(1)) is not None
     assert stats.cache_evictions == 0
-    assert stats.cache_bytes == 40
+    assert stats.cache_bytes == cost(40)
 
 
 def test_replacing_a_key_does_not_count_it_twice() -> None:
@@ -101,7 +107,7 @@ def test_replacing_a_key_does_not_count_it_twice() -> None:
     cache = ChunkCache(100, stats)
     cache.put(key(1), chunk(60, 1))
     cache.put(key(1), chunk(60, 2))
-    assert stats.cache_bytes == 60
+    assert stats.cache_bytes == cost(60)
     assert stats.cache_entries == 1
     assert stats.cache_evictions == 0
     got = cache.get(key(1))
@@ -128,7 +134,7 @@ def test_drop_episode_removes_only_that_episode() -> None:
     cache.put(key(2, "a"), chunk(100))
     cache.put(key(1, "b"), chunk(100))
     cache.drop_episode("a")
-    assert stats.cache_bytes == 100
+    assert stats.cache_bytes == cost(100)
     assert stats.cache_entries == 1
     assert cache.get(key(1, "a")) is None
     assert cache.get(key(2, "a")) is None
@@ -161,7 +167,7 @@ ops = st.lists(
 
 
 @settings(max_examples=scaled(150), deadline=None)
-@given(budget=st.sampled_from([0, 4, 40, 100, 160]), script=ops)
+@given(budget=st.sampled_from([0, 4, 40, 100, 160, 300]), script=ops)
 def test_matches_a_reference_lru(budget: int, script: list[tuple[str, int, int]]) -> None:
     stats = Stats()
     cache = ChunkCache(budget, stats)
@@ -169,14 +175,15 @@ def test_matches_a_reference_lru(budget: int, script: list[tuple[str, int, int]]
     hits = misses = evictions = 0
     sizes: dict[int, int] = {}  # an array keeps one chunk shape: a key keeps its first size
     for op, k, words in script:
-        size = 4 * sizes.setdefault(k, words)
+        data = 4 * sizes.setdefault(k, words)
+        size = cost(data)
         if op == "get":
             got = cache.get(key(k))
             if k in model:
                 hits += 1
                 model.move_to_end(k)
                 assert got is not None
-                assert got.nbytes == model[k]
+                assert cost(got.nbytes) == model[k]
             else:
                 misses += 1
                 assert got is None
@@ -186,9 +193,9 @@ def test_matches_a_reference_lru(budget: int, script: list[tuple[str, int, int]]
             while sum(model.values()) > budget:
                 model.popitem(last=False)
                 evictions += 1
-            cache.put(key(k), chunk(size))
+            cache.put(key(k), chunk(data))
         else:
-            cache.put(key(k), chunk(size))
+            cache.put(key(k), chunk(data))
     assert (stats.cache_hits, stats.cache_misses, stats.cache_evictions) == (
         hits, misses, evictions)
     assert stats.cache_bytes == sum(model.values())
@@ -196,7 +203,7 @@ def test_matches_a_reference_lru(budget: int, script: list[tuple[str, int, int]]
 
 
 @settings(max_examples=scaled(150), deadline=None)
-@given(budget=st.sampled_from([0, 40, 100, 160]),
+@given(budget=st.sampled_from([0, 40, 100, 160, 300]),
        script=st.lists(st.tuples(st.sampled_from(["get", "put", "drop"]),
                                  st.sampled_from(["a", "b"]), st.integers(0, 12)), max_size=80))
 def test_one_array_per_episode_matches_a_reference_lru(
@@ -219,17 +226,17 @@ def test_one_array_per_episode_matches_a_reference_lru(
         elif op == "put":
             value = float(step)
             cache.put(k, chunk(20, value))
-            if budget >= 20:
+            if budget >= cost(20):
                 model.pop((episode, n), None)
                 model[(episode, n)] = value
-                while 20 * len(model) > budget:
+                while cost(20) * len(model) > budget:
                     model.popitem(last=False)
         else:
             cache.drop_episode(episode)
             for e, m in list(model):
                 if e == episode:
                     del model[(e, m)]
-        assert stats.cache_bytes == 20 * len(model)
+        assert stats.cache_bytes == cost(20) * len(model)
         assert stats.cache_entries == len(model)
 
 
@@ -237,7 +244,7 @@ def test_a_hold_keeps_released_slots_from_reuse_until_it_ends() -> None:
     """A gather running in a worker thread reads slots it looked up; while the cache is
     held, an eviction or a drop frees no slot for reuse, so those slots keep their data."""
     stats = Stats()
-    cache = ChunkCache(200, stats)  # room for two chunks of one shape
+    cache = ChunkCache(2 * cost(100), stats)  # room for two chunks of one shape
     cache.put(key(0, "a"), chunk(100, 1.0))
     cache.put(key(0, "b"), chunk(100, 2.0))
     slab, slot = cache.lookup("k0", cache.uids(["a"]), np.array([0]))
@@ -251,7 +258,7 @@ def test_a_hold_keeps_released_slots_from_reuse_until_it_ends() -> None:
     cache.put(key(0, "d"), chunk(100, 4.0))
     got = cache.get(key(0, "d"))
     assert got is not None and float(got[0]) == 4.0
-    assert stats.cache_bytes <= 200
+    assert stats.cache_bytes <= 2 * cost(100)
 
 
 @settings(max_examples=scaled(150), deadline=None)
@@ -293,7 +300,7 @@ def test_frame_chunks_and_slabs_evict_as_a_reference_lru(
                 size = width * (10 * width + 64)
             else:  # a numeric chunk of a shape its array keeps
                 k = (episode, "num", n)
-                item, size = chunk(160, step), 160
+                item, size = chunk(160, step), cost(160)
             cache.put(k, item)  # type: ignore[arg-type]
             if 0 < size <= budget:
                 model.pop(k, None)
@@ -324,3 +331,34 @@ def test_the_oldest_frame_chunks_are_found_past_the_first_partition() -> None:
     assert got[-1] == f.entries[("ep", "img", 0)][2]
     assert len(f.oldest(10 ** 9)) == n
     assert f.evict(got[:3]) == 11 + 13 + 15 and len(f) == n - 3
+
+
+def test_bookkeeping_of_tiny_chunks_stays_within_the_budget() -> None:
+    """A key of one-value chunks under a 32 MiB budget made 8M slots' bookkeeping up
+    front (+480 MiB, none of it counted). Now a slot's bookkeeping is made when it is
+    first used and counted in the budget with its data: a first chunk costs little, and a
+    cache filled with tiny chunks holds its budget, bookkeeping included."""
+    import tracemalloc
+
+    budget = 32 << 20
+    stats = Stats()
+    tracemalloc.start()
+    try:
+        cache = ChunkCache(budget, stats)
+        uid = cache.uid("ep")
+        cache.store("k0", uid, 5_000, 0, chunk(4))  # an array of 20,000 chunks
+        _, first = tracemalloc.get_traced_memory()
+        for n in range(1, 5_000):
+            cache.store("k0", uid, 5_000, n, chunk(4, n))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert first < 1 << 20, first
+    assert peak < 16 << 20, peak
+    assert stats.cache_bytes == 5_000 * cost(4) <= budget
+    got = cache.get(("ep", "k0", 4_999))
+    assert got is not None and float(got[0]) == 4_999
+    small = ChunkCache(100 * cost(4), Stats())  # room for 100: the oldest go
+    for n in range(300):
+        small.store("k0", small.uid("ep"), 300, n, chunk(4, n))
+    assert small.get(("ep", "k0", 199)) is None and small.get(("ep", "k0", 299)) is not None

@@ -35,7 +35,7 @@ import numpy as np
 from episerve_server.core import kernel
 from episerve_server.core.framecache import ChunkKey, FrameChunks
 from episerve_server.core.numbering import Numbering
-from episerve_server.core.slots import Slab, SlotTable
+from episerve_server.core.slots import SLOT_BOOKKEEPING, Slab, SlotTable
 from episerve_server.core.stats import Stats
 
 Chunk: TypeAlias = np.ndarray | list[bytes]
@@ -53,7 +53,7 @@ WANTED_S = 30.0
 
 def chunk_nbytes(chunk: Chunk) -> int:
     if isinstance(chunk, np.ndarray):
-        return int(chunk.nbytes)
+        return int(chunk.nbytes) + SLOT_BOOKKEEPING  # its slot's bookkeeping too
     return sum(len(b) for b in chunk) + BYTES_OVERHEAD * len(chunk)
 
 
@@ -127,10 +127,10 @@ class ChunkCache:
         sid = self._slab_of.get(shape)
         if sid is None:
             slot_bytes = int(np.prod(shape)) * 4
-            if len(self._slabs) >= MAX_SLABS or slot_bytes > self.budget_bytes:
+            if len(self._slabs) >= MAX_SLABS or slot_bytes + SLOT_BOOKKEEPING > self.budget_bytes:
                 return -1
-            try:
-                slab = Slab(shape, self.budget_bytes // slot_bytes)
+            try:  # a slot costs its data and its bookkeeping, both within the budget
+                slab = Slab(shape, self.budget_bytes // (slot_bytes + SLOT_BOOKKEEPING))
             except (OSError, ValueError, MemoryError):
                 return -1  # the reservation was refused (strict overcommit): not cached
             sid = self._slab_of[shape] = len(self._slabs)
@@ -241,7 +241,7 @@ class ChunkCache:
             mine = [(pos, data) for s, pos, data in placed if s == sid]
             slab = self._slabs[sid]
             mine = mine[-slab.capacity:]  # more than the slab can hold: keep the last
-            self._make_room(slab.slot_bytes * len(mine), sid, len(mine))
+            self._make_room(slab.cost * len(mine), sid, len(mine))
             mine = mine[len(mine) - min(len(mine), slab.free):]
             slots = slab.take(len(mine))
             if not len(mine):
@@ -252,7 +252,7 @@ class ChunkCache:
             slab.stamp[slots], slab.owner_table[slots] = self._clock, table.index
             slab.owner_pos[slots] = positions
             table.flat[positions] = slots
-            self._bytes += slab.slot_bytes * len(mine)
+            self._bytes += slab.cost * len(mine)
             self._entries += len(mine)
         self._sync_gauges()
         return replaced
@@ -410,7 +410,7 @@ class ChunkCache:
             owners: list[tuple[int, np.ndarray]] = []
             for sid, slab in enumerate(self._slabs):
                 live = np.flatnonzero(slab.stamp >= 0)
-                k = min(len(live), -(-deficit // slab.slot_bytes))
+                k = min(len(live), -(-deficit // slab.cost))
                 if k:
                     pick = live[np.argpartition(slab.stamp[live], k - 1)[:k]]
                     stamps.append(slab.stamp[pick])
@@ -425,7 +425,7 @@ class ChunkCache:
             all_kinds = np.concatenate([*kinds, np.full(len(frame_stamps), -1, np.int64)])
             all_index = np.concatenate([*(np.arange(len(st)) for st in stamps),
                                         np.arange(len(frame_stamps))])
-            sizes = np.concatenate([*(np.full(len(st), self._slabs[sid].slot_bytes, np.int64)
+            sizes = np.concatenate([*(np.full(len(st), self._slabs[sid].cost, np.int64)
                                       for st, (sid, _) in zip(stamps, owners)),
                                     frame_sizes])
             order = np.argsort(all_stamps, kind="stable")
@@ -464,7 +464,7 @@ class ChunkCache:
             slab.stamp[live] = -1  # gone for lookups and eviction; reused after the hold
         else:
             slab.release(live)
-        self._bytes -= slab.slot_bytes * len(live)
+        self._bytes -= slab.cost * len(live)
         self._entries -= len(live)
         self._sync_gauges()
 

@@ -17,44 +17,97 @@ MAX_TABLE_CHUNKS = 1 << 22  # chunks of one (episode, key) the slot table will i
 _PAGE = mmap.PAGESIZE
 
 
+#: Bytes of bookkeeping per slot besides its data: its stamp, owner table and position, a
+#: place on the free stack, and its scratch word (int64, int32, int64, int64, int64).
+SLOT_BOOKKEEPING = 36
+
+
+def _reserved(count: int, dtype: type[np.generic]) -> np.ndarray:
+    """``count`` values in a reserved anonymous mapping: pages are committed only where
+    written, so an array sized for every slot a slab could hold costs what is used."""
+    itemsize = np.dtype(dtype).itemsize
+    flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0x20) \
+        | getattr(mmap, "MAP_NORESERVE", 0)
+    return np.frombuffer(mmap.mmap(-1, max(1, count * itemsize), flags=flags), dtype,
+                         count=count)
+
+
 class Slab:
-    """Slots for float32 chunks of one shape, backed by a reserved anonymous mapping."""
+    """Slots for float32 chunks of one shape, backed by a reserved anonymous mapping.
+
+    A slot costs ``cost`` bytes: its data and ``SLOT_BOOKKEEPING``. Its bookkeeping is made
+    as slots are first used (``allocated`` grows; the arrays are views of reserved mappings,
+    so they never move), so a slab of tiny chunks holds memory in proportion to what it
+    caches, not to the slots its budget could hold (a key of one-value chunks under a 32 MiB
+    budget had 8M slots' bookkeeping, 480 MiB, made up front)."""
 
     def __init__(self, shape: tuple[int, ...], capacity: int) -> None:
         self.shape = shape
         self.slot_bytes = int(np.prod(shape)) * 4
+        self.cost = self.slot_bytes + SLOT_BOOKKEEPING
         self.capacity = capacity
         flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0x20) \
             | getattr(mmap, "MAP_NORESERVE", 0)
         self._map = mmap.mmap(-1, max(1, capacity * self.slot_bytes), flags=flags)
         self.data = np.frombuffer(self._map, np.float32,
                                   count=capacity * int(np.prod(shape))).reshape(capacity, *shape)
-        self.stamp = np.full(capacity, -1, np.int64)  # -1: free
-        self.owner_table = np.full(capacity, -1, np.int32)
-        self.owner_pos = np.full(capacity, -1, np.int64)
-        self._scratch: np.ndarray | None = None
-        self._free = list(range(capacity - 1, -1, -1))  # low slots first: memory grows in order
+        self._stamp = _reserved(capacity, np.int64)  # -1: free
+        self._owner_table = _reserved(capacity, np.int32)
+        self._owner_pos = _reserved(capacity, np.int64)
+        self._scratch = _reserved(capacity, np.int64)
+        self._stack = _reserved(capacity, np.int64)  # free slots, the next on top
+        self._free = 0  # slots on the stack
+        self.allocated = 0  # slots whose bookkeeping is made: [0, allocated)
 
-    def take(self, n: int) -> np.ndarray:
-        out = np.array(self._free[-n:][::-1], np.int64) if n else np.empty(0, np.int64)
-        del self._free[len(self._free) - n:]
-        return out
+    @property
+    def stamp(self) -> np.ndarray:
+        return self._stamp[:self.allocated]
+
+    @property
+    def owner_table(self) -> np.ndarray:
+        return self._owner_table[:self.allocated]
+
+    @property
+    def owner_pos(self) -> np.ndarray:
+        return self._owner_pos[:self.allocated]
 
     @property
     def scratch(self) -> np.ndarray:
-        """One int64 per slot, for counting distinct slots (made on first use)."""
-        if self._scratch is None:
-            self._scratch = np.zeros(self.capacity, np.int64)
-        return self._scratch
+        """One int64 per slot, for counting distinct slots."""
+        return self._scratch[:self.allocated]
+
+    def take(self, n: int) -> np.ndarray:
+        """``n`` free slots (at most ``free``): released ones first, then new ones, lowest
+        first, so memory grows in order."""
+        if n > self._free:
+            self._grow(n - self._free)
+        out = self._stack[self._free - n: self._free][::-1].copy()
+        self._free -= n
+        return out
+
+    def _grow(self, need: int) -> None:
+        """Make the bookkeeping of ``need`` more slots (fewer if the slab is full), and put
+        them under the free stack's released slots."""
+        new = min(self.capacity, self.allocated + need)
+        fresh = np.arange(new - 1, self.allocated - 1, -1, dtype=np.int64)
+        k = len(fresh)
+        self._stamp[self.allocated:new] = -1
+        self._owner_table[self.allocated:new] = -1
+        self._owner_pos[self.allocated:new] = -1
+        self._stack[k: k + self._free] = self._stack[:self._free].copy()
+        self._stack[:k] = fresh
+        self._free += k
+        self.allocated = new
 
     @property
     def free(self) -> int:
-        return len(self._free)
+        return self._free + self.capacity - self.allocated
 
     def release(self, slots: np.ndarray) -> None:
-        self.stamp[slots] = -1
-        self.owner_table[slots] = -1
-        self._free.extend(slots.tolist())
+        self._stamp[slots] = -1
+        self._owner_table[slots] = -1
+        self._stack[self._free: self._free + len(slots)] = slots
+        self._free += len(slots)
         madvise = getattr(self._map, "madvise", None)
         if madvise is None or self.slot_bytes < 2 * _PAGE:
             return

@@ -109,7 +109,8 @@ class StatsCollector(Collector):
         yield from counter_families(lambda name: getattr(stats, name))
         open_, broken = _episode_counts(service)
         gauges = (
-            ("cache_bytes", "Bytes held by the chunk cache.", stats.cache_bytes),
+            ("cache_bytes", "Bytes held by the chunk cache (numeric slots with their "
+             "bookkeeping, frames with their per-item overhead).", stats.cache_bytes),
             ("cache_entries", "Chunks held by the chunk cache.", stats.cache_entries),
             ("cache_budget_bytes", "The chunk cache's budget (--cache-bytes).",
              service.config.cache_bytes),
