@@ -362,3 +362,30 @@ def test_bookkeeping_of_tiny_chunks_stays_within_the_budget() -> None:
     for n in range(300):
         small.store("k0", small.uid("ep"), 300, n, chunk(4, n))
     assert small.get(("ep", "k0", 199)) is None and small.get(("ep", "k0", 299)) is not None
+
+
+def test_slot_tables_hold_at_most_a_quarter_of_the_budget_whatever_files_declare() -> None:
+    """A slot table indexes an episode's array by its declared chunk count: an episode
+    declaring 4M chunks made a 32 MB table for one cached chunk, and regions left by
+    dropped episodes were never given back. Now the tables stay within a quarter of the
+    budget (an array past it is read every time, counted), and a table mostly left behind
+    is compacted, its chunks still found."""
+    budget = 32 << 20
+    stats = Stats()
+    cache = ChunkCache(budget, stats)
+    cache.store("k", cache.uid("huge"), 4 << 20, 0, chunk(400))  # declares 4M chunks
+    assert stats.cache_index_refused == 1 and stats.cache_entries == 0
+    assert stats.cache_index_bytes <= budget // 4
+    kept: list[tuple[str, int]] = []
+    for round_ in range(6):  # episodes come and go: the table's space is reused
+        names = [f"r{round_}e{e}" for e in range(40)]
+        for e, name in enumerate(names):
+            cache.store("k", cache.uid(name), 20_000, e, chunk(400, e))
+        for name in names[1:-1]:
+            cache.drop_episode(name)
+        kept += [(names[0], 0), (names[-1], 39)]
+        for name, e in kept:  # moved by compactions, still found with their data
+            got = cache.get((name, "k", e))
+            assert got is not None and float(got[0]) == e, (round_, name)
+        assert stats.cache_index_bytes <= budget // 4, (round_, stats.cache_index_bytes)
+    assert stats.cache_index_refused == 1

@@ -44,6 +44,8 @@ EvictHook: TypeAlias = Callable[[list[tuple[ChunkKey, list[bytes]]]], None]
 
 BYTES_OVERHEAD = 64  # per frame: the bytes object and its list slot
 _FRAMES = operator.itemgetter(0)  # of a frame chunk's entry
+#: The slot tables may always hold this many entries, whatever the budget.
+INDEX_MIN_ENTRIES = 1 << 16
 MAX_SLABS = 32  # distinct numeric chunk shapes cached; chunks of further shapes are not
 #: A prefetch hint's frames are wanted until this many later hints have come (a sampler
 #: hints a batch a few batches ahead of its read), or for this long.
@@ -79,6 +81,8 @@ class ChunkCache:
         if budget_bytes < 0:
             raise ValueError(f"cache budget must be >= 0 bytes, got {budget_bytes!r}")
         self.budget_bytes = budget_bytes
+        #: Entries the slot tables may hold together (8 bytes each): a quarter of the budget.
+        self.index_limit = max(INDEX_MIN_ENTRIES, budget_bytes // 32)
         self.stats = stats
         self._clock = 0
         self._bytes = 0
@@ -180,6 +184,29 @@ class ChunkCache:
 
     # -- numeric chunks, batched --------------------------------------------------------------
 
+    def _index_room(self, table: SlotTable, uid: int, n_chunks: int) -> int:
+        """Whether ``table`` may index ``n_chunks`` chunks of ``uid``. A table indexes an
+        episode's array by its declared chunk count (8 bytes each), so what the tables hold
+        follows what files declare: all of them together stay within ``index_limit``
+        entries (a quarter of the budget's bytes), and a table whose space is mostly left
+        behind (by moves and dropped episodes) is compacted first. An array past the limit
+        is read every time instead of cached. Returns the entries ``table`` may still grow
+        by, or -1 when it cannot index them."""
+        held = sum(len(t.flat) for t in self._table_list)
+        if uid < len(table.base) and table.base[uid] >= 0 and table.size[uid] >= n_chunks:
+            return max(0, self.index_limit - held)
+        if table.used + n_chunks > len(table.flat) and table.used - table.live >= table.live:
+            before = len(table.flat)
+            for sid, slots, positions in table.compact():
+                self._slabs[sid].owner_pos[slots] = positions
+            self.version += 1  # positions moved: plans made before are stale
+            held += len(table.flat) - before
+        need = max(0, table.used + n_chunks - len(table.flat))
+        if held + need > self.index_limit:
+            self.stats.cache_index_refused += 1
+            return -1
+        return self.index_limit - held
+
     def lookup(self, key: str, uids: np.ndarray,
                chunks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(slab, slot) per (uid, chunk), -1 where missing; hits are stamped as used.
@@ -223,7 +250,11 @@ class ChunkCache:
             sid = self._slab(tuple(data.shape))
             if sid < 0:
                 continue
-            ok, old_start, new_start = table.ensure(uid, max(n_chunks, chunk + 1), sid)
+            room = self._index_room(table, uid, max(n_chunks, chunk + 1))
+            if room < 0:
+                continue  # indexing it would pass the index's share: not cached
+            ok, old_start, new_start = table.ensure(uid, max(n_chunks, chunk + 1), sid,
+                                                    len(table.flat) + room)
             if not ok:
                 continue
             slab = self._slabs[sid]
@@ -490,6 +521,7 @@ class ChunkCache:
         self.version += 1
         self.stats.cache_bytes = self._bytes
         self.stats.cache_entries = self._entries
+        self.stats.cache_index_bytes = 8 * sum(len(t.flat) for t in self._table_list)
 
     def __getstate__(self) -> Any:  # the slabs are memory maps: a cache is never pickled
         raise TypeError("a ChunkCache cannot be pickled")

@@ -129,9 +129,11 @@ class SlotTable:
         self.flat = np.full(1024, -1, np.int64)
         self.used = 0
 
-    def ensure(self, uid: int, n_chunks: int, slab: int) -> tuple[bool, int, int]:
+    def ensure(self, uid: int, n_chunks: int, slab: int,
+               max_len: int | None = None) -> tuple[bool, int, int]:
         """Index ``n_chunks`` chunks of ``uid``; returns (ok, old start, new start): a uid
-        indexed before with fewer chunks moves to a new region, and its slots' owners with it."""
+        indexed before with fewer chunks moves to a new region, and its slots' owners with it.
+        ``flat`` grows by doubling, but never past ``max_len`` entries."""
         if uid >= len(self.base):
             grow = max(uid + 1, 2 * len(self.base)) - len(self.base)
             self.base = np.concatenate([self.base, np.full(grow, -1, np.int64)])
@@ -145,8 +147,10 @@ class SlotTable:
         old = self.flat[old_start: old_start + self.size[uid]] \
             if old_start >= 0 else np.empty(0, np.int64)
         if self.used + n_chunks > len(self.flat):
-            self.flat = np.concatenate(
-                [self.flat, np.full(max(n_chunks, len(self.flat)), -1, np.int64)])
+            grow, least = max(n_chunks, len(self.flat)), self.used + n_chunks - len(self.flat)
+            if max_len is not None:
+                grow = max(min(grow, max_len - len(self.flat)), least)
+            self.flat = np.concatenate([self.flat, np.full(grow, -1, np.int64)])
         start = self.used
         self.flat[start: start + len(old)] = old
         if old_start >= 0:
@@ -154,6 +158,33 @@ class SlotTable:
         self.base[uid], self.size[uid], self.slab[uid] = start, n_chunks, slab
         self.used += n_chunks
         return True, old_start, start
+
+    @property
+    def live(self) -> int:
+        """Entries of the uids indexed now (the rest of ``used`` is left behind by moves
+        and forgotten uids)."""
+        return int(self.size[self.base >= 0].sum())
+
+    def compact(self) -> list[tuple[int, np.ndarray, np.ndarray]]:
+        """Move the indexed uids' regions together, dropping what moves and forgotten uids
+        left behind; returns, per region holding slots, (its slab, those slots, their new
+        positions), for the slots' owners to follow."""
+        uids = np.flatnonzero(self.base >= 0)
+        total = int(self.size[uids].sum())
+        flat = np.full(max(1024, 2 * total), -1, np.int64)
+        moved: list[tuple[int, np.ndarray, np.ndarray]] = []
+        pos = 0
+        for uid in uids.tolist():
+            start, n = int(self.base[uid]), int(self.size[uid])
+            region = self.flat[start: start + n]
+            flat[pos: pos + n] = region
+            held = np.flatnonzero(region >= 0)
+            if held.size:
+                moved.append((int(self.slab[uid]), region[held].copy(), pos + held))
+            self.base[uid] = pos
+            pos += n
+        self.flat, self.used = flat, pos
+        return moved
 
     def positions(self, uids: np.ndarray, chunks: np.ndarray) -> np.ndarray:
         """Flat positions of (uid, chunk) pairs; -1 where the table does not index them."""

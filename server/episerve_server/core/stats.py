@@ -50,6 +50,9 @@ COUNTERS = (
     # frames served and cached: a pass decodes from a keyframe, converting only its frames)
     "video_frames_decoded",
     "video_frames_converted",
+    # arrays not cached because indexing them would pass the slot tables' share of the
+    # cache (their declared chunk count is that large)
+    "cache_index_refused",
 )
 
 
@@ -105,6 +108,8 @@ class Stats:
     video_frames_converted: int = 0
     cache_bytes: int = 0
     cache_entries: int = 0
+    cache_index_bytes: int = 0  # a gauge: the slot tables' arrays
+    cache_index_refused: int = 0
     episodes: defaultdict[str, EpisodeCounters] = field(
         default_factory=lambda: defaultdict(EpisodeCounters)
     )
@@ -114,6 +119,7 @@ class Stats:
         out: dict[str, Any] = {name: getattr(self, name) for name in COUNTERS}
         out["cache_bytes"] = self.cache_bytes
         out["cache_entries"] = self.cache_entries
+        out["cache_index_bytes"] = self.cache_index_bytes
         out["preload_total"] = self.preload_total
         out["spill_bytes"] = self.spill_bytes
         out["spill_entries"] = self.spill_entries

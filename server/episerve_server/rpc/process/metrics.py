@@ -81,6 +81,8 @@ COUNTER_HELP = {
     "spill_drops": "Spill entries that failed their checks (deleted, decoded again).",
     "spill_skipped": "Evicted chunks not spilled: the write queue was full.",
     "spill_evictions": "Spill entries deleted to stay within --spill-bytes.",
+    "cache_index_refused": "Chunks not cached: indexing their array (by its declared chunk "
+                           "count) would pass the slot tables' share of --cache-bytes.",
 }
 
 
@@ -112,6 +114,8 @@ class StatsCollector(Collector):
             ("cache_bytes", "Bytes held by the chunk cache (numeric slots with their "
              "bookkeeping, frames with their per-item overhead).", stats.cache_bytes),
             ("cache_entries", "Chunks held by the chunk cache.", stats.cache_entries),
+            ("cache_index_bytes", "Bytes of the chunk cache's slot tables (at most a "
+             "quarter of --cache-bytes).", stats.cache_index_bytes),
             ("cache_budget_bytes", "The chunk cache's budget (--cache-bytes).",
              service.config.cache_bytes),
             ("episodes_open", "Episodes open and readable.", open_),
