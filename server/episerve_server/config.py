@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from episerve_proto.contract import MAX_MESSAGE_BYTES, MAX_REQUEST_BYTES
+from episerve_proto.local import MAX_TOKEN_BYTES
 from episerve_server import flaghelp, settings
 from episerve_server.settings import parse_bytes, setting
 
@@ -58,7 +59,8 @@ class ServerConfig:
     local_plane: bool = setting(True, "with --unix: do not open the local shared-memory "
                                 "plane beside the socket", "listening",
                                 says="the plane opens at PATH.local")
-    grace_s: float = setting(10.0, "drain time on SIGTERM", "listening")
+    grace_s: float = setting(10.0, "drain time on SIGTERM", "listening",
+                             high=(2**31 - 1) / 1000, why="gRPC counts it in whole milliseconds")
     # A connection is closed (GOAWAY, then grace_s for its RPCs) after this long, so new
     # replicas get load and no client holds the daemon's buffers for longer.
     max_connection_age_s: float = setting(
@@ -219,6 +221,9 @@ class ServerConfig:
         if len(set(used)) < len(used):
             raise ValueError(f"port, health_port and metrics_port must differ, got "
                              f"{self.port}, {self.health_port} and {self.metrics_port}")
+        if len(self.token.encode()) > MAX_TOKEN_BYTES:
+            raise ValueError(f"token must be at most {MAX_TOKEN_BYTES} bytes (what a local-plane "
+                             f"client's first frame carries), got {len(self.token.encode())}")
         if self.max_registry_bytes < self.max_keymap_bytes:
             raise ValueError(f"max_registry_bytes ({self.max_registry_bytes}) must hold at "
                              f"least one keymap of max_keymap_bytes ({self.max_keymap_bytes})")

@@ -195,7 +195,21 @@ def problem(item: Declared, value: Any) -> str | None:
     return None
 
 
+#: The largest count a setting takes when it declares no bound of its own: what a 32-bit
+#: field (a gRPC argument, a local-plane frame's length) carries.
+MAX_WHOLE = 2**31 - 1
+#: The largest size: 1 PiB, so that products of sizes and counts stay within the 64 bits
+#: the kernel's ``ssize_t`` and the local plane's frame fields carry.
+MAX_SIZE = 2**50
+
+
 def _whole(name: str, spec: Setting, value: Any) -> str | None:
+    if spec.high is None and spec.kind != "port":  # every setting has an upper bound
+        high = MAX_SIZE if spec.kind == "size" else MAX_WHOLE
+        if isinstance(value, int) and not isinstance(value, bool) and value > high:
+            why = "products with it stay within 64 bits" if spec.kind == "size" else \
+                "a 32-bit field carries it"
+            return f"{name} must be at most {high} ({why}), got {value!r}"
     low = 0 if spec.low is None else int(spec.low)
     noun = {"port": "a port number", "size": "a size"}.get(spec.kind, "an integer")
     unit = " bytes" if spec.kind == "size" else ""
@@ -212,8 +226,9 @@ def _whole(name: str, spec: Setting, value: Any) -> str | None:
 
 
 def _seconds(name: str, spec: Setting, value: Any) -> str | None:
-    """A duration is finite and not negative; one in an interval (0, 1] says only that."""
-    interval = spec.high is not None and not spec.off
+    """A duration is finite and not negative; one in an interval (0, 1] says only that;
+    one with only a ceiling (``high`` without ``low``) says that past it."""
+    interval = spec.high is not None and not spec.off and spec.low is not None
     number = isinstance(value, int | float) and not isinstance(value, bool)
     if not number or (not interval and (not math.isfinite(value) or value < 0)):
         return f"{name} must be a finite number of seconds >= 0, got {value!r}"
@@ -231,4 +246,6 @@ def _seconds(name: str, spec: Setting, value: Any) -> str | None:
             return f"{name} must be in {opening}{low:g}, {spec.high:g}] seconds, got {value!r}"
     elif not fits:
         return f"{name} must be {'>' if spec.above else '>='} {low:g} seconds, got {value!r}"
+    if spec.high is not None and value > spec.high:
+        return f"{name} must be at most {spec.high:g} seconds{why}, got {value!r}"
     return None
