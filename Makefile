@@ -4,7 +4,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo serve test test-slow test-all faults stress load bench bench-core bench-daemon bench-client lint typecheck protos protos-check clean
+
+.PHONY: setup demo serve test test-slow test-all faults stress load bench bench-core bench-daemon bench-client lint typecheck protos protos-check clean kernel-asan
 
 setup: $(STAMP)
 
@@ -94,6 +95,18 @@ bench-daemon: $(STAMP)
 
 bench-client: $(STAMP)
 	$(PY) benchmarks/bench_client.py
+
+# The compiled loops built with AddressSanitizer, and their tests and the compiled plan's
+# differential tests run on that build (EPISERVE_KERNEL points the daemon's code at it).
+ASAN_KERNEL := build/asan/_kernel.so
+kernel-asan: $(STAMP)
+	mkdir -p build/asan
+	cc -shared -fPIC -O1 -g -fsanitize=address -fno-omit-frame-pointer -fwrapv \
+	    -I$$($(PY) -c "import sysconfig; print(sysconfig.get_paths()['include'])") \
+	    server/episerve_server/core/_kernel.c -o $(ASAN_KERNEL)
+	EPISERVE_KERNEL=$(abspath $(ASAN_KERNEL)) ASAN_OPTIONS=detect_leaks=0 \
+	    LD_PRELOAD=$$(cc -print-file-name=libasan.so) \
+	    $(PYTEST) -p no:randomly -q tests/unit/test_kernel.py tests/unit/test_compiled_plan.py $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check protos server client tools tests benchmarks examples

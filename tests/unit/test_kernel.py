@@ -495,7 +495,9 @@ def test_without_a_compiler_the_build_goes_on_and_the_numpy_loops_serve(
              "rows, mask = kernel.history(3, np.array([5, 1], np.int64), 2)\n"
              "print(rows.tolist(), mask.tolist())\n"
              "print(kernel_missing() is not None)\n")
-    ran = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    plain = {k: v for k, v in os.environ.items() if k != "EPISERVE_KERNEL"}  # no other build
+    ran = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         env=plain)
     assert ran.returncode == 0, ran.stderr
     assert ran.stdout.split("\n")[:2] == [
         "[[1, 3, 5], [1, 1, 1]] [[True, True, True], [False, False, True]]", "True"]
@@ -684,3 +686,44 @@ def test_a_non_contiguous_output_is_refused_both_ways() -> None:
                                    ((0, 0, 1, 12),))
         finally:
             kernel.use(kernel.BUILT)
+
+
+#: Each C entry point called with values whose products wrap 64 bits, in a child process (a
+#: wrapped product once passed a buffer check and the process died writing out of range).
+OVERFLOWS = r"""
+import numpy as np
+from episerve_server.core import kernel
+c = kernel._c
+big = 2**62
+frame, total = np.array([0, 1, 2, 3], np.int64), np.array([5, 5, 5, 5], np.int64)
+rows, mask = np.empty(8, np.int64), np.empty(8, np.bool_)
+refused = 0
+for call in (lambda: c.horizon(frame, total, big, rows, mask),
+             lambda: c.history(frame, np.empty(0, np.int64), 1, big, rows, mask),
+             lambda: c.history(frame, np.empty(0, np.int64), 1, 2**61 + 1, rows, mask)):
+    try:
+        call()
+    except ValueError:
+        refused += 1
+# values at the edge of int64 give the saturated answer, not wrapped rows
+far = np.array([2**63 - 2], np.int64)
+r1, m1 = np.empty(4, np.int64), np.empty(4, np.bool_)
+c.horizon(far, np.array([2**63 - 1], np.int64), 4, r1, m1)
+assert r1.tolist() == [2**63 - 2] * 4 and m1.tolist() == [True, False, False, False], r1
+r2, m2 = np.empty(3, np.int64), np.empty(3, np.bool_)
+c.history(np.array([5], np.int64), np.empty(0, np.int64), 2**62, 3, r2, m2)
+assert m2.tolist() == [False, False, True] and r2.tolist() == [5, 5, 5], (r2, m2)
+tb, ts, tsl = (np.array([0], np.int64), np.array([2**62], np.int64), np.array([0], np.int64))
+base, lim = np.empty(1, np.int64), np.empty(1, np.int64)
+got = c.key_base(tb, ts, tsl, np.array([0], np.int64), np.array([7], np.int64),
+                 np.array([0], np.int64), np.array([7], np.int64), 4, base, lim)
+assert lim.tolist() == [7] and got >= 0, (lim, got)  # tsize * chunk_rows saturates
+print("refused", refused)
+"""
+
+
+def test_each_entry_point_refuses_products_that_wrap_instead_of_crashing() -> None:
+    done = subprocess.run([sys.executable, "-c", OVERFLOWS], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert "refused 3" in done.stdout, done.stdout

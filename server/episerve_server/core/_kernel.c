@@ -42,6 +42,35 @@ static int get_u8(PyObject *obj, Py_buffer *view) {
     return 0;
 }
 
+/* Whether a * b (both >= 0) neither wraps nor passes ``limit``: every check of a buffer's
+ * length against a product of the caller's values goes through here, so a caller's huge
+ * value is a refusal, not a product that wraps to a small one and passes the check. */
+static int fits(int64_t a, int64_t b, int64_t limit) {
+    int64_t p;
+    return a >= 0 && b >= 0 && !__builtin_mul_overflow(a, b, &p) && p <= limit;
+}
+
+/* a + b, or the int64 bound it passes (values only: never an index). */
+static int64_t add_sat(int64_t a, int64_t b) {
+    int64_t r;
+    if (!__builtin_add_overflow(a, b, &r)) return r;
+    return b > 0 ? INT64_MAX : INT64_MIN;
+}
+
+/* a - b, or the int64 bound it passes (values only: never an index). */
+static int64_t sub_sat(int64_t a, int64_t b) {
+    int64_t r;
+    if (!__builtin_sub_overflow(a, b, &r)) return r;
+    return b > 0 ? INT64_MIN : INT64_MAX;
+}
+
+/* a * b, or the int64 bound it passes (values only: never an index). */
+static int64_t mul_sat(int64_t a, int64_t b) {
+    int64_t r;
+    if (!__builtin_mul_overflow(a, b, &r)) return r;
+    return (a < 0) != (b < 0) ? INT64_MIN : INT64_MAX;
+}
+
 static void release(I64 *bufs, int n) {
     for (int i = 0; i < n; i++)
         if (bufs[i].p != NULL) PyBuffer_Release(&bufs[i].view);
@@ -74,7 +103,7 @@ static int64_t key_rows(const int64_t *tbase, const int64_t *tsize, const int64_
         if (u < 0 || u >= tn || tbase[u] < 0 || d < 0 || d >= rn) return -1;
         if (slab == -2) slab = tslab[u];
         if (tslab[u] != slab || slab < 0) return -1;
-        int64_t lim = tsize[u] * c;
+        int64_t lim = mul_sat(tsize[u], c);
         if (rows_of[d] < lim) lim = rows_of[d];
         base[i] = tbase[u];
         limit[i] = lim;
@@ -193,7 +222,7 @@ static PyObject *horizon(PyObject *self, PyObject *args) {
     Py_buffer mv;
     if (get_u8(m, &mv) < 0) { release(b, 3); return NULL; }
     int64_t n = b[0].n;
-    if (h <= 0 || b[1].n < n || b[2].n < n * h || mv.len < n * h) {
+    if (h <= 0 || b[1].n < n || !fits(n, h, b[2].n) || !fits(n, h, mv.len)) {
         PyBuffer_Release(&mv);
         release(b, 3);
         PyErr_SetString(PyExc_ValueError, "horizon: buffers do not match the batch");
@@ -201,12 +230,13 @@ static PyObject *horizon(PyObject *self, PyObject *args) {
     }
     unsigned char *mask = (unsigned char *)mv.buf;
     for (int64_t i = 0; i < n; i++) {
-        int64_t f = b[0].p[i], end = f + h < b[1].p[i] ? f + h : b[1].p[i];
+        int64_t f = b[0].p[i], fh = add_sat(f, h), end = fh < b[1].p[i] ? fh : b[1].p[i];
         int64_t *r = b[2].p + i * h;
         unsigned char *k = mask + i * h;
         for (int64_t j = 0; j < h; j++) {
-            r[j] = f + j < end - 1 ? f + j : end - 1;
-            k[j] = f + j < end;
+            int64_t fj = add_sat(f, j), last = add_sat(end, -1);
+            r[j] = fj < last ? fj : last;
+            k[j] = fj < end;
         }
     }
     PyBuffer_Release(&mv);
@@ -229,7 +259,7 @@ static PyObject *history(PyObject *self, PyObject *args) {
     if (get_u8(m, &mv) < 0) { release(b, 3); return NULL; }
     int64_t n = b[0].n;
     int per_sample = b[1].n > 0;
-    if (k <= 0 || (per_sample && b[1].n < n) || b[2].n < n * k || mv.len < n * k) {
+    if (k <= 0 || (per_sample && b[1].n < n) || !fits(n, k, b[2].n) || !fits(n, k, mv.len)) {
         PyBuffer_Release(&mv);
         release(b, 3);
         PyErr_SetString(PyExc_ValueError, "history: buffers do not match the batch");
@@ -241,7 +271,8 @@ static PyObject *history(PyObject *self, PyObject *args) {
         int64_t *r = b[2].p + i * k;
         unsigned char *q = mask + i * k;
         for (int64_t j = 0; j < k; j++) {
-            r[j] = b[0].p[i] - stride * (k - 1 - j);
+            r[j] = sub_sat(b[0].p[i], mul_sat(stride, k - 1 - j));
+            if (r[j] == INT64_MIN) r[j] = -1;  /* before the episode, however far */
             q[j] = r[j] >= 0;
             if (q[j] && !found) { fill = r[j]; found = 1; }
         }

@@ -14,16 +14,36 @@ result of -1 means "not served here": the caller takes the general path, which s
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
+import os
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-try:
-    from episerve_server.core import _kernel as _c  # type: ignore[attr-defined]
-except ImportError:  # not built (no compiler when installed): the numpy loops serve
-    _c = None
+
+def _load() -> Any:
+    """The compiled loops: the package's build, or (``EPISERVE_KERNEL``, set by ``make
+    kernel-asan``) a build of the same source at that path, such as one made with
+    AddressSanitizer; None when there is none (no compiler when installed): the numpy
+    loops serve."""
+    path = os.environ.get("EPISERVE_KERNEL")
+    if path:
+        spec = importlib.util.spec_from_file_location("episerve_server.core._kernel", path)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"EPISERVE_KERNEL={path!r} is not an extension module")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    try:
+        from episerve_server.core import _kernel  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    return _kernel
+
+
+_c = _load()
 
 #: Whether the compiled extension is importable.
 BUILT = _c is not None
