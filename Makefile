@@ -21,17 +21,18 @@ ALL_EXTRAS := server,synth,client,video,s3,lightning,dev,bench
 DEMO_STAMP := $(VENV)/.installed-demo
 
 define venv_and_torch
+	@echo "setup [1/4]: a Python venv in $(VENV)"
 	$(PYTHON) -m venv $(VENV)
-	@echo "setup: upgrading pip"
+	@echo "setup [2/4]: upgrading pip"
 	$(PY) -m pip install --quiet --upgrade pip
-	@echo "setup: torch 2.13.0, the CPU build (a 192 MB wheel, 754 MB installed)"
+	@echo "setup [3/4]: torch 2.13.0, the CPU build (a 192 MB wheel, 754 MB installed)"
 	$(PIP) torch==2.13.0
 endef
 
 $(DEMO_STAMP): pyproject.toml setup.py server/episerve_server/core/_kernel.c
 	@echo "setup: creating $(VENV) with what the demo needs (episerve with its $(DEMO_EXTRAS) extras); about 1-2 minutes, once; make setup adds the rest"
 	$(venv_and_torch)
-	@echo "setup: episerve (editable) with its extras $(DEMO_EXTRAS)"
+	@echo "setup [4/4]: episerve (editable) with its extras $(DEMO_EXTRAS)"
 	$(PIP) -e '.[$(DEMO_EXTRAS)]'
 	touch $(DEMO_STAMP)
 	@echo "setup: done; $(VENV) has what the demo needs"
@@ -39,7 +40,7 @@ $(DEMO_STAMP): pyproject.toml setup.py server/episerve_server/core/_kernel.c
 $(STAMP): pyproject.toml setup.py server/episerve_server/core/_kernel.c
 	@echo "setup: creating $(VENV) with episerve and every extra; about 2-5 minutes, once"
 	$(venv_and_torch)
-	@echo "setup: episerve (editable) with its extras $(ALL_EXTRAS)"
+	@echo "setup [4/4]: episerve (editable) with its extras $(ALL_EXTRAS)"
 	$(PIP) -e '.[$(ALL_EXTRAS)]'
 	touch $(DEMO_STAMP) $(STAMP)
 	@echo "setup: done; $(VENV) is ready"

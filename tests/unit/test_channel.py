@@ -91,7 +91,7 @@ def test_a_stale_unix_socket_fails_within_seconds(tmp_path: Path) -> None:
     with socket.socket(socket.AF_UNIX) as s:
         s.bind(str(path))  # bound, never listening: what a killed daemon leaves behind
         start = time.monotonic()
-        with pytest.raises(Unavailable, match="nothing listens there"):
+        with pytest.raises(Unavailable, match="nothing listens on the unix socket"):
             Client(f"unix://{path}", connect_timeout_s=1.0).list_episodes()
         assert time.monotonic() - start < 5.0
 
