@@ -92,10 +92,16 @@ class Outages:
         monotonic ``deadline``. Says so when due, naming the daemon's ``pid`` when known;
         raises once ``max_outage_s`` is over."""
         now, wall = time.monotonic(), time.time()
-        since, since_wall = self._since.setdefault(target, (now, wall))
+        # a call that ended because nothing came for a while: the outage began then
+        quiet = float(getattr(err, "quiet_s", 0.0))
+        since, since_wall = self._since.setdefault(target, (now - quiet, wall - quiet))
         self._attempts[target] = self._attempts.get(target, 0) + 1
         out_s = now - since
         if self.max_outage_s is not None and out_s >= self.max_outage_s:
+            if target not in self._reported:
+                log.warning("episerve: no answer from the daemon at %s since %s (%.0fs, "
+                            "max_outage_s=%g): the call fails", target, clock(since_wall),
+                            out_s, self.max_outage_s)
             raise Unavailable(
                 f"the daemon at {target!r} has not answered since {clock(since_wall)} "
                 f"({out_s:.0f}s, max_outage_s={self.max_outage_s:g}); last error: "

@@ -11,11 +11,12 @@ import grpc
 from episerve_client import convert, keystats
 from episerve_client._base import BaseClient, KeymapLike, load_keymap
 from episerve_client._ops import Call, Flow, Op, Outcome, Sleep
-from episerve_client.channel import CHANNEL_OPTIONS
+from episerve_client.channel import CHANNEL_OPTIONS, HEALTH_CHECK
 from episerve_client.convert import KeymapCheck
-from episerve_client.errors import from_rpc_error, surfaced
+from episerve_client.errors import Unavailable, from_rpc_error, surfaced
 from episerve_client.keystats import KeyStats
 from episerve_client.listing import Listing
+from episerve_client.local_channel import ALIVE_S, PROBE_S, WARN_QUIET_S
 from episerve_client.read_answer import ReadResult
 from episerve_proto.contract import SERVICE_PATH
 
@@ -109,11 +110,50 @@ class AsyncClient(BaseClient):
                 raise self.not_answering(call) from None
             self.answered.add(call.target)
         stub = channel.unary_unary(SERVICE_PATH + call.method)
+        answer = stub(call.payload, timeout=max(call.timeout_s, 0.001),
+                      metadata=self.metadata(),
+                      wait_for_ready=self.waits_for_connection(call.target))
         try:
-            data: bytes = await stub(call.payload, timeout=max(call.timeout_s, 0.001),
-                                     metadata=self.metadata(),
-                                     wait_for_ready=self.waits_for_connection(call.target))
+            if self.outages.max_outage_s is not None:
+                data: bytes = await self._watched(answer, channel, call.target)
+            else:
+                data = await answer
         except grpc.RpcError as exc:
             return from_rpc_error(exc, call.target)
+        except Unavailable as exc:
+            return exc
         self.answered.add(call.target)
         return data
+
+    async def _watched(self, answer: Any, channel: Any, target: str) -> bytes:
+        """``Client._watched``, awaited: with ``max_outage_s``, a call no answer comes for
+        while the daemon does not answer a health check beside it fails (``Unavailable``)."""
+        limit = self.outages.max_outage_s
+        assert limit is not None
+        loop_time = asyncio.get_running_loop().time
+        started = loop_time()
+        task = asyncio.ensure_future(answer)
+        probe = channel.unary_unary(HEALTH_CHECK)
+        while True:
+            wait = min(PROBE_S, max(0.05, started + limit - loop_time()))
+            done, _ = await asyncio.wait({task}, timeout=wait)
+            if done:
+                return await task  # type: ignore[no-any-return]
+            quiet = loop_time() - started
+            if quiet < min(WARN_QUIET_S, limit):
+                continue
+            try:
+                await probe(b"", timeout=ALIVE_S, metadata=self.metadata())
+                continue
+            except grpc.RpcError as exc:
+                if exc.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED,
+                                      grpc.StatusCode.UNAVAILABLE):
+                    continue
+            quiet = loop_time() - started
+            if quiet >= limit:
+                task.cancel()
+                err = Unavailable(f"no answer from the daemon at {target!r} for {quiet:.1f}s "
+                                  f"(max_outage_s={limit:g}), and it does not answer a health "
+                                  "check either: it is stopped or wedged", target=target)
+                err.quiet_s = quiet  # type: ignore[attr-defined]
+                raise err

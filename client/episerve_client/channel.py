@@ -187,6 +187,8 @@ def check_token_transport(target: str, token: str, tls: TLS | None,
         )
 
 
+#: The standard health check, asked to see whether a daemon answers at all.
+HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 #: A target that has never answered this client must accept a connection within this.
 DEFAULT_CONNECT_TIMEOUT_S = 3.0
 

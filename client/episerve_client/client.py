@@ -13,18 +13,17 @@ import grpc
 from episerve_client import convert, keystats
 from episerve_client._base import BaseClient, KeymapLike, load_keymap
 from episerve_client._ops import Call, Flow, Op, Outcome, Sleep
-from episerve_client.channel import CHANNEL_OPTIONS, close_at_exit
+from episerve_client.channel import CHANNEL_OPTIONS, HEALTH_CHECK, close_at_exit
 from episerve_client.convert import KeymapCheck
-from episerve_client.errors import EpiserveError, from_rpc_error, surfaced
+from episerve_client.errors import EpiserveError, Unavailable, from_rpc_error, surfaced
 from episerve_client.keystats import KeyStats
 from episerve_client.listing import Listing
 from episerve_client.local import check_transport, pick_local
-from episerve_client.local_channel import Adopt, LocalChannel
+from episerve_client.local_channel import ALIVE_S, PROBE_S, WARN_QUIET_S, Adopt, LocalChannel
 from episerve_client.read_answer import ReadResult
 from episerve_proto.contract import SERVICE_PATH
 
 #: Served by every episerve daemon and front; the probe of a target's first call.
-HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 
 
 @surfaced
@@ -182,7 +181,8 @@ class Client(BaseClient):
             self._local, self._pid = {}, os.getpid()
         if target in self._local:
             return self._local[target]
-        plane = pick_local(target, self.transport, self.token, self.connect_timeout_s)
+        plane = pick_local(target, self.transport, self.token, self.connect_timeout_s,
+                           self.outages.max_outage_s)
         self._local[target] = plane
         return plane
 
@@ -192,9 +192,50 @@ class Client(BaseClient):
         when asked (a future's helper thread inside gRPC ends only once answered)."""
         options = {"timeout": max(call.timeout_s, 0.001), "metadata": self.metadata(),
                    "wait_for_ready": self.waits_for_connection(call.target)}
+        if self.outages.max_outage_s is not None:  # watched: liveness checked beside it
+            return functools.partial(self._watched, stub.future(call.payload, **options),
+                                     call.target)
         if parallel:
             return stub.future(call.payload, **options).result
         return functools.partial(stub, call.payload, **options)
+
+    def _watched(self, fut: Any, target: str) -> Any:
+        """A call's answer, with ``max_outage_s``: while none comes, from ``WARN_QUIET_S``
+        on, the daemon's health is asked beside the call every ``PROBE_S``; a daemon that
+        answers is working (a large Read takes time), and one that does not for
+        ``max_outage_s`` ends the call with ``Unavailable`` (a stopped or wedged daemon
+        accepts connections and never answers; gRPC alone would wait out the deadline)."""
+        limit = self.outages.max_outage_s
+        assert limit is not None
+        started = time.monotonic()
+        while True:
+            wait = min(PROBE_S, max(0.05, started + limit - time.monotonic()))
+            try:
+                return fut.result(timeout=wait)
+            except grpc.FutureTimeoutError:
+                pass
+            quiet = time.monotonic() - started
+            if quiet < min(WARN_QUIET_S, limit) or self._answers_health(target):
+                continue
+            quiet = time.monotonic() - started
+            if quiet >= limit:
+                fut.cancel()
+                err = Unavailable(f"no answer from the daemon at {target!r} for {quiet:.1f}s "
+                                  f"(max_outage_s={limit:g}), and it does not answer a health "
+                                  "check either: it is stopped or wedged", target=target)
+                err.quiet_s = quiet  # type: ignore[attr-defined]
+                raise err
+
+    def _answers_health(self, target: str) -> bool:
+        """Whether the daemon at ``target`` answers a health check within ``ALIVE_S`` (any
+        status but a timeout or an unreachable one: something answered)."""
+        probe = self._channel(target).unary_unary(HEALTH_CHECK)
+        try:
+            probe(b"", timeout=ALIVE_S, metadata=self.metadata())
+        except grpc.RpcError as exc:
+            return exc.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED,
+                                      grpc.StatusCode.UNAVAILABLE)
+        return True
 
     def _stub(self, call: Call) -> Any:
         channel = self._channel(call.target)

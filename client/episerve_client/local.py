@@ -32,7 +32,8 @@ def check_transport(transport: str, targets: tuple[str, ...]) -> str:
 
 
 def pick_local(target: str, transport: str, token: str,
-               connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S) -> LocalChannel | None:
+               connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+               quiet_s: float | None = None) -> LocalChannel | None:
     """The local-plane channel for ``target`` under ``transport``, or None for gRPC; with
     ``"auto"`` one INFO line says which was chosen and why."""
     path = unix_path(target)
@@ -43,7 +44,7 @@ def pick_local(target: str, transport: str, token: str,
         if transport == "auto":
             log.info("episerve: reads from %s go over the local shared-memory plane (%s)",
                      target, local_socket(path))
-        return LocalChannel(path, target, token, connect_timeout_s)
+        return LocalChannel(path, target, token, connect_timeout_s, quiet_s)
     log.info("episerve: reads from %s go over gRPC (no local plane at %s)", target,
              local_socket(path))
     return None

@@ -25,8 +25,10 @@ import collections
 import contextlib
 import fcntl
 import gc
+import logging
 import mmap
 import os
+import select
 import socket
 import stat
 import threading
@@ -49,6 +51,14 @@ from episerve_client.read_answer import InSegment
 from episerve_proto import local as lp
 from episerve_proto.errors import error_class
 
+log = logging.getLogger(__name__)
+
+#: While an answer does not come, the daemon's liveness is checked this often ...
+PROBE_S = 1.0
+#: ... once nothing came for this long (a WARNING then says so if it does not answer) ...
+WARN_QUIET_S = 2.0
+#: ... and a new connection must be welcomed within this.
+ALIVE_S = 0.5
 #: Maps a kept segment's descriptor: ``(fd, size) -> uint8 array`` (see LocalChannel.call).
 Adopt = Callable[[int, int], np.ndarray]
 _FD_SPACE = socket.CMSG_SPACE(array.array("i").itemsize)
@@ -75,9 +85,13 @@ class LocalChannel:
     """Calls to one daemon's local plane, one at a time (a lock), from one process."""
 
     def __init__(self, path: str, target: str, token: str,
-                 connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S) -> None:
+                 connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+                 quiet_s: float | None = None) -> None:
         self.path, self.target, self.token = path, target, token
         self.connect_timeout_s = connect_timeout_s
+        #: ``max_outage_s``: a call the daemon sends nothing for this long, while it
+        #: welcomes no new connection either, fails (``Unavailable``) instead of waiting on.
+        self.quiet_s = quiet_s
         self._sock: socket.socket | None = None
         self._closer: Callable[[], Any] = lambda: None
         self._segments: dict[int, _Segment] = {}
@@ -253,6 +267,7 @@ class LocalChannel:
 
     def _recv(self, sock: socket.socket, deadline: float) -> tuple[lp.Head, bytes, int]:
         """One frame and the descriptor it carries (-1 for none)."""
+        self._readable(sock, deadline)
         sock.settimeout(_left(deadline))
         data, fds = bytearray(), list[int]()
         try:
@@ -272,7 +287,7 @@ class LocalChannel:
                                     "carries", target=self.target)
             data += msg
             while len(data) < lp.HEAD_BYTES:
-                data += self._exact(sock, lp.HEAD_BYTES - len(data))
+                data += self._exact(sock, lp.HEAD_BYTES - len(data), deadline)
             try:
                 head = lp.parse_head(bytes(data), lp.TO_CLIENT, lp.MAX_ANSWER_BODY)
             except lp.FrameError as exc:
@@ -281,17 +296,19 @@ class LocalChannel:
             if bool(head.flags & lp.FLAG_FD) != bool(fds) or (fds and head.kind != lp.BATCH):
                 raise DataLossError("the local plane sent a descriptor where none belongs "
                                     "(or none where one was announced)", target=self.target)
-            body = self._exact(sock, head.length) if head.length else b""
+            body = self._exact(sock, head.length, deadline) if head.length else b""
         except BaseException:
             for fd in fds:
                 os.close(fd)
             raise
         return head, body, fds[0] if fds else -1
 
-    def _exact(self, sock: socket.socket, n: int) -> bytes:
+    def _exact(self, sock: socket.socket, n: int, deadline: float) -> bytes:
         buf = bytearray(n)
         view, got = memoryview(buf), 0
         while got < n:
+            self._readable(sock, deadline)
+            sock.settimeout(_left(deadline))
             k = sock.recv_into(view[got:])
             if k == 0:
                 raise Unavailable(f"the daemon's local plane at {self.path!r} closed the "
@@ -299,6 +316,63 @@ class LocalChannel:
                                   target=self.target)
             got += k
         return bytes(buf)
+
+    def _readable(self, sock: socket.socket, deadline: float) -> None:
+        """Wait until ``sock`` has bytes (or is closed), or the deadline passes (then
+        ``TimeoutError``). While nothing comes the daemon's liveness is checked beside the
+        call, every ``PROBE_S``, from ``WARN_QUIET_S`` on: a fresh connection must be
+        welcomed. One that is not is an outage: a WARNING naming the daemon, and, once
+        nothing came for ``quiet_s`` (``max_outage_s``), ``Unavailable``. A daemon that
+        welcomes is working (a large Read takes time), and the call waits on."""
+        started = time.monotonic()
+        said = False
+        limit = self.quiet_s
+        while True:
+            now = time.monotonic()
+            left = deadline - now
+            if left <= 0:
+                raise TimeoutError
+            wait = min(left, PROBE_S)
+            if limit is not None:
+                wait = min(wait, max(0.05, started + limit - now))
+            if select.select([sock], [], [], wait)[0]:
+                return
+            quiet = time.monotonic() - started
+            if self._sock is None or (said and limit is None):
+                continue  # being welcomed (the connect timeout covers it), or said already
+            if quiet < WARN_QUIET_S and (limit is None or quiet < limit):
+                continue
+            if self._alive():
+                continue
+            quiet = time.monotonic() - started
+            if not said:
+                said = True
+                log.warning("episerve: the daemon at %s%s has sent nothing for %.0fs and does "
+                            "not welcome a new connection: it is stopped or wedged%s",
+                            self.target, f" (pid {self.daemon_pid})" if self.daemon_pid
+                            else "", quiet, "" if limit is None else
+                            f"; the call fails at {limit:g}s (max_outage_s)")
+            if limit is not None and quiet >= limit:
+                err = Unavailable(f"the daemon's local plane at {self.path!r} has sent nothing "
+                                  f"for {quiet:.1f}s (max_outage_s={limit:g}) and does not "
+                                  "welcome a new connection: it is stopped or wedged",
+                                  target=self.target)
+                err.quiet_s = quiet  # type: ignore[attr-defined]
+                raise err
+
+    def _alive(self) -> bool:
+        """Whether the daemon welcomes a new local-plane connection within ``ALIVE_S``."""
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            probe.settimeout(ALIVE_S)
+            probe.connect(local_socket(self.path))
+            probe.sendall(lp.frame(lp.HELLO, 0, self.token.encode()))
+            head = probe.recv(lp.HEAD_BYTES)
+            return len(head) > 0
+        except OSError:
+            return False
+        finally:
+            probe.close()
 
     def _batch(self, body: bytes, fd: int, adopt: Adopt | None) -> InSegment:
         try:
