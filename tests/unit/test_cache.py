@@ -389,3 +389,25 @@ def test_slot_tables_hold_at_most_a_quarter_of_the_budget_whatever_files_declare
             assert got is not None and float(got[0]) == e, (round_, name)
         assert stats.cache_index_bytes <= budget // 4, (round_, stats.cache_index_bytes)
     assert stats.cache_index_refused == 1
+
+
+def test_a_compaction_in_the_middle_of_a_batch_places_every_chunk_where_it_now_is() -> None:
+    """A batch's later chunk can compact the table (moving every region) after earlier
+    chunks of the batch were planned: each is placed at its episode's position after the
+    move, and no other episode's entry is written over."""
+    cache = ChunkCache(32 << 20, Stats())
+    for e in range(6):  # regions left behind: most of the table is dead
+        cache.store("k", cache.uid(f"gone{e}"), 200, 0, chunk(40, -1.0))
+    keep = cache.uid("keep")
+    cache.store("k", keep, 200, 3, chunk(40, 7.0))
+    for e in range(6):
+        cache.drop_episode(f"gone{e}")
+    table = cache._tables["k"]
+    dead_before = table.used - table.live
+    first, late = cache.uid("first"), cache.uid("late")
+    cache.store_many("k", [(first, 200, 1, chunk(40, 1.0)),
+                           (late, len(table.flat), 2, chunk(40, 2.0))])  # must grow: compacts
+    assert table.used - table.live < dead_before  # it compacted
+    for name, c, value in (("keep", 3, 7.0), ("first", 1, 1.0), ("late", 2, 2.0)):
+        got = cache.get((name, "k", c))
+        assert got is not None and float(got[0]) == value, name

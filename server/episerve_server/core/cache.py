@@ -192,15 +192,15 @@ class ChunkCache:
         behind (by moves and dropped episodes) is compacted first. An array past the limit
         is read every time instead of cached. Returns the entries ``table`` may still grow
         by, or -1 when it cannot index them."""
-        held = sum(len(t.flat) for t in self._table_list)
         if uid < len(table.base) and table.base[uid] >= 0 and table.size[uid] >= n_chunks:
-            return max(0, self.index_limit - held)
-        if table.used + n_chunks > len(table.flat) and table.used - table.live >= table.live:
-            before = len(table.flat)
+            return 0  # indexed already: nothing grows
+        if table.used + n_chunks <= len(table.flat):
+            return 0  # fits the table as it is
+        if table.used - table.live >= table.live:
             for sid, slots, positions in table.compact():
                 self._slabs[sid].owner_pos[slots] = positions
             self.version += 1  # positions moved: plans made before are stale
-            held += len(table.flat) - before
+        held = sum(len(t.flat) for t in self._table_list)
         need = max(0, table.used + n_chunks - len(table.flat))
         if held + need > self.index_limit:
             self.stats.cache_index_refused += 1
@@ -245,7 +245,9 @@ class ChunkCache:
             return 0
         replaced = 0
         table = self._table(key)
-        placed: list[tuple[int, int, np.ndarray]] = []  # slab, table position, data
+        # slab, uid, chunk, data: positions are found when placed, since a later chunk may
+        # move regions (its uid's growing, or a compaction of the table)
+        placed: list[tuple[int, int, int, np.ndarray]] = []
         for uid, n_chunks, chunk, data in chunks:
             sid = self._slab(tuple(data.shape))
             if sid < 0:
@@ -267,9 +269,10 @@ class ChunkCache:
             if old >= 0:  # replacing: the old copy goes
                 self._release(sid, np.array([old], np.int64))
                 replaced += 1
-            placed.append((sid, pos, data))
+            placed.append((sid, uid, chunk, data))
         for sid in sorted({p[0] for p in placed}):
-            mine = [(pos, data) for s, pos, data in placed if s == sid]
+            mine = [(int(table.base[uid]) + chunk, data) for s, uid, chunk, data in placed
+                    if s == sid]
             slab = self._slabs[sid]
             mine = mine[-slab.capacity:]  # more than the slab can hold: keep the last
             self._make_room(slab.cost * len(mine), sid, len(mine))
