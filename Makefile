@@ -97,12 +97,14 @@ bench-daemon: $(STAMP)
 bench-client: $(STAMP)
 	$(PY) benchmarks/bench_client.py
 
-# The compiled loops built with AddressSanitizer, and their tests and the compiled plan's
+# The compiled loops built with AddressSanitizer and UndefinedBehaviorSanitizer (signed
+# overflow included: no -fwrapv here), and their tests and the compiled plan's
 # differential tests run on that build (EPISERVE_KERNEL points the daemon's code at it).
 ASAN_KERNEL := build/asan/_kernel.so
 kernel-asan: $(STAMP)
 	mkdir -p build/asan
-	cc -shared -fPIC -O1 -g -fsanitize=address -fno-omit-frame-pointer -fwrapv \
+	cc -shared -fPIC -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=undefined \
+	    -fno-omit-frame-pointer \
 	    -I$$($(PY) -c "import sysconfig; print(sysconfig.get_paths()['include'])") \
 	    server/episerve_server/core/_kernel.c -o $(ASAN_KERNEL)
 	EPISERVE_KERNEL=$(abspath $(ASAN_KERNEL)) ASAN_OPTIONS=detect_leaks=0 \

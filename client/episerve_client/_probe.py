@@ -125,10 +125,12 @@ def _forked(request: tuple[Any, ...], target: object, timeout_s: float) -> bytes
     os.close(write_fd)
     chunks: list[bytes] = []
     deadline = time.monotonic() + timeout_s
+    poller = select.poll()  # (select.select cannot take a descriptor past 1023)
+    poller.register(read_fd, select.POLLIN)
     try:
         while True:
             left = deadline - time.monotonic()
-            if left <= 0 or not select.select([read_fd], [], [], left)[0]:
+            if left <= 0 or not poller.poll(1000 * left):
                 os.kill(pid, signal.SIGKILL)
                 raise _late(target, timeout_s)
             chunk = os.read(read_fd, 1 << 20)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -127,33 +128,40 @@ class AsyncClient(BaseClient):
 
     async def _watched(self, answer: Any, channel: Any, target: str) -> bytes:
         """``Client._watched``, awaited: with ``max_outage_s``, a call no answer comes for
-        while the daemon does not answer a health check beside it fails (``Unavailable``)."""
+        while the daemon answers no health check beside it for that long fails
+        (``Unavailable``); the call is cancelled whenever this ends without its answer."""
         limit = self.outages.max_outage_s
         assert limit is not None
         loop_time = asyncio.get_running_loop().time
         started = loop_time()
+        alive_at, probed_at = started, -math.inf
+        first = started + min(WARN_QUIET_S, limit)
         task = asyncio.ensure_future(answer)
         probe = channel.unary_unary(HEALTH_CHECK)
-        while True:
-            wait = min(PROBE_S, max(0.05, started + limit - loop_time()))
-            done, _ = await asyncio.wait({task}, timeout=wait)
-            if done:
-                return await task  # type: ignore[no-any-return]
-            quiet = loop_time() - started
-            if quiet < min(WARN_QUIET_S, limit):
-                continue
-            try:
-                await probe(b"", timeout=ALIVE_S, metadata=self.metadata())
-                continue
-            except grpc.RpcError as exc:
-                if exc.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED,
-                                      grpc.StatusCode.UNAVAILABLE):
+        try:
+            while True:
+                check_at = max(first, probed_at + PROBE_S)
+                done, _ = await asyncio.wait({task}, timeout=max(0.001, check_at - loop_time()))
+                if done:
+                    return await task  # type: ignore[no-any-return]
+                probed_at = loop_time()
+                try:
+                    await probe(b"", timeout=ALIVE_S, metadata=self.metadata())
+                    alive_at = loop_time()
                     continue
-            quiet = loop_time() - started
-            if quiet >= limit:
+                except grpc.RpcError as exc:
+                    if exc.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED,
+                                          grpc.StatusCode.UNAVAILABLE):
+                        alive_at = loop_time()
+                        continue
+                now = loop_time()
+                if now - alive_at >= limit:
+                    err = Unavailable(f"no answer from the daemon at {target!r} for "
+                                      f"{now - started:.1f}s, and it has not answered a health "
+                                      f"check for {now - alive_at:.1f}s (max_outage_s="
+                                      f"{limit:g}): it is stopped or wedged", target=target)
+                    err.quiet_s = now - alive_at  # type: ignore[attr-defined]
+                    raise err
+        finally:
+            if not task.done():
                 task.cancel()
-                err = Unavailable(f"no answer from the daemon at {target!r} for {quiet:.1f}s "
-                                  f"(max_outage_s={limit:g}), and it does not answer a health "
-                                  "check either: it is stopped or wedged", target=target)
-                err.quiet_s = quiet  # type: ignore[attr-defined]
-                raise err

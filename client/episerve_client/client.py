@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import os
 import time
 from collections.abc import Sequence
@@ -202,28 +203,34 @@ class Client(BaseClient):
     def _watched(self, fut: Any, target: str) -> Any:
         """A call's answer, with ``max_outage_s``: while none comes, from ``WARN_QUIET_S``
         on, the daemon's health is asked beside the call every ``PROBE_S``; a daemon that
-        answers is working (a large Read takes time), and one that does not for
+        answers is working (a large Read takes time), and one not seen alive for
         ``max_outage_s`` ends the call with ``Unavailable`` (a stopped or wedged daemon
-        accepts connections and never answers; gRPC alone would wait out the deadline)."""
+        accepts connections and never answers; gRPC alone would wait out the deadline).
+        The call runs as a future here, so the process keeps a gRPC helper thread while
+        it waits (a DataLoader forked from it right then would inherit it)."""
         limit = self.outages.max_outage_s
         assert limit is not None
         started = time.monotonic()
+        alive_at, probed_at = started, -math.inf
+        first = started + min(WARN_QUIET_S, limit)
         while True:
-            wait = min(PROBE_S, max(0.05, started + limit - time.monotonic()))
+            check_at = max(first, probed_at + PROBE_S)
             try:
-                return fut.result(timeout=wait)
+                return fut.result(timeout=max(0.001, check_at - time.monotonic()))
             except grpc.FutureTimeoutError:
                 pass
-            quiet = time.monotonic() - started
-            if quiet < min(WARN_QUIET_S, limit) or self._answers_health(target):
+            probed_at = time.monotonic()
+            if self._answers_health(target):
+                alive_at = time.monotonic()
                 continue
-            quiet = time.monotonic() - started
-            if quiet >= limit:
+            now = time.monotonic()
+            if now - alive_at >= limit:
                 fut.cancel()
-                err = Unavailable(f"no answer from the daemon at {target!r} for {quiet:.1f}s "
-                                  f"(max_outage_s={limit:g}), and it does not answer a health "
-                                  "check either: it is stopped or wedged", target=target)
-                err.quiet_s = quiet  # type: ignore[attr-defined]
+                err = Unavailable(f"no answer from the daemon at {target!r} for "
+                                  f"{now - started:.1f}s, and it has not answered a health check "
+                                  f"for {now - alive_at:.1f}s (max_outage_s={limit:g}): it is "
+                                  "stopped or wedged", target=target)
+                err.quiet_s = now - alive_at  # type: ignore[attr-defined]
                 raise err
 
     def _answers_health(self, target: str) -> bool:

@@ -188,7 +188,7 @@ def check_tolerance(delta: Mapping[str, Sequence[float]], fps: float,
         if isinstance(offsets, str) or not isinstance(offsets, Sequence):
             continue  # the entry's own check names what is wrong with it
         off = [o for o in offsets if isinstance(o, int | float) and (
-            not math.isfinite(o) or abs(o * fps - round(o * fps)) / fps > tolerance_s)]
+            not math.isfinite(o * fps) or abs(o * fps - round(o * fps)) / fps > tolerance_s)]
         if off:
             raise KeymapError(
                 f"delta_timestamps[{key!r}]: offsets {off!r} are more than tolerance_s="

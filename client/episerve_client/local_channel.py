@@ -26,6 +26,7 @@ import contextlib
 import fcntl
 import gc
 import logging
+import math
 import mmap
 import os
 import select
@@ -147,10 +148,16 @@ class LocalChannel:
                     # past the welcome's own limit, so a silent daemon is Unavailable
                     self._connected(time.monotonic() + 2 * self.connect_timeout_s)
                     return
-                except Unavailable:
+                except EpiserveError as exc:
+                    self._drop()
+                    if not exc.transient or time.monotonic() >= give_up:
+                        raise
+                except OSError as exc:  # a full backlog, a refused permission, ...
                     self._drop()
                     if time.monotonic() >= give_up:
-                        raise
+                        raise Unavailable(f"the daemon's local plane at {self.path!r} is not "
+                                          f"reachable ({exc.strerror or exc})",
+                                          target=self.target) from None
                 time.sleep(min(0.1, max(0.0, give_up - time.monotonic())))
 
     def close(self) -> None:
@@ -319,45 +326,46 @@ class LocalChannel:
 
     def _readable(self, sock: socket.socket, deadline: float) -> None:
         """Wait until ``sock`` has bytes (or is closed), or the deadline passes (then
-        ``TimeoutError``). While nothing comes the daemon's liveness is checked beside the
-        call, every ``PROBE_S``, from ``WARN_QUIET_S`` on: a fresh connection must be
-        welcomed. One that is not is an outage: a WARNING naming the daemon, and, once
-        nothing came for ``quiet_s`` (``max_outage_s``), ``Unavailable``. A daemon that
-        welcomes is working (a large Read takes time), and the call waits on."""
+        ``TimeoutError``). While nothing comes, from ``WARN_QUIET_S`` on, the daemon's
+        liveness is checked beside the call every ``PROBE_S``: a fresh connection must be
+        welcomed. A daemon that welcomes is working (a large Read takes time) and the call
+        waits on; one that does not is an outage: a WARNING naming the daemon, and, once it
+        has not been seen alive for ``quiet_s`` (``max_outage_s``), ``Unavailable``."""
+        poller = select.poll()  # (select.select cannot take a descriptor past 1023)
+        poller.register(sock.fileno(), select.POLLIN)
         started = time.monotonic()
-        said = False
+        alive_at, probed_at, said = started, -math.inf, False
         limit = self.quiet_s
+        first = started + (WARN_QUIET_S if limit is None else min(WARN_QUIET_S, limit))
         while True:
             now = time.monotonic()
             left = deadline - now
             if left <= 0:
                 raise TimeoutError
-            wait = min(left, PROBE_S)
-            if limit is not None:
-                wait = min(wait, max(0.05, started + limit - now))
-            if select.select([sock], [], [], wait)[0]:
+            check_at = max(first, probed_at + PROBE_S)
+            if poller.poll(1000 * max(0.001, min(left, check_at - now))):
                 return
-            quiet = time.monotonic() - started
-            if self._sock is None or (said and limit is None):
-                continue  # being welcomed (the connect timeout covers it), or said already
-            if quiet < WARN_QUIET_S and (limit is None or quiet < limit):
-                continue
+            now = time.monotonic()
+            if now < check_at or self._sock is None or (said and limit is None):
+                continue  # not due; being welcomed (the connect timeout covers it); said
+            probed_at = now
             if self._alive():
+                alive_at = time.monotonic()
                 continue
-            quiet = time.monotonic() - started
+            now = time.monotonic()
             if not said:
                 said = True
                 log.warning("episerve: the daemon at %s%s has sent nothing for %.0fs and does "
                             "not welcome a new connection: it is stopped or wedged%s",
                             self.target, f" (pid {self.daemon_pid})" if self.daemon_pid
-                            else "", quiet, "" if limit is None else
+                            else "", now - started, "" if limit is None else
                             f"; the call fails at {limit:g}s (max_outage_s)")
-            if limit is not None and quiet >= limit:
+            if limit is not None and now - alive_at >= limit:
                 err = Unavailable(f"the daemon's local plane at {self.path!r} has sent nothing "
-                                  f"for {quiet:.1f}s (max_outage_s={limit:g}) and does not "
-                                  "welcome a new connection: it is stopped or wedged",
-                                  target=self.target)
-                err.quiet_s = quiet  # type: ignore[attr-defined]
+                                  f"for {now - started:.1f}s and not been seen alive for "
+                                  f"{now - alive_at:.1f}s (max_outage_s={limit:g}): it is "
+                                  "stopped or wedged", target=self.target)
+                err.quiet_s = now - alive_at  # type: ignore[attr-defined]
                 raise err
 
     def _alive(self) -> bool:

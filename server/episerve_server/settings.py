@@ -240,7 +240,7 @@ def _seconds(name: str, spec: Setting, value: Any) -> str | None:
                     f"{why}, got {value!r}")
         return None
     fits = value > low if spec.above else value >= low
-    if spec.high is not None:
+    if interval:
         if not (fits and value <= spec.high):
             opening = "(" if spec.above else "["
             return f"{name} must be in {opening}{low:g}, {spec.high:g}] seconds, got {value!r}"

@@ -133,6 +133,7 @@ class WindowDataset(Dataset[dict[str, Any]]):
         self._client: Client | None = None
         #: Whether the DataLoader reading this dataset was checked for its collate_fn.
         self._collate_checked = False
+        self._collate_looks = 0
         self._timeout_s = connect_timeout_s
         self._full: list[EpisodeInfo] | None = None  # ``episodes``, once asked for
         self._brief, survey = self._choose(episodes, as_manifest(manifest), sync_ranks)
@@ -233,8 +234,9 @@ class WindowDataset(Dataset[dict[str, Any]]):
         ahead = getattr(indices, "prefetch", None) or ()
         hints = [self.locate(int(g)) for g in ahead if 0 <= int(g) < len(self)]
         batch = self.read_batch(samples, prefetch=hints) if hints else self.read_batch(samples)
-        if not self._collate_checked:
-            self._collate_checked = check_collate(self, batch)
+        if not self._collate_checked and not self.transforms:  # (transforms may fix it)
+            self._collate_looks += 1  # a few looks: a first batch read by hand has no loader
+            self._collate_checked = check_collate(self, batch) or self._collate_looks >= 3
         if self.transforms:
             out = []
             for sample in batch:

@@ -223,9 +223,12 @@ class LeRobotSource:
         once, at open; it has the episode's real rows, not a declared count."""
         reader = opened.readers[TIMESTAMP]
         n = math.ceil(reader.info.rows / reader.info.chunk_rows)
+        if n == 0:
+            return
         chunks = await reader.fetch(0, n - 1)
         got = np.concatenate([np.asarray(c).reshape(-1) for c in chunks])[:reader.info.rows]
-        want = (np.arange(reader.info.rows) / opened.fps).astype(np.float32)
+        # r / fps as the column stores it (float32 as LeRobot writes it; float64 kept so)
+        want = (np.arange(reader.info.rows) / opened.fps).astype(got.dtype)
         off = np.flatnonzero(~(np.abs(got.astype(np.float64) - want) <= self.tolerance_s))
         if len(off):
             r = int(off[0])
