@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -144,17 +145,27 @@ class PeakGrowth:
 
 def reencode(path: Path, codec: str, *, child: bool = False) -> None:
     """Re-encode the mp4 ``path`` with ``codec``, keeping each frame's timestamp; with
-    ``child``, in a child process that leaves by ``os._exit`` once the file is closed
-    (libx265's teardown at interpreter exit aborted with a corrupted heap in half of the
-    runs here, after the file was complete)."""
+    ``child``, in a child process, tried up to three times. libx265 corrupts its heap here
+    now and then (glibc aborts it, at the encoder's teardown or the interpreter's): one
+    thread pool and one frame thread made it rare, and the child writes a copy that
+    replaces ``path`` only once the child has exited cleanly."""
     import av
 
     if child:
         code = "import sys; from tests.support.lerobot_bombs import reencode; " \
-            "reencode(__import__('pathlib').Path(sys.argv[1]), sys.argv[2]); " \
-            "sys.stdout.flush(); __import__('os')._exit(0)"
-        subprocess.run([sys.executable, "-c", code, str(path), codec], check=True,
-                       timeout=300, capture_output=True, cwd=Path(__file__).parents[2])
+            "reencode(__import__('pathlib').Path(sys.argv[1]), sys.argv[2])"
+        copy = path.with_name(path.stem + ".reencoded" + path.suffix)
+        for attempt in range(3):
+            shutil.copyfile(path, copy)
+            done = subprocess.run([sys.executable, "-c", code, str(copy), codec],
+                                  timeout=300, capture_output=True,
+                                  cwd=Path(__file__).parents[2])
+            if done.returncode == 0:
+                copy.replace(path)
+                return
+            if done.returncode > 0 or attempt == 2:  # an error, not a crash: say it
+                raise subprocess.CalledProcessError(done.returncode, done.args, done.stdout,
+                                                    done.stderr)
         return
 
     with av.open(str(path)) as src:
@@ -165,6 +176,8 @@ def reencode(path: Path, codec: str, *, child: bool = False) -> None:
     with av.open(str(path), "w") as out:
         dst = out.add_stream(codec, rate=10)
         dst.width, dst.height, dst.pix_fmt = w, h, "yuv420p"
+        if codec == "libx265":
+            dst.options = {"x265-params": "pools=1:frame-threads=1:log-level=error"}
         for img, pts, base in frames:
             frame = av.VideoFrame.from_ndarray(img, format="rgb24")
             frame.pts, frame.time_base = pts, base
