@@ -18,6 +18,7 @@ from typing import Any
 from episerve_proto.contract import MAX_MESSAGE_BYTES, MAX_REQUEST_BYTES
 from episerve_proto.local import MAX_TOKEN_BYTES
 from episerve_server import flaghelp, settings
+from episerve_server.core.ledger import DEFAULT_EPISODE_STATE_BYTES
 from episerve_server.settings import parse_bytes, setting
 
 __all__ = ["DEFAULT_ROOT", "ENV_PREFIX", "MAX_RESPONSE_BYTES", "ServerConfig", "auto_workers",
@@ -147,6 +148,12 @@ class ServerConfig:
     max_metadata_bytes: int = setting(1 * 2**20, "largest zarr metadata document; an episode "
                                       "with a larger one is broken", "limits", kind="size",
                                       low=1)
+    episode_state_bytes: int = setting(
+        DEFAULT_EPISODE_STATE_BYTES, "memory kept for what episodes' files declare "
+        "(readers, shard indexes, keyframe lists, annotation spans), per daemon process; an "
+        "episode that would pass it is listed broken, a read that would is "
+        "RESOURCE_EXHAUSTED", "limits",
+        kind="size", low=1)
     max_keymap_entries: int = setting(256, "most entries in one keymap", "limits", low=1)
     max_keymap_bytes: int = setting(64 * 2**10, "largest keymap as sent", "limits",
                                     kind="size", low=1, high=MAX_REQUEST_BYTES,

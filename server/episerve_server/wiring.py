@@ -10,6 +10,7 @@ from typing import Any
 from episerve_server.config import ServerConfig
 from episerve_server.core.cache import ChunkCache, EvictHook
 from episerve_server.core.collector import COLLECTOR
+from episerve_server.core.ledger import EpisodeState
 from episerve_server.core.stats import Stats
 from episerve_server.plan.background import Background
 from episerve_server.plan.planner import Planner
@@ -50,9 +51,11 @@ def build_read_core(config: ServerConfig, *, stats: Stats | None = None) -> Read
         for forget in dropped:
             forget(episode)
 
+    # What the episodes' files declare and the daemon keeps, in one ledger.
     catalog = Catalog(store, allow=config.allow, on_drop=on_drop,
                       max_item_bytes=config.max_item_bytes,
-                      video_tolerance_s=config.video_tolerance_s)
+                      video_tolerance_s=config.video_tolerance_s,
+                      state=EpisodeState(config.episode_state_bytes, stats))
     planner = Planner(catalog, cache, stats, fetch_limit=config.max_store_concurrency)
     dropped.append(planner.fetcher.forget_episode)  # no read joins a fetch of the old files
     # Hints: at most --prefetch-bytes in flight, and never more than half the cache; each

@@ -330,3 +330,26 @@ def test_a_row_whose_timestamp_is_not_its_frame_refuses_the_episode(
                              pa.array(stamps, pa.float32()))
     pq.write_table(table, no_video / "data/chunk-000/file-001.parquet")
     assert serve(no_video).catalog.broken_listing() == {}
+
+
+def test_a_timestamp_column_that_cannot_be_read_refuses_only_its_episodes(
+        tmp_path: Path, serve: Callable[..., Served]) -> None:
+    """The open reads each episode's ``timestamp`` column to check it against its frames;
+    a corrupt page there lists that file's episodes broken, naming the key, and the scan
+    goes on (before: the DataLossError ended the whole scan, and nothing was served)."""
+    root = lr.write(tmp_path / "ds", lr.Layout(lengths=(5, 4, 6, 3)))
+    path = root / "data/chunk-000/file-001.parquet"  # episodes 2 and 3
+    data = bytearray(path.read_bytes())
+    group = pq.ParquetFile(path).metadata.row_group(0)
+    [column] = [group.column(i) for i in range(group.num_columns)
+                if group.column(i).path_in_schema == "timestamp"]
+    start = column.dictionary_page_offset if column.has_dictionary_page \
+        else column.data_page_offset
+    data[start: start + column.total_compressed_size] = b"\xff" * column.total_compressed_size
+    path.write_bytes(bytes(data))
+    served = serve(root)
+    broken = served.catalog.broken_listing()
+    assert "episode_000002" in broken and "'timestamp'" in broken["episode_000002"], broken
+    assert {"episode_000000", "episode_000001"} <= set(served.catalog.episodes)
+    result = served.read({"a": KEYMAP["action"]}, [("episode_000001", 2)])
+    assert result.arrays["a"][0, 0].tolist() == lr.action_value(1, 2).tolist()

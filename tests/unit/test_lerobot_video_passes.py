@@ -19,10 +19,17 @@ from typing import Any
 import numpy as np
 import pytest
 
+from episerve_proto.errors import LimitExceeded
+from episerve_server.core.ledger import KEYFRAME_BYTES, EpisodeState
 from episerve_server.core.stats import Stats
 from episerve_server.storage.lerobot.columns import FileProblem
 from episerve_server.storage.lerobot.meta import Feature, VideoSpan
-from episerve_server.storage.lerobot.video import VideoReader
+from episerve_server.storage.lerobot.video import (
+    AHEAD,
+    KEYFRAME_BLOCK,
+    MAX_DECODED_FRAMES,
+    VideoReader,
+)
 from tests.support import lerobot as lr
 from tests.support.served import Served
 
@@ -316,3 +323,36 @@ def test_a_long_episodes_keyframes_are_listed_and_a_dense_one_refused() -> None:
     with pytest.raises(FileProblem, match=r"packets demuxed between 0\.0 s and"):
         reader._list_keyframes(dense)
     assert dense.demuxed < 64
+
+
+def test_a_keyframe_list_is_charged_to_the_episode_state_and_refused_past_it() -> None:
+    """The list is kept while the episode is served: charged by blocks as it is demuxed and
+    settled to its length after; past the limit the listing stops, LimitExceeded names the
+    episode and key, and nothing of it stays charged."""
+    feature = Feature(TOP, "video", (4, 4, 3), "uint8")
+    reader = VideoReader("episode_000000", feature, _Files(), VideoSpan("v.mp4", 0.0),
+                         60000, 10.0, 1e-4, Stats())
+    reader.state = EpisodeState(1 << 20)
+    keys = reader._list_keyframes(_Packets(6000, 0.1, 5))
+    assert len(keys) == 1200 and reader.state.used == 1200 * KEYFRAME_BYTES
+    reader.state = EpisodeState(4 * KEYFRAME_BLOCK * KEYFRAME_BYTES)
+    many = _Packets(60000, 0.1, 1)  # every packet a keyframe: 60,000 of them
+    with pytest.raises(LimitExceeded) as refused:
+        reader._list_keyframes(many)
+    assert refused.value.episode == "episode_000000" and refused.value.key == TOP
+    assert "keyframe list" in str(refused.value)
+    assert many.demuxed <= 5 * KEYFRAME_BLOCK and reader.state.used == 0
+
+
+def test_the_frames_kept_with_a_frame_reach_back_at_most_one_pass() -> None:
+    """One keyframe at the start of a 10^6-frame episode: the frames worth keeping with
+    frame 900,000 are those one pass decodes before it, not 900,000 of them."""
+    feature = Feature(TOP, "video", (4, 4, 3), "uint8")
+    reader = VideoReader("episode_000000", feature, _Files(), VideoSpan("v.mp4", 0.0),
+                         10**6, 10.0, 1e-4, Stats())
+    reader.keyframes = [0.0]
+    near = reader.companions(30)
+    assert list(near) == [*range(30), *range(31, 35)]  # from the keyframe, and AHEAD after
+    far = reader.companions(900_000)
+    assert len(far) == MAX_DECODED_FRAMES + AHEAD
+    assert min(far) == 900_000 - MAX_DECODED_FRAMES and max(far) == 900_000 + AHEAD

@@ -198,3 +198,26 @@ def test_huge_span_bounds_are_clamped_not_overflowed(annotated: Any) -> None:
     chunk = annotated.read(READ, [("huge", 5), ("huge", 38)], cutoff=True).arrays["k"]
     assert np.array_equal(chunk[1], np.stack([ramp.ramp_row(1, KP, r) for r in (38, 39, 39, 39)]))
     assert np.array_equal(chunk[0], np.stack([ramp.ramp_row(1, KP, r) for r in (5, 6, 7, 8)]))
+
+
+def test_a_variable_length_chunk_of_two_billion_elements_is_a_problem_of_its_key(
+        tmp_path: Path) -> None:
+    """Its fill chunk would be a list of 2^31 items (16 GB) at the first read: refused at
+    open, naming the key and the count (before: MemoryError, outside the typed errors)."""
+    import asyncio
+
+    from episerve_server.core.stats import Stats
+    from episerve_server.storage.catalog import Catalog
+    from episerve_server.storage.store import open_root
+
+    ramp.write_ramp_episode(tmp_path, "v", episode_no=0, total_frames=30, layout="unsharded")
+
+    def edit(doc: dict[str, Any]) -> None:
+        doc["chunk_grid"]["configuration"]["chunk_shape"] = [2**31]
+
+    crafted.edit_array(tmp_path, "v", "annotations", edit)
+    catalog = Catalog(open_root(str(tmp_path), stats=Stats()))
+    asyncio.run(catalog.scan())
+    reason = catalog.broken_listing()["v"]
+    assert "'annotations'" in reason and str(2**31) in reason, reason
+    assert "variable-length" in reason, reason

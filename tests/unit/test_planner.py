@@ -431,6 +431,35 @@ def test_absent_chunks_make_no_metadata_hops_after_warm_up(
     assert asked == []
 
 
+
+def test_the_fill_chunks_a_reader_remembers_are_bounded(
+        extras_served: dict[str, Any], serve: Callable[..., Any],
+        monkeypatch: pytest.MonkeyPatch, matches_oracle: Any) -> None:
+    """A reader remembers at most ``MAX_ABSENT`` chunks it found to be fill (an array can
+    declare 10^8 chunks and hold none); past that, a batch that meets one checks that the
+    episode is still there, and the answer is the same."""
+    from episerve_server.plan import misses
+
+    monkeypatch.setattr(misses, "MAX_ABSENT", 0)
+    served = serve(extras_served["sharded"].root, 0)
+    store = served.catalog.store
+    asked: list[str] = []
+    real_exists = store.exists
+
+    async def exists(key: str) -> bool:
+        asked.append(key)
+        return bool(await real_exists(key))
+
+    monkeypatch.setattr(store, "exists", exists)
+    keymap = {"s": e("x.sparse", "proprio_keys")}
+    for frame in (150, 120, 195):
+        asked.clear()
+        result = served.read(keymap, [("xb", frame)])
+        matches_oracle(served, result, keymap, [("xb", frame)])
+        assert asked, frame  # not remembered: checked again
+    assert served.catalog.episodes["xb"].readers["x.sparse"].absent == set()
+
+
 # -- isolation -----------------------------------------------------------------------------------
 
 def numeric_outputs(sample: dict[str, Any]) -> Iterator[tuple[str, np.ndarray]]:

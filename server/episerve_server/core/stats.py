@@ -53,6 +53,9 @@ COUNTERS = (
     # arrays not cached because indexing them would pass the slot tables' share of the
     # cache (their declared chunk count is that large)
     "cache_index_refused",
+    # state an episode's files declare (readers, shard indexes, keyframe lists, annotation
+    # spans) refused: it would pass --episode-state-bytes
+    "episode_state_refused",
 )
 
 
@@ -110,6 +113,8 @@ class Stats:
     cache_entries: int = 0
     cache_index_bytes: int = 0  # a gauge: the slot tables' arrays
     cache_index_refused: int = 0
+    episode_state_bytes: int = 0  # a gauge: what the episodes' kept state is charged
+    episode_state_refused: int = 0
     episodes: defaultdict[str, EpisodeCounters] = field(
         default_factory=lambda: defaultdict(EpisodeCounters)
     )
@@ -120,6 +125,7 @@ class Stats:
         out["cache_bytes"] = self.cache_bytes
         out["cache_entries"] = self.cache_entries
         out["cache_index_bytes"] = self.cache_index_bytes
+        out["episode_state_bytes"] = self.episode_state_bytes
         out["preload_total"] = self.preload_total
         out["spill_bytes"] = self.spill_bytes
         out["spill_entries"] = self.spill_entries

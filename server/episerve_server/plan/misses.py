@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
@@ -41,7 +42,7 @@ from episerve_server.core.stats import Stats
 from episerve_server.plan.store_reads import Vanished, split_decode, storage_error
 from episerve_server.storage.catalog import Catalog
 from episerve_server.storage.readers import ChunkReader, Raw, episode_exists
-from episerve_server.storage.readers.base import RunPlan
+from episerve_server.storage.readers.base import MAX_ABSENT, RunPlan
 from episerve_server.storage.spill import SpillTier
 from episerve_server.storage.store import Refused, split_key
 
@@ -402,7 +403,8 @@ class Fetcher:
             unknown -= reader.absent
             if unknown:
                 await self.check_present(reader)
-                reader.absent |= unknown
+                room = MAX_ABSENT - len(reader.absent)
+                reader.absent.update(itertools.islice(unknown, max(0, room)))
 
     async def check_present(self, reader: ChunkReader) -> None:
         """Missing data may mean the episode folder was deleted: then drop it, NOT_FOUND."""

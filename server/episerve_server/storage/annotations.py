@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from episerve_proto.errors import DataLossError
+from episerve_server.core.ledger import SPAN_BYTES
 from episerve_server.core.spans import MAX_ANNOTATION_BYTES, MAX_SPANS, Span, parse_spans
 from episerve_server.storage.episode import Episode
 from episerve_server.storage.readers import ChunkReader, decode_chunk
@@ -70,7 +71,15 @@ async def _load(episode: Episode, key: str,
             raise loss(f"hold more than {MAX_ANNOTATION_BYTES} bytes (elements of chunks "
                        f"0..{last} alone hold {total})")
         items.extend(decoded)
-    spans = await asyncio.to_thread(parse_spans, episode.hash, key, items[: info.rows])
+    items = items[: info.rows]
+    # the spans are kept while the episode is served: charged before they are made
+    kept = SPAN_BYTES * len(items) + sum(len(item) for item in items)
+    reader.keep(kept, f"its annotation spans ({len(items)} elements)")
+    try:
+        spans = await asyncio.to_thread(parse_spans, episode.hash, key, items)
+    except BaseException:
+        reader.unkeep(kept)
+        raise
     episode.spans[key] = spans
     return spans
 

@@ -23,13 +23,21 @@ from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
+from episerve_proto.contract import MAX_LISTED_ATTRS_BYTES
 from episerve_proto.errors import (
     BrokenEpisodeError,
     EpisodeNotFound,
     InvalidEpisodeId,
+    LimitExceeded,
     Unavailable,
 )
 from episerve_server.core.collector import COLLECTOR
+from episerve_server.core.ledger import (
+    DEFAULT_EPISODE_STATE_BYTES,
+    EPISODE_BYTES,
+    JSON_GROWTH,
+    EpisodeState,
+)
 from episerve_server.storage.directory import Directory
 from episerve_server.storage.episode import Episode
 from episerve_server.storage.opening import SUFFIX, open_episode
@@ -86,8 +94,11 @@ class Catalog:
     def __init__(self, store: CountingStore, *, allow: Iterable[str] = (),
                  open_limit: int = 32, on_drop: Callable[[str], None] | None = None,
                  max_item_bytes: int = DEFAULT_MAX_ITEM_BYTES,
-                 video_tolerance_s: float = 1e-4) -> None:
+                 video_tolerance_s: float = 1e-4, state: EpisodeState | None = None) -> None:
         self.store = store
+        #: What the served episodes keep for what their files declare, within its limit.
+        self.state = state if state is not None else EpisodeState(
+            DEFAULT_EPISODE_STATE_BYTES, store.stats)
         self.video_tolerance_s = video_tolerance_s
         #: A LeRobot v3 root (``meta/info.json``) is served through this; None: zarr.
         self.lerobot: LeRobotSource | None = None
@@ -151,6 +162,7 @@ class Catalog:
         """Forget an episode whose folder went away while it was served."""
         known = episode_id in self.episodes or episode_id in self.broken
         self.version += 1
+        self.state.release(episode_id)
         self.episodes.pop(episode_id, None)
         self.broken.pop(episode_id, None)
         self._broken_prints.pop(episode_id, None)
@@ -180,6 +192,22 @@ class Catalog:
                     self._opened(name, outcome, reopen=name in changed)
                     await asyncio.sleep(0)  # adding one is ~0.1-0.5 ms: serve between them
             return added, removed
+
+    def _charge(self, episode: Episode, attrs: int) -> None:
+        """Count what keeping ``episode`` costs (its record, ``attrs`` JSON bytes of
+        attributes it holds alone, each reader's own estimate) and give its readers the
+        ledger for what they keep later; refused as ``LimitExceeded`` naming the episode
+        (and its key that costs most) when it would pass ``--episode-state-bytes``.
+        Anything it was charged before is given back first (a scan that opens it again)."""
+        name = episode.hash
+        self.state.release(name)
+        costs = {key: reader.kept_bytes for key, reader in episode.readers.items()}
+        biggest = max(costs, key=costs.__getitem__, default="")
+        total = EPISODE_BYTES + JSON_GROWTH * attrs + sum(costs.values())
+        self.state.charge(name, biggest, total, f"opening it ({len(costs)} keys, "
+                          f"{attrs} bytes of attributes of its own)")
+        for reader in episode.readers.values():
+            reader.state = self.state
 
     def _print_of(self, name: str) -> str | None:
         episode = self.episodes.get(name)
@@ -228,24 +256,30 @@ class Catalog:
             self._opened(name, outcome, reopen=True)
         return True
 
-    def _share(self, attrs: dict[str, Any]) -> dict[str, Any]:
+    def _share(self, attrs: dict[str, Any]) -> tuple[dict[str, Any], int]:
         """The same attributes, with each value equal to one another episode has (a
         dataset's episodes mostly share ``features``) replaced by that episode's object: the
-        catalog then holds each distinct value once. Values are never mutated."""
-        out = {}
+        catalog then holds each distinct value once. Values are never mutated. Also the
+        JSON bytes of the values this episode holds alone (what it is charged for)."""
+        out, alone = {}, 0
         for name, value in attrs.items():
             if isinstance(value, dict | list):
                 try:
                     canon = f"{name}\0{json.dumps(value, sort_keys=True)}"
                 except (ValueError, TypeError, RecursionError):
                     canon = ""
+                found = None
                 if canon and len(canon) <= MAX_SHARED_VALUE_BYTES:
                     found = self._shared.get(canon)
                     if found is None and len(self._shared) < MAX_SHARED_VALUES:
-                        self._shared[canon] = found = value
-                    value = value if found is None else found
+                        self._shared[canon] = value  # the first holder pays for it
+                alone += len(canon) if canon else MAX_LISTED_ATTRS_BYTES
+                if found is not None:
+                    value, alone = found, alone - len(canon)
+            else:
+                alone += len(name) + len(repr(value))
             out[name] = value
-        return out
+        return out, alone
 
     async def _list(self) -> set[str]:
         entries = [entry.rstrip("/") async for entry in self.store.list_dir("")]
@@ -281,7 +315,14 @@ class Catalog:
             raise episode
         self.version += 1
         self._retry.discard(name)
+        if not isinstance(episode, BaseException):
+            episode.attrs, alone = self._share(episode.attrs)
+            try:
+                self._charge(episode, alone)
+            except LimitExceeded as exc:
+                episode = BrokenEpisodeError(exc.message, episode=name)
         if reopen and (name in self.episodes or name in self.broken):
+            self.state.release(name)
             self.episodes.pop(name, None)
             self.broken.pop(name, None)
             self.store.stats.episodes_reopened += 1
@@ -289,6 +330,7 @@ class Catalog:
             if self.on_drop is not None:
                 self.on_drop(name)
         if isinstance(episode, BrokenEpisodeError | Unavailable):
+            self.state.release(name)
             self.episodes.pop(name, None)
             self.broken[name] = episode.message
             self._broken_prints[name] = fingerprint
@@ -301,7 +343,6 @@ class Catalog:
             return
         self.broken.pop(name, None)
         self._broken_prints.pop(name, None)
-        episode.attrs = self._share(episode.attrs)
         self.episodes[name] = episode
         if episode.problems:
             log.warning("episode %s has problems: %s", name, episode.reason())

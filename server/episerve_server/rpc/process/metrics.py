@@ -83,6 +83,8 @@ COUNTER_HELP = {
     "spill_evictions": "Spill entries deleted to stay within --spill-bytes.",
     "cache_index_refused": "Chunks not cached: indexing their array (by its declared chunk "
                            "count) would pass the slot tables' share of --cache-bytes.",
+    "episode_state_refused": "Episodes listed broken, or reads refused, because the state "
+                             "their files declare would pass --episode-state-bytes.",
 }
 
 
@@ -118,6 +120,11 @@ class StatsCollector(Collector):
              "quarter of --cache-bytes).", stats.cache_index_bytes),
             ("cache_budget_bytes", "The chunk cache's budget (--cache-bytes).",
              service.config.cache_bytes),
+            ("episode_state_bytes", "Bytes charged for what the episodes' files declare "
+             "(readers, shard indexes, keyframe lists, annotation spans).",
+             stats.episode_state_bytes),
+            ("episode_state_budget_bytes", "Their budget (--episode-state-bytes).",
+             service.config.episode_state_bytes),
             ("episodes_open", "Episodes open and readable.", open_),
             ("episodes_broken", "Episodes listed as broken.", broken),
             ("reads_in_flight", "Read RPCs in progress.", service.admission.inflight),

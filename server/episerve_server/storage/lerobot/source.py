@@ -23,6 +23,7 @@ import numpy as np
 import pyarrow as pa
 from zarr.core.buffer import default_buffer_prototype
 
+from episerve_proto.errors import DataLossError
 from episerve_server.storage.episode import Episode
 from episerve_server.storage.lerobot.columns import FileProblem
 from episerve_server.storage.lerobot.files import OpenFiles
@@ -225,7 +226,11 @@ class LeRobotSource:
         n = math.ceil(reader.info.rows / reader.info.chunk_rows)
         if n == 0:
             return
-        chunks = await reader.fetch(0, n - 1)
+        try:
+            chunks = await reader.fetch(0, n - 1)
+        except DataLossError as exc:  # this episode's column cannot be read: it is broken
+            opened.problems[TIMESTAMP] = exc.message
+            return
         got = np.concatenate([np.asarray(c).reshape(-1) for c in chunks])[:reader.info.rows]
         # r / fps as the column stores it (float32 as LeRobot writes it; float64 kept so)
         want = (np.arange(reader.info.rows) / opened.fps).astype(got.dtype)

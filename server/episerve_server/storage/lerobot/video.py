@@ -30,6 +30,7 @@ from typing import Any
 
 from episerve_proto import rawframe
 from episerve_server.core.cache import Chunk
+from episerve_server.core.ledger import KEYFRAME_BYTES
 from episerve_server.core.stats import Stats
 from episerve_server.storage.lerobot.columns import FileProblem
 from episerve_server.storage.lerobot.files import OpenFiles
@@ -49,6 +50,8 @@ FRAME_SLACK = 32
 #: Frames after a frame read, within its group of pictures, that the miss path may decode
 #: and keep with it while the cache has room (``companions``).
 AHEAD = 4
+#: Keyframes charged to the episode state at a time while they are listed.
+KEYFRAME_BLOCK = 1024
 
 
 def decoder_version() -> str:
@@ -145,6 +148,8 @@ class VideoReader(LeRobotReader):
             return ()
         k = self._keyframe_of(chunk)
         first = max(0, round((keys[k] - self.span.from_s) * self.fps)) if k >= 0 else chunk
+        # (a pass decodes at most MAX_DECODED_FRAMES: no further back than that)
+        first = max(first, chunk - MAX_DECODED_FRAMES)
         end = min(chunk + 1 + AHEAD, self.info.rows)
         if k + 1 < len(keys):
             end = min(end, round((keys[k + 1] - self.span.from_s) * self.fps))
@@ -176,6 +181,7 @@ class VideoReader(LeRobotReader):
         allowed = FRAME_SLACK + MAX_RATE_FACTOR * self.info.rows
         keys: list[float] = []
         first_t: float | None = None
+        charged = 0  # the list is kept: charged to the episode state as it grows
         try:
             container.seek(max(0, int((first + float(base) / 4) / base)), stream=stream,
                            backward=True, any_frame=False)
@@ -192,9 +198,18 @@ class VideoReader(LeRobotReader):
                 if t > hi:
                     break
                 if packet.is_keyframe:
+                    if len(keys) * KEYFRAME_BYTES >= charged:
+                        self.keep(KEYFRAME_BLOCK * KEYFRAME_BYTES, "its video's keyframe list "
+                                  f"(past {len(keys)} keyframes in {self.span.path!r})")
+                        charged += KEYFRAME_BLOCK * KEYFRAME_BYTES
                     keys.append(t)
         except av.FFmpegError as exc:
+            self.unkeep(charged)
             raise FileProblem(f"{self.span.path!r} cannot be demuxed ({exc})") from exc
+        except BaseException:
+            self.unkeep(charged)
+            raise
+        self.unkeep(charged - len(keys) * KEYFRAME_BYTES)  # charged by blocks
         keys.sort()
         return keys
 

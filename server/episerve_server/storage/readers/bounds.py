@@ -33,6 +33,7 @@ MIN_FPS, MAX_FPS = 1e-3, 10_000.0
 MAX_ROW_BYTES = 64 << 20  # bytes per row of the float32 output
 MAX_CHUNK_BYTES = 256 << 20  # one decoded chunk (stored dtype or float32), and any vlen chunk
 MAX_CHUNKS_PER_SHARD = 2**20  # a shard index of 16 MiB
+MAX_VLEN_CHUNK_ROWS = 2**20  # elements of one variable-length chunk (a fill chunk: 8 MiB)
 DEFAULT_MAX_ITEM_BYTES = 8 << 20  # matches ServerConfig.max_item_bytes
 
 _ZSTD_MAGIC = 0xFD2FB528

@@ -22,6 +22,7 @@ from episerve_server.storage.readers.bounds import (
     MAX_NDIM,
     MAX_ROW_BYTES,
     MAX_ROWS,
+    MAX_VLEN_CHUNK_ROWS,
 )
 from episerve_server.storage.readers.decode import ArrayInfo, plain_decoder, v3_decoder
 from episerve_server.storage.readers.fallback import FallbackReader, bounded_array
@@ -77,6 +78,9 @@ def _check(shape: tuple[int, ...], chunks: tuple[int, ...], dtype: np.dtype[Any]
     if 4 * elements > MAX_ROW_BYTES:
         raise bad(f"feature shape {shape[1:]!r} is {4 * elements} float32 bytes per row, more "
                   f"than {MAX_ROW_BYTES}")
+    if is_bytes and chunks[0] > MAX_VLEN_CHUNK_ROWS:  # a fill chunk is a list that long
+        raise bad(f"chunk shape {chunks!r} has {chunks[0]} variable-length elements a chunk, "
+                  f"more than {MAX_VLEN_CHUNK_ROWS}")
     if not is_bytes:
         chunk_bytes = chunks[0] * elements * max(4, dtype.itemsize)
         if chunk_bytes > MAX_CHUNK_BYTES:

@@ -14,6 +14,7 @@ from zarr.abc.store import RangeByteRequest, SuffixByteRequest
 from zarr.core.buffer import default_buffer_prototype
 
 from episerve_server.core.cache import Chunk
+from episerve_server.core.ledger import SHARD_INDEX_OVERHEAD
 from episerve_server.storage.readers.base import (
     ChunkReader,
     RunPlan,
@@ -198,6 +199,8 @@ class ShardedReader(ChunkReader):
         if buf is None:  # all fill, or the episode is gone: asked once per shard
             if not await episode_exists(self.store, self.info.episode):
                 raise ShardVanished(f"episode {self.info.episode!r} is gone")
+            self.keep(SHARD_INDEX_OVERHEAD, f"the note that shard {self.key_of(shard)!r} "
+                      "is all fill")
             return None
         data = buf.to_bytes()
         if len(data) != nbytes:
@@ -208,4 +211,7 @@ class ShardedReader(ChunkReader):
             except Exception as exc:
                 raise self.loss(f"the index of shard {self.key_of(shard)!r} fails its "
                                 f"checksum ({exc})") from exc
+        # kept while the episode is served: charged to the episode state first
+        self.keep(SHARD_INDEX_OVERHEAD + len(data), f"the chunk index of shard "
+                  f"{self.key_of(shard)!r} ({self.per_shard} chunks)")
         return np.frombuffer(data, dtype=self.index_dtype).reshape(self.per_shard, 2)

@@ -1,0 +1,88 @@
+"""The episode-state ledger: one limit for what episodes' files declare and the daemon keeps
+(``core/ledger.py``), and the catalog's use of it at open, drop and reopen."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from episerve_proto.errors import BrokenEpisodeError, LimitExceeded
+from episerve_server.core.ledger import EpisodeState
+from episerve_server.core.stats import Stats
+from episerve_server.storage.catalog import Catalog
+from episerve_server.storage.store import open_root
+from tests.support import ramp
+
+
+def test_a_charge_past_the_limit_is_refused_naming_episode_key_and_flag() -> None:
+    stats = Stats()
+    state = EpisodeState(1000, stats)
+    state.charge("ep1", "a", 600, "something")
+    with pytest.raises(LimitExceeded) as refused:
+        state.charge("ep2", "left.obs", 500, "the chunk index of shard 'x'")
+    message = str(refused.value)
+    for part in ("'ep2'", "'left.obs'", "the chunk index of shard 'x'", "500 bytes",
+                 "400 bytes left", "--episode-state-bytes"):
+        assert part in message, message
+    assert refused.value.episode == "ep2" and refused.value.key == "left.obs"
+    # nothing of the refused charge is counted
+    assert (state.used, stats.episode_state_bytes, stats.episode_state_refused) == (600, 600, 1)
+    state.charge("ep2", "left.obs", 400, "the rest")  # exactly the limit fits
+    assert state.used == 1000
+
+
+def test_released_and_given_back_bytes_are_the_episodes_own() -> None:
+    stats = Stats()
+    state = EpisodeState(10_000, stats)
+    state.charge("ep1", "a", 3000, "x")
+    state.charge("ep2", "a", 2000, "x")
+    state.give_back("ep1", 5000)  # never more than it was charged
+    assert (state.of("ep1"), state.of("ep2"), state.used) == (0, 2000, 2000)
+    state.charge("ep1", "a", 100, "x")
+    state.release("ep2")
+    state.release("ep2")  # twice: nothing more
+    assert (state.used, stats.episode_state_bytes) == (100, 100)
+
+
+def _catalog(root: Path, limit: int) -> Catalog:
+    stats = Stats()
+    store = open_root(str(root), stats=stats)
+    return Catalog(store, state=EpisodeState(limit, stats))
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("four")
+    ramp.write_ramp_dataset(root, layout="unsharded")
+    return root
+
+
+def test_episodes_past_the_limit_are_listed_broken_naming_the_flag(four: Path) -> None:
+    roomy = _catalog(four, 1 << 30)
+    asyncio.run(roomy.scan())
+    costs = sorted(roomy.state.of(name) for name in roomy.episodes)
+    assert len(costs) == 4 and all(c > 0 for c in costs)
+    assert roomy.state.used == sum(costs)
+    # room for two of them: two opened, two broken, and the ledger within its limit
+    tight = _catalog(four, costs[0] + costs[1] + costs[2] // 2)
+    asyncio.run(tight.scan())
+    assert 1 <= len(tight.episodes) <= 2
+    assert len(tight.broken) == 4 - len(tight.episodes)
+    assert tight.state.used <= tight.state.limit
+    assert tight.store.stats.episode_state_refused == len(tight.broken)
+    for name, why in tight.broken.items():
+        assert "--episode-state-bytes" in why and repr(name) in why, why
+        with pytest.raises(BrokenEpisodeError):
+            tight.lookup(name)
+
+
+def test_a_dropped_episode_gives_its_state_back(four: Path) -> None:
+    catalog = _catalog(four, 1 << 30)
+    asyncio.run(catalog.scan())
+    name = sorted(catalog.episodes)[0]
+    cost = catalog.state.of(name)
+    before = catalog.state.used
+    catalog.drop(name)
+    assert catalog.state.used == before - cost and catalog.state.of(name) == 0
