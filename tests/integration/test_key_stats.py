@@ -238,17 +238,19 @@ def test_readme_stats_command_runs(root: Path, tmp_path: Path) -> None:
             assert sorted(doc["keys"]) == sorted(KEYS)
 
 
+@pytest.mark.parametrize("cut", ["BLOCK_BYTES", "BLOCK_CHUNKS"])
 @pytest.mark.parametrize("budget", [1, 2**30])
-def test_long_episodes_in_blocks_and_a_tiny_budget(root: Path, budget: int,
+def test_long_episodes_in_blocks_and_a_tiny_budget(root: Path, budget: int, cut: str,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """In process: episodes read in blocks of one chunk, parts kept or not by the budget."""
+    """In process: episodes read in blocks of one chunk (cut by their bytes, or by their
+    count of chunks), parts kept or not by the budget."""
     import asyncio
 
     from episerve_server.config import ServerConfig
     from episerve_server.plan import statistics
     from episerve_server.wiring import build_read_core
 
-    monkeypatch.setattr(statistics, "BLOCK_BYTES", 1)
+    monkeypatch.setattr(statistics, cut, 1)
     core = build_read_core(ServerConfig(root=str(root), stats_cache_bytes=budget))
     noisy = ["noisy0", "noisy1", "noisy2"]
 

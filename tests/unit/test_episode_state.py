@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from episerve_proto.errors import BrokenEpisodeError, LimitExceeded
-from episerve_server.core.ledger import EpisodeState
+from episerve_server.core.ledger import JSON_GROWTH, EpisodeState
 from episerve_server.core.stats import Stats
 from episerve_server.storage.catalog import Catalog
 from episerve_server.storage.store import open_root
@@ -86,3 +86,20 @@ def test_a_dropped_episode_gives_its_state_back(four: Path) -> None:
     before = catalog.state.used
     catalog.drop(name)
     assert catalog.state.used == before - cost and catalog.state.of(name) == 0
+
+
+def test_an_arrays_large_attributes_are_charged_as_they_are(tmp_path: Path) -> None:
+    """Array metadata stays with its reader: 500 kB of attributes on one array cost its
+    episode their parsed size, not the reader's flat estimate."""
+    from tests.support import crafted
+
+    for n, name in enumerate(("plain", "heavy")):
+        ramp.write_ramp_episode(tmp_path, name, episode_no=n, total_frames=30,
+                                layout="unsharded")
+    crafted.edit_array(tmp_path, "heavy", "obs_head_pose",
+                       lambda doc: doc.update(attributes={"blob": "x" * 500_000}))
+    catalog = _catalog(tmp_path, 1 << 30)
+    asyncio.run(catalog.scan())
+    assert set(catalog.episodes) == {"plain", "heavy"}
+    extra = catalog.state.of("heavy") - catalog.state.of("plain")
+    assert extra >= JSON_GROWTH * 500_000, extra

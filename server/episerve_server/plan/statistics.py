@@ -58,6 +58,9 @@ EPISODE_CONCURRENCY = 8
 STATS_THREADS = 1
 #: Decoded bytes of one block of an episode's rows: a longer episode is read in blocks.
 BLOCK_BYTES = 32 << 20
+#: Chunks of one block, whatever their size: each costs a fetch and its bookkeeping (an
+#: array of one-value chunks would otherwise make blocks of 8M of them).
+BLOCK_CHUNKS = 1 << 14
 #: The tails of one key may take at most this many bytes (about 4% of its values).
 MAX_TAILS_BYTES = 512 << 20
 DEFAULT_STATS_CACHE_BYTES = 512 << 20
@@ -234,8 +237,10 @@ class KeyStatsEngine:
             reader = e.readers[plan.key]
             size = math.prod(plan.feature) * 4
             n_chunks = -(-e.total_frames // reader.info.chunk_rows)
-            step = max(1, BLOCK_BYTES // max(1, reader.info.chunk_rows * size))
-            ranges = [(c0, min(n_chunks, c0 + step) - 1) for c0 in range(0, n_chunks, step)]
+            step = min(BLOCK_CHUNKS,
+                       max(1, BLOCK_BYTES // max(1, reader.info.chunk_rows * size)))
+            # (a range, not a list: an episode may declare 10^8 chunks of 32 MiB)
+            ranges = _Blocks(n_chunks, step)
             todo.append((plan, reader, ranges, e.total_frames * size <= self.budget_bytes))
         blocks: list[list[tuple[Moments, np.ndarray]]] = [[] for _ in todo]
         for k in range(max(len(ranges) for _, _, ranges, _ in todo)):
@@ -351,3 +356,20 @@ def _checked_keys(keys: Sequence[str]) -> list[str]:
             raise InvalidArgument(f"key {key!r} is listed twice", key=key)
         seen.add(key)
     return list(keys)
+
+
+class _Blocks:
+    """Blocks of ``step`` chunks over ``n`` chunks, the k-th as ``(first, last)``, made
+    when asked for (a sequence of ``ceil(n / step)`` of them, none kept)."""
+
+    def __init__(self, n: int, step: int) -> None:
+        self.n, self.step = n, step
+
+    def __len__(self) -> int:
+        return -(-self.n // self.step)
+
+    def __getitem__(self, k: int) -> tuple[int, int]:
+        if not 0 <= k < len(self):
+            raise IndexError(k)
+        c0 = k * self.step
+        return c0, min(self.n, c0 + self.step) - 1

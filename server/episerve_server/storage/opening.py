@@ -26,6 +26,7 @@ from zarr.storage import StorePath
 
 from episerve_proto.contract import MAX_LISTED_ATTRS_BYTES, TOO_LARGE_ATTR, TOO_LARGE_BYTES_ATTR
 from episerve_proto.errors import BrokenEpisodeError, Unavailable
+from episerve_server.core.ledger import JSON_GROWTH
 from episerve_server.storage.episode import Episode
 from episerve_server.storage.readers import build_reader
 from episerve_server.storage.readers.bounds import (
@@ -185,6 +186,14 @@ def _add_array(episode: Episode, store: CountingStore, key: str, array: AsyncArr
             f"array {key!r} cannot be read ({type(exc).__name__}: {_said(exc)})"
         )
         return
+    # The array's metadata stays with its reader; its attributes are the part a file can
+    # make large (up to --max-metadata-bytes), so they are charged as they are.
+    attributes = getattr(array.metadata, "attributes", None)
+    if attributes:
+        try:
+            reader.kept_bytes += JSON_GROWTH * len(json.dumps(attributes, default=str))
+        except (ValueError, TypeError, RecursionError):
+            reader.kept_bytes += JSON_GROWTH * store.max_metadata_bytes
     episode.readers[key] = reader
     if key != "annotations" and reader.info.rows < episode.total_frames:
         episode.problems[key] = (
