@@ -103,3 +103,22 @@ def test_an_arrays_large_attributes_are_charged_as_they_are(tmp_path: Path) -> N
     assert set(catalog.episodes) == {"plain", "heavy"}
     extra = catalog.state.of("heavy") - catalog.state.of("plain")
     assert extra >= JSON_GROWTH * 500_000, extra
+
+
+def test_a_lerobot_listing_past_the_limit_refuses_the_dataset_naming_the_flag(
+        tmp_path: Path) -> None:
+    """A LeRobot root's listing (each episode's metadata, kept with the root) is charged as
+    its files are read: past the limit the dataset is the one broken entry saying so."""
+    from tests.support import lerobot as lr
+
+    root = lr.write(tmp_path / "ds", lr.Layout(lengths=(3,) * 40))
+    roomy = _catalog(root, 1 << 30)
+    asyncio.run(roomy.scan())
+    assert len(roomy.episodes) == 40
+    listing = roomy.state.of("(meta/episodes)")
+    assert listing >= 40 * 1000, listing  # about 1 kB an episode of two videos
+    tight = _catalog(root, listing // 2)
+    asyncio.run(tight.scan())
+    assert not tight.episodes
+    [why] = tight.broken_listing().values()
+    assert "--episode-state-bytes" in why and "meta/episodes" in why, why

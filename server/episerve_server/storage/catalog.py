@@ -285,7 +285,8 @@ class Catalog:
         entries = [entry.rstrip("/") async for entry in self.store.list_dir("")]
         if not self._detected and "meta" in entries:  # maybe a LeRobot root: look once
             self._detected = True
-            self.lerobot = await _lerobot_source(self.store, self.video_tolerance_s)
+            self.lerobot = await _lerobot_source(self.store, self.video_tolerance_s,
+                                                 self.state)
         if self.lerobot is not None:
             listed = await self.lerobot.names()
             if self.lerobot.problem:  # its one broken entry, whatever --allow says
@@ -348,7 +349,8 @@ class Catalog:
             log.warning("episode %s has problems: %s", name, episode.reason())
 
 
-async def _lerobot_source(store: CountingStore, tolerance_s: float) -> LeRobotSource | None:
+async def _lerobot_source(store: CountingStore, tolerance_s: float,
+                          state: EpisodeState) -> LeRobotSource | None:
     """The LeRobot source of a local root holding ``meta/info.json``, else None (zarr)."""
     from episerve_server.storage.lerobot.meta import INFO_PATH
     from episerve_server.storage.lerobot.source import LeRobotSource
@@ -361,7 +363,7 @@ async def _lerobot_source(store: CountingStore, tolerance_s: float) -> LeRobotSo
                   "serving the root as zarr", INFO_PATH)
         return None
     log.info("serving a LeRobot v3 dataset (%s found)", INFO_PATH)
-    return LeRobotSource(store, local, tolerance_s=tolerance_s)
+    return LeRobotSource(store, local, tolerance_s=tolerance_s, state=state)
 
 
 async def _open_lerobot(source: LeRobotSource, name: str) -> Episode:
