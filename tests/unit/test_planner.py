@@ -101,6 +101,30 @@ def test_all_masks_match_oracle(name: str, cutoff: bool, dataset: str, cached: A
                    all_masks=True)
 
 
+def test_a_read_needing_more_decoded_chunks_than_allowed_is_refused_before_fetching(
+        ramp_served: dict[Any, Any], monkeypatch: pytest.MonkeyPatch,
+        matches_oracle: Any) -> None:
+    """The numeric chunks a read needs decoded at once are bounded whatever few rows its
+    answer takes: past the bound, LimitExceeded names the episode and key holding most,
+    and nothing is fetched; a read within it is served as before."""
+    from episerve_proto.errors import LimitExceeded
+    from episerve_server.plan import misses
+
+    served = ramp_served["unsharded", False]  # no cache: every chunk is a miss
+    keymap = {"kp": e("left.obs_keypoints", "proprio_keys")}
+    samples = [("ep000a", 0), ("ep003d", 0), ("ep003d", 150), ("ep003d", 250)]
+    one = served.catalog.episodes["ep003d"].readers["left.obs_keypoints"].info.decoded_bound
+    monkeypatch.setattr(misses, "MAX_READ_DECODED_BYTES", 3 * one)
+    fetched = served.stats.chunks_fetched
+    with pytest.raises(LimitExceeded) as refused:
+        served.read(keymap, samples)
+    assert (refused.value.episode, refused.value.key) == ("ep003d", "left.obs_keypoints")
+    assert "3 chunks of" in str(refused.value) and "fewer samples" in str(refused.value)
+    assert served.stats.chunks_fetched == fetched
+    result = served.read(keymap, samples[1:])
+    matches_oracle(served, result, keymap, samples[1:])
+
+
 def test_offsets_is_pad_follows_the_unclamped_frames(ramp_served: dict[Any, Any]) -> None:
     """Guards the comparison above: offsets beyond both ends are padding, duplicates stay."""
     served = ramp_served["sharded", False]

@@ -103,6 +103,43 @@ def test_hint_and_preload_settings() -> None:
         ServerConfig.from_args([], {"EPISERVE_PRELOAD": "camera"})
 
 
+def test_preload_counts_what_fits_and_lists_chunks_only_as_its_jobs_take_them(
+        tmp_path: Path, run: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An array declaring 10^8 one-row chunks, preloaded under a 1 MiB cache: the plan
+    counts the chunks that fit (each with its bookkeeping), never lists the rest (a Need
+    per chunk was 10^8 objects made on the event loop), and the jobs make their chunks as
+    they are taken."""
+    import itertools
+
+    from episerve_server.plan import background
+    from tests.support import crafted
+
+    ramp.write_ramp_episode(tmp_path, "huge", episode_no=0, total_frames=30,
+                            layout="unsharded", chunk_rows=1)
+
+    def declare(doc: dict[str, Any]) -> None:
+        doc["shape"][0] = 10**8
+
+    crafted.edit_array(tmp_path, "huge", KP, declare)
+    core = build_read_core(ServerConfig(root=str(tmp_path), cache_bytes=1 << 20))
+    run(core.catalog.scan())
+    spans: list[tuple[Any, int]] = []
+    real_jobs = background._jobs
+
+    def jobs(got: list[tuple[Any, int]], size: int) -> Any:
+        spans.extend(got)
+        return itertools.islice(real_jobs(got, size), 2)  # the first two jobs are enough
+
+    monkeypatch.setattr(background, "_jobs", jobs)
+    run(core.background._preload_all())
+    planned = dict((r.info.name, n) for r, n in spans)
+    per_chunk = 63 * 4 + background.PRELOAD_CHUNK_OVERHEAD
+    assert 0 < planned[KP] <= (1 << 20) // per_chunk, planned
+    assert core.stats.preload_total == sum(planned.values()) <= (1 << 20) // 8
+    first = next(real_jobs(spans, 16))
+    assert [n.chunk for n in first][:3] == [0, 1, 2] and len(first) == 16
+
+
 LONG_HEAD = Keymap.parse({"h": {"zarr_key": "obs_head_pose", "key_type": "proprio_keys",
                                 "history": 1000}})
 

@@ -36,7 +36,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -46,6 +46,7 @@ from episerve_proto.errors import EpiserveError
 from episerve_server.core.framecache import ChunkKey
 from episerve_server.core.keymap import Keymap, Rule
 from episerve_server.plan.misses import Need
+from episerve_server.storage.readers import ChunkReader
 
 if TYPE_CHECKING:
     from episerve_server.plan.planner import Planner
@@ -68,6 +69,8 @@ PLAN_SLICE_CELLS = 64 << 10
 #: the cache on the loop in one pass (at 512 a job, reads waited ~300 ms at p99; at 16,
 #: ~25 ms).
 PRELOAD_CHUNKS_PER_JOB = 16
+#: What a preloaded chunk costs beside its data: its slot's bookkeeping and table entry.
+PRELOAD_CHUNK_OVERHEAD = 64
 PRELOAD_PLAN_SLICE = 64  # episodes planned between yields to the loop
 POLL_S = 0.002
 
@@ -257,33 +260,32 @@ class Background:
         if not self.cache.enabled:
             log.warning("--preload numeric: the cache is off (--cache-bytes 0), nothing to do")
             return
-        groups: list[list[Need]] = []
+        # Per array, how many of its first chunks fit (counted, not listed: an array may
+        # declare 10^8 chunks of one value); each chunk costs its data and what the cache
+        # keeps beside it.
+        spans: list[tuple[ChunkReader, int]] = []
         planned = 0
         limit = self.cache.budget_bytes
         for n, episode in enumerate(episodes):
             if n % PRELOAD_PLAN_SLICE == PRELOAD_PLAN_SLICE - 1:
                 await asyncio.sleep(0)  # planning every episode is served in slices
-            mine = []
             for name in sorted(episode.readers):
                 reader = episode.readers[name]
                 info = reader.info
                 if info.is_bytes:
                     continue
-                size = info.chunk_rows * math.prod(info.feature) * 4
-                for chunk in range(-(-info.rows // info.chunk_rows)):
-                    if planned + size > limit:
-                        break
-                    planned += size
-                    mine.append(Need(reader, chunk))
-            if mine:
-                groups.append(mine)
-        total = sum(len(g) for g in groups)
+                size = info.chunk_rows * math.prod(info.feature) * 4 + PRELOAD_CHUNK_OVERHEAD
+                count = min(-(-info.rows // info.chunk_rows), (limit - planned) // size)
+                if count > 0:
+                    spans.append((reader, count))
+                    planned += count * size
+        total = sum(count for _, count in spans)
         self.stats.preload_total = total
-        log.info("preload numeric: %d chunks (%.1f MiB decoded) of %d episodes, in the "
-                 "background", total, planned / 2**20, len(groups))
+        log.info("preload numeric: %d chunks (%.1f MiB decoded) of %d arrays, in the "
+                 "background", total, planned / 2**20, len(spans))
         started = time.monotonic()
         failed = 0
-        for group in _batches(groups, PRELOAD_CHUNKS_PER_JOB):
+        for group in _jobs(spans, PRELOAD_CHUNKS_PER_JOB):
             while not self.fetcher.spare():
                 await asyncio.sleep(POLL_S)
             needs = [n for n in group if not self.fetcher.in_flight(n.id)
@@ -326,16 +328,16 @@ def _estimate(need: Need) -> int:
     return info.chunk_rows * math.prod(info.feature) * 4
 
 
-def _batches(groups: list[list[Need]], size: int) -> list[list[Need]]:
-    """Jobs of at most ``size`` chunks: small episodes together, a large one in pieces (a
-    job's chunks are put in the cache on the loop in one pass, so a large job would keep
-    reads waiting for that pass)."""
-    out: list[list[Need]] = []
-    for group in groups:
-        for start in range(0, len(group), size):
-            piece = group[start: start + size]
-            if out and len(out[-1]) + len(piece) <= size:
-                out[-1].extend(piece)
-            else:
-                out.append(list(piece))
-    return out
+def _jobs(spans: list[tuple[ChunkReader, int]], size: int) -> Iterator[list[Need]]:
+    """The first ``count`` chunks of each span's array, in jobs of at most ``size`` chunks
+    (a job's chunks are put in the cache on the loop in one pass, so a large job would keep
+    reads waiting for that pass), made as they are asked for."""
+    job: list[Need] = []
+    for reader, count in spans:
+        for chunk in range(count):
+            job.append(Need(reader, chunk))
+            if len(job) == size:
+                yield job
+                job = []
+    if job:
+        yield job

@@ -36,7 +36,7 @@ from typing import Any, TypeAlias
 
 import numpy as np
 
-from episerve_proto.errors import DataLossError, EpisodeNotFound
+from episerve_proto.errors import DataLossError, EpisodeNotFound, LimitExceeded
 from episerve_server.core.cache import Chunk, ChunkCache
 from episerve_server.core.stats import Stats
 from episerve_server.plan.store_reads import Vanished, split_decode, storage_error
@@ -49,6 +49,9 @@ from episerve_server.storage.store import Refused, split_key
 ChunkId: TypeAlias = tuple[str, str, int]  # episode, zarr key, chunk
 #: A read retries chunks whose shared job failed this many times before it gives up.
 MAX_ATTEMPTS = 3
+#: Numeric chunks one read may need decoded at once (sampling one row from each of 4,096
+#: episodes in chunks of 1,000 rows x 63 floats is 1 GB).
+MAX_READ_DECODED_BYTES = 2 << 30
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +157,7 @@ class Fetcher:
         """The chunks of ``needs`` (distinct), in order: fetched by this call's own job, or
         taken from jobs already in flight. ``charge`` is told frame bytes as they are known
         (before reading, from a shard index) or arrive; it may raise to stop the read."""
+        _check_decoded(needs)
         out: list[Chunk | None] = [None] * len(needs)
         pending = list(range(len(needs)))
         error: BaseException | None = None
@@ -442,6 +446,28 @@ class Fetcher:
         replaced += self.cache.put_frames(frames)
         self.stats.duplicate_fetches += replaced
         return out
+
+
+def _check_decoded(needs: Sequence[Need]) -> None:
+    """A read holds the numeric chunks it needs decoded at once, each up to 256 MiB however
+    few of its rows the answer takes (the answer's own limit does not see them): more than
+    ``MAX_READ_DECODED_BYTES`` of them is ``LimitExceeded`` naming the episode and key that
+    hold the most, before anything is fetched. (Frames are charged as they arrive.)"""
+    total = 0
+    by_key: dict[tuple[str, str], list[int]] = {}
+    for need in needs:
+        info = need.reader.info
+        if not info.is_bytes:
+            total += info.decoded_bound
+            seen = by_key.setdefault((info.episode, info.name), [0, info.decoded_bound])
+            seen[0] += 1
+    if total <= MAX_READ_DECODED_BYTES:
+        return
+    (episode, key), (count, size) = max(by_key.items(), key=lambda kv: kv[1][0] * kv[1][1])
+    raise LimitExceeded(
+        f"episode {episode!r} key {key!r}: the read needs {total} bytes of numeric chunks "
+        f"decoded at once ({count} chunks of {size} bytes of this key), more than "
+        f"{MAX_READ_DECODED_BYTES}; read fewer samples at a time", episode=episode, key=key)
 
 
 def _observed(task: asyncio.Task[Any]) -> None:
