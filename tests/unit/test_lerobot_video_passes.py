@@ -332,16 +332,18 @@ def test_a_keyframe_list_is_charged_to_the_episode_state_and_refused_past_it() -
     feature = Feature(TOP, "video", (4, 4, 3), "uint8")
     reader = VideoReader("episode_000000", feature, _Files(), VideoSpan("v.mp4", 0.0),
                          60000, 10.0, 1e-4, Stats())
-    reader.state = EpisodeState(1 << 20)
+    state = EpisodeState(1 << 20)
+    reader.account = state.account("episode_000000")
     keys = reader._list_keyframes(_Packets(6000, 0.1, 5))
-    assert len(keys) == 1200 and reader.state.used == 1200 * KEYFRAME_BYTES
-    reader.state = EpisodeState(4 * KEYFRAME_BLOCK * KEYFRAME_BYTES)
+    assert len(keys) == 1200 and state.used == 1200 * KEYFRAME_BYTES
+    state = EpisodeState(4 * KEYFRAME_BLOCK * KEYFRAME_BYTES)
+    reader.account = state.account("episode_000000")
     many = _Packets(60000, 0.1, 1)  # every packet a keyframe: 60,000 of them
     with pytest.raises(LimitExceeded) as refused:
         reader._list_keyframes(many)
     assert refused.value.episode == "episode_000000" and refused.value.key == TOP
     assert "keyframe list" in str(refused.value)
-    assert many.demuxed <= 5 * KEYFRAME_BLOCK and reader.state.used == 0
+    assert many.demuxed <= 5 * KEYFRAME_BLOCK and state.used == 0
 
 
 def test_the_frames_kept_with_a_frame_reach_back_at_most_one_pass() -> None:

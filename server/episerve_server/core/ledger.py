@@ -23,6 +23,9 @@ from episerve_server.core.stats import Stats
 
 #: ``--episode-state-bytes``'s default, per daemon process.
 DEFAULT_EPISODE_STATE_BYTES = 2 * 2**30
+#: The account of attribute values the catalog keeps once for every episode that shares
+#: them (charged when first seen, kept with the catalog).
+SHARED = "(shared attributes)"
 #: An opened episode, before its readers: the Episode record, its dicts, its name.
 EPISODE_BYTES = 4096
 #: Parsed JSON (attributes) kept as Python objects, per byte of JSON.
@@ -35,8 +38,30 @@ KEYFRAME_BYTES = 32
 SPAN_BYTES = 160
 
 
+class Account:
+    """What one opening of one episode (or the root's listing) is charged. A reader keeps
+    its episode's account: once the catalog drops or reopens the episode the account is
+    closed, and what an old reader still in a read charges is not counted (its state goes
+    with it)."""
+
+    __slots__ = ("episode", "ledger", "open", "used")
+
+    def __init__(self, ledger: EpisodeState, episode: str) -> None:
+        self.ledger, self.episode, self.used, self.open = ledger, episode, 0, True
+
+    def charge(self, key: str, nbytes: int, what: str) -> None:
+        """Count ``nbytes`` kept for ``key`` (``what``), or raise ``LimitExceeded`` naming
+        the episode and key when it would pass the limit (then nothing is counted)."""
+        self.ledger._charge(self, key, max(0, int(nbytes)), what)
+
+    def give_back(self, nbytes: int) -> None:
+        """Give back ``nbytes`` of this account's charges (state built in parts, then
+        refused, is not kept)."""
+        self.ledger._give_back(self, max(0, int(nbytes)))
+
+
 class EpisodeState:
-    """What the episodes' kept state costs, by episode, within ``limit`` bytes; reported
+    """What the episodes' kept state costs, by account, within ``limit`` bytes; reported
     in ``stats`` (``episode_state_bytes``, ``episode_state_refused``). Charged from the
     event loop and from the threads that decode video (a keyframe list), so under a lock."""
 
@@ -46,51 +71,68 @@ class EpisodeState:
         self.limit = limit
         self.stats = stats if stats is not None else Stats()
         self.used = 0
-        self._by_episode: dict[str, int] = {}
+        #: accounts closed with bytes given back, ever: room may have been made since
+        self.releases = 0
+        self._accounts: dict[str, Account] = {}
         self._lock = threading.Lock()
 
     def left(self) -> int:
         return max(0, self.limit - self.used)
 
-    def charge(self, episode: str, key: str, nbytes: int, what: str) -> None:
-        """Count ``nbytes`` of ``episode``'s state (``what``, for ``key``), or raise
-        ``LimitExceeded`` naming them when it would pass the limit (nothing is counted)."""
-        nbytes = max(0, int(nbytes))
+    def account(self, episode: str) -> Account:
+        """A new account for ``episode`` (any earlier one is closed and given back)."""
+        self.release(episode)
         with self._lock:
-            if self.used + nbytes > self.limit:
-                self.stats.episode_state_refused += 1
-                left = self.left()
-            else:
-                self.used += nbytes
-                self._by_episode[episode] = self._by_episode.get(episode, 0) + nbytes
-                self.stats.episode_state_bytes = self.used
-                return
-        raise LimitExceeded(
-            f"episode {episode!r} key {key!r}: {what} would keep {_size(nbytes)}, and the "
-            f"daemon's episode state has {_size(left)} left of --episode-state-bytes "
-            f"{_size(self.limit)} (raise it, or serve fewer episodes per daemon)",
-            episode=episode, key=key)
+            acc = self._accounts[episode] = Account(self, episode)
+        return acc
+
+    def kept(self, episode: str) -> Account:
+        """``episode``'s open account, opened if it has none (the root's listing)."""
+        with self._lock:
+            acc = self._accounts.get(episode)
+        return acc if acc is not None else self.account(episode)
 
     def of(self, episode: str) -> int:
-        return self._by_episode.get(episode, 0)
-
-    def give_back(self, episode: str, nbytes: int) -> None:
-        """Give back ``nbytes`` of what ``episode`` was charged (state built in parts, and
-        then refused, is not kept)."""
-        with self._lock:
-            had = self._by_episode.get(episode, 0)
-            n = min(had, max(0, int(nbytes)))
-            self.used -= n
-            if had - n:
-                self._by_episode[episode] = had - n
-            else:
-                self._by_episode.pop(episode, None)
-            self.stats.episode_state_bytes = self.used
+        acc = self._accounts.get(episode)
+        return acc.used if acc is not None else 0
 
     def release(self, episode: str) -> None:
-        """Give back everything ``episode`` was charged (dropped, reopened or refused)."""
+        """Close ``episode``'s account and give back all it was charged (dropped,
+        reopened or refused)."""
         with self._lock:
-            self.used -= self._by_episode.pop(episode, 0)
+            acc = self._accounts.pop(episode, None)
+            if acc is None:
+                return
+            acc.open = False
+            self.used -= acc.used
+            self.releases += bool(acc.used)
+            acc.used = 0
+            self.stats.episode_state_bytes = self.used
+
+    def _charge(self, acc: Account, key: str, nbytes: int, what: str) -> None:
+        with self._lock:
+            if not acc.open:
+                return  # an old reader's: its episode was given back, and so is this
+            if self.used + nbytes <= self.limit:
+                acc.used += nbytes
+                self.used += nbytes
+                self.stats.episode_state_bytes = self.used
+                return
+            self.stats.episode_state_refused += 1
+            left = self.left()
+        raise LimitExceeded(
+            f"episode {acc.episode!r} key {key!r}: {what} would keep {_size(nbytes)}, and "
+            f"the daemon's episode state has {_size(left)} left of --episode-state-bytes "
+            f"{_size(self.limit)} (raise it, or serve fewer episodes per daemon)",
+            episode=acc.episode, key=key)
+
+    def _give_back(self, acc: Account, nbytes: int) -> None:
+        with self._lock:
+            if not acc.open:
+                return
+            n = min(acc.used, nbytes)
+            acc.used -= n
+            self.used -= n
             self.stats.episode_state_bytes = self.used
 
 

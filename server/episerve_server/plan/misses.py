@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import math
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
@@ -457,9 +458,10 @@ def _check_decoded(needs: Sequence[Need]) -> None:
     by_key: dict[tuple[str, str], list[int]] = {}
     for need in needs:
         info = need.reader.info
-        if not info.is_bytes:
-            total += info.decoded_bound
-            seen = by_key.setdefault((info.episode, info.name), [0, info.decoded_bound])
+        if not info.is_bytes:  # held as float32 (or wider) whatever the stored type
+            size = info.chunk_rows * math.prod(info.feature) * max(4, info.itemsize)
+            total += size
+            seen = by_key.setdefault((info.episode, info.name), [0, size])
             seen[0] += 1
     if total <= MAX_READ_DECODED_BYTES:
         return

@@ -36,6 +36,7 @@ from episerve_server.core.ledger import (
     DEFAULT_EPISODE_STATE_BYTES,
     EPISODE_BYTES,
     JSON_GROWTH,
+    SHARED,
     EpisodeState,
 )
 from episerve_server.storage.directory import Directory
@@ -110,6 +111,9 @@ class Catalog:
         self.episodes: dict[str, Episode] = {}
         self.broken: dict[str, str] = {}
         self._retry: set[str] = set()  # broken by a storage timeout: opened again next scan
+        # broken by the episode-state limit: opened again by a scan once room is given back
+        self._over_budget: set[str] = set()
+        self._budget_mark = 0  # the ledger's releases when the last one was refused
         self._scan_lock = asyncio.Lock()
         self._shared: dict[str, Any] = {}  # canonical JSON -> the one parsed value kept
         self._scans = 0
@@ -167,6 +171,7 @@ class Catalog:
         self.broken.pop(episode_id, None)
         self._broken_prints.pop(episode_id, None)
         self._retry.discard(episode_id)
+        self._over_budget.discard(episode_id)
         if known:
             log.warning("episode %s was removed from the root; dropped", episode_id)
             if self.on_drop is not None:
@@ -182,6 +187,9 @@ class Catalog:
                 await asyncio.sleep(0)
             first, self._scans = not self._scans, self._scans + 1
             changed = set() if first else await self._changed()
+            if self._over_budget and self.state.releases != self._budget_mark:
+                self._retry |= self._over_budget  # room was given back since: try again
+                self._over_budget.clear()
             known = set(self.episodes) | (set(self.broken) - self._retry)
             added = sorted((names - known) | (changed & names))
             limit = self.open_limit if first else min(self.open_limit, RESCAN_OPEN_LIMIT)
@@ -193,21 +201,35 @@ class Catalog:
                     await asyncio.sleep(0)  # adding one is ~0.1-0.5 ms: serve between them
             return added, removed
 
-    def _charge(self, episode: Episode, attrs: int) -> None:
-        """Count what keeping ``episode`` costs (its record, ``attrs`` JSON bytes of
-        attributes it holds alone, each reader's own estimate) and give its readers the
-        ledger for what they keep later; refused as ``LimitExceeded`` naming the episode
-        (and its key that costs most) when it would pass ``--episode-state-bytes``.
-        Anything it was charged before is given back first (a scan that opens it again)."""
+    def _keep(self, episode: Episode) -> None:
+        """Charge what keeping ``episode`` costs and give its readers its account: its
+        record, the attributes it holds alone and each reader's own estimate to a new
+        account of its own, attribute values first seen here to SHARED (the catalog keeps
+        them). ``LimitExceeded`` naming the episode (and its key that costs most) when that
+        would pass ``--episode-state-bytes``; then nothing is kept."""
         name = episode.hash
-        self.state.release(name)
+        alone, new = self._attr_costs(episode.attrs)
         costs = {key: reader.kept_bytes for key, reader in episode.readers.items()}
         biggest = max(costs, key=costs.__getitem__, default="")
-        total = EPISODE_BYTES + JSON_GROWTH * attrs + sum(costs.values())
-        self.state.charge(name, biggest, total, f"opening it ({len(costs)} keys, "
-                          f"{attrs} bytes of attributes of its own)")
+        account = self.state.account(name)
+        shared = self.state.kept(SHARED)
+        try:
+            account.charge(biggest, EPISODE_BYTES + JSON_GROWTH * alone + sum(costs.values()),
+                           f"opening it ({len(costs)} keys, {alone} bytes of attributes of "
+                           "its own)")
+            shared_bytes = JSON_GROWTH * sum(size for _, size in new.values())
+            if shared_bytes:
+                try:
+                    shared.charge("", shared_bytes, f"opening it ({len(new)} attribute "
+                                  "values other episodes may share)")
+                except LimitExceeded as exc:  # said as this episode's
+                    raise LimitExceeded(exc.message, episode=name, key="") from None
+        except LimitExceeded:
+            self.state.release(name)
+            raise
+        episode.attrs = self._share(episode.attrs, new)
         for reader in episode.readers.values():
-            reader.state = self.state
+            reader.account = account
 
     def _print_of(self, name: str) -> str | None:
         episode = self.episodes.get(name)
@@ -256,30 +278,48 @@ class Catalog:
             self._opened(name, outcome, reopen=True)
         return True
 
-    def _share(self, attrs: dict[str, Any]) -> tuple[dict[str, Any], int]:
-        """The same attributes, with each value equal to one another episode has (a
-        dataset's episodes mostly share ``features``) replaced by that episode's object: the
-        catalog then holds each distinct value once. Values are never mutated. Also the
-        JSON bytes of the values this episode holds alone (what it is charged for)."""
-        out, alone = {}, 0
+    def _attr_costs(self, attrs: dict[str, Any]) -> tuple[int, dict[str, tuple[str, int]]]:
+        """What keeping ``attrs`` costs: the JSON bytes of the values the episode will hold
+        alone, and the values it will share but that no episode shares yet (each value's
+        canonical JSON and size: kept once, by the catalog, charged to SHARED)."""
+        alone = 0
+        new: dict[str, tuple[str, int]] = {}
         for name, value in attrs.items():
             if isinstance(value, dict | list):
                 try:
                     canon = f"{name}\0{json.dumps(value, sort_keys=True)}"
                 except (ValueError, TypeError, RecursionError):
                     canon = ""
-                found = None
-                if canon and len(canon) <= MAX_SHARED_VALUE_BYTES:
-                    found = self._shared.get(canon)
-                    if found is None and len(self._shared) < MAX_SHARED_VALUES:
-                        self._shared[canon] = value  # the first holder pays for it
-                alone += len(canon) if canon else MAX_LISTED_ATTRS_BYTES
-                if found is not None:
-                    value, alone = found, alone - len(canon)
+                if not canon:
+                    alone += MAX_LISTED_ATTRS_BYTES
+                elif canon in self._shared:
+                    continue
+                elif (len(canon) <= MAX_SHARED_VALUE_BYTES
+                        and len(self._shared) + len(new) < MAX_SHARED_VALUES):
+                    new[name] = (canon, len(canon))
+                else:
+                    alone += len(canon)
             else:
                 alone += len(name) + len(repr(value))
+        return alone, new
+
+    def _share(self, attrs: dict[str, Any], new: dict[str, tuple[str, int]]) -> dict[str, Any]:
+        """The same attributes, with each value equal to one another episode has (a
+        dataset's episodes mostly share ``features``) replaced by that episode's object, and
+        ``new`` values kept for the next ones: the catalog holds each distinct value once.
+        Values are never mutated."""
+        out = {}
+        for name, value in attrs.items():
+            if name in new:
+                self._shared[new[name][0]] = value
+            elif isinstance(value, dict | list):
+                try:
+                    canon = f"{name}\0{json.dumps(value, sort_keys=True)}"
+                except (ValueError, TypeError, RecursionError):
+                    canon = ""
+                value = self._shared.get(canon, value) if canon else value
             out[name] = value
-        return out, alone
+        return out
 
     async def _list(self) -> set[str]:
         entries = [entry.rstrip("/") async for entry in self.store.list_dir("")]
@@ -316,12 +356,7 @@ class Catalog:
             raise episode
         self.version += 1
         self._retry.discard(name)
-        if not isinstance(episode, BaseException):
-            episode.attrs, alone = self._share(episode.attrs)
-            try:
-                self._charge(episode, alone)
-            except LimitExceeded as exc:
-                episode = BrokenEpisodeError(exc.message, episode=name)
+        self._over_budget.discard(name)
         if reopen and (name in self.episodes or name in self.broken):
             self.state.release(name)
             self.episodes.pop(name, None)
@@ -330,6 +365,13 @@ class Catalog:
             log.warning("episode %s was rewritten in place; reopened", name)
             if self.on_drop is not None:
                 self.on_drop(name)
+        if not isinstance(episode, BaseException):
+            try:
+                self._keep(episode)
+            except LimitExceeded as exc:  # opened again once another gives room back
+                episode = BrokenEpisodeError(exc.message, episode=name)
+                self._over_budget.add(name)
+                self._budget_mark = self.state.releases
         if isinstance(episode, BrokenEpisodeError | Unavailable):
             self.state.release(name)
             self.episodes.pop(name, None)

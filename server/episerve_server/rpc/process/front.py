@@ -297,6 +297,10 @@ class FrontCollector(Collector):
             ("cache_entries", "Chunks held by the chunk caches.", got.get("cache_entries", 0)),
             ("cache_budget_bytes", "The chunk cache's budget (--cache-bytes).",
              self.front.config.cache_bytes),
+            ("episode_state_bytes", "Bytes charged for what the episodes' files declare, "
+             "in all workers.", got.get("episode_state_bytes", 0)),
+            ("episode_state_budget_bytes", "Their budget: --episode-state-bytes per "
+             "worker.", self.front.config.episode_state_bytes * len(pool.workers)),
             ("episodes_open", "Episodes open and readable.", got.get("episodes_open", 0)),
             ("episodes_broken", "Episodes listed as broken.", got.get("episodes_broken", 0)),
             ("reads_in_flight", "Read RPCs in progress.", got.get("reads_in_flight", 0)),

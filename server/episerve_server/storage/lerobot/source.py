@@ -100,6 +100,8 @@ class LeRobotSource:
                     LimitExceeded) as exc:
                 self.problem = _why(exc)
                 self.episodes = {}
+                if self.state is not None:  # nothing of the listing is kept
+                    self.state.release(LISTING)
             if self.problem:
                 log.error("LeRobot dataset cannot be served: %s", self.problem)
         if self.problem:  # listed (and opened) as one broken entry that says why
@@ -125,8 +127,9 @@ class LeRobotSource:
             n = len(next(iter(got.values()), []))
             if self.state is not None:  # each row is kept as an episode's metadata
                 videos = sum(f.kind == "video" for f in info.features.values())
-                self.state.charge(LISTING, path, n * (META_BYTES + VIDEO_SPAN_BYTES * videos),
-                                  f"the listing of {n} episodes with {videos} videos each")
+                self.state.kept(LISTING).charge(
+                    path, n * (META_BYTES + VIDEO_SPAN_BYTES * videos),
+                    f"the listing of {n} episodes with {videos} videos each")
             rows.extend({c: got[c][k] for c in got} for k in range(n))
         good: list[EpisodeMeta] = []
         for k, row in enumerate(rows):

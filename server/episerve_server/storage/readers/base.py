@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from episerve_proto.errors import DataLossError
 from episerve_server.core.cache import Chunk
-from episerve_server.core.ledger import EpisodeState
+from episerve_server.core.ledger import Account
 from episerve_server.storage.readers.decode import ArrayInfo, Decoder, Raw
 from episerve_server.storage.store import ByteGet, CountingStore, Refused
 
@@ -53,9 +53,10 @@ class ChunkReader:
     #: parsed metadata), charged to the episode state when its episode is kept: a zarr
     #: array's reader with its metadata measured 2.3 KiB (4.5 KiB sharded) under tracemalloc.
     kept_bytes = 4 * 1024
-    #: The ledger of what episodes keep (the catalog's), given when the episode is kept;
-    #: what the reader keeps later (a shard's index) is charged to it first (``keep``).
-    state: EpisodeState | None = None
+    #: Its episode's account in the ledger of what episodes keep (the catalog's), given
+    #: when the episode is kept: what the reader keeps later (a shard's index) is charged
+    #: to it first (``keep``).
+    account: Account | None = None
 
     def __init__(self, info: ArrayInfo, decoder: Decoder) -> None:
         self.info = info
@@ -67,13 +68,13 @@ class ChunkReader:
     def keep(self, nbytes: int, what: str) -> None:
         """Charge ``nbytes`` this reader is about to keep (``what``) to the episode state;
         ``LimitExceeded`` naming the episode and key when it would pass the limit."""
-        if self.state is not None:
-            self.state.charge(self.info.episode, self.info.name, nbytes, what)
+        if self.account is not None:
+            self.account.charge(self.info.name, nbytes, what)
 
     def unkeep(self, nbytes: int) -> None:
         """Give back ``nbytes`` charged by ``keep`` for state that was not kept after all."""
-        if self.state is not None:
-            self.state.give_back(self.info.episode, nbytes)
+        if self.account is not None:
+            self.account.give_back(nbytes)
 
     async def fetch(self, first: int, last: int) -> list[Raw | Chunk]:
         try:
