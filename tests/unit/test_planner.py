@@ -423,6 +423,21 @@ def test_no_metadata_requests_after_warm_up(dataset: str, cache_bytes: int,
     assert served.stats.store_reads > reads
 
 
+def _asked_exists(served: Any, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The keys ``served``'s store is asked ``exists`` about from now on (the counters do
+    not see them)."""
+    store = served.catalog.store
+    asked: list[str] = []
+    real_exists = store.exists
+
+    async def exists(key: str) -> bool:
+        asked.append(key)
+        return bool(await real_exists(key))
+
+    monkeypatch.setattr(store, "exists", exists)
+    return asked
+
+
 @pytest.mark.parametrize("layout", NUMERIC_LAYOUTS)
 def test_absent_chunks_make_no_metadata_hops_after_warm_up(
         layout: str, extras_served: dict[str, Any], serve: Callable[..., Any],
@@ -435,15 +450,7 @@ def test_absent_chunks_make_no_metadata_hops_after_warm_up(
     request on object storage and which the counters do not see.
     """
     served = serve(extras_served[layout].root, 0)
-    store = served.catalog.store
-    asked: list[str] = []
-    real_exists = store.exists
-
-    async def exists(key: str) -> bool:
-        asked.append(key)
-        return bool(await real_exists(key))
-
-    monkeypatch.setattr(store, "exists", exists)
+    asked = _asked_exists(served, monkeypatch)
     keymap = {"s": e("x.sparse", "proprio_keys"), "c": e("x.sparse", "action_keys", horizon=9)}
     served.read(keymap, [("xb", 50), ("xb", 150)])  # warm-up
     asked.clear()
@@ -453,7 +460,6 @@ def test_absent_chunks_make_no_metadata_hops_after_warm_up(
     matches_oracle(served, result, keymap, samples)
     assert served.stats.metadata_requests == metadata
     assert asked == []
-
 
 
 def test_the_fill_chunks_a_reader_remembers_are_bounded(
@@ -466,15 +472,7 @@ def test_the_fill_chunks_a_reader_remembers_are_bounded(
 
     monkeypatch.setattr(misses, "MAX_ABSENT", 0)
     served = serve(extras_served["sharded"].root, 0)
-    store = served.catalog.store
-    asked: list[str] = []
-    real_exists = store.exists
-
-    async def exists(key: str) -> bool:
-        asked.append(key)
-        return bool(await real_exists(key))
-
-    monkeypatch.setattr(store, "exists", exists)
+    asked = _asked_exists(served, monkeypatch)
     keymap = {"s": e("x.sparse", "proprio_keys")}
     for frame in (150, 120, 195):
         asked.clear()

@@ -208,7 +208,7 @@ class Catalog:
         them). ``LimitExceeded`` naming the episode (and its key that costs most) when that
         would pass ``--episode-state-bytes``; then nothing is kept."""
         name = episode.hash
-        alone, new = self._attr_costs(episode.attrs)
+        alone, canons, new = self._attr_costs(episode.attrs)
         costs = {key: reader.kept_bytes for key, reader in episode.readers.items()}
         biggest = max(costs, key=costs.__getitem__, default="")
         account = self.state.account(name)
@@ -217,7 +217,7 @@ class Catalog:
             account.charge(biggest, EPISODE_BYTES + JSON_GROWTH * alone + sum(costs.values()),
                            f"opening it ({len(costs)} keys, {alone} bytes of attributes of "
                            "its own)")
-            shared_bytes = JSON_GROWTH * sum(size for _, size in new.values())
+            shared_bytes = JSON_GROWTH * sum(len(canons[n]) for n in new)
             if shared_bytes:
                 try:
                     shared.charge("", shared_bytes, f"opening it ({len(new)} attribute "
@@ -227,7 +227,7 @@ class Catalog:
         except LimitExceeded:
             self.state.release(name)
             raise
-        episode.attrs = self._share(episode.attrs, new)
+        episode.attrs = self._share(episode.attrs, canons, new)
         for reader in episode.readers.values():
             reader.account = account
 
@@ -278,46 +278,46 @@ class Catalog:
             self._opened(name, outcome, reopen=True)
         return True
 
-    def _attr_costs(self, attrs: dict[str, Any]) -> tuple[int, dict[str, tuple[str, int]]]:
+    def _attr_costs(self, attrs: dict[str, Any]) -> tuple[int, dict[str, str], set[str]]:
         """What keeping ``attrs`` costs: the JSON bytes of the values the episode will hold
-        alone, and the values it will share but that no episode shares yet (each value's
-        canonical JSON and size: kept once, by the catalog, charged to SHARED)."""
+        alone; each shareable value's canonical JSON (by name); and the names of those that
+        no episode shares yet (kept once, by the catalog, charged to SHARED)."""
         alone = 0
-        new: dict[str, tuple[str, int]] = {}
+        canons: dict[str, str] = {}
+        new: set[str] = set()
         for name, value in attrs.items():
-            if isinstance(value, dict | list):
-                try:
-                    canon = f"{name}\0{json.dumps(value, sort_keys=True)}"
-                except (ValueError, TypeError, RecursionError):
-                    canon = ""
-                if not canon:
-                    alone += MAX_LISTED_ATTRS_BYTES
-                elif canon in self._shared:
-                    continue
-                elif (len(canon) <= MAX_SHARED_VALUE_BYTES
-                        and len(self._shared) + len(new) < MAX_SHARED_VALUES):
-                    new[name] = (canon, len(canon))
-                else:
-                    alone += len(canon)
-            else:
+            if not isinstance(value, dict | list):
                 alone += len(name) + len(repr(value))
-        return alone, new
+                continue
+            try:
+                canon = f"{name}\0{json.dumps(value, sort_keys=True)}"
+            except (ValueError, TypeError, RecursionError):
+                alone += MAX_LISTED_ATTRS_BYTES
+                continue
+            if canon in self._shared:
+                canons[name] = canon
+            elif (len(canon) <= MAX_SHARED_VALUE_BYTES
+                    and len(self._shared) + len(new) < MAX_SHARED_VALUES):
+                canons[name] = canon
+                new.add(name)
+            else:
+                alone += len(canon)
+        return alone, canons, new
 
-    def _share(self, attrs: dict[str, Any], new: dict[str, tuple[str, int]]) -> dict[str, Any]:
+    def _share(self, attrs: dict[str, Any], canons: dict[str, str],
+               new: set[str]) -> dict[str, Any]:
         """The same attributes, with each value equal to one another episode has (a
         dataset's episodes mostly share ``features``) replaced by that episode's object, and
         ``new`` values kept for the next ones: the catalog holds each distinct value once.
         Values are never mutated."""
         out = {}
         for name, value in attrs.items():
-            if name in new:
-                self._shared[new[name][0]] = value
-            elif isinstance(value, dict | list):
-                try:
-                    canon = f"{name}\0{json.dumps(value, sort_keys=True)}"
-                except (ValueError, TypeError, RecursionError):
-                    canon = ""
-                value = self._shared.get(canon, value) if canon else value
+            canon = canons.get(name)
+            if canon is not None:
+                if name in new:
+                    self._shared[canon] = value
+                else:
+                    value = self._shared[canon]
             out[name] = value
         return out
 
