@@ -8,6 +8,7 @@ written chunks are the fill value)."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,10 @@ from episerve_client import Client
 from tests.support import hostile, ramp
 
 pytestmark = pytest.mark.slow
+
+#: After the reads, the health poller (every 20 ms) is given this long before its figures
+#: are taken, so that they hold several polls however fast the reads were.
+SETTLE_S = 0.1
 
 MiB = 1 << 20
 DECLARED = 10**8
@@ -50,6 +55,7 @@ def test_an_episode_declaring_a_hundred_million_frames_costs_what_it_holds(
                 for f in frames:
                     got = client.read(KEYMAP, [("huge", f)])
                     assert got.arrays["k"].shape == (1, 63)
+            time.sleep(SETTLE_S)  # the reads can be over within one poll: a few more
             health = poller.mark()
             grown = hostile.rss(d.pid) - before
             assert client.list_episodes(brief=True).episodes[0].total_frames == DECLARED
