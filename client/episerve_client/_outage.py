@@ -21,7 +21,9 @@ Read that legitimately takes longer still succeeds once the doubled wait covers 
 from __future__ import annotations
 
 import logging
+import math
 import time
+from collections.abc import Callable
 
 from episerve_client.channel import nobody_listens, unix_path
 from episerve_client.errors import DeadlineExceeded, EpiserveError, InvalidArgument, Unavailable
@@ -41,6 +43,59 @@ ATTEMPT_MIN_S = 0.5
 
 def clock(wall: float) -> str:
     return time.strftime("%H:%M:%S", time.localtime(wall))
+
+
+#: While an answer does not come, the daemon's liveness is checked this often ...
+PROBE_S = 1.0
+#: ... once nothing came for this long (a WARNING then says so if it is not alive) ...
+WARN_QUIET_S = 2.0
+#: ... and it must show it is alive (welcome a connection, answer a health check) within this.
+ALIVE_S = 0.5
+
+
+class Watch:
+    """The schedule of a call whose answer has not come, on every transport: its daemon's
+    liveness is checked beside it every ``PROBE_S`` from ``WARN_QUIET_S`` on (or from
+    ``limit``, when sooner); a daemon not seen alive for ``limit`` (``max_outage_s``; None:
+    never) is an outage the call ends with. ``clock`` is the caller's monotonic clock."""
+
+    def __init__(self, limit: float | None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.limit, self.clock = limit, clock
+        self.started = self.alive_at = clock()
+        self.probed_at = -math.inf
+        self.first = self.started + (WARN_QUIET_S if limit is None else min(WARN_QUIET_S,
+                                                                            limit))
+
+    def due_at(self) -> float:
+        return max(self.first, self.probed_at + PROBE_S)
+
+    def wait_s(self) -> float:
+        """How long to wait for the answer before the next check (at least 1 ms)."""
+        return max(0.001, self.due_at() - self.clock())
+
+    def probing(self) -> None:
+        self.probed_at = self.clock()
+
+    def seen(self) -> None:
+        """The daemon was just seen alive."""
+        self.alive_at = self.clock()
+
+    def quiet_s(self) -> float:
+        return self.clock() - self.started
+
+    def over(self) -> bool:
+        return self.limit is not None and self.clock() - self.alive_at >= self.limit
+
+    def failure(self, what: str, target: str) -> Unavailable:
+        """``Unavailable``: ``what`` (nothing came) for how long, and how long the daemon
+        has not been seen alive; ``quiet_s`` tells ``Outages`` when the outage began."""
+        now = self.clock()
+        err = Unavailable(f"{what} for {now - self.started:.1f}s and the daemon has not been "
+                          f"seen alive for {now - self.alive_at:.1f}s (max_outage_s="
+                          f"{self.limit:g}): it is stopped or wedged", target=target)
+        err.quiet_s = now - self.alive_at  # type: ignore[attr-defined]
+        return err
 
 
 class Outages:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -12,12 +11,12 @@ import grpc
 from episerve_client import convert, keystats
 from episerve_client._base import BaseClient, KeymapLike, load_keymap
 from episerve_client._ops import Call, Flow, Op, Outcome, Sleep
+from episerve_client._outage import ALIVE_S, Watch
 from episerve_client.channel import CHANNEL_OPTIONS, HEALTH_CHECK
 from episerve_client.convert import KeymapCheck
 from episerve_client.errors import Unavailable, from_rpc_error, surfaced
 from episerve_client.keystats import KeyStats
 from episerve_client.listing import Listing
-from episerve_client.local_channel import ALIVE_S, PROBE_S, WARN_QUIET_S
 from episerve_client.read_answer import ReadResult
 from episerve_proto.contract import SERVICE_PATH
 
@@ -130,38 +129,27 @@ class AsyncClient(BaseClient):
         """``Client._watched``, awaited: with ``max_outage_s``, a call no answer comes for
         while the daemon answers no health check beside it for that long fails
         (``Unavailable``); the call is cancelled whenever this ends without its answer."""
-        limit = self.outages.max_outage_s
-        assert limit is not None
-        loop_time = asyncio.get_running_loop().time
-        started = loop_time()
-        alive_at, probed_at = started, -math.inf
-        first = started + min(WARN_QUIET_S, limit)
+        assert self.outages.max_outage_s is not None
+        watch = Watch(self.outages.max_outage_s, asyncio.get_running_loop().time)
         task = asyncio.ensure_future(answer)
         probe = channel.unary_unary(HEALTH_CHECK)
         try:
             while True:
-                check_at = max(first, probed_at + PROBE_S)
-                done, _ = await asyncio.wait({task}, timeout=max(0.001, check_at - loop_time()))
+                done, _ = await asyncio.wait({task}, timeout=watch.wait_s())
                 if done:
                     return await task  # type: ignore[no-any-return]
-                probed_at = loop_time()
+                watch.probing()
                 try:
                     await probe(b"", timeout=ALIVE_S, metadata=self.metadata())
-                    alive_at = loop_time()
+                    watch.seen()
                     continue
                 except grpc.RpcError as exc:
                     if exc.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED,
                                           grpc.StatusCode.UNAVAILABLE):
-                        alive_at = loop_time()
+                        watch.seen()  # something answered: the daemon is there
                         continue
-                now = loop_time()
-                if now - alive_at >= limit:
-                    err = Unavailable(f"no answer from the daemon at {target!r} for "
-                                      f"{now - started:.1f}s, and it has not answered a health "
-                                      f"check for {now - alive_at:.1f}s (max_outage_s="
-                                      f"{limit:g}): it is stopped or wedged", target=target)
-                    err.quiet_s = now - alive_at  # type: ignore[attr-defined]
-                    raise err
+                if watch.over():
+                    raise watch.failure(f"no answer from the daemon at {target!r}", target)
         finally:
             if not task.done():
                 task.cancel()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import math
 import os
 import time
 from collections.abc import Sequence
@@ -14,13 +13,14 @@ import grpc
 from episerve_client import convert, keystats
 from episerve_client._base import BaseClient, KeymapLike, load_keymap
 from episerve_client._ops import Call, Flow, Op, Outcome, Sleep
+from episerve_client._outage import ALIVE_S, Watch
 from episerve_client.channel import CHANNEL_OPTIONS, HEALTH_CHECK, close_at_exit
 from episerve_client.convert import KeymapCheck
-from episerve_client.errors import EpiserveError, Unavailable, from_rpc_error, surfaced
+from episerve_client.errors import EpiserveError, from_rpc_error, surfaced
 from episerve_client.keystats import KeyStats
 from episerve_client.listing import Listing
 from episerve_client.local import check_transport, pick_local
-from episerve_client.local_channel import ALIVE_S, PROBE_S, WARN_QUIET_S, Adopt, LocalChannel
+from episerve_client.local_channel import Adopt, LocalChannel
 from episerve_client.read_answer import ReadResult
 from episerve_proto.contract import SERVICE_PATH
 
@@ -208,30 +208,19 @@ class Client(BaseClient):
         accepts connections and never answers; gRPC alone would wait out the deadline).
         The call runs as a future here, so the process keeps a gRPC helper thread while
         it waits (a DataLoader forked from it right then would inherit it)."""
-        limit = self.outages.max_outage_s
-        assert limit is not None
-        started = time.monotonic()
-        alive_at, probed_at = started, -math.inf
-        first = started + min(WARN_QUIET_S, limit)
+        assert self.outages.max_outage_s is not None
+        watch = Watch(self.outages.max_outage_s)
         while True:
-            check_at = max(first, probed_at + PROBE_S)
             try:
-                return fut.result(timeout=max(0.001, check_at - time.monotonic()))
+                return fut.result(timeout=watch.wait_s())
             except grpc.FutureTimeoutError:
                 pass
-            probed_at = time.monotonic()
+            watch.probing()
             if self._answers_health(target):
-                alive_at = time.monotonic()
-                continue
-            now = time.monotonic()
-            if now - alive_at >= limit:
+                watch.seen()
+            elif watch.over():
                 fut.cancel()
-                err = Unavailable(f"no answer from the daemon at {target!r} for "
-                                  f"{now - started:.1f}s, and it has not answered a health check "
-                                  f"for {now - alive_at:.1f}s (max_outage_s={limit:g}): it is "
-                                  "stopped or wedged", target=target)
-                err.quiet_s = now - alive_at  # type: ignore[attr-defined]
-                raise err
+                raise watch.failure(f"no answer from the daemon at {target!r}", target)
 
     def _answers_health(self, target: str) -> bool:
         """Whether the daemon at ``target`` answers a health check within ``ALIVE_S`` (any

@@ -26,7 +26,6 @@ import contextlib
 import fcntl
 import gc
 import logging
-import math
 import mmap
 import os
 import select
@@ -41,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from episerve_client._outage import ALIVE_S, Watch
 from episerve_client.channel import DEFAULT_CONNECT_TIMEOUT_S, peer_pid
 from episerve_client.errors import (
     DataLossError,
@@ -54,12 +54,6 @@ from episerve_proto.errors import error_class
 
 log = logging.getLogger(__name__)
 
-#: While an answer does not come, the daemon's liveness is checked this often ...
-PROBE_S = 1.0
-#: ... once nothing came for this long (a WARNING then says so if it does not answer) ...
-WARN_QUIET_S = 2.0
-#: ... and a new connection must be welcomed within this.
-ALIVE_S = 0.5
 #: Maps a kept segment's descriptor: ``(fd, size) -> uint8 array`` (see LocalChannel.call).
 Adopt = Callable[[int, int], np.ndarray]
 _FD_SPACE = socket.CMSG_SPACE(array.array("i").itemsize)
@@ -333,40 +327,30 @@ class LocalChannel:
         has not been seen alive for ``quiet_s`` (``max_outage_s``), ``Unavailable``."""
         poller = select.poll()  # (select.select cannot take a descriptor past 1023)
         poller.register(sock.fileno(), select.POLLIN)
-        started = time.monotonic()
-        alive_at, probed_at, said = started, -math.inf, False
-        limit = self.quiet_s
-        first = started + (WARN_QUIET_S if limit is None else min(WARN_QUIET_S, limit))
+        watch, said = Watch(self.quiet_s), False
         while True:
-            now = time.monotonic()
-            left = deadline - now
+            left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError
-            check_at = max(first, probed_at + PROBE_S)
-            if poller.poll(1000 * max(0.001, min(left, check_at - now))):
+            if poller.poll(1000 * min(left, watch.wait_s())):
                 return
-            now = time.monotonic()
-            if now < check_at or self._sock is None or (said and limit is None):
+            if time.monotonic() < watch.due_at() or self._sock is None \
+                    or (said and watch.limit is None):
                 continue  # not due; being welcomed (the connect timeout covers it); said
-            probed_at = now
+            watch.probing()
             if self._alive():
-                alive_at = time.monotonic()
+                watch.seen()
                 continue
-            now = time.monotonic()
             if not said:
                 said = True
                 log.warning("episerve: the daemon at %s%s has sent nothing for %.0fs and does "
                             "not welcome a new connection: it is stopped or wedged%s",
                             self.target, f" (pid {self.daemon_pid})" if self.daemon_pid
-                            else "", now - started, "" if limit is None else
-                            f"; the call fails at {limit:g}s (max_outage_s)")
-            if limit is not None and now - alive_at >= limit:
-                err = Unavailable(f"the daemon's local plane at {self.path!r} has sent nothing "
-                                  f"for {now - started:.1f}s and not been seen alive for "
-                                  f"{now - alive_at:.1f}s (max_outage_s={limit:g}): it is "
-                                  "stopped or wedged", target=self.target)
-                err.quiet_s = now - alive_at  # type: ignore[attr-defined]
-                raise err
+                            else "", watch.quiet_s(), "" if watch.limit is None else
+                            f"; the call fails at {watch.limit:g}s (max_outage_s)")
+            if watch.over():
+                raise watch.failure(f"the daemon's local plane at {self.path!r} has sent "
+                                    "nothing", self.target)
 
     def _alive(self) -> bool:
         """Whether the daemon welcomes a new local-plane connection within ``ALIVE_S``."""

@@ -83,8 +83,8 @@ COUNTER_HELP = {
     "spill_evictions": "Spill entries deleted to stay within --spill-bytes.",
     "cache_index_refused": "Chunks not cached: indexing their array (by its declared chunk "
                            "count) would pass the slot tables' share of --cache-bytes.",
-    "episode_state_refused": "Episodes listed broken, or reads refused, because the state "
-                             "their files declare would pass --episode-state-bytes.",
+    "episode_state_refused": "Charges of what episodes' files declare refused (an episode "
+                             "listed broken, a read failed) by --episode-state-bytes.",
 }
 
 
