@@ -287,7 +287,7 @@ class BaseClient:
     def read_flow(self, keymap: KeymapLike, samples: Sequence[tuple[str, int]], *,
                   annotation_cutoff: bool = False, timeout_s: float | None = None,
                   all_masks: bool = False,
-                  prefetch: Sequence[tuple[str, int]] = ()) -> Flow:
+                  prefetch: Sequence[tuple[str, int]] = (), frame_views: bool = False) -> Flow:
         km = load_keymap(keymap)
         km_key = km.key
         samples = [(str(e), int(f)) for e, f in samples]
@@ -316,7 +316,7 @@ class BaseClient:
                 if isinstance(out, bytes | InSegment):  # gRPC's bytes, or the local plane's
                     self.outages.answered(t)
                     expect = Expected.of([samples[i] for i in idx], km, all_masks)
-                    parts.append((idx, read_result(out, expect)))
+                    parts.append((idx, read_result(out, expect, frame_views=frame_views)))
                     continue
                 assert isinstance(out, EpiserveError)
                 out = self.outages.as_failure(t, out)

@@ -24,6 +24,9 @@ from episerve_proto.answer import OPTIONAL, PER_SAMPLE, Field
 from episerve_proto.contract import IS_PAD_SUFFIX, MAX_EPISODE_FRAMES
 from episerve_proto.v1 import episerve_pb2 as pb
 
+#: One frame's bytes: ``bytes``, or a read-only uint8 view of a local-plane segment.
+Frame = bytes | np.ndarray
+
 
 @dataclass(slots=True)
 class ReadResult:
@@ -35,7 +38,9 @@ class ReadResult:
     embodiments: list[str]
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
     images: dict[str, tuple[str, np.ndarray]] = field(default_factory=dict)  # source, index
-    frames: dict[str, list[bytes]] = field(default_factory=dict)
+    #: JPEG or raw frames, per source: ``bytes``, or with ``frame_views`` (local plane)
+    #: read-only uint8 arrays viewing the answer's segment.
+    frames: dict[str, list[Frame]] = field(default_factory=dict)
     texts: dict[str, list[list[str]]] = field(default_factory=dict)
     #: With ``all_masks``: each sample's episode length T (the ``<output>_is_pad`` masks,
     #: bool (B, W), are in ``arrays``); None otherwise.
@@ -213,7 +218,7 @@ def _image_index(col: Any, index: Any, b: int) -> np.ndarray:
 
 
 def _frames(msg: Any, images: Mapping[str, tuple[str, np.ndarray]],
-            blobs: Iterator[Any]) -> dict[str, list[bytes]]:
+            blobs: Iterator[Any], views: bool = False) -> dict[str, list[Frame]]:
     """The frame sources (their bytes the next of ``blobs``), each one an image column
     indexes, with no more frames than its columns index, and every index in range of its
     source's frames."""
@@ -235,11 +240,22 @@ def _frames(msg: Any, images: Mapping[str, tuple[str, np.ndarray]],
             bad = int(index.min()) if int(index.min()) < 0 else int(index.max())
             raise loss("a frame index", bad,
                        f"in [0, {n}) (the frames sent for {source!r})", name)
-    out = {src.key: [b if isinstance(b, bytes) else b.tobytes()
-                     for b in itertools.islice(blobs, len(src.frames))] for src in msg.frames}
+    keep = _read_only if views else _as_bytes
+    out = {src.key: [keep(b) for b in itertools.islice(blobs, len(src.frames))]
+           for src in msg.frames}
     for source in referenced:
         out.setdefault(source, [])  # a column of zero-length windows indexes no frame
     return out
+
+
+def _as_bytes(blob: bytes | np.ndarray) -> bytes:
+    return blob if isinstance(blob, bytes) else blob.tobytes()
+
+
+def _read_only(blob: bytes | np.ndarray) -> Frame:
+    if isinstance(blob, np.ndarray):
+        blob.flags.writeable = False
+    return blob
 
 
 def _texts(msg: Any, b: int) -> dict[str, list[list[str]]]:
@@ -251,7 +267,8 @@ def _texts(msg: Any, b: int) -> dict[str, list[list[str]]]:
     return {col.name: [list(s.texts) for s in col.samples] for col in msg.texts}
 
 
-def read_result(answer: bytes | InSegment, expect: Expected | None = None) -> ReadResult:
+def read_result(answer: bytes | InSegment, expect: Expected | None = None, *,
+                frame_views: bool = False) -> ReadResult:
     """A Read answer (a gRPC answer's bytes, or a local-plane ``InSegment``), checked
     against its request before any array is made.
 
@@ -277,6 +294,6 @@ def read_result(answer: bytes | InSegment, expect: Expected | None = None) -> Re
         out.arrays[t.name] = tensor(t, next(blobs), b, "array", own)
     for col in msg.images:
         out.images[col.name] = (col.source, _image_index(col, next(blobs), b))
-    out.frames = _frames(msg, out.images, blobs)
+    out.frames = _frames(msg, out.images, blobs, frame_views)
     out.texts = _texts(msg, b)
     return out

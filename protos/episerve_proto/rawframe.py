@@ -9,6 +9,7 @@ JPEG (``FF D8``), so a client tells the two apart by the first bytes.
 from __future__ import annotations
 
 import struct
+from typing import Any
 
 MAGIC = b"\x89EPRGB\r\n"
 HEADER = struct.Struct("<8sII")
@@ -23,9 +24,10 @@ def pack(height: int, width: int, rgb: bytes) -> bytes:
     return HEADER.pack(MAGIC, height, width) + rgb
 
 
-def size_of(data: bytes) -> tuple[int, int] | None:
-    """``(H, W)`` of a raw frame whose length matches its header; None for anything else."""
-    if len(data) < HEADER_BYTES or not data.startswith(MAGIC):
+def size_of(data: bytes | memoryview | Any) -> tuple[int, int] | None:
+    """``(H, W)`` of a raw frame whose length matches its header; None for anything else.
+    ``data``: bytes, or any 1-D uint8 buffer (a view of a shared segment)."""
+    if len(data) < HEADER_BYTES or bytes(data[:len(MAGIC)]) != MAGIC:
         return None
     _, height, width = HEADER.unpack_from(data)
     if len(data) != HEADER_BYTES + height * width * 3:

@@ -74,3 +74,42 @@ def test_items_have_lerobots_keys_shapes_and_values(tmp_path: Path) -> None:
     assert first["action"].shape == (8, 1, lr.ACTION_DIM)
     assert first["index"].tolist() == list(range(8))
     assert first["task"] == [got["items"][i]["task"] for i in range(8)]
+
+
+def loader_pass(target: str, root: str, uint8: bool) -> list[dict[str, Any]]:
+    ds = LeRobotWindowDataset(target, root, DELTA, return_uint8=uint8)
+    loader = DataLoader(ds, batch_size=2, num_workers=2, multiprocessing_context="fork")
+    return list(loader)
+
+
+@pytest.mark.parametrize("uint8", [False, True], ids=["float32", "uint8"])
+def test_workers_batches_equal_in_process_ones_and_reuse_the_daemons_segments(
+        tmp_path: Path, uint8: bool) -> None:
+    """Items are copied by torch's collate, so a worker's answers are not kept: each goes
+    back to the daemon's pool once read and the next batch is written into the same
+    pages. Every batch is still what the main process reads on its own."""
+    from torch.utils.data import default_collate
+
+    from episerve_client import Client
+
+    layout = lr.Layout()
+    root = lr.write(tmp_path / "ds", layout)
+    with DaemonProcess(root, "--rescan-s", "0", "--local-segments", "4",
+                       unix=tmp_path / "d.sock") as d, Client(d.target) as c:
+        before = c.stats()["local_segments_made"]
+        batches = isolated(loader_pass, d.target, str(root), uint8)
+        made = c.stats()["local_segments_made"] - before
+        ds = LeRobotWindowDataset(d.target, root, DELTA, return_uint8=uint8)
+        want = [default_collate([ds[i] for i in range(k, min(k + 2, len(ds)))])
+                for k in range(0, len(ds), 2)]
+    assert len(batches) == len(want) == sum(layout.lengths) // 2 == 24
+    assert made <= 2 * 4, made  # each worker's pool of 4; before, a segment per batch
+    cam = layout.cameras[0]
+    assert batches[0][cam].dtype == (torch.uint8 if uint8 else torch.float32)
+    for k, (got, ref) in enumerate(zip(batches, want, strict=True)):
+        assert got.keys() == ref.keys(), k
+        for key, value in ref.items():
+            if isinstance(value, torch.Tensor):
+                assert got[key].dtype == value.dtype and torch.equal(got[key], value), (k, key)
+            else:
+                assert got[key] == value, (k, key)

@@ -48,3 +48,26 @@ def test_a_raw_frame_of_another_size_than_declared_is_refused() -> None:
     check = FrameCheck("cam", ["episode_000000"], [3], {"episode_000000": (8, 6)})
     with pytest.raises(DeclaredSizeMismatch, match="episode_000000"):
         decode_column([data], np.array([0]), check)
+
+
+def test_frames_given_as_read_only_views_decode_as_their_bytes_do() -> None:
+    """The local plane hands a dataset its frames as read-only views of the answer's
+    segment (``frame_views``): raw frames and JPEGs decode from them as from bytes."""
+    import simplejpeg
+
+    img = frame(8, 16, 3)
+    raw = rawframe.pack(8, 16, img.tobytes())
+    jpeg = simplejpeg.encode_jpeg(img, quality=95)
+    segment = np.frombuffer(raw + jpeg, np.uint8).copy()  # one buffer, as a segment is
+    views = [segment[:len(raw)], segment[len(raw):]]
+    for v in views:
+        v.flags.writeable = False
+    assert rawframe.size_of(views[0]) == (8, 16) and rawframe.size_of(views[1]) is None
+    assert [header_size(v) for v in views] == [(8, 16), (8, 16)]
+    index = np.array([[0, 1]])
+    from_views, failed = decode_column(views, index, dtype=np.uint8)
+    from_bytes, _ = decode_column([raw, jpeg], index, dtype=np.uint8)
+    assert not failed and from_views is not None and from_bytes is not None
+    assert np.array_equal(from_views, from_bytes)
+    assert np.array_equal(from_views[0, 0], img.transpose(2, 0, 1))
+    assert rawframe.size_of(views[0][:-1]) is None  # a cut view is no raw frame either

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import operator
 import random
 import warnings
@@ -25,6 +26,7 @@ from episerve_client.data.jpeg import (
     DEFAULT_MAX_DECODED_BYTES,
     FrameCheck,
     FrameSizeMismatch,
+    SpareArrays,
     decode_column,
 )
 from episerve_client.data.manifest import Manifest
@@ -94,6 +96,10 @@ class WindowDataset(Dataset[dict[str, Any]]):
       default); either way it says so in a WARNING line within seconds (``Client``).
     """
 
+    #: In a DataLoader worker, each batch's numeric arrays stay in the segment the daemon
+    #: answered in, and travel to the main process as its descriptor (no copy).
+    _batches_travel = True
+
     def __init__(self, target: str | Sequence[str], keymap: KeymapLike, *,
                  episodes: Sequence[str] | None = None, annotation_cutoff: bool = False,
                  decode_images: bool = True, transforms: Sequence[Transform] = (),
@@ -131,6 +137,7 @@ class WindowDataset(Dataset[dict[str, Any]]):
                                   f"{max_decoded_bytes!r}")
         self.max_decoded_bytes = max_decoded_bytes
         self._client: Client | None = None
+        self._spare = SpareArrays()  # each image output's last array, reused once free
         #: Whether the DataLoader reading this dataset was checked for its collate_fn.
         self._collate_checked = False
         self._collate_looks = 0
@@ -249,6 +256,7 @@ class WindowDataset(Dataset[dict[str, Any]]):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_client"] = None  # never carried into a worker
+        state["_spare"] = SpareArrays()
         return state
 
     # -- reading --------------------------------------------------------------------------
@@ -258,7 +266,8 @@ class WindowDataset(Dataset[dict[str, Any]]):
         if self._client is None:
             self._client = Client(self.target, transport=self.transport,
                                   **self.client_options)
-            if get_worker_info() is not None:  # batches go to the main process as handles
+            if get_worker_info() is not None and self._batches_travel:
+                # batches go to the main process as handles of the answer's segment
                 self._client.adopt_segment = adopt_segment
                 settle_feeders_at_exit()
             # Building the dataset talked to the daemon: in every process (a DataLoader
@@ -332,8 +341,9 @@ class WindowDataset(Dataset[dict[str, Any]]):
         options: dict[str, Any] = {"all_masks": True} if self.masks == "all" else {}
         if prefetch:
             options["prefetch"] = prefetch
+        # Frames that are decoded here are read in place; those handed out stay bytes.
         return self.client.read(self.keymap, samples, annotation_cutoff=self.annotation_cutoff,
-                                **options)
+                                frame_views=self.decode_images, **options)
 
     def _materialize(self, result: ReadResult) -> tuple[SampleBatch, set[int]]:
         arrays = dict(result.arrays)
@@ -350,7 +360,8 @@ class WindowDataset(Dataset[dict[str, Any]]):
                 e: declared.get(e) for e in set(result.episodes)})
             try:
                 decoded, bad = decode_column(frames, index, check, self._frame_dtype,
-                                             self.max_decoded_bytes)
+                                             self.max_decoded_bytes,
+                                             functools.partial(self._spare.empty, name))
             except FrameSizeMismatch as exc:
                 episode = result.episodes[exc.position]
                 raise InvalidArgument(

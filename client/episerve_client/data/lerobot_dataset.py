@@ -54,6 +54,10 @@ class LeRobotWindowDataset(WindowDataset):
     ``on_broken`` are set here).
     """
 
+    #: Items are fresh tensors that torch's collate stacks, so an answer's segment goes back
+    #: to the daemon's pool once read and the next batch is written into the same pages.
+    _batches_travel = False
+
     def __init__(self, target: str | Sequence[str],
                  root_or_info: str | os.PathLike[str] | Mapping[str, Any],
                  delta_timestamps: Mapping[str, Sequence[float]] | None = None, *,

@@ -105,6 +105,7 @@ class LocalPlane:
         self.uids = {os.getuid(), *(int(u) for u in config.local_uids)}
         self.connections: set[Connection] = set()
         self.segments = self.segment_bytes = 0
+        self.segments_made = 0  # every memfd segment made, pooled or kept by its client
         self.refused = 0
         # Bytes of answers gathered straight into their segment, and bytes copied into one.
         self.gathered_bytes = self.copied_bytes = 0
@@ -146,10 +147,12 @@ class LocalPlane:
         return {"local_connections": len(self.connections), "local_segments": self.segments,
                 "local_segment_bytes": self.segment_bytes, "local_refused": self.refused,
                 "local_gathered_bytes": self.gathered_bytes,
-                "local_copied_bytes": self.copied_bytes}
+                "local_copied_bytes": self.copied_bytes,
+                "local_segments_made": self.segments_made}
 
     def _changed(self, segments: int, nbytes: int) -> None:
         self.segments += segments
+        self.segments_made += max(0, segments)
         self.segment_bytes += nbytes
         self.budget.charge(nbytes)
 
