@@ -52,8 +52,9 @@ class ServerConfig:
     # daemon's address is a front and each worker serves a share of the episodes
     # (rpc/process/front.py, rpc/process/workers.py).
     workers: int = setting(
-        0, "read processes, each serving a share of the episodes with cache-bytes/N of "
-        "cache; 1: one process", "listening", low=0, high=MAX_WORKERS,
+        0, "read processes, each serving a share of the episodes with 1/N of the cache and "
+        "of every other whole-daemon budget; 1: one process", "listening", low=0,
+        high=MAX_WORKERS,
         says=f"one per four usable cores, 1 to {AUTO_WORKERS_MAX}",
         why=f"0: one per four usable cores, at most {AUTO_WORKERS_MAX}")
     # The local plane (rpc/local/): shared-memory Reads on ``<unix>.local``.
@@ -73,8 +74,9 @@ class ServerConfig:
         "listening", **_TIMER)
     local_max_connections: int = setting(
         256, "local-plane connections at once, within the descriptor limit; more are "
-        "answered Overloaded", "listening", low=1)
-    local_max_connections_per_uid: int = setting(128, "the same, per uid", "listening", low=1)
+        "answered Overloaded", "listening", low=1, scope="process")
+    local_max_connections_per_uid: int = setting(128, "the same, per uid", "listening", low=1,
+                                                 scope="process")
     local_idle_s: float = setting(300.0, "close a local connection idle this long",
                                   "listening")
     local_hello_s: float = setting(10.0, "close a local connection that has not said HELLO "
@@ -91,7 +93,8 @@ class ServerConfig:
     s3_endpoint: str = setting("", "endpoint URL of an S3-compatible store", "data",
                                says="AWS S3 itself", if_empty=_KEEP)
     store_timeout_s: float = setting(30.0, "time limit of one storage call", "data", above=True)
-    max_store_concurrency: int = setting(64, "store requests in flight", "data", low=1)
+    max_store_concurrency: int = setting(64, "store requests in flight", "data", low=1,
+                                         scope="daemon")
     # LeRobot datasets: a video frame is served when a decoded frame lies strictly closer
     # than this to its timestamp (LeRobot's own tolerance_s default).
     video_tolerance_s: float = setting(
@@ -100,11 +103,11 @@ class ServerConfig:
         "data", low=0, above=True, high=1, says="LeRobot's tolerance_s")
     # -- cache ----------------------------------------------------------------------------
     cache_bytes: int = setting(2 * 2**30, "chunk cache budget, e.g. 2GiB; 0 turns it off",
-                               "cache", kind="size", low=0)
+                               "cache", kind="size", low=0, scope="daemon")
     # Prefetch hints: decoded bytes in flight for them (at most half the cache).
     prefetch_bytes: int = setting(
         256 * 2**20, "decoded bytes in flight for Read prefetch hints, at most half of "
-        "--cache-bytes; 0 ignores hints", "cache", kind="size", low=0)
+        "--cache-bytes; 0 ignores hints", "cache", kind="size", low=0, scope="daemon")
     preload: str = setting(
         "off", "numeric: after start-up, fetch every numeric array of every episode into "
         "the cache, in the background, up to --cache-bytes", "cache", kind="choice",
@@ -117,53 +120,58 @@ class ServerConfig:
         says="off", if_empty=_KEEP)
     spill_bytes: int = setting(
         16 * 2**30, "the spill folder's budget, least recently used entries deleted first",
-        "cache", kind="size", low=1)
+        "cache", kind="size", low=1, scope="daemon")
     stats_cache_bytes: int = setting(
         512 * 2**20, "GetKeyStats keeps each (episode, key)'s moments and values, and the "
         "percentile tails of recent episode sets, under this budget, least recently used "
-        "first", "cache", kind="size", low=1)
+        "first", "cache", kind="size", low=1, scope="daemon")
     # -- limits (what a dataset file or a request can make the daemon hold) ---------------
-    max_batch: int = setting(4096, "most samples per Read", "limits", low=1)
-    max_window: int = setting(1024, "longest window per entry", "limits", low=1)
+    max_batch: int = setting(4096, "most samples per Read", "limits", low=1, scope="request")
+    max_window: int = setting(1024, "longest window per entry", "limits", low=1,
+                              scope="request")
     max_response_bytes: int = setting(
         64 * 2**20, "largest response", "limits", kind="size", low=1, high=MAX_RESPONSE_BYTES,
         why=f"gRPC's message limit of {MAX_MESSAGE_BYTES} less {RESPONSE_HEADROOM_BYTES} of "
-        "headroom")
+        "headroom", scope="request")
     # 8 ranks x 8 DataLoader workers, validation loaders and a load tool, with room to spare;
     # the bytes they may hold are bounded by the buffered-response budget, not by this.
     max_concurrent_reads: int = setting(128, "Reads in flight before RESOURCE_EXHAUSTED",
                                         "limits", low=1,
-                                        says="8 ranks x 8 workers with headroom")
+                                        says="8 ranks x 8 workers with headroom",
+                                        scope="process")
     max_streams_per_connection: int = setting(256, "concurrent RPCs on one connection",
-                                              "limits", low=1)
+                                              "limits", low=1, scope="process")
     max_buffered_bytes: int = setting(
         256 * 2**20, "memory held by responses waiting to be sent, in all, before new Reads "
-        "are refused as overloaded; each counts twice its size, for gRPC's own copy",
-        "limits", kind="size", low=1)
+        "are refused as overloaded; each counts twice its size, for gRPC's own copy (with "
+        "--workers, the front that forwards answers over gRPC holds as much again)",
+        "limits", kind="size", low=1, scope="daemon")
     max_buffered_bytes_per_peer: int = setting(
         64 * 2**20, "the same, per client connection; over a unix socket every client is one "
-        "peer, so only the total applies", "limits", kind="size", low=1)
+        "peer, so only the total applies", "limits", kind="size", low=1, scope="process")
     max_item_bytes: int = setting(8 * 2**20, "largest JPEG frame or annotation element; "
-                                  "larger ones are DATA_LOSS", "limits", kind="size", low=1)
+                                  "larger ones are DATA_LOSS", "limits", kind="size", low=1,
+                                  scope="request")
     max_metadata_bytes: int = setting(1 * 2**20, "largest zarr metadata document; an episode "
                                       "with a larger one is broken", "limits", kind="size",
-                                      low=1)
+                                      low=1, scope="request")
     episode_state_bytes: int = setting(
         DEFAULT_EPISODE_STATE_BYTES, "memory kept for what episodes' files declare "
-        "(readers, shard indexes, keyframe lists, annotation spans), per daemon process; an "
-        "episode that would pass it is listed broken, a read that would is "
+        "(readers, shard indexes, keyframe lists, annotation spans; every process opens "
+        "every episode); an episode that would pass it is listed broken, a read that would is "
         "RESOURCE_EXHAUSTED", "limits",
-        kind="size", low=1)
-    max_keymap_entries: int = setting(256, "most entries in one keymap", "limits", low=1)
+        kind="size", low=1, scope="process")
+    max_keymap_entries: int = setting(256, "most entries in one keymap", "limits", low=1,
+                                      scope="request")
     max_keymap_bytes: int = setting(64 * 2**10, "largest keymap as sent", "limits",
                                     kind="size", low=1, high=MAX_REQUEST_BYTES,
-                                    why="the request limit")
+                                    why="the request limit", scope="request")
     max_registry_bytes: int = setting(16 * 2**20, "registered keymaps kept, in all, least "
                                       "recently used evicted first", "limits", kind="size",
-                                      low=1)
+                                      low=1, scope="process")
     local_segments: int = setting(4, "shared-memory segments lent to one local-plane "
                                   "connection at once; a Read waits for one to come back",
-                                  "limits", low=1)
+                                  "limits", low=1, scope="process")
     # -- security -------------------------------------------------------------------------
     token: str = setting("", "require this bearer token (prefer EPISERVE_TOKEN)", "security",
                          secret=True, says="no authentication",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, NoReturn
 
-from episerve_server.settings import Declared, declared, shown
+from episerve_server.settings import SCOPES, Declared, declared, shown
 
 USAGE = "episerve serve [ROOT] [--FLAG VALUE ...]"
 #: Topic title and what it covers, in the order shown. A setting names its topic.
@@ -48,10 +48,13 @@ def parser(cls: type, *, prog: str, description: str, prefix: str) -> argparse.A
 
 
 def help_of(item: Declared, prefix: str) -> str:
-    """The help line of a setting: its text, its default (and what that means), its variable."""
+    """The help line of a setting: its text, its default (and what that means), whose it is
+    under ``--workers`` (a budget), its variable."""
     default = shown(item) + (f": {item.spec.says}" if item.spec.says else "")
+    scope = SCOPES.get(item.spec.scope, "")
+    whose = f"; {scope}" if scope else ""
     env = f" [{item.variable(prefix)}]" if item.spec.env else ""
-    return f"{item.spec.help} (default {default}){env}"
+    return f"{item.spec.help} (default {default}{whose}){env}"
 
 
 def _how(item: Declared, prefix: str) -> dict[str, Any]:

@@ -10,6 +10,7 @@ such dataclass; nothing here knows its settings.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Iterator, Mapping
@@ -19,6 +20,15 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 #: How a setting's text is read, and what its bounds mean.
 KINDS = ("text", "choice", "whole", "port", "seconds", "size", "list", "uids", "switch")
+#: Who a budget or limit belongs to when the daemon runs several processes (``--workers``):
+#: ``daemon``, the whole daemon's, split evenly among the processes that read; ``process``,
+#: each process's own (what it bounds is in every process: all of it, or a copy); ``request``,
+#: one request's, file's or item's, the same wherever it is checked.
+SCOPES = {
+    "daemon": "the whole daemon's, split evenly among --workers processes",
+    "process": "each --workers process has its own",
+    "request": "",
+}
 TRUE = frozenset({"1", "true", "yes", "on"})
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -31,7 +41,8 @@ class Setting:
     ``low``/``high`` bound a number (``above``: ``low`` itself is refused; ``off``: 0 is also
     taken, meaning off) and ``why`` is said after a bound it breaks. ``says`` follows the
     default in ``--help`` (what it means). ``if_empty``, when set, refuses an explicitly empty
-    value with that reason ("not given" and "given empty" differ)."""
+    value with that reason ("not given" and "given empty" differ). ``scope`` (``SCOPES``):
+    whose budget it is under ``--workers``; ``split`` divides a ``daemon`` one."""
 
     help: str
     topic: str
@@ -48,10 +59,16 @@ class Setting:
     env: bool = True
     hidden: bool = False
     positional: bool = False
+    scope: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        if self.scope and self.scope not in SCOPES:
+            raise ValueError(f"scope must be one of {', '.join(SCOPES)}, got {self.scope!r}")
+        if self.scope == "daemon" and self.kind not in ("whole", "size"):
+            raise ValueError(f"a daemon-wide setting is split among processes: a whole "
+                             f"number or a size, not {self.kind!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,3 +266,19 @@ def _seconds(name: str, spec: Setting, value: Any) -> str | None:
     if spec.high is not None and value > spec.high:
         return f"{name} must be at most {spec.high:g} seconds{why}, got {value!r}"
     return None
+
+
+def split(config: T, n: int) -> T:
+    """``config`` as one of ``n`` processes sharing the daemon runs it: each ``daemon``-scoped
+    setting divided by ``n`` (rounded down; never below its lower bound, so a share of a
+    budget that is on stays on, and one that is off (0) stays off)."""
+    if n <= 1:
+        return config
+    shares: dict[str, int] = {}
+    for item in declared(type(config)):
+        if item.spec.scope != "daemon":
+            continue
+        value = getattr(config, item.name)
+        floor = 0 if not value or item.spec.low is None else int(item.spec.low)
+        shares[item.name] = max(floor, value // n)
+    return dataclasses.replace(config, **shares)  # type: ignore[type-var]

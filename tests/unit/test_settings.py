@@ -146,3 +146,62 @@ def test_a_setting_outside_the_known_topics_or_kinds_is_refused_at_declaration()
         flaghelp.parser(Stray, prog="x", description="x", prefix="X_")
     with pytest.raises(ValueError, match="kind must be one of"):
         setting(1, "a level", "limits", kind="fraction")
+
+
+def test_every_budget_and_limit_says_whose_it_is_under_workers() -> None:
+    """A setting that bounds memory, connections or requests declares its scope, and
+    ``--help`` says it for the budgets (a per-request limit is the same everywhere)."""
+    actions = _actions(_parser())
+    bounded = [i for i in DECLARED if i.spec.topic in ("cache", "limits")
+               and i.spec.kind in ("whole", "size")]
+    bounded += [i for i in DECLARED if i.name in ("max_store_concurrency",
+                                                  "local_max_connections",
+                                                  "local_max_connections_per_uid")]
+    assert len(bounded) > 15
+    for item in bounded:
+        assert item.spec.scope in settings.SCOPES, item.name
+        text = " ".join((actions[item.name].help or "").split())
+        if item.spec.scope == "daemon":
+            assert "the whole daemon's, split evenly among --workers processes" in text, \
+                item.name
+        elif item.spec.scope == "process":
+            assert "each --workers process has its own" in text, item.name
+        else:
+            assert "--workers" not in text, item.name
+    with pytest.raises(ValueError, match="scope must be one of daemon, process, request"):
+        setting(1, "a level", "limits", scope="node")
+    with pytest.raises(ValueError, match="split among processes: a whole number or a size"):
+        setting(1.0, "a pause", "limits", scope="daemon")
+
+
+def test_workers_split_every_whole_daemon_budget_and_nothing_else(tmp_path) -> None:
+    """``--workers N``: each process gets 1/N of every ``scope="daemon"`` setting (its
+    shares never sum past the whole), a budget that is off stays off, one that is on stays
+    on however small, and every other setting is the daemon's own value."""
+    from dataclasses import asdict
+
+    from episerve_server.rpc.process.workers import worker_config
+
+    whole = ServerConfig(root=str(tmp_path), cache_bytes=10 * 2**30, prefetch_bytes=0,
+                         stats_cache_bytes=3, max_buffered_bytes=2**30 + 7,
+                         max_store_concurrency=64, spill_bytes=2**30)
+    daemon_wide = {i.name for i in DECLARED if i.spec.scope == "daemon"}
+    assert {"cache_bytes", "prefetch_bytes", "spill_bytes", "stats_cache_bytes",
+            "max_buffered_bytes", "max_store_concurrency"} <= daemon_wide
+    for n in (1, 2, 3, 8):
+        made = [worker_config(whole, tmp_path / f"{i}.sock", n, i) for i in range(n)]
+        for name in daemon_wide:
+            shares = [getattr(c, name) for c in made]
+            value = getattr(whole, name)
+            if value == 0:
+                assert shares == [0] * n, (n, name)
+            else:
+                assert len(set(shares)) == 1 and shares[0] >= 1, (n, name, shares)
+                assert sum(shares) <= max(value, n), (n, name, shares)
+                assert shares[0] == max(1, value // n), (n, name, shares)
+        own = set(asdict(whole)) - daemon_wide - {
+            "unix", "port", "spill_dir", "metrics_port", "health_port", "tls_cert", "tls_key",
+            "tls_client_ca", "workers"}
+        for c in made:
+            assert {k: getattr(c, k) for k in own} == {k: getattr(whole, k) for k in own}
+            settings.check(c)  # every share is a value the setting takes

@@ -37,6 +37,7 @@ from grpc_health.v1 import health_pb2
 
 from episerve_proto.contract import MAX_MESSAGE_BYTES, SERVICE_PATH
 from episerve_proto.errors import EpiserveError, Unavailable, from_rpc_error
+from episerve_server import settings
 from episerve_server.config import ServerConfig
 from episerve_server.preflight import StartupError, claim_private_dir
 
@@ -87,13 +88,13 @@ def runtime_dir(config: ServerConfig) -> Path:
 
 
 def worker_config(config: ServerConfig, socket: Path, n: int, index: int = 0) -> ServerConfig:
-    """What worker ``index`` of ``n`` runs with: a unix socket, its share of the cache and
-    of the spill tier (its own folder in ``--spill-dir``: a folder serves one process), and
-    no ports or TLS of its own (the front has them)."""
+    """What worker ``index`` of ``n`` runs with: a unix socket, its share of every
+    whole-daemon budget (``settings.split``: the settings declared ``scope="daemon"``), its
+    own folder in ``--spill-dir`` (a folder serves one process), and no ports or TLS of its
+    own (the front has them)."""
     spill_dir = os.path.join(config.spill_dir, f"worker-{index}") if config.spill_dir else ""
     return dataclasses.replace(
-        config, unix=str(socket), port=0, cache_bytes=config.cache_bytes // n,
-        spill_dir=spill_dir, spill_bytes=max(1, config.spill_bytes // n),
+        settings.split(config, n), unix=str(socket), port=0, spill_dir=spill_dir,
         metrics_port=0, health_port=0, tls_cert="", tls_key="", tls_client_ca="", workers=1)
 
 
