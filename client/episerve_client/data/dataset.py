@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import operator
 import random
 import warnings
@@ -26,7 +25,6 @@ from episerve_client.data.jpeg import (
     DEFAULT_MAX_DECODED_BYTES,
     FrameCheck,
     FrameSizeMismatch,
-    SpareArrays,
     decode_column,
 )
 from episerve_client.data.manifest import Manifest
@@ -137,7 +135,6 @@ class WindowDataset(Dataset[dict[str, Any]]):
                                   f"{max_decoded_bytes!r}")
         self.max_decoded_bytes = max_decoded_bytes
         self._client: Client | None = None
-        self._spare = SpareArrays()  # each image output's last array, reused once free
         #: Whether the DataLoader reading this dataset was checked for its collate_fn.
         self._collate_checked = False
         self._collate_looks = 0
@@ -256,7 +253,6 @@ class WindowDataset(Dataset[dict[str, Any]]):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_client"] = None  # never carried into a worker
-        state["_spare"] = SpareArrays()
         return state
 
     # -- reading --------------------------------------------------------------------------
@@ -360,8 +356,7 @@ class WindowDataset(Dataset[dict[str, Any]]):
                 e: declared.get(e) for e in set(result.episodes)})
             try:
                 decoded, bad = decode_column(frames, index, check, self._frame_dtype,
-                                             self.max_decoded_bytes,
-                                             functools.partial(self._spare.empty, name))
+                                             self.max_decoded_bytes)
             except FrameSizeMismatch as exc:
                 episode = result.episodes[exc.position]
                 raise InvalidArgument(

@@ -9,9 +9,8 @@ are far larger than declared costs a header parse, never the decoded frame.
 from __future__ import annotations
 
 import math
-import sys
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -172,7 +171,6 @@ def _decode_as(data: Frame, size: Size) -> np.ndarray | None:
 def decode_column(frames: Sequence[Frame], index: np.ndarray, check: FrameCheck | None = None,
                   dtype: type[np.generic] = np.float32,
                   max_bytes: int = DEFAULT_MAX_DECODED_BYTES,
-                  empty: Callable[[tuple[int, ...], type[np.generic]], np.ndarray] = np.empty,
                   ) -> tuple[np.ndarray | None, set[int]]:
     """Frames ``index`` (shape [B] or [B, K]) as [B, (K,) 3, H, W] ``dtype``: float32 in
     [0, 1], or uint8 copied straight from the decoder (no float pass).
@@ -183,8 +181,7 @@ def decode_column(frames: Sequence[Frame], index: np.ndarray, check: FrameCheck 
     undecodable. Then the bytes the column needs (the decoded distinct frames and the
     output, where every sample has its own copy) are checked against ``max_bytes``
     (``DecodedTooLarge``), before anything is decoded or allocated. Frames that decode to
-    different sizes within the batch raise ``FrameSizeMismatch``. ``empty(shape, dtype)``
-    gives the output array (``SpareArrays.empty`` reuses one).
+    different sizes within the batch raise ``FrameSizeMismatch``.
     """
     flat = index.reshape(len(index), -1)
     rows = flat.tolist()
@@ -202,7 +199,7 @@ def decode_column(frames: Sequence[Frame], index: np.ndarray, check: FrameCheck 
     if need > max_bytes:
         raise DecodedTooLarge.of(check, index.shape, (h, w), len(known), need, max_bytes)
     decoded = {k: None if s is None else _decode_as(frames[k], s) for k, s in sizes.items()}
-    out = empty((*index.shape, 3, h, w), dtype)
+    out = np.empty((*index.shape, 3, h, w), dtype)
     view = out.reshape(len(index), -1, 3, h, w)
     failed: set[int] = set()
     for b, row in enumerate(rows):
@@ -216,32 +213,3 @@ def decode_column(frames: Sequence[Frame], index: np.ndarray, check: FrameCheck 
             to_chw(img, view[b, j])
     return out, failed
 
-
-class SpareArrays:
-    """Output arrays given again once nothing refers to them.
-
-    A batch's decoded frames are a fresh array of tens to hundreds of MB; a fresh one costs
-    a page fault per 4 KiB page as it is first written, which took as long as the
-    conversion itself. ``empty`` hands out the array of the previous batch of the same
-    name, shape and dtype when no item, view or tensor of it is alive any more (its only
-    references are this object's), else a new one, which it keeps in its place.
-    """
-
-    #: References to a kept array while ``empty`` looks at it: the dict's, the local name's
-    #: and ``sys.getrefcount``'s own argument.
-    _UNSHARED = 3
-
-    def __init__(self) -> None:
-        self._kept: dict[str, np.ndarray] = {}
-
-    def empty(self, name: str, shape: tuple[int, ...], dtype: type[np.generic]) -> np.ndarray:
-        kept = self._kept.get(name)
-        if (kept is not None and kept.shape == shape and kept.dtype == dtype
-                and sys.getrefcount(kept) <= self._UNSHARED):
-            return kept
-        del kept
-        fresh = self._kept[name] = np.empty(shape, dtype)
-        return fresh
-
-    def clear(self) -> None:
-        self._kept.clear()
