@@ -82,8 +82,8 @@ def test_serve_help_gives_every_default() -> None:
 
     defaults = {f.name: f.default for f in fields(ServerConfig)}
     helps = {a.dest: a.help for a in _parser()._actions if a.help not in (None, argparse.SUPPRESS)}
-    assert "(default 2GiB)" in helps["cache_bytes"]
-    assert "(default 512MiB)" in helps["stats_cache_bytes"]
+    assert "(default 2GiB; the whole daemon's" in helps["cache_bytes"]
+    assert "(default 512MiB; the whole daemon's" in helps["stats_cache_bytes"]
     assert "(default 64KiB)" in helps["max_keymap_bytes"]
     for dest, text in helps.items():
         if defaults.get(dest) not in (None, "", ()):
