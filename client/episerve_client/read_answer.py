@@ -21,7 +21,13 @@ from episerve_client.answer_wire import check_wire
 from episerve_client.convert import parse
 from episerve_client.tensors import loss, tensor
 from episerve_proto.answer import OPTIONAL, PER_SAMPLE, Field
-from episerve_proto.contract import IS_PAD_SUFFIX, MAX_EPISODE_FRAMES
+from episerve_proto.contract import (
+    ACTION_MASK,
+    CAMERA_MASK_SUFFIX,
+    IS_PAD_SUFFIX,
+    MAX_EPISODE_FRAMES,
+    PROPRIO_MASK,
+)
 from episerve_proto.v1 import episerve_pb2 as pb
 
 #: One frame's bytes: ``bytes``, or a read-only uint8 view of a local-plane segment.
@@ -75,14 +81,14 @@ class Expected:
     def names(self) -> frozenset[str]:
         """Every column name the answer may carry: the outputs and the masks the daemon
         adds for them."""
-        masks = {MASK_OUTPUTS[0], MASK_OUTPUTS[1], *(f"{n}_mask" for n in self.outputs)}
+        masks = {*MASK_OUTPUTS, *(n + CAMERA_MASK_SUFFIX for n in self.outputs)}
         if self.all_masks:
             masks.update(f"{n}{IS_PAD_SUFFIX}" for n in self.outputs)
         return self.outputs | masks
 
 
 #: The outputs the daemon adds besides ``<camera output>_mask`` (the default masks).
-MASK_OUTPUTS = ("action_pad_mask", "proprio_history_mask")
+MASK_OUTPUTS = (ACTION_MASK, PROPRIO_MASK)
 #: The most columns (arrays, image columns and text columns) an answer without an
 #: ``Expected`` may carry; with one, only its names are accepted.
 MAX_RESPONSE_COLUMNS = 4096

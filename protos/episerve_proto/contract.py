@@ -32,6 +32,11 @@ LIST_FIELDS = KEYMAP_FIELDS[7:]
 #: output, and ``total_frames`` per sample.
 IS_PAD_SUFFIX = "_is_pad"
 TOTAL_FRAMES = "total_frames"
+#: Output names the daemon adds to every answer (float32, 1 where a row is real): the first
+#: action entry's window mask, the first proprio entry's, and ``<camera output>_mask`` per
+#: camera output with a history.
+ACTION_MASK, PROPRIO_MASK = "action_pad_mask", "proprio_history_mask"
+CAMERA_MASK_SUFFIX = "_mask"
 #: The values of ``key_type``: which window rules an entry can take (docs/KEYMAP.md).
 KEY_TYPES = ("camera_keys", "proprio_keys", "action_keys", "annotation_keys", "metadata_keys")
 CAMERA_KEYS, PROPRIO_KEYS, ACTION_KEYS, ANNOTATION_KEYS, METADATA_KEYS = KEY_TYPES

@@ -17,9 +17,12 @@ from typing import Any
 
 from episerve_proto.contract import (
     ACTION_KEYS,
+    ACTION_MASK,
     ANNOTATION_KEYS,
     CAMERA_KEYS,
+    CAMERA_MASK_SUFFIX,
     IS_PAD_SUFFIX,
+    PROPRIO_MASK,
     TOTAL_FRAMES,
 )
 from episerve_proto.errors import KeymapError, LimitExceeded, shown
@@ -170,10 +173,10 @@ def _reserved_names(entries: tuple[KeySpec, ...]) -> dict[str, str]:
     """Every name the daemon may add to a sample, and what adds it."""
     names = {n: "a sample field" for n in ("episode_hash", "embodiment", "fps", "frame_index")}
     names[TOTAL_FRAMES] = "a sample field with masks='all'"
-    names["action_pad_mask"] = names["proprio_history_mask"] = "a shared mask"
+    names[ACTION_MASK] = names[PROPRIO_MASK] = "a shared mask"
     for e in entries:
         if e.key_type == CAMERA_KEYS:
-            names[f"{e.name}_mask"] = f"the mask of camera output {e.name!r}"
+            names[e.name + CAMERA_MASK_SUFFIX] = f"the mask of camera output {e.name!r}"
         if e.time_axis:
             names[f"{e.name}{IS_PAD_SUFFIX}"] = f"the masks='all' mask of output {e.name!r}"
     return names

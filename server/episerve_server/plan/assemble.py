@@ -11,7 +11,13 @@ from typing import Any
 
 import numpy as np
 
-from episerve_proto.contract import CAMERA_KEYS, IS_PAD_SUFFIX
+from episerve_proto.contract import (
+    ACTION_MASK,
+    CAMERA_KEYS,
+    CAMERA_MASK_SUFFIX,
+    IS_PAD_SUFFIX,
+    PROPRIO_MASK,
+)
 from episerve_server.core.cache import Chunk
 from episerve_server.core.keymap import Keymap, KeySpec, Rule
 from episerve_server.core.result import BatchResult, ImageColumn
@@ -201,13 +207,13 @@ def _distinct_frames(table: Table) -> list[bytes]:
 def add_masks(keymap: Keymap, windows: dict[str, Window], arrays: dict[str, np.ndarray]) -> None:
     action = keymap.action_mask_entry
     if action is not None:
-        arrays["action_pad_mask"] = windows[action.name].mask.astype(np.float32)  # type: ignore[union-attr]
+        arrays[ACTION_MASK] = windows[action.name].mask.astype(np.float32)  # type: ignore[union-attr]
     proprio = keymap.proprio_mask_entry
     if proprio is not None:
-        arrays["proprio_history_mask"] = windows[proprio.name].mask.astype(np.float32)  # type: ignore[union-attr]
+        arrays[PROPRIO_MASK] = windows[proprio.name].mask.astype(np.float32)  # type: ignore[union-attr]
     for e in keymap:
         if e.key_type == CAMERA_KEYS and e.rule is Rule.HISTORY:
-            arrays[f"{e.name}_mask"] = windows[e.name].mask.astype(np.float32)  # type: ignore[union-attr]
+            arrays[e.name + CAMERA_MASK_SUFFIX] = windows[e.name].mask.astype(np.float32)  # type: ignore[union-attr]
 
 
 
