@@ -55,7 +55,7 @@ def build_read_core(config: ServerConfig, *, stats: Stats | None = None) -> Read
     catalog = Catalog(store, allow=config.allow, on_drop=on_drop,
                       max_item_bytes=config.max_item_bytes,
                       video_tolerance_s=config.video_tolerance_s,
-                      state=EpisodeState(config.episode_state_bytes, stats))
+                      state=EpisodeState(config.episode_state_bytes, stats), root=config.root)
     planner = Planner(catalog, cache, stats, fetch_limit=config.max_store_concurrency)
     dropped.append(planner.fetcher.forget_episode)  # no read joins a fetch of the old files
     # Hints: at most --prefetch-bytes in flight, and never more than half the cache; each

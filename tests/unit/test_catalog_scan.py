@@ -9,6 +9,7 @@ from pathlib import Path
 
 from episerve_server.core.stats import Stats
 from episerve_server.storage import catalog as catalog_module
+from episerve_server.storage import sources as sources_module
 from episerve_server.storage.catalog import Catalog
 from episerve_server.storage.store import open_root
 from tests.support import ramp
@@ -69,9 +70,9 @@ def test_rescans_open_at_most_the_rescan_limit(tmp_path: Path) -> None:
         ramp.write_ramp_episode(root, f"ep{k:02d}", episode_no=k, total_frames=20)
     peak = 0
     in_flight = 0
-    real_open = catalog_module.open_episode
+    real_open = sources_module.open_episode
 
-    async def counting_open(*args: object, **kw: object) -> catalog_module.Episode:
+    async def counting_open(*args: object, **kw: object) -> sources_module.Episode:
         nonlocal in_flight, peak
         in_flight += 1
         peak = max(peak, in_flight)
@@ -80,10 +81,10 @@ def test_rescans_open_at_most_the_rescan_limit(tmp_path: Path) -> None:
         finally:
             in_flight -= 1
 
-    catalog_module.open_episode = counting_open  # type: ignore[assignment]
+    sources_module.open_episode = counting_open  # type: ignore[assignment]
     try:
         added, _ = asyncio.run(catalog.scan())
     finally:
-        catalog_module.open_episode = real_open  # type: ignore[assignment]
+        sources_module.open_episode = real_open  # type: ignore[assignment]
     assert len(added) == 9 and len(catalog.episodes) == 10
     assert peak == catalog_module.RESCAN_OPEN_LIMIT

@@ -19,6 +19,7 @@ import pytest
 from episerve_proto import rawframe
 from episerve_proto.errors import DataLossError
 from episerve_server.storage.lerobot import files
+from episerve_server.storage.lerobot.source import LeRobotSource
 from tests.support import lerobot as lr
 from tests.support import lerobot_bombs as bombs
 from tests.support.served import Served
@@ -52,8 +53,8 @@ def refused_frame(served: Served) -> str:
 
 
 def problem(served: Served) -> str:
-    lerobot = served.catalog.lerobot
-    assert lerobot is not None
+    lerobot = served.catalog.source
+    assert isinstance(lerobot, LeRobotSource)
     return lerobot.problem
 
 

@@ -21,6 +21,7 @@ from episerve_proto.errors import BrokenEpisodeError, DataLossError
 from episerve_server.config import ServerConfig
 from episerve_server.core.keymap import Keymap
 from episerve_server.storage.lerobot import files
+from episerve_server.storage.lerobot.source import LeRobotSource
 from episerve_server.wiring import build_read_core
 from tests.support import lerobot as lr
 from tests.support.served import LoopRunner, Served
@@ -173,8 +174,8 @@ def test_paths_leaving_the_root_are_refused(small: Path, serve: Callable[..., Se
     rewrite_info(small, lambda d: d.update(data_path=template))
     served = serve(small)
     listing = served.catalog.broken_listing()
-    lerobot = served.catalog.lerobot
-    assert lerobot is not None
+    lerobot = served.catalog.source
+    assert isinstance(lerobot, LeRobotSource)
     assert why in (lerobot.problem + " ".join(listing.values()))
     assert not served.catalog.episodes
 
@@ -196,7 +197,7 @@ def test_a_root_of_another_version_serves_nothing_and_says_why(
     rewrite_info(small, lambda d: d.update(codebase_version="v2.1"))
     served = serve(small)
     assert not served.catalog.episodes
-    assert "'v2.1'" in served.catalog.lerobot.problem  # type: ignore[union-attr]
+    assert "'v2.1'" in served.catalog.source.problem  # type: ignore[union-attr]
 
 
 def test_a_parquet_footer_larger_than_the_bound_is_refused_before_parsing(
@@ -299,7 +300,7 @@ def test_a_corrupt_episodes_file_serves_nothing_and_says_why(
     path.write_bytes(bytes(data))
     served = serve(small)
     assert not served.catalog.episodes
-    problem = served.catalog.lerobot.problem  # type: ignore[union-attr]
+    problem = served.catalog.source.problem  # type: ignore[union-attr]
     assert "meta/episodes/chunk-000/file-000.parquet" in problem
 
 

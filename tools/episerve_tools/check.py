@@ -26,6 +26,7 @@ from episerve_server.core.stats import Stats
 from episerve_server.storage.catalog import Catalog
 from episerve_server.storage.readers import ChunkReader
 from episerve_server.storage.readers.base import decode_chunk
+from episerve_server.storage.sources import LayoutError
 from episerve_server.storage.store import open_root
 from episerve_server.wiring import storage_options
 
@@ -68,7 +69,7 @@ async def check(config: ServerConfig, *, progress: bool = True) -> Report:
                       timeout_s=config.store_timeout_s,
                       max_metadata_bytes=config.max_metadata_bytes)
     catalog = Catalog(store, allow=config.allow, max_item_bytes=config.max_item_bytes,
-                      video_tolerance_s=config.video_tolerance_s)
+                      video_tolerance_s=config.video_tolerance_s, root=config.root)
     await catalog.scan()
     report = Report(unopened=catalog.broken_listing())
     arrays = [(name, key, reader) for name in sorted(catalog.episodes)
@@ -176,6 +177,10 @@ def main(argv: Sequence[str]) -> int:
         print(f"episerve check: dataset root {config.root!r} is not a folder", file=sys.stderr)
         return 2
     started = time.monotonic()
-    report = asyncio.run(check(config, progress=True))
+    try:
+        report = asyncio.run(check(config, progress=True))
+    except LayoutError as exc:
+        print(f"episerve check: {exc}", file=sys.stderr)
+        return 2
     print(render(report, config.root, time.monotonic() - started))
     return 0 if report.ok else 1

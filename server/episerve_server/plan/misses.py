@@ -42,7 +42,7 @@ from episerve_server.core.cache import Chunk, ChunkCache
 from episerve_server.core.stats import Stats
 from episerve_server.plan.store_reads import Vanished, split_decode, storage_error
 from episerve_server.storage.catalog import Catalog
-from episerve_server.storage.readers import ChunkReader, Raw, episode_exists
+from episerve_server.storage.readers import ChunkReader, Raw
 from episerve_server.storage.readers.base import MAX_ABSENT, RunPlan
 from episerve_server.storage.spill import SpillTier
 from episerve_server.storage.store import Refused, split_key
@@ -414,7 +414,7 @@ class Fetcher:
     async def check_present(self, reader: ChunkReader) -> None:
         """Missing data may mean the episode folder was deleted: then drop it, NOT_FOUND."""
         episode = reader.info.episode
-        if await episode_exists(self.catalog.store, episode):
+        if await self.catalog.still_there(episode):
             return
         self.catalog.drop(episode)
         raise EpisodeNotFound(

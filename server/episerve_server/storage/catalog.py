@@ -4,8 +4,9 @@ Scans pick up added episodes and drop removed ones; a rescan also reopens episod
 files changed (fingerprints), and a read that failed as data loss may ask for that check.
 A broken episode is listed with its reason and never takes the catalog down. A storage call
 that times out at open leaves the episode listed as broken with that reason, and the next
-scan tries again. Opening one zarr episode, and what makes it broken, is
-:mod:`~episerve_server.storage.opening`'s.
+scan tries again. The catalog knows no layout: the root's episodes are listed, opened and
+fingerprinted by its source (:mod:`~episerve_server.storage.sources`), chosen at the first
+listing that finds anything.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import time
 import unicodedata
 from collections.abc import Callable, Iterable
 from contextlib import nullcontext
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from episerve_proto.contract import MAX_LISTED_ATTRS_BYTES
 from episerve_proto.errors import (
@@ -39,14 +40,12 @@ from episerve_server.core.ledger import (
     SHARED,
     EpisodeState,
 )
+from episerve_server.storage import sources
 from episerve_server.storage.directory import Directory
 from episerve_server.storage.episode import Episode
-from episerve_server.storage.opening import SUFFIX, open_episode
 from episerve_server.storage.readers.bounds import DEFAULT_MAX_ITEM_BYTES
+from episerve_server.storage.sources import LayoutError, Source
 from episerve_server.storage.store import CountingStore, Refused
-
-if TYPE_CHECKING:
-    from episerve_server.storage.lerobot.source import LeRobotSource
 
 log = logging.getLogger(__name__)
 
@@ -95,15 +94,17 @@ class Catalog:
     def __init__(self, store: CountingStore, *, allow: Iterable[str] = (),
                  open_limit: int = 32, on_drop: Callable[[str], None] | None = None,
                  max_item_bytes: int = DEFAULT_MAX_ITEM_BYTES,
-                 video_tolerance_s: float = 1e-4, state: EpisodeState | None = None) -> None:
+                 video_tolerance_s: float = 1e-4, state: EpisodeState | None = None,
+                 root: str = "") -> None:
         self.store = store
+        self.root = root  # as the daemon was given it, for errors
         #: What the served episodes keep for what their files declare, within its limit.
         self.state = state if state is not None else EpisodeState(
             DEFAULT_EPISODE_STATE_BYTES, store.stats)
-        self.video_tolerance_s = video_tolerance_s
-        #: A LeRobot v3 root (``meta/info.json``) is served through this; None: zarr.
-        self.lerobot: LeRobotSource | None = None
-        self._detected = False
+        self._options = sources.Options(max_item_bytes, video_tolerance_s, self.state)
+        #: The root's layout, chosen at the first listing that finds anything in it.
+        self.source: Source | None = None
+        self._layout_said = False  # a later scan's LayoutError, logged once
         self.allow = tuple(allow)
         self.open_limit = open_limit
         self.on_drop = on_drop
@@ -150,7 +151,7 @@ class Catalog:
                 f"episode {episode_id!r} is broken: {self.broken[episode_id]}",
                 episode=episode_id,
             )
-        refused = self.lerobot.refusal() if self.lerobot is not None else ""
+        refused = self.source.refusal() if self.source is not None else ""
         if refused:
             raise BrokenEpisodeError(f"episode {episode_id!r} is broken: {refused}",
                                      episode=episode_id)
@@ -194,8 +195,7 @@ class Catalog:
             added = sorted((names - known) | (changed & names))
             limit = self.open_limit if first else min(self.open_limit, RESCAN_OPEN_LIMIT)
             with COLLECTOR.opening(len(added)) if added and not first else nullcontext():
-                outcomes = await _open_many(self.store, added, limit, self.max_item_bytes,
-                                            not first, self.lerobot)
+                outcomes = await _open_many(self.source, added, limit, not first)
                 for name, outcome in zip(added, outcomes):
                     self._opened(name, outcome, reopen=name in changed)
                     await asyncio.sleep(0)  # adding one is ~0.1-0.5 ms: serve between them
@@ -239,7 +239,8 @@ class Catalog:
         """The known episodes whose files changed since they were opened (at most once per
         ``CHANGE_CHECK_S``; a few at a time, the loop served between them)."""
         now = time.monotonic()
-        if self.lerobot is not None or now - self._changes_at < CHANGE_CHECK_S:
+        source = self.source
+        if source is None or not source.tracks_changes or now - self._changes_at < CHANGE_CHECK_S:
             return set()
         self._changes_at = now
         names = sorted(set(self.episodes) | (set(self.broken) - self._retry))
@@ -247,34 +248,38 @@ class Catalog:
         for start in range(0, len(names), CHANGE_CHECK_SLICE):
             part = names[start: start + CHANGE_CHECK_SLICE]
             try:
-                prints = await self.store.fingerprints([n + SUFFIX for n in part])
+                prints = await source.fingerprint(part)
             except (Unavailable, Refused):  # slow storage: checked again on the next scan
                 continue
             changed.update(n for n, (fp, _) in zip(part, prints) if fp != self._print_of(n))
         return changed
 
-    async def _fingerprint(self, name: str) -> str | None:
+    async def _fingerprint(self, source: Source, name: str) -> str | None:
         try:
-            return (await self.store.fingerprint(name + SUFFIX))[0]
+            return (await source.fingerprint([name]))[0][0]
         except (Unavailable, Refused):  # slow storage: checked again on the next scan
             return None
+
+    async def still_there(self, name: str) -> bool:
+        """Whether episode ``name`` is still in the root (a chunk of it was found missing)."""
+        return self.source is None or await self.source.exists(name)
 
     async def recheck(self, name: str, *, every_s: float = CHANGE_CHECK_S) -> bool:
         """After a read of ``name`` failed as data loss: whether its files changed since it
         was opened, and if so reopen it (its cache entries dropped). Checked at most once
         per ``every_s`` per episode."""
-        episode = self.episodes.get(name)
-        if episode is None or self.lerobot is not None \
+        episode, source = self.episodes.get(name), self.source
+        if episode is None or source is None or not source.tracks_changes \
                 or time.monotonic() - episode.checked_at < every_s:
             return False
         episode.checked_at = time.monotonic()
-        fp = await self._fingerprint(name)
+        fp = await self._fingerprint(source, name)
         if fp is None or fp == episode.fingerprint:
             return False
         async with self._scan_lock:
             if self.episodes.get(name) is not episode:  # a scan reopened it meanwhile
                 return True
-            outcome = (await _open_many(self.store, [name], 1, self.max_item_bytes, True))[0]
+            outcome = (await _open_many(source, [name], 1, True))[0]
             self._opened(name, outcome, reopen=True)
         return True
 
@@ -323,28 +328,27 @@ class Catalog:
 
     async def _list(self) -> set[str]:
         entries = [entry.rstrip("/") async for entry in self.store.list_dir("")]
-        if not self._detected and "meta" in entries:  # maybe a LeRobot root: look once
-            self._detected = True
-            self.lerobot = await _lerobot_source(self.store, self.video_tolerance_s,
-                                                 self.state)
-        if self.lerobot is not None:
-            listed = await self.lerobot.names()
-            if self.lerobot.problem:  # its one broken entry, whatever --allow says
-                return listed
-            return {n for n in listed if self.allowed(n)}
-        names = set()
-        for entry in entries:
-            if not entry.endswith(SUFFIX):
-                continue
-            name = entry[: -len(SUFFIX)]
+        if self.source is None:
+            if not entries:  # an empty root: its layout is chosen once it holds something
+                return set()
             try:
-                validate_id(name)
-            except InvalidEpisodeId:
-                log.warning("skipping %r under the root: not a plain episode name", entry)
-                continue
-            if self.allowed(name):
-                names.add(name)
-        return names
+                self.source = await sources.choose(self.store, entries, self._options,
+                                                   self.root)
+            except LayoutError as exc:
+                if not self._scans:  # the first scan: the daemon does not start
+                    raise
+                why = str(exc)
+            else:
+                why = ""
+            if self.source is None:
+                if not self._layout_said:
+                    self._layout_said = True
+                    log.error("%s; nothing is served until it is fixed", why)
+                return set()
+        listed = await self.source.names(entries)
+        if self.source.refused_entry():  # the one broken entry, whatever --allow says
+            return listed
+        return {n for n in listed if self.allowed(n)}
 
     def _opened(self, name: str, opened: tuple[str, Episode | BaseException],
                 reopen: bool = False) -> None:
@@ -391,55 +395,24 @@ class Catalog:
             log.warning("episode %s has problems: %s", name, episode.reason())
 
 
-async def _lerobot_source(store: CountingStore, tolerance_s: float,
-                          state: EpisodeState) -> LeRobotSource | None:
-    """The LeRobot source of a local root holding ``meta/info.json``, else None (zarr)."""
-    from episerve_server.storage.lerobot.meta import INFO_PATH
-    from episerve_server.storage.lerobot.source import LeRobotSource
-
-    local = store.local_root()
-    if not await store.exists(INFO_PATH):
-        return None
-    if local is None:
-        log.error("%s found, but LeRobot datasets are served from a local folder only; "
-                  "serving the root as zarr", INFO_PATH)
-        return None
-    log.info("serving a LeRobot v3 dataset (%s found)", INFO_PATH)
-    return LeRobotSource(store, local, tolerance_s=tolerance_s, state=state)
-
-
-async def _open_lerobot(source: LeRobotSource, name: str) -> Episode:
-    from episerve_server.storage.lerobot.meta import MetaError
-
-    try:
-        return await source.open(name)
-    except MetaError as exc:
-        raise BrokenEpisodeError(str(exc), episode=name) from exc
-
-
-async def _open_many(store: CountingStore, names: list[str], limit: int,
-                     max_item_bytes: int, serving: bool,
-                     lerobot: LeRobotSource | None = None,
+async def _open_many(source: Source | None, names: list[str], limit: int, serving: bool,
                      ) -> list[tuple[str, Episode | BaseException]]:
     """Each episode's fingerprint (taken before it is opened, so a write during the open is
     seen by the next scan) and the episode opened, or the ``BrokenEpisodeError`` /
     ``Unavailable`` saying why not; at most ``limit`` at a time."""
+    if source is None:  # nothing listed yet: nothing to open
+        return [("", BrokenEpisodeError(f"episode {n!r}: the root's layout is not known yet",
+                                        episode=n)) for n in names]
     sem = asyncio.Semaphore(limit)
 
     async def one(name: str) -> tuple[str, Episode | BaseException]:
         async with sem:
             fingerprint, sizes = "", ""
-            if lerobot is not None:
-                try:
-                    return "", await _open_lerobot(lerobot, name)
-                except (BrokenEpisodeError, Unavailable) as exc:
-                    return "", exc
             try:
                 # a metadata document the store refuses: the open below says so
                 with contextlib.suppress(Refused):
-                    fingerprint, sizes = await store.fingerprint(name + SUFFIX)
-                episode = await open_episode(store, name, max_item_bytes=max_item_bytes,
-                                             one_at_a_time=serving, sizes=sizes)
+                    fingerprint, sizes = (await source.fingerprint([name]))[0]
+                episode = await source.open(name, serving=serving, sizes=sizes)
             except (BrokenEpisodeError, Unavailable) as exc:
                 return fingerprint, exc
             episode.fingerprint = fingerprint

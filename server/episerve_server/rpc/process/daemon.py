@@ -11,9 +11,11 @@ from episerve_server import preflight
 from episerve_server.config import ServerConfig
 from episerve_server.core.collector import COLLECTOR
 from episerve_server.core.stats import Stats
+from episerve_server.preflight import StartupError
 from episerve_server.rpc.handlers.service import EpiserveService
 from episerve_server.rpc.local.plane import LocalPlane
 from episerve_server.rpc.process import server
+from episerve_server.storage.sources import LayoutError
 from episerve_server.wiring import build_read_core, spill_evicted
 
 log = logging.getLogger(__name__)
@@ -27,7 +29,10 @@ async def start(config: ServerConfig, *, stats: Stats | None = None,
     preflight.check(config)
     core = build_read_core(config, stats=stats)
     with COLLECTOR.paused():  # full passes over a growing catalog cost ~1.8 s of a 12 s scan
-        await core.catalog.scan()
+        try:
+            await core.catalog.scan()
+        except LayoutError as exc:  # a root of no layout, or of several
+            raise StartupError(str(exc)) from None
     # The catalog is long-lived: keep the collector from walking it (core/collector.py).
     COLLECTOR.install(asyncio.get_running_loop())
     service = EpiserveService(config, core.catalog, core.planner, core.stats,

@@ -17,13 +17,14 @@ import hashlib
 import json
 import logging
 import math
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 from zarr.core.buffer import default_buffer_prototype
 
-from episerve_proto.errors import DataLossError, LimitExceeded
+from episerve_proto.errors import BrokenEpisodeError, DataLossError, LimitExceeded
 from episerve_server.core.ledger import EpisodeState
 from episerve_server.storage.episode import Episode
 from episerve_server.storage.lerobot.columns import FileProblem
@@ -73,7 +74,12 @@ VIDEO_SPAN_BYTES = 256
 
 
 class LeRobotSource:
-    """The episodes of one LeRobot v3 root (a local folder), loaded once at the first scan."""
+    """The episodes of one LeRobot v3 root (a local folder), loaded once at the first scan:
+    a ``storage.sources.Source``. Its episodes are fixed by its metadata, so a rescan does
+    not fingerprint them."""
+
+    layout = "LeRobot v3.0"
+    tracks_changes = False
 
     def __init__(self, store: CountingStore, local: ConfinedLocalStore, *,
                  tolerance_s: float = DEFAULT_TOLERANCE_S,
@@ -91,7 +97,7 @@ class LeRobotSource:
         self._data: dict[str, asyncio.Future[tuple[int, frozenset[str]]]] = {}
         self._loaded = False
 
-    async def names(self) -> set[str]:
+    async def names(self, entries: Iterable[str] = ()) -> set[str]:
         if not self._loaded:
             self._loaded = True
             try:
@@ -111,6 +117,22 @@ class LeRobotSource:
     def refusal(self) -> str:
         """Why the dataset as a whole is refused, as a broken entry says it ("" if not)."""
         return f"the LeRobot dataset cannot be served: {self.problem}" if self.problem else ""
+
+    def refused_entry(self) -> str:
+        return REFUSED_ENTRY if self.problem else ""
+
+    async def fingerprint(self, names: list[str]) -> list[tuple[str, str]]:
+        return [("", "")] * len(names)
+
+    async def exists(self, name: str) -> bool:
+        return name in self.episodes
+
+    async def open(self, name: str, *, serving: bool = False, sizes: str = "") -> Episode:
+        """One episode; ``BrokenEpisodeError`` says why it cannot be served."""
+        try:
+            return await self._open(name)
+        except MetaError as exc:
+            raise BrokenEpisodeError(str(exc), episode=name) from exc
 
     async def _load(self) -> None:
         cap = self.store.max_metadata_bytes
@@ -184,7 +206,7 @@ class LeRobotSource:
             out[index] = text
         return out
 
-    async def open(self, name: str) -> Episode:
+    async def _open(self, name: str) -> Episode:
         """One episode; ``MetaError`` or a file problem says why it cannot be served."""
         if self.problem:
             raise MetaError(self.refusal())
