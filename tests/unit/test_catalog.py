@@ -17,7 +17,8 @@ from episerve_proto.errors import (
     InvalidEpisodeId,
     KeymapError,
 )
-from episerve_server.storage.catalog import Catalog, validate_id
+from episerve_server.storage.catalog import Catalog
+from episerve_server.storage.sources import validate_id
 from tests.support import ramp
 
 KEYMAP = {

@@ -17,9 +17,7 @@ import fnmatch
 import json
 import logging
 import math
-import re
 import time
-import unicodedata
 from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 from typing import Any
@@ -28,7 +26,6 @@ from episerve_proto.contract import MAX_LISTED_ATTRS_BYTES
 from episerve_proto.errors import (
     BrokenEpisodeError,
     EpisodeNotFound,
-    InvalidEpisodeId,
     LimitExceeded,
     Unavailable,
 )
@@ -44,7 +41,7 @@ from episerve_server.storage import sources
 from episerve_server.storage.directory import Directory
 from episerve_server.storage.episode import Episode
 from episerve_server.storage.readers.bounds import DEFAULT_MAX_ITEM_BYTES
-from episerve_server.storage.sources import LayoutError, Source
+from episerve_server.storage.sources import LayoutError, Source, validate_id
 from episerve_server.storage.store import CountingStore, Refused
 
 log = logging.getLogger(__name__)
@@ -67,27 +64,6 @@ RESCAN_OPEN_LIMIT = 2
 #: listings that each rescan do not each walk the root; this many in one worker thread.
 CHANGE_CHECK_S = 1.0
 CHANGE_CHECK_SLICE = 16
-_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,199}")
-
-
-def validate_id(episode_id: object) -> str:
-    """An episode id is a plain folder name (without ``.zarr``); nothing path-like passes."""
-    if not isinstance(episode_id, str):
-        raise InvalidEpisodeId(f"episode id must be a string, got {episode_id!r}")
-    ok = (
-        _ID.fullmatch(episode_id) is not None
-        and ".." not in episode_id
-        and unicodedata.normalize("NFKC", episode_id) == episode_id
-    )
-    if not ok:
-        raise InvalidEpisodeId(
-            f"episode id {episode_id!r} is not a plain name "
-            "(letters, digits, '_', '-', '.'; no '..', no path separators)",
-            episode=episode_id if ok else "",
-        )
-    return episode_id
-
-
 class Catalog:
     """Episodes under one root. ``scan`` picks up added and drops removed episodes."""
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
+import unicodedata
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
@@ -28,6 +30,27 @@ from episerve_server.storage.opening import SUFFIX, open_episode
 from episerve_server.storage.store import CountingStore, Refused
 
 log = logging.getLogger(__name__)
+
+
+_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,199}")
+
+
+def validate_id(episode_id: object) -> str:
+    """An episode id is a plain folder name (without ``.zarr``); nothing path-like passes."""
+    if not isinstance(episode_id, str):
+        raise InvalidEpisodeId(f"episode id must be a string, got {episode_id!r}")
+    ok = (
+        _ID.fullmatch(episode_id) is not None
+        and ".." not in episode_id
+        and unicodedata.normalize("NFKC", episode_id) == episode_id
+    )
+    if not ok:
+        raise InvalidEpisodeId(
+            f"episode id {episode_id!r} is not a plain name "
+            "(letters, digits, '_', '-', '.'; no '..', no path separators)",
+            episode=episode_id if ok else "",
+        )
+    return episode_id
 
 
 class LayoutError(Exception):
@@ -76,8 +99,6 @@ class ZarrSource:
         self.store, self.max_item_bytes = store, max_item_bytes
 
     async def names(self, entries: Iterable[str]) -> set[str]:
-        from episerve_server.storage.catalog import validate_id
-
         names = set()
         for entry in entries:
             if not entry.endswith(SUFFIX):
