@@ -129,8 +129,8 @@ class SourceTests:
                         assert not bad, (name, key, f"rows {bad[:5]} differ")
                     else:
                         assert isinstance(got, np.ndarray), (name, key)
-                        want32 = np.asarray(want, np.float32).reshape(got.shape[0], -1)
                         assert got.shape[0] == len(want), (name, key, got.shape, len(want))
+                        want32 = np.asarray(want, np.float32).reshape(got.shape[0], -1)
                         same = got.reshape(len(got), -1) == want32
                         wrong = np.flatnonzero(~same.all(axis=1))
                         assert not len(wrong), (name, key, f"rows {wrong[:5].tolist()} differ")

@@ -14,7 +14,6 @@ import pytest
 
 from episerve_proto.errors import BrokenEpisodeError
 from episerve_server.core.stats import Stats
-from episerve_server.storage import sources
 from episerve_server.storage.catalog import Catalog
 from episerve_server.storage.episode import Episode
 from episerve_server.storage.lerobot.source import LeRobotSource
@@ -132,14 +131,12 @@ def test_a_new_layout_is_one_registry_entry(tmp_path: Path) -> None:
 
     layouts = (*LAYOUTS, Layout("one file per episode", claims,
                                 lambda store, options: _OneFile(store)))
-    catalog = _catalog(root)
-    store = catalog.store
-    catalog.source = asyncio.run(sources.choose(store, ["a.ep"], catalog._options,
-                                                str(root), layouts))
+    catalog = Catalog(open_root(str(root), stats=Stats()), root=str(root), layouts=layouts)
     asyncio.run(catalog.scan())
+    assert isinstance(catalog.source, _OneFile)
     assert catalog.broken_listing() == {"a": "episode 'a': this layout serves no key yet"}
-    with pytest.raises(LayoutError, match="holds no layout"):
-        asyncio.run(sources.choose(store, ["a.ep"], catalog._options, str(root)))
+    with pytest.raises(LayoutError, match="holds no layout"):  # not without its entry
+        asyncio.run(_catalog(root).scan())
 
 
 @pytest.mark.slow

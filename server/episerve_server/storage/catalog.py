@@ -18,7 +18,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import nullcontext
 from typing import Any
 
@@ -41,7 +41,7 @@ from episerve_server.storage import sources
 from episerve_server.storage.directory import Directory
 from episerve_server.storage.episode import Episode
 from episerve_server.storage.readers.bounds import DEFAULT_MAX_ITEM_BYTES
-from episerve_server.storage.sources import LayoutError, Source, validate_id
+from episerve_server.storage.sources import LAYOUTS, Layout, LayoutError, Source, validate_id
 from episerve_server.storage.store import CountingStore, Refused
 
 log = logging.getLogger(__name__)
@@ -71,9 +71,10 @@ class Catalog:
                  open_limit: int = 32, on_drop: Callable[[str], None] | None = None,
                  max_item_bytes: int = DEFAULT_MAX_ITEM_BYTES,
                  video_tolerance_s: float = 1e-4, state: EpisodeState | None = None,
-                 root: str = "") -> None:
+                 root: str = "", layouts: Sequence[Layout] = LAYOUTS) -> None:
         self.store = store
         self.root = root  # as the daemon was given it, for errors
+        self.layouts = tuple(layouts)  # what the root may be; one must claim it
         #: What the served episodes keep for what their files declare, within its limit.
         self.state = state if state is not None else EpisodeState(
             DEFAULT_EPISODE_STATE_BYTES, store.stats)
@@ -170,8 +171,11 @@ class Catalog:
             known = set(self.episodes) | (set(self.broken) - self._retry)
             added = sorted((names - known) | (changed & names))
             limit = self.open_limit if first else min(self.open_limit, RESCAN_OPEN_LIMIT)
+            source = self.source
+            if source is None:  # nothing listed: nothing to open
+                return added, removed
             with COLLECTOR.opening(len(added)) if added and not first else nullcontext():
-                outcomes = await _open_many(self.source, added, limit, not first)
+                outcomes = await _open_many(source, added, limit, not first)
                 for name, outcome in zip(added, outcomes):
                     self._opened(name, outcome, reopen=name in changed)
                     await asyncio.sleep(0)  # adding one is ~0.1-0.5 ms: serve between them
@@ -309,7 +313,7 @@ class Catalog:
                 return set()
             try:
                 self.source = await sources.choose(self.store, entries, self._options,
-                                                   self.root)
+                                                   self.root, self.layouts)
             except LayoutError as exc:
                 if not self._scans:  # the first scan: the daemon does not start
                     raise
@@ -371,14 +375,11 @@ class Catalog:
             log.warning("episode %s has problems: %s", name, episode.reason())
 
 
-async def _open_many(source: Source | None, names: list[str], limit: int, serving: bool,
+async def _open_many(source: Source, names: list[str], limit: int, serving: bool,
                      ) -> list[tuple[str, Episode | BaseException]]:
     """Each episode's fingerprint (taken before it is opened, so a write during the open is
     seen by the next scan) and the episode opened, or the ``BrokenEpisodeError`` /
     ``Unavailable`` saying why not; at most ``limit`` at a time."""
-    if source is None:  # nothing listed yet: nothing to open
-        return [("", BrokenEpisodeError(f"episode {n!r}: the root's layout is not known yet",
-                                        episode=n)) for n in names]
     sem = asyncio.Semaphore(limit)
 
     async def one(name: str) -> tuple[str, Episode | BaseException]:
