@@ -108,9 +108,9 @@ class Client(BaseClient):
              prefetch: Sequence[tuple[str, int]] = (), frame_views: bool = False) -> ReadResult:
         """One batch; ``all_masks`` adds ``<output>_is_pad`` per window and total_frames;
         ``prefetch`` names samples to be read soon (a hint, see README). ``frame_views``:
-        frames of a local-plane answer as read-only uint8 arrays viewing its shared memory
-        (held by the daemon's pool until the last view is dropped) instead of ``bytes``
-        copies."""
+        raw frames (decoded video) of a local-plane answer as read-only uint8 arrays
+        viewing its shared memory (held out of the daemon's pool until the last view is
+        dropped) instead of ``bytes`` copies; JPEGs stay copies."""
         result: ReadResult = self._run(self.read_flow(
             keymap, samples, annotation_cutoff=annotation_cutoff, timeout_s=timeout_s,
             all_masks=all_masks, prefetch=prefetch, frame_views=frame_views))

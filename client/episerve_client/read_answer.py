@@ -20,6 +20,7 @@ import numpy as np
 from episerve_client.answer_wire import check_wire
 from episerve_client.convert import parse
 from episerve_client.tensors import loss, tensor
+from episerve_proto import rawframe
 from episerve_proto.answer import OPTIONAL, PER_SAMPLE, Field
 from episerve_proto.contract import (
     ACTION_MASK,
@@ -44,8 +45,8 @@ class ReadResult:
     embodiments: list[str]
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
     images: dict[str, tuple[str, np.ndarray]] = field(default_factory=dict)  # source, index
-    #: JPEG or raw frames, per source: ``bytes``, or with ``frame_views`` (local plane)
-    #: read-only uint8 arrays viewing the answer's segment.
+    #: JPEG or raw frames, per source: ``bytes``; with ``frame_views`` (local plane), each
+    #: raw frame as a read-only uint8 array viewing the answer's segment.
     frames: dict[str, list[Frame]] = field(default_factory=dict)
     texts: dict[str, list[list[str]]] = field(default_factory=dict)
     #: With ``all_masks``: each sample's episode length T (the ``<output>_is_pad`` masks,
@@ -259,7 +260,12 @@ def _as_bytes(blob: bytes | np.ndarray) -> bytes:
 
 
 def _read_only(blob: bytes | np.ndarray) -> Frame:
+    """A raw frame (a decoded video frame, large) as a read-only view of the segment; any
+    other blob (a JPEG, small) as a copy, so what its header says cannot change between
+    its check and its decode (the daemon can still write the segment)."""
     if isinstance(blob, np.ndarray):
+        if rawframe.size_of(blob) is None:
+            return blob.tobytes()
         blob.flags.writeable = False
     return blob
 

@@ -185,28 +185,31 @@ def test_held_batches_keep_their_bytes_and_the_pool_stays_bounded(
 
 
 def test_frame_views_hold_their_segment_and_are_never_overwritten(
-        start_daemon: Start, ramp_roots: dict[str, Path]) -> None:
-    """``frame_views``: frames as read-only views of the answer's segment, equal to the
-    bytes a plain read gives; a view kept after its batch is dropped keeps the segment
-    out of the pool, so later batches never write over it."""
-    d = start_daemon(ramp_roots["sharded"], "--local-segments", "2", unix=True)
-    keymap = KEYMAPS["mecka_keypoints_k4"]
-    with Client(d.target, transport="local", timeout_s=10) as c:
-        want = c.read(keymap, BATCH)
-        got = c.read(keymap, BATCH, frame_views=True)
-        assert want.frames.keys() == got.frames.keys() and want.frames
-        for source, frames in want.frames.items():
-            assert frames and all(isinstance(f, bytes) for f in frames), source
-            views = got.frames[source]
-            assert all(isinstance(v, np.ndarray) and not v.flags.writeable for v in views)
-            assert [v.tobytes() for v in views] == frames, source
-        source = sorted(got.frames)[0]
-        kept, kept_bytes = got.frames[source][0], want.frames[source][0]
+        start_daemon: Start, tmp_path: Path) -> None:
+    """``frame_views``: decoded video frames as read-only views of the answer's segment,
+    equal to the bytes a plain read gives; a view kept after its batch is dropped keeps
+    the segment out of the pool, so later batches never write over it."""
+    from tests.support import lerobot as lr
+
+    root = lr.write(tmp_path / "ds", lr.Layout())
+    d = start_daemon(root, "--local-segments", "2", unix=True)
+    keymap = {"top": {"zarr_key": "observation.images.top", "key_type": "camera_keys"}}
+    samples = [("episode_000000", f) for f in range(8)]
+    with Client(d.target, transport="local", timeout_s=30) as c:
+        want = c.read(keymap, samples)
+        got = c.read(keymap, samples, frame_views=True)
+        [source] = want.frames
+        assert want.frames[source] and all(isinstance(f, bytes) for f in want.frames[source])
+        views = got.frames[source]
+        assert all(isinstance(v, np.ndarray) and not v.flags.writeable for v in views)
+        assert [v.tobytes() for v in views] == want.frames[source]
+        kept, kept_bytes = views[0], want.frames[source][0]
         with pytest.raises(ValueError, match="read-only"):
             kept[0] = 0
         del got, want, views
-        for k in range(6):  # 3x the pool, each batch dropped at once
-            c.read(keymap, BATCH[k:] + BATCH[:k], frame_views=True)
+        for k in range(1, 7):  # 3x the pool, each batch dropped at once
+            c.read(keymap, [("episode_000002", f) for f in range(k, k + 8)],
+                   frame_views=True)
         assert kept.tobytes() == kept_bytes
 
 

@@ -50,24 +50,47 @@ def test_a_raw_frame_of_another_size_than_declared_is_refused() -> None:
         decode_column([data], np.array([0]), check)
 
 
-def test_frames_given_as_read_only_views_decode_as_their_bytes_do() -> None:
-    """The local plane hands a dataset its frames as read-only views of the answer's
-    segment (``frame_views``): raw frames and JPEGs decode from them as from bytes."""
+
+def _view(data: bytes) -> np.ndarray:
+    view = np.frombuffer(data, np.uint8).copy()  # as a segment's blob is: an array view
+    view.flags.writeable = False
+    return view
+
+
+def test_a_raw_frame_viewed_in_shared_memory_decodes_as_its_bytes_do() -> None:
+    """``frame_views``: a raw frame comes as a read-only view of the answer's segment and
+    decodes exactly as its bytes do; a JPEG blob is copied out (``_read_only``)."""
     import simplejpeg
+
+    from episerve_client.read_answer import _read_only
 
     img = frame(8, 16, 3)
     raw = rawframe.pack(8, 16, img.tobytes())
     jpeg = simplejpeg.encode_jpeg(img, quality=95)
-    segment = np.frombuffer(raw + jpeg, np.uint8).copy()  # one buffer, as a segment is
-    views = [segment[:len(raw)], segment[len(raw):]]
-    for v in views:
-        v.flags.writeable = False
-    assert rawframe.size_of(views[0]) == (8, 16) and rawframe.size_of(views[1]) is None
-    assert [header_size(v) for v in views] == [(8, 16), (8, 16)]
+    segment = np.frombuffer(raw + jpeg, np.uint8).copy()
+    kept = [_read_only(segment[:len(raw)]), _read_only(segment[len(raw):])]
+    assert isinstance(kept[0], np.ndarray) and not kept[0].flags.writeable
+    assert kept[1] == jpeg and isinstance(kept[1], bytes)
     index = np.array([[0, 1]])
-    from_views, failed = decode_column(views, index, dtype=np.uint8)
+    from_views, failed = decode_column(kept, index, dtype=np.uint8)
     from_bytes, _ = decode_column([raw, jpeg], index, dtype=np.uint8)
     assert not failed and from_views is not None and from_bytes is not None
     assert np.array_equal(from_views, from_bytes)
     assert np.array_equal(from_views[0, 0], img.transpose(2, 0, 1))
-    assert rawframe.size_of(views[0][:-1]) is None  # a cut view is no raw frame either
+
+
+def test_a_view_is_never_decoded_as_a_jpeg() -> None:
+    """The daemon can write its segment after sending it: a view that passed as a raw
+    frame, then turned into a JPEG declaring a huge image, is refused, not decoded (a
+    JPEG is only decoded from bytes the daemon can no longer change)."""
+    import simplejpeg
+
+    from episerve_client.data.jpeg import FrameDecodeError, decode_rgb
+
+    jpeg = simplejpeg.encode_jpeg(frame(8, 16, 3), quality=95)
+    as_view = _view(jpeg)
+    assert header_size(jpeg) == (8, 16) and header_size(as_view) is None
+    with pytest.raises(FrameDecodeError, match="no longer a raw frame"):
+        decode_rgb(as_view)
+    out, failed = decode_column([as_view], np.array([0]), dtype=np.uint8)
+    assert out is None and failed == {0}

@@ -115,8 +115,8 @@ def header_size(data: Frame) -> Size | None:
     """``(H, W)`` from a JPEG header (or a raw frame's, :mod:`episerve_proto.rawframe`),
     without decoding; None when the header does not parse."""
     raw = rawframe.size_of(data)
-    if raw is not None:
-        return raw
+    if raw is not None or not isinstance(data, bytes):
+        return raw  # a view of shared memory is only ever a raw frame (read_answer._frames)
     try:
         height, width, _, _ = simplejpeg.decode_jpeg_header(data)
     except (ValueError, RuntimeError, TypeError):
@@ -126,11 +126,17 @@ def header_size(data: Frame) -> Size | None:
 
 def decode_rgb(data: Frame) -> np.ndarray:
     """One JPEG to an HxWx3 uint8 array; ``FrameDecodeError`` when it is not a valid JPEG.
-    A raw frame (a video frame the daemon decoded) is viewed as it is, not decoded."""
+    A raw frame (a video frame the daemon decoded) is viewed as it is, not decoded.
+
+    Only ``bytes`` are ever decoded as a JPEG: a view of the daemon's shared memory could
+    change between the check of its header and the decode (a small JPEG declaring a huge
+    image), so a view that is no longer a raw frame is refused, never decoded."""
     raw = rawframe.size_of(data)
     if raw is not None:
         pixels = np.frombuffer(data, np.uint8, offset=rawframe.HEADER_BYTES)
         return pixels.reshape(raw[0], raw[1], 3)
+    if not isinstance(data, bytes):
+        raise FrameDecodeError("a frame in shared memory is no longer a raw frame")
     try:
         img: np.ndarray = simplejpeg.decode_jpeg(data, colorspace="RGB")
     except (ValueError, RuntimeError, TypeError) as exc:
@@ -212,4 +218,3 @@ def decode_column(frames: Sequence[Frame], index: np.ndarray, check: FrameCheck 
                 raise FrameSizeMismatch(b, img.shape[:2], (h, w))
             to_chw(img, view[b, j])
     return out, failed
-

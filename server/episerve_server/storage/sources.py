@@ -90,7 +90,7 @@ class Source(Protocol):
 
 
 class ZarrSource:
-    """Episode stores (SPEC section 1): one ``<name>.zarr`` group per episode."""
+    """Episode stores (docs/FORMAT.md): one ``<name>.zarr`` group per episode."""
 
     layout = "zarr episode stores"
     tracks_changes = True
