@@ -6,9 +6,10 @@ does not pass, while a faithful wrapper of the same source passes them all."""
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -81,9 +82,24 @@ class TestZarrSource(SourceTests):
         return zarr_example(folder)
 
 
+def _task_spans(task_index: list[int], tasks: Sequence[str]) -> list[bytes]:
+    """The ``task`` key as docs/LEROBOT.md states it: one annotation span per run of frames
+    with the same ``task_index``, in docs/FORMAT.md's form (``text``, ``start_idx``,
+    ``end_idx`` exclusive), then empty rows up to the episode's length."""
+    spans: list[bytes] = []
+    start = 0
+    for f in range(1, len(task_index) + 1):
+        if f == len(task_index) or task_index[f] != task_index[start]:
+            spans.append(json.dumps({"text": tasks[task_index[start]], "start_idx": start,
+                                     "end_idx": f}).encode())
+            start = f
+    return spans + [b""] * (len(task_index) - len(spans))
+
+
 class TestLeRobotSource(SourceTests):
     def example(self, folder: Path) -> Example:
-        layout = lr.Layout(lengths=(5, 4, 6), per_file=2)
+        layout = lr.Layout(lengths=(5, 4, 6), per_file=2,
+                           frame_tasks={2: [0, 0, 1, 1, 1, 0]})  # three runs in one episode
         root = lr.write(folder / "root", layout)
         store = open_root(str(root), stats=Stats())
         local = store.local_root()
@@ -108,7 +124,8 @@ class TestLeRobotSource(SourceTests):
                 for f in range(length):
                     at = times[np.abs(times - (start_s + f / lr.FPS)).argmin()]
                     got[cam].append(rawframe.pack(h, w, frames[float(at)].tobytes()))
-            keys[name] = {*got, "task"}
+            got["task"] = _task_spans(mine.column("task_index").to_pylist(), layout.tasks)
+            keys[name] = set(got)
             rows[name] = got
         return Example(source=LeRobotSource(store, local), entries=sorted(os.listdir(root)),
                        keys=keys, rows=rows)
