@@ -85,7 +85,6 @@ class Catalog:
         self.allow = tuple(allow)
         self.open_limit = open_limit
         self.on_drop = on_drop
-        self.max_item_bytes = max_item_bytes
         self.episodes: dict[str, Episode] = {}
         self.broken: dict[str, str] = {}
         self._retry: set[str] = set()  # broken by a storage timeout: opened again next scan

@@ -23,10 +23,11 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
-from episerve_proto.errors import BrokenEpisodeError, InvalidEpisodeId
+from episerve_proto.errors import InvalidEpisodeId
 from episerve_server.core.ledger import EpisodeState
 from episerve_server.storage.episode import Episode
 from episerve_server.storage.opening import SUFFIX, open_episode
+from episerve_server.storage.readers import episode_exists
 from episerve_server.storage.store import CountingStore, Refused
 
 log = logging.getLogger(__name__)
@@ -126,9 +127,7 @@ class ZarrSource:
                                   one_at_a_time=serving, sizes=sizes)
 
     async def exists(self, name: str) -> bool:
-        base = f"{name}{SUFFIX}"
-        return await self.store.exists(f"{base}/zarr.json") or \
-            await self.store.exists(f"{base}/.zgroup")
+        return await episode_exists(self.store, name)
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,8 +210,3 @@ async def choose(store: CountingStore, entries: list[str], options: Options, roo
     layout, why = claims[0]
     log.info("serving %s (%s)", layout.name, why)
     return layout.make(store, options)
-
-
-def broken(name: str, exc: Exception) -> BrokenEpisodeError:
-    """A layout's own refusal of one episode, as the catalog lists it."""
-    return BrokenEpisodeError(str(exc), episode=name)
