@@ -28,6 +28,7 @@ from episerve_server.storage.readers import ChunkReader
 from episerve_server.storage.readers.base import decode_chunk
 from episerve_server.storage.sources import LayoutError
 from episerve_server.storage.store import open_root
+from episerve_server.storage.zipstore import BadZipRoot, is_zip_root
 from episerve_server.wiring import storage_options
 
 USAGE = """usage: episerve check ROOT [SERVE FLAGS]
@@ -173,13 +174,15 @@ def main(argv: Sequence[str]) -> int:
     except (ValueError, SystemExit) as exc:
         print(f"episerve check: {exc}", file=sys.stderr)
         return 2
-    if "://" not in config.root and not os.path.isdir(config.root):
-        print(f"episerve check: dataset root {config.root!r} is not a folder", file=sys.stderr)
+    if "://" not in config.root and not os.path.isdir(config.root) \
+            and not is_zip_root(config.root):
+        print(f"episerve check: dataset root {config.root!r} is not a folder (or a replay "
+              "buffer's *.zarr.zip file)", file=sys.stderr)
         return 2
     started = time.monotonic()
     try:
         report = asyncio.run(check(config, progress=True))
-    except LayoutError as exc:
+    except (LayoutError, BadZipRoot) as exc:
         print(f"episerve check: {exc}", file=sys.stderr)
         return 2
     print(render(report, config.root, time.monotonic() - started))

@@ -37,10 +37,14 @@ def _serve(argv: Sequence[str]) -> int:
         config = ServerConfig.from_args(argv, os.environ)
     except ValueError as exc:
         return _refuse(str(exc))
+    from episerve_server.storage.zipstore import is_zip_root
+
     if config.root == DEFAULT_ROOT:
         ensure_demo_dataset(config.root)
-    elif "://" not in config.root and not Path(config.root).is_dir():
-        return _refuse(f"dataset root {config.root!r} is not a folder")
+    elif "://" not in config.root and not Path(config.root).is_dir() \
+            and not is_zip_root(config.root):
+        return _refuse(f"dataset root {config.root!r} is not a folder (or a replay buffer's "
+                       "*.zarr.zip file)")
     from episerve_server.preflight import StartupError
     from episerve_server.rpc.process.main import run
 

@@ -169,6 +169,17 @@ async def _lerobot_claims(store: CountingStore, entries: list[str]) -> str:
     return ""
 
 
+async def _replay_claims(store: CountingStore, entries: list[str]) -> str:
+    from episerve_server.storage.replay.source import ENDS
+
+    if ".zgroup" not in entries or "meta" not in entries:
+        return ""
+    with contextlib.suppress(Refused):
+        if await store.exists(f"{ENDS}/.zarray"):
+            return f"{ENDS}"
+    return ""
+
+
 def _zarr(store: CountingStore, options: Options) -> Source:
     return ZarrSource(store, options.max_item_bytes)
 
@@ -182,10 +193,17 @@ def _lerobot(store: CountingStore, options: Options) -> Source:
                          state=options.state)
 
 
+def _replay(store: CountingStore, options: Options) -> Source:
+    from episerve_server.storage.replay.source import ReplaySource
+
+    return ReplaySource(store, state=options.state)
+
+
 #: Every layout, asked in this order.
 LAYOUTS = (
     Layout("zarr episode stores", _zarr_claims, _zarr),
     Layout("LeRobot v3.0", _lerobot_claims, _lerobot),
+    Layout("Diffusion Policy replay buffer", _replay_claims, _replay),
 )
 
 
@@ -205,8 +223,8 @@ async def choose(store: CountingStore, entries: list[str], options: Options, roo
         more = f" and {len(entries) - 5} more" if len(entries) > 5 else ""
         raise LayoutError(
             f"the root {root} holds no layout the daemon serves (found {shown}{more}): "
-            f"expected '<episode>{SUFFIX}' folders or a LeRobot v3.0 root "
-            "(meta/info.json)")
+            f"expected '<episode>{SUFFIX}' folders, a LeRobot v3.0 root (meta/info.json) "
+            "or a replay buffer (meta/episode_ends)")
     layout, why = claims[0]
     log.info("serving %s (%s)", layout.name, why)
     return layout.make(store, options)

@@ -33,6 +33,7 @@ from episerve_server.storage.local import (
     OutsideRoot,
     Refused,
 )
+from episerve_server.storage.zipstore import ConfinedZipStore, is_zip_root
 
 __all__ = [
     "METADATA_NAMES", "ByteGet", "ConfinedLocalStore", "CountingStore", "LatencyStore",
@@ -98,7 +99,7 @@ class CountingStore(WrapperStore[Store]):
     def sized(self) -> bool:
         """Whether the store underneath checks sizes before reading (a local root)."""
         inner = self._store
-        return isinstance(inner, ConfinedLocalStore) or (
+        return isinstance(inner, ConfinedLocalStore | ConfinedZipStore) or (
             isinstance(inner, LatencyStore) and inner.sized)
 
     def _count(self, key: str) -> None:
@@ -137,7 +138,7 @@ class CountingStore(WrapperStore[Store]):
         inner = self._store
 
         def work() -> Awaitable[Buffer | None]:
-            if isinstance(inner, ConfinedLocalStore | LatencyStore):
+            if isinstance(inner, ConfinedLocalStore | LatencyStore | ConfinedZipStore):
                 return inner.get(key, prototype, byte_range, max_bytes=max_bytes)
             return inner.get(key, prototype, byte_range)
 
@@ -167,7 +168,7 @@ class CountingStore(WrapperStore[Store]):
         if not requests:
             return []
         inner = self._store
-        if isinstance(inner, ConfinedLocalStore | LatencyStore):
+        if isinstance(inner, ConfinedLocalStore | LatencyStore | ConfinedZipStore):
             out = await self._timed("get_many", requests[0][0],
                                     lambda: inner.get_many(requests))
         else:
@@ -265,7 +266,7 @@ def open_root(
     max_object_bytes: int = DEFAULT_MAX_OBJECT_BYTES,
     latency_s: float = 0.0,
 ) -> CountingStore:
-    """A read-only store for a local folder or an fsspec URL such as ``s3://bucket/prefix``.
+    """A read-only store for a local folder, a local ``*.zip`` file or an fsspec URL such as ``s3://bucket/prefix``.
 
     A local folder is confined (:class:`ConfinedLocalStore`): metadata documents over
     ``max_metadata_bytes`` and other objects over ``max_object_bytes`` (unless a reader
@@ -273,7 +274,10 @@ def open_root(
     usual ``AWS_*`` variables unless ``storage_options`` say otherwise (see
     :func:`object_store_options`). ``latency_s`` puts a :class:`LatencyStore` underneath.
     """
-    if "://" in root and not root.startswith("file://"):
+    if is_zip_root(root):  # a replay buffer saved as one zip file
+        inner = ConfinedZipStore(root, max_metadata_bytes=max_metadata_bytes,
+                                 max_object_bytes=max_object_bytes)
+    elif "://" in root and not root.startswith("file://"):
         options = object_store_options(root, storage_options, max_connections)
         inner: Store = FsspecStore.from_url(root, storage_options=options, read_only=True)
     else:

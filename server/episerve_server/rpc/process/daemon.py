@@ -16,6 +16,7 @@ from episerve_server.rpc.handlers.service import EpiserveService
 from episerve_server.rpc.local.plane import LocalPlane
 from episerve_server.rpc.process import server
 from episerve_server.storage.sources import LayoutError
+from episerve_server.storage.zipstore import BadZipRoot
 from episerve_server.wiring import build_read_core, spill_evicted
 
 log = logging.getLogger(__name__)
@@ -27,7 +28,10 @@ async def start(config: ServerConfig, *, stats: Stats | None = None,
     """Check the settings (``StartupError``), open the root, bind, serve. ``owns`` narrows
     ``--preload`` to the episodes this process serves (a worker of ``--workers N``)."""
     preflight.check(config)
-    core = build_read_core(config, stats=stats)
+    try:
+        core = build_read_core(config, stats=stats)
+    except BadZipRoot as exc:
+        raise StartupError(str(exc)) from None
     with COLLECTOR.paused():  # full passes over a growing catalog cost ~1.8 s of a 12 s scan
         try:
             await core.catalog.scan()
