@@ -29,6 +29,7 @@ __all__ = [
     "MixtureDataset",
     "ReadResult",
     "SampleBatch",
+    "SequenceDataset",
     "WeightedMixtureSampler",
     "WindowBatch",
     "WindowDataset",
@@ -50,6 +51,7 @@ if TYPE_CHECKING:
     from episerve_client.data.manifest import Manifest
     from episerve_client.data.mixture import MixtureDataset, WeightedMixtureSampler
     from episerve_client.data.sampler import WindowBatch, WindowSampler
+    from episerve_client.data.sequence_dataset import SequenceDataset
 
 
 def __getattr__(name: str) -> Any:
@@ -62,6 +64,10 @@ def __getattr__(name: str) -> Any:
         from episerve_client.data.lerobot_dataset import LeRobotWindowDataset
 
         return LeRobotWindowDataset
+    if name == "SequenceDataset":
+        from episerve_client.data.sequence_dataset import SequenceDataset
+
+        return SequenceDataset
     if name == "collate":
         from episerve_client.data.collation import collate
 

@@ -67,16 +67,16 @@ def write_replay(path: Path, episodes: Sequence[Mapping[str, np.ndarray]],
     ends_kw: dict[str, Any] = {"shape": (0,), "chunks": (1 << 16,), "dtype": np.int64}
     ends = meta.zeros("episode_ends", compressor=None, **ends_kw) if v2 else \
         meta.create_array("episode_ends", compressors=None, fill_value=0, **ends_kw)
-    total = 0
+    total, count = 0, 0
     for episode in episodes:
         n = len(next(iter(episode.values())))
         for key in keys:
             arr = arrays[key]
             arr.resize((total + n, *arr.shape[1:]))
             arr[total:total + n] = np.asarray(episode[key])
-        total += n
-        ends.resize((len(ends) + 1,))
-        ends[-1] = total
+        total, count = total + n, count + 1
+        ends.resize((count,))
+        ends[count - 1] = total
     if not as_zip:
         return path
     out = path.with_name(path.name + ".zip")

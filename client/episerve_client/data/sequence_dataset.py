@@ -141,7 +141,7 @@ class SequenceDataset(WindowDataset):
             raise IndexError(f"index {index} is out of range for {n} samples")
         return self.__getitems__([index % n])[0]
 
-    def __getitems__(self, indices: Sequence[int]) -> list[dict[str, Any]]:  # type: ignore[override]
+    def __getitems__(self, indices: Sequence[int]) -> list[dict[str, Any]]:
         return [{k: torch.from_numpy(v) for k, v in item.items()}
                 for item in self.read_sequences(indices)]
 

@@ -15,10 +15,11 @@ from episerve_server.storage.episode import Episode
 def check_keys(keymap: Keymap, episode: Episode) -> None:
     for e in keymap:
         reader = episode.readers.get(e.zarr_key)
-        if reader is None and e.zarr_key in episode.problems:  # the data is broken, not the keymap
+        why = episode.why_not(e.zarr_key) if reader is None else None
+        if why is not None:  # the data is broken, not the keymap
             raise BrokenEpisodeError(
                 f"output key {e.name!r}: episode {episode.hash!r} cannot serve zarr_key "
-                f"{e.zarr_key!r}: {episode.problems[e.zarr_key]}",
+                f"{e.zarr_key!r}: {why}",
                 episode=episode.hash, key=e.zarr_key,
             )
         if reader is None:

@@ -82,9 +82,10 @@ def _summarize(reader: ChunkReader, chunks: list[Any], c0: int, total: int,
 
 def numeric_reader(e: Episode, key: str) -> ChunkReader:
     reader = e.readers.get(key)
-    if reader is None and key in e.problems:
-        raise BrokenEpisodeError(f"episode {e.hash!r} cannot serve key {key!r}: "
-                                 f"{e.problems[key]}", episode=e.hash, key=key)
+    why = e.why_not(key) if reader is None else None
+    if why is not None:
+        raise BrokenEpisodeError(f"episode {e.hash!r} cannot serve key {key!r}: {why}",
+                                 episode=e.hash, key=key)
     if reader is None:
         raise InvalidArgument(
             f"episode {e.hash!r} has no array {key!r}"

@@ -20,6 +20,10 @@ class Episode(EpisodeFacts):
     attrs: dict[str, Any]
     readers: dict[str, ChunkReader]
     problems: dict[str, str] = field(default_factory=dict)
+    #: Keys the source lists but does not serve, with why: unlike ``problems``, they leave
+    #: the episode healthy (a replay buffer's one bad array is no reason to refuse every
+    #: episode); a read naming one is refused with the reason.
+    unserved: dict[str, str] = field(default_factory=dict)
     spans: dict[str, list[Span]] = field(default_factory=dict)
     content_hash: str = ""  # 16 hex digits over the group's attributes and array metadata
     fingerprint: str = ""  # what its files were when it was opened (see CountingStore)
@@ -31,6 +35,10 @@ class Episode(EpisodeFacts):
     def features(self) -> dict[str, Any]:
         feats = self.attrs.get("features")
         return feats if isinstance(feats, dict) else {}
+
+    def why_not(self, key: str) -> str | None:
+        """Why ``key`` is not served ("" never; None when nothing says so)."""
+        return self.problems.get(key) or self.unserved.get(key)
 
     def reason(self) -> str:
         return "; ".join(self.problems.values())

@@ -274,12 +274,13 @@ def open_root(
     usual ``AWS_*`` variables unless ``storage_options`` say otherwise (see
     :func:`object_store_options`). ``latency_s`` puts a :class:`LatencyStore` underneath.
     """
+    inner: Store
     if is_zip_root(root):  # a replay buffer saved as one zip file
         inner = ConfinedZipStore(root, max_metadata_bytes=max_metadata_bytes,
                                  max_object_bytes=max_object_bytes)
     elif "://" in root and not root.startswith("file://"):
         options = object_store_options(root, storage_options, max_connections)
-        inner: Store = FsspecStore.from_url(root, storage_options=options, read_only=True)
+        inner = FsspecStore.from_url(root, storage_options=options, read_only=True)
     else:
         inner = ConfinedLocalStore(root.removeprefix("file://"),
                                    max_metadata_bytes=max_metadata_bytes,

@@ -58,7 +58,7 @@ def member_count(path: Path | str) -> int:
     count = struct.unpack_from("<H", tail, at + 10)[0]
     if count == 0xFFFF and tail[max(0, at - 20):at - 16] == _EOCD64_LOCATOR:
         return 1 << 62  # ZIP64: more members than a 16-bit count holds
-    return count
+    return int(count)
 
 
 class ConfinedZipStore(ZipStore):

@@ -98,7 +98,8 @@ def parse(path: str, doc: bytes) -> ArrayMeta:
         raise ArrayProblem(f"{path}/.zarray is not JSON ({exc})") from None
     if not isinstance(meta, dict) or meta.get("zarr_format") != 2:
         raise ArrayProblem(f"{path}/.zarray is not zarr format 2 array metadata")
-    shape, chunks = meta.get("shape"), meta.get("chunks")
+    shape: Any = meta.get("shape")
+    chunks: Any = meta.get("chunks")
     if not _ints(shape) or not _ints(chunks) or len(shape) != len(chunks) or not shape \
             or len(shape) > MAX_NDIM + 1:
         raise ArrayProblem(f"{path}: shape {shape!r} and chunks {chunks!r} must be lists of "

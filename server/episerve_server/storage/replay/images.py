@@ -101,7 +101,8 @@ def _jp2_codestream(data: bytes) -> bytes:
 
 def _boxes(data: bytes) -> list[tuple[bytes, int, int]]:
     """An ISO base media file's top-level boxes: (type, payload start, payload end)."""
-    out, pos, n = [], 0, len(data)
+    out: list[tuple[bytes, int, int]] = []
+    pos, n = 0, len(data)
     while pos + 8 <= n and len(out) < 64:
         size, kind = struct.unpack_from(">I4s", data, pos)
         head = 8
@@ -111,10 +112,8 @@ def _boxes(data: bytes) -> list[tuple[bytes, int, int]]:
             size, head = struct.unpack_from(">Q", data, pos + 8)[0], 16
         elif size == 0:
             size = n - pos
-        if size < head or pos + size > n:
-            end = n  # a last box may run to the end of the data
-        else:
-            end = pos + size
+        # a box whose size runs past the data ends with it
+        end = n if size < head or pos + size > n else pos + size
         out.append((kind, pos + head, end))
         pos = end
     return out

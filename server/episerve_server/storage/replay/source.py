@@ -128,7 +128,7 @@ class ReplaySource:
         if length > MAX_ROWS:
             raise BrokenEpisodeError(f"{length} rows, more than {MAX_ROWS}", episode=name)
         episode = Episode(name, length, self.fps, self.embodiment, {}, {},
-                          problems=dict(self.problems))
+                          unserved=dict(self.problems))
         features: dict[str, Any] = {}
         for key, meta in self.arrays.items():
             if meta.is_image:
@@ -350,8 +350,7 @@ class FrameReader(_BufferReader):
 
     def _chunk(self, rows: np.ndarray) -> Chunk:
         h, w, _ = self.meta.feature
-        return [rawframe.pack(h, w, np.ascontiguousarray(row).reshape(-1).data)
-                for row in rows]
+        return [rawframe.pack(h, w, np.ascontiguousarray(row).tobytes()) for row in rows]
 
 
 def _why(exc: BaseException) -> str:
