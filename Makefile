@@ -179,3 +179,28 @@ lerobot-resolve: $(STAMP)
 	$(PY) -m pip install --quiet --dry-run --ignore-installed 'lerobot==0.4.4' '.[client]'
 	$(LEROBOT_PYTHON) -m pip install --quiet --dry-run --ignore-installed \
 	    'lerobot[dataset,training]>=0.6,<0.7' '.[client]'
+
+# Replay buffers written as Diffusion Policy writes them: zarr 2 (its writer), numcodecs'
+# Blosc and imagecodecs' JPEG 2000 and JPEG XL, in a small venv of their own; every sample
+# served through SequenceDataset is compared with the reference sampler's rule applied to
+# zarr-python's own reading (tests/integration/test_replay_parity.py).
+ZARR2_VENV ?= .venv-zarr2
+ZARR2_STAMP := $(ZARR2_VENV)/.installed
+REPLAY_PARITY_DATA ?= out/replay-parity
+
+.PHONY: replay-env replay-parity
+
+replay-env: $(ZARR2_STAMP)
+
+$(ZARR2_STAMP):
+	$(PYTHON) -m venv $(ZARR2_VENV)
+	$(ZARR2_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(ZARR2_VENV)/bin/python -m pip install --quiet 'zarr>=2.16,<3' 'numcodecs>=0.12,<0.16' \
+	    'imagecodecs>=2024.6' 'numpy>=1.26'
+	touch $(ZARR2_STAMP)
+
+replay-parity: $(ZARR2_STAMP) $(STAMP)
+	rm -rf $(REPLAY_PARITY_DATA)
+	$(ZARR2_VENV)/bin/python -m tests.support.replay $(REPLAY_PARITY_DATA)
+	REPLAY_PARITY_DATA=$(abspath $(REPLAY_PARITY_DATA)) $(PYTEST) -p no:randomly -m slow \
+	    tests/integration/test_replay_parity.py $(PYTEST_ARGS)

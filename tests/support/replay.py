@@ -10,6 +10,7 @@ Run as a script it writes the parity buffers: ``python -m tests.support.replay O
 
 from __future__ import annotations
 
+import json
 import sys
 import zipfile
 from collections.abc import Mapping, Sequence
@@ -187,8 +188,16 @@ PARITY_LENGTHS = (9, 1, 23, 4, 16)
 
 
 def write_parity(folder: Path) -> None:
-    """The parity buffers: a folder with JPEG 2000 frames, and a zip with JPEG XL ones."""
+    """The parity buffers: a folder with JPEG 2000 frames, and a zip with JPEG XL ones; and
+    ``written-by.json``, the versions that wrote them."""
+    import imagecodecs
+    import numcodecs
+    import zarr
+
     folder.mkdir(parents=True, exist_ok=True)
+    (folder / "written-by.json").write_text(json.dumps({
+        "zarr": zarr.__version__, "numcodecs": numcodecs.__version__,
+        "imagecodecs": imagecodecs.__version__}))
     eps = episodes_of(PARITY_LENGTHS, seed=3)
     chunks = {"action": 5, "state": 7, "img": 1, "stage": 6, "timestamp": 11}
     write_replay(folder / "jpeg2k.zarr", eps, chunks,
