@@ -300,3 +300,24 @@ def test_copy_of_a_buffer_folder_is_served_alike(tmp_path: Path) -> None:
     a = _open(root)[2]
     b = _open(moved)[2]
     assert a.content_hash == b.content_hash and a.total_frames == b.total_frames
+
+
+@pytest.mark.parametrize("name", ["made.zarr", "made.zarr.zip"])
+def test_make_dataset_writes_a_replay_buffer_the_source_serves(tmp_path: Path,
+                                                              name: str) -> None:
+    from episerve_tools.cli import main
+
+    out = tmp_path / name
+    assert main(["make-dataset", str(out), "--layout", "replay", "--episodes", "3",
+                 "--min-frames", "12", "--max-frames", "20"]) == 0
+    data, ends = read_buffer(out)
+    assert sorted(data) == ["action", "img", "state"] and len(ends) == 3
+    assert data["img"].shape[1:] == (96, 96, 3) and data["img"].dtype == np.uint8
+    source, names, episode = _open(out, "episode_000002")
+    assert names == {"episode_000000", "episode_000001", "episode_000002"}
+    assert episode.fps == 10.0
+    start = int(ends[1])
+    rows = asyncio.run(read_rows(episode.readers["img"]))
+    assert rows == [rawframe.pack(96, 96, f.tobytes()) for f in data["img"][start:]]
+    assert np.array_equal(asyncio.run(read_rows(episode.readers["state"])),
+                          data["state"][start:])

@@ -73,11 +73,12 @@ def _make_dataset_parser() -> argparse.ArgumentParser:
                    help="shortest episode, in frames (default 120)")
     p.add_argument("--max-frames", type=int, default=700,
                    help="longest episode, in frames (default 700)")
-    p.add_argument("--layout", choices=("sharded", "unsharded", "v2", "lerobot"),
+    p.add_argument("--layout", choices=("sharded", "unsharded", "v2", "lerobot", "replay"),
                    default="sharded",
-                   help="zarr v3 sharded (as the converters write), v3 unsharded, zarr v2, or "
-                   "a LeRobot v3.0 root (parquet and H.264 mp4; needs the server extra) "
-                   "(default sharded)")
+                   help="zarr v3 sharded (as the converters write), v3 unsharded, zarr v2, "
+                   "a LeRobot v3.0 root (parquet and H.264 mp4; needs the server extra), or "
+                   "a Diffusion Policy replay buffer (96x96 JPEG 2000 frames; OUT ending in "
+                   ".zip writes one zip file) (default sharded)")
     p.add_argument("--workers", type=int, default=None,
                    help="writer processes (default: one per core)")
     return p
@@ -95,6 +96,13 @@ def _make_dataset(argv: Sequence[str]) -> int:
             write_lerobot_root(args.out, episodes=args.episodes, seed=args.seed,
                                min_frames=args.min_frames, max_frames=args.max_frames)
             print(f"wrote a LeRobot v3.0 root of {args.episodes} episodes to {args.out}")
+            return 0
+        if args.layout == "replay":
+            from episerve_tools.synth.replay_root import write_replay_root
+
+            write_replay_root(args.out, episodes=args.episodes, seed=args.seed,
+                              min_frames=args.min_frames, max_frames=args.max_frames)
+            print(f"wrote a replay buffer of {args.episodes} episodes to {args.out}")
             return 0
         from episerve_tools.synth.writer import make_dataset
 
