@@ -313,7 +313,7 @@ def test_make_dataset_writes_a_replay_buffer_the_source_serves(tmp_path: Path,
     data, ends = read_buffer(out)
     assert sorted(data) == ["action", "img", "state"] and len(ends) == 3
     assert data["img"].shape[1:] == (96, 96, 3) and data["img"].dtype == np.uint8
-    source, names, episode = _open(out, "episode_000002")
+    _, names, episode = _open(out, "episode_000002")
     assert names == {"episode_000000", "episode_000001", "episode_000002"}
     assert episode.fps == 10.0
     start = int(ends[1])
