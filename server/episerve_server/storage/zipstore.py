@@ -34,6 +34,7 @@ from episerve_server.storage.local import (
 MAX_MEMBERS = 1 << 20
 _EOCD = b"PK\x05\x06"
 _EOCD64_LOCATOR = b"PK\x06\x07"
+_EOCD64 = b"PK\x06\x06"
 
 
 class BadZipRoot(Exception):
@@ -46,19 +47,27 @@ def is_zip_root(root: str) -> bool:
 
 
 def member_count(path: Path | str) -> int:
-    """The member count a zip file's end record declares (``ValueError`` if it has none)."""
+    """The member count a zip file's end record declares (ZIP64's when it has one);
+    ``ValueError`` when it has none."""
     with open(path, "rb") as f:
         size = f.seek(0, os.SEEK_END)
         tail_len = min(size, 65535 + 22)
         f.seek(size - tail_len)
         tail = f.read(tail_len)
-    at = tail.rfind(_EOCD)
-    if at < 0 or at + 22 > len(tail):
-        raise ValueError("not a zip file (no end of central directory record)")
-    count = struct.unpack_from("<H", tail, at + 10)[0]
-    if count == 0xFFFF and tail[max(0, at - 20):at - 16] == _EOCD64_LOCATOR:
-        return 1 << 62  # ZIP64: more members than a 16-bit count holds
-    return int(count)
+        at = tail.rfind(_EOCD)
+        if at < 0 or at + 22 > len(tail):
+            raise ValueError("not a zip file (no end of central directory record)")
+        count = struct.unpack_from("<H", tail, at + 10)[0]
+        if at < 20 or tail[at - 20:at - 16] != _EOCD64_LOCATOR:
+            return int(count)
+        offset = struct.unpack_from("<Q", tail, at - 20 + 8)[0]  # of the ZIP64 end record
+        if offset + 56 > size:
+            raise ValueError("its ZIP64 end record lies past the end of the file")
+        f.seek(offset)
+        record = f.read(56)
+    if record[:4] != _EOCD64:
+        raise ValueError("its ZIP64 end record is missing")
+    return int(struct.unpack_from("<Q", record, 32)[0])
 
 
 class ConfinedZipStore(ZipStore):
