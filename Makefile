@@ -171,6 +171,35 @@ lerobot-parity-floor: $(LEROBOT_STAMP) $(STAMP)
 	$(FLOOR_VENV)/bin/python -m pytest -p no:cacheprovider --noconftest -o filterwarnings=error -m slow \
 	    tests/integration/test_lerobot_parity.py $(PYTEST_ARGS)
 
+# LeRobot 0.3.3, the last release that writes and reads v2.1 datasets, in a venv of its own
+# (Python 3.11; its torch<2.8 is a CUDA build of ~2.7 GB, ~8 min to download), with the
+# client installed into it; the same parity tests run there on v2.1 datasets its writer
+# made. Its writer leaves files unclosed (ResourceWarning) and torchvision warns that its
+# video API is deprecated: those two warnings are LeRobot's, the rest are errors.
+LEROBOT21_PYTHON ?= $(PYTHON)
+LEROBOT21_VENV ?= .venv-lerobot21
+LEROBOT21_STAMP := $(LEROBOT21_VENV)/.installed
+
+.PHONY: lerobot21-env lerobot21-parity
+
+lerobot21-env: $(LEROBOT21_STAMP)
+
+$(LEROBOT21_STAMP): pyproject.toml
+	$(LEROBOT21_PYTHON) -m venv $(LEROBOT21_VENV)
+	$(LEROBOT21_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(LEROBOT21_VENV)/bin/python -m pip install --quiet 'lerobot==0.3.3' 'pytest>=8' \
+	    'pytest-timeout>=2.3'
+	$(LEROBOT21_VENV)/bin/python -m pip install --quiet '.[client]'
+	touch $(LEROBOT21_STAMP)
+
+lerobot21-parity: $(LEROBOT21_STAMP) $(STAMP)
+	DAEMON_PYTHON=$(abspath $(PY)) \
+	PYTHONPATH=$(CURDIR)/protos:$(CURDIR)/client:$(CURDIR)/tools:$(CURDIR) \
+	$(LEROBOT21_VENV)/bin/python -m pytest -p no:cacheprovider --noconftest -o filterwarnings=error \
+	    -W ignore::ResourceWarning \
+	    -W 'ignore:The video decoding and encoding capabilities of torchvision:UserWarning' \
+	    -m slow tests/integration/test_lerobot_parity.py $(PYTEST_ARGS)
+
 # Does pip's resolver take the client next to each LeRobot? Metadata only (no wheels are
 # downloaded where the index serves it): LeRobot 0.4.4 on this venv's Python 3.11, LeRobot
 # 0.6 with its dataset and training extras on Python 3.12.

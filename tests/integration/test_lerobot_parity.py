@@ -2,11 +2,13 @@
 av1, two cameras of different sizes, a task that changes mid-episode, episodes of different
 lengths), served by a real daemon, read by ``LeRobotWindowDataset`` and by
 ``LeRobotDataset.__getitem__`` with the same ``delta_timestamps``, every sample compared
-field by field; ``lerobot_stats()`` against the dataset's ``meta/stats.json``.
+field by field; ``lerobot_stats()`` against the dataset's own statistics.
 
-It runs in LeRobot's own venv (``make lerobot-env``; ``make lerobot-parity`` runs this file
-there with ``--noconftest``), the daemon in the project's: ``DAEMON_PYTHON`` names
-its interpreter (default: this one). Where ``lerobot`` does not import it is skipped.
+It runs in LeRobot's own venvs, the daemon in the project's: ``DAEMON_PYTHON`` names its
+interpreter (default: this one). ``make lerobot-parity`` runs this file with LeRobot 0.6
+(v3.0 datasets), ``make lerobot21-parity`` with LeRobot 0.3.3, the last release that writes
+and reads v2.1 datasets (one file per episode, JSON-lines metadata), both with
+``--noconftest``. Where ``lerobot`` does not import it is skipped.
 """
 
 from __future__ import annotations
@@ -23,11 +25,17 @@ import pytest
 pytestmark = pytest.mark.slow
 
 try:
+    from importlib.metadata import version
+
     import torch
-    from lerobot.configs.video import RGBEncoderConfig
     from lerobot.datasets.lerobot_dataset import LeRobotDataset
+
+    #: LeRobot 0.3.x writes and reads v2.1 datasets; 0.6 writes v3.0 ones.
+    V21 = version("lerobot").startswith("0.3.")
+    if not V21:
+        from lerobot.configs.video import RGBEncoderConfig
 except Exception as exc:  # ImportError, or a torchvision built for another torch
-    pytest.skip(f"lerobot 0.6's dataset module does not import here ({type(exc).__name__}: "
+    pytest.skip(f"lerobot's dataset module does not import here ({type(exc).__name__}: "
                 f"{str(exc)[:200]})", allow_module_level=True)
 
 from episerve_client import LeRobotWindowDataset, WindowDataset, keymap_from_lerobot
@@ -62,6 +70,9 @@ def write_with_lerobot(root: Path, vcodec: str) -> None:
     for cam, size in CAMERAS.items():
         features[cam] = {"dtype": "video", "shape": (*size, 3),
                          "names": ["height", "width", "channels"]}
+    if V21:
+        write_v21(root, vcodec, features)
+        return
     ds = LeRobotDataset.create(repo_id="episerve/parity", fps=lr.FPS, root=root,
                                features=features, use_videos=True,
                                rgb_encoder=RGBEncoderConfig(vcodec=vcodec))
@@ -74,6 +85,33 @@ def write_with_lerobot(root: Path, vcodec: str) -> None:
             ds.add_frame(frame)
         ds.save_episode()
     ds.finalize()
+
+
+def write_v21(root: Path, vcodec: str, features: dict[str, Any]) -> None:
+    """LeRobot 0.3.3's writer: the task is an argument of ``add_frame``, and the codec is
+    its encoder's argument (which ``save_episode`` leaves at its default, AV1)."""
+    import functools
+
+    from lerobot.datasets import lerobot_dataset, video_utils
+
+    encode = lerobot_dataset.encode_video_frames
+    lerobot_dataset.encode_video_frames = functools.partial(  # type: ignore[attr-defined]
+        video_utils.encode_video_frames, vcodec=vcodec)
+    try:
+        ds = LeRobotDataset.create(repo_id="episerve/parity", fps=lr.FPS, root=root,
+                                   features=features, use_videos=True)
+        for ep, n in enumerate(LENGTHS):
+            for f in range(n):
+                frame: dict[str, Any] = {"observation.state": lr.state_value(ep, f),
+                                         "action": lr.action_value(ep, f)}
+                for c, (cam, size) in enumerate(CAMERAS.items()):
+                    frame[cam] = lr.frame_pixels(ep, f, c, size)
+                ds.add_frame(frame, task=task_of(ep, f))
+            ds.save_episode()
+    finally:
+        lerobot_dataset.encode_video_frames = encode  # type: ignore[attr-defined]
+    info = json.loads((root / "meta" / "info.json").read_text())
+    assert info["codebase_version"] == "v2.1", info["codebase_version"]
 
 
 @pytest.fixture(scope="module", params=["h264", "libsvtav1"])
@@ -111,8 +149,11 @@ def same(where: tuple[Any, ...], got: dict[str, Any], want: dict[str, Any]) -> f
 def test_items_equal_lerobot_dataset(served: tuple[Path, str], delta: str,
                                      uint8: bool) -> None:
     root, target = served
+    if V21 and uint8:
+        pytest.skip("LeRobot 0.3.3 gives float32 frames only (no return_uint8)")
+    options = {"return_uint8": True} if uint8 else {}
     theirs = LeRobotDataset("episerve/parity", root=root, delta_timestamps=DELTAS[delta],
-                            video_backend="pyav", return_uint8=uint8)
+                            video_backend="pyav", **options)
     ours = LeRobotWindowDataset(target, root, DELTAS[delta], return_uint8=uint8)
     assert len(ours) == len(theirs) == sum(LENGTHS)
     worst = 0.0
@@ -129,10 +170,23 @@ def test_an_episode_subset_indexes_as_lerobot_does_over_grpc(
         served: tuple[Path, str]) -> None:
     root, target = served
     delta = DELTAS["window"]
-    theirs = LeRobotDataset("episerve/parity", root=root, episodes=[3, 1],
-                            delta_timestamps=delta, video_backend="pyav")
+    episodes = [3, 1]
+    theirs: Any
+    if V21:
+        # LeRobot 0.3.3 reads a subset's windows from the wrong episode (it looks the
+        # window's rows up by episode index in a table of the subset's positions; an
+        # unsorted subset raises IndexError). The reference is then its full dataset's
+        # items of those episodes, which a correct subset must equal.
+        full = LeRobotDataset("episerve/parity", root=root, delta_timestamps=delta,
+                              video_backend="pyav")
+        starts = np.cumsum([0, *LENGTHS])
+        theirs = [full[int(i)] for e in sorted(episodes)
+                  for i in range(starts[e], starts[e + 1])]
+    else:
+        theirs = LeRobotDataset("episerve/parity", root=root, episodes=episodes,
+                                delta_timestamps=delta, video_backend="pyav")
     # over gRPC (the items test above reads through the local plane of a unix socket)
-    ours = LeRobotWindowDataset(target, root, delta, episodes=[3, 1], transport="grpc")
+    ours = LeRobotWindowDataset(target, root, delta, episodes=episodes, transport="grpc")
     assert len(ours) == len(theirs) == LENGTHS[1] + LENGTHS[3]
     for i in range(len(theirs)):
         assert same(("subset", i), ours[i], theirs[i]) == 0.0
@@ -196,25 +250,37 @@ def test_grpcio_and_protobuf_are_in_the_claimed_range() -> None:
 
 def test_lerobot_stats_match_meta_stats_json(served: tuple[Path, str]) -> None:
     root, target = served
-    want = json.loads((root / "meta" / "stats.json").read_text())
+    if V21:  # v2.1 keeps per-episode statistics; LeRobot aggregates them when it loads
+        want = LeRobotDataset("episerve/parity", root=root, video_backend="pyav").meta.stats
+        want = {k: {n: np.asarray(v) for n, v in s.items()} for k, s in want.items()}
+    else:
+        want = json.loads((root / "meta" / "stats.json").read_text())
     got = LeRobotWindowDataset(target, root).lerobot_stats()
     numeric = ["observation.state", "action", "timestamp", "frame_index", "episode_index",
                "index", "task_index"]
     assert sorted(got) == sorted(numeric)
     for key in numeric:
         names = sorted(want[key])
-        assert sorted(got[key]) == names, key
-        assert {"q01", "q10", "q50", "q90", "q99"} <= set(names)
+        if V21:  # 0.3.3 keeps min, max, mean, std and count (no quantiles)
+            assert set(names) <= set(got[key]), (key, names)
+        else:
+            assert sorted(got[key]) == names, key
+            assert {"q01", "q10", "q50", "q90", "q99"} <= set(names)
+        # v2.1: LeRobot 0.3.3 aggregates per-episode statistics its writer computed in
+        # float32; the daemon's are computed from the rows (LeRobot 0.6's rule)
+        rtol = 1e-6 if V21 else 1e-9
         for name in names:
             mine, theirs = np.asarray(got[key][name]), np.asarray(want[key][name])
             assert mine.shape == theirs.shape, (key, name)
-            np.testing.assert_allclose(mine, theirs, rtol=1e-9, atol=0, err_msg=f"{key} {name}")
+            np.testing.assert_allclose(mine, theirs, rtol=rtol, atol=0, err_msg=f"{key} {name}")
 
 
 def test_the_root_make_dataset_writes_reads_as_lerobot_reads_it(
         tmp_path: Path) -> None:
     """``episerve make-dataset --layout lerobot`` (the docs' first LeRobot example) writes a
     root ``LeRobotDataset`` reads, and the daemon serves its items as LeRobot gives them."""
+    if V21:
+        pytest.skip("make-dataset writes v3.0 roots, which LeRobot 0.3.3 does not read")
     import subprocess
     import sys
 

@@ -129,6 +129,57 @@ def write(root: Path, layout: Layout = Layout()) -> Path:
     return root
 
 
+V21_DATA_PATH = "data/chunk-{episode_chunk:03d}/episode_{episode_index:06d}.parquet"
+V21_VIDEO_PATH = "videos/chunk-{episode_chunk:03d}/{video_key}/episode_{episode_index:06d}.mp4"
+
+
+def write_v21(root: Path, layout: Layout = Layout()) -> Path:
+    """The same episodes as a LeRobot v2.1 root: one data file and one video per episode
+    and camera (each starting at 0 s), ``meta/episodes.jsonl`` and ``meta/tasks.jsonl``."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (root / "meta").mkdir(parents=True, exist_ok=True)
+    lines = []
+    index = 0
+    for ep, length in enumerate(layout.lengths):
+        frames = range(length)
+        table = pa.table({
+            "observation.state": pa.array([state_value(ep, f).tolist() for f in frames],
+                                          pa.list_(pa.float32())),
+            "action": pa.array([action_value(ep, f).tolist() for f in frames],
+                               pa.list_(pa.float32())),
+            "timestamp": pa.array([f / FPS for f in frames], pa.float32()),
+            "frame_index": pa.array(list(frames), pa.int64()),
+            "episode_index": pa.array([ep] * length, pa.int64()),
+            "index": pa.array(list(range(index, index + length)), pa.int64()),
+            "task_index": pa.array([task_of(layout, ep, f) for f in frames], pa.int64()),
+        })
+        path = root / V21_DATA_PATH.format(episode_chunk=0, episode_index=ep)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(table, path, row_group_size=8)
+        for c, cam in enumerate(layout.cameras):
+            write_mp4(root / V21_VIDEO_PATH.format(episode_chunk=0, video_key=cam,
+                                                   episode_index=ep),
+                      [frame_pixels(ep, f, c, layout.size) for f in frames], layout.gop)
+        tasks = sorted({layout.tasks[task_of(layout, ep, f)] for f in frames})
+        lines.append(json.dumps({"episode_index": ep, "tasks": tasks, "length": length}))
+        index += length
+    (root / "meta" / "episodes.jsonl").write_text("\n".join(lines) + "\n")
+    (root / "meta" / "tasks.jsonl").write_text("".join(
+        json.dumps({"task_index": k, "task": t}) + "\n" for k, t in enumerate(layout.tasks)))
+    doc = info(layout, index) | {"codebase_version": "v2.1", "data_path": V21_DATA_PATH,
+                                 "video_path": V21_VIDEO_PATH if layout.cameras else None,
+                                 "total_chunks": 1}
+    (root / "meta" / "info.json").write_text(json.dumps(doc, indent=2))
+    return root
+
+
+def v21_video(root: Path, camera: str, episode: int) -> Path:
+    return root / V21_VIDEO_PATH.format(episode_chunk=0, video_key=camera,
+                                        episode_index=episode)
+
+
 def info(layout: Layout, total_frames: int) -> dict[str, Any]:
     h, w = layout.size
     features: dict[str, Any] = {

@@ -131,6 +131,46 @@ class TestLeRobotSource(SourceTests):
                        keys=keys, rows=rows)
 
 
+class TestLeRobot21Source(SourceTests):
+    """A v2.1 root: one data file and one video per episode; ``meta/episodes.jsonl`` lists
+    them, and an episode whose listed length is not its file's row count is refused."""
+
+    def example(self, folder: Path) -> Example:
+        layout = lr.Layout(lengths=(5, 4, 6, 3), frame_tasks={2: [0, 0, 1, 1, 1, 0]})
+        root = lr.write_v21(folder / "root", layout)
+        listing = root / "meta" / "episodes.jsonl"
+        lines = listing.read_text().splitlines()
+        lines[3] = json.dumps({"episode_index": 3, "tasks": ["pick the cube"], "length": 4})
+        listing.write_text("\n".join(lines) + "\n")  # episode 3's file holds 3 rows
+        store = open_root(str(root), stats=Stats())
+        local = store.local_root()
+        assert local is not None
+        h, w = layout.size
+        keys: dict[str, set[str]] = {}
+        rows: dict[str, dict[str, Rows]] = {}
+        for ep, length in enumerate(layout.lengths[:3]):
+            name = f"episode_{ep:06d}"
+            table = pq.read_table(root / lr.V21_DATA_PATH.format(episode_chunk=0,
+                                                                  episode_index=ep))
+            got: dict[str, Rows] = {}
+            for column in table.column_names:
+                values = np.array(table.column(column).to_pylist(), dtype=np.float64)
+                got[column] = values.astype(np.float32).reshape(length, -1)
+            for cam in layout.cameras:
+                frames = lr.decoded_frames(lr.v21_video(root, cam, ep))
+                times = np.array(sorted(frames))
+                got[cam] = [rawframe.pack(h, w, frames[float(
+                    times[np.abs(times - f / lr.FPS).argmin()])].tobytes())
+                    for f in range(length)]
+            got["task"] = _task_spans(table.column("task_index").to_pylist(), layout.tasks)
+            keys[name] = set(got)
+            rows[name] = got
+        return Example(source=LeRobotSource(store, local), entries=sorted(os.listdir(root)),
+                       keys=keys, rows=rows,
+                       refused={"episode_000003": "gives episode_000003 4 frames, but its "
+                                                  "data file"})
+
+
 # -- the suite can fail ----------------------------------------------------------------------
 
 SUITE = sorted(name for name in dir(SourceTests) if name.startswith("test_"))

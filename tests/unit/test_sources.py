@@ -38,7 +38,7 @@ def test_a_root_two_layouts_claim_is_refused_naming_both(tmp_path: Path,
     text = str(refused.value)
     assert f"the root {str(root)!r} holds more than one layout" in text
     assert "zarr episode stores (1 '*.zarr' folders (e.g. 'ep00.zarr'))" in text
-    assert "LeRobot v3.0 (meta/info.json)" in text and "a root of its own" in text
+    assert "LeRobot (meta/info.json)" in text and "a root of its own" in text
     assert check_main([str(root)]) == 2
     assert "holds more than one layout" in capsys.readouterr().err
 

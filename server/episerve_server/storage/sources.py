@@ -202,7 +202,7 @@ def _replay(store: CountingStore, options: Options) -> Source:
 #: Every layout, asked in this order.
 LAYOUTS = (
     Layout("zarr episode stores", _zarr_claims, _zarr),
-    Layout("LeRobot v3.0", _lerobot_claims, _lerobot),
+    Layout("LeRobot", _lerobot_claims, _lerobot),
     Layout("Diffusion Policy replay buffer", _replay_claims, _replay),
 )
 
@@ -223,7 +223,7 @@ async def choose(store: CountingStore, entries: list[str], options: Options, roo
         more = f" and {len(entries) - 5} more" if len(entries) > 5 else ""
         raise LayoutError(
             f"the root {root} holds no layout the daemon serves (found {shown}{more}): "
-            f"expected '<episode>{SUFFIX}' folders, a LeRobot v3.0 root (meta/info.json) "
+            f"expected '<episode>{SUFFIX}' folders, a LeRobot root (meta/info.json) "
             "or a replay buffer (meta/episode_ends)")
     layout, why = claims[0]
     log.info("serving %s (%s)", layout.name, why)

@@ -1,10 +1,13 @@
-"""A LeRobot v3 dataset's metadata: ``meta/info.json``, ``meta/episodes/*/*.parquet`` and
-``meta/tasks.parquet``, parsed and checked before anything is served.
+"""A LeRobot dataset's metadata, parsed and checked before anything is served: v3
+(``meta/info.json``, ``meta/episodes/*/*.parquet``, ``meta/tasks.parquet``) and v2.1 / v2.0
+(``meta/info.json``, ``meta/episodes.jsonl``, ``meta/tasks.jsonl``; one data file and one
+video per episode).
 
 Everything here comes from files nobody vetted, so every value is checked against a bound
 before it sizes anything, and every path is built from integers through a template that may
-name only ``chunk_index``, ``file_index`` and ``video_key``, then refused if it is absolute or
-climbs out of the root (the confined store refuses links leaving it when it opens the file).
+name only ``chunk_index``, ``file_index`` and ``video_key`` (v3) or ``episode_chunk``,
+``episode_index`` and ``video_key`` (v2), then refused if it is absolute or climbs out of the
+root (the confined store refuses links leaving it when it opens the file).
 An episode whose metadata is inconsistent is kept with its reason, as the catalog keeps a
 broken zarr episode; only a dataset whose ``info.json`` cannot be read is refused whole.
 """
@@ -30,6 +33,12 @@ from episerve_server.storage.readers.bounds import (
 INFO_PATH = "meta/info.json"
 EPISODES_DIR = "meta/episodes"
 TASKS_PATH = "meta/tasks.parquet"
+#: v2.1 and v2.0: one JSON object a line.
+EPISODES_JSONL = "meta/episodes.jsonl"
+TASKS_JSONL = "meta/tasks.jsonl"
+#: The most bytes ``episodes.jsonl`` or ``tasks.jsonl`` may hold (read whole).
+MAX_JSONL_BYTES = 256 << 20
+MAX_JSONL_LINE = 1 << 20
 #: The most episodes, tasks and files one dataset may list.
 MAX_EPISODES = 1 << 20
 MAX_TASKS = 1 << 20
@@ -42,6 +51,7 @@ DEFAULT_TOLERANCE_S = 1e-4
 NUMERIC_DTYPES = frozenset({"float16", "float32", "float64", "int8", "int16", "int32", "int64",
                             "uint8", "uint16", "uint32", "uint64", "bool"})
 _FIELDS = frozenset({"chunk_index", "file_index", "video_key"})
+_V2_FIELDS = frozenset({"episode_chunk", "episode_index", "video_key"})
 #: The bounds of the numeric fields of ``info.json`` (low, high, whether an int).
 _NUMBER_BOUNDS: dict[str, tuple[float, float, bool]] = {
     "fps": (MIN_FPS, MAX_FPS, False),
@@ -99,6 +109,13 @@ class Info:
     data_path: str  # template
     video_path: str  # template ("" when there are no videos)
     raw_features: Mapping[str, Any]  # as listed (for ``features`` attributes)
+    version: str = "v3.0"  # codebase_version: "v3.x", "v2.1" or "v2.0"
+    chunks_size: int = 1000  # v2: episodes a chunk folder holds
+
+    @property
+    def v2(self) -> bool:
+        """A v2.x layout: one data file and one video per episode, JSON-lines metadata."""
+        return self.version.startswith("v2.")
 
 
 def episode_name(index: int) -> str:
@@ -112,7 +129,7 @@ def _shown(value: object) -> str:
 
 def parse_info(data: bytes) -> Info:
     """``meta/info.json``; ``MetaError`` names the field and the value when it cannot be
-    served (another major version than v3, no fps, bad templates)."""
+    served (a version other than v2.0, v2.1 and v3.x, no fps, bad templates)."""
     try:
         doc = json.loads(data.decode("utf-8"))
     except (ValueError, RecursionError) as exc:
@@ -120,9 +137,11 @@ def parse_info(data: bytes) -> Info:
     if not isinstance(doc, dict):
         raise MetaError(f"{INFO_PATH} must be a JSON object, got {type(doc).__name__}")
     version = doc.get("codebase_version")
-    if not isinstance(version, str) or not version.startswith("v3."):
-        raise MetaError(f"{INFO_PATH}: 'codebase_version' must be a LeRobot v3.x version, "
-                        f"got {_shown(version)}")
+    if not isinstance(version, str) or not (version.startswith("v3.")
+                                            or version in ("v2.0", "v2.1")):
+        raise MetaError(f"{INFO_PATH}: 'codebase_version' must be v2.0, v2.1 or a LeRobot "
+                        f"v3.x version, got {_shown(version)}")
+    fields = _V2_FIELDS if version.startswith("v2.") else _FIELDS
     fps = doc.get("fps")
     if isinstance(fps, bool) or not isinstance(fps, int | float) or not math.isfinite(fps) \
             or not MIN_FPS <= fps <= MAX_FPS:
@@ -139,10 +158,12 @@ def parse_info(data: bytes) -> Info:
         feature = _feature(name, spec)
         if feature is not None:
             features[name] = feature
-    data_path = _template(doc.get("data_path"), "data_path")
+    data_path = _template(doc.get("data_path"), "data_path", fields)
     videos = any(f.kind == "video" for f in features.values())
-    video_path = _template(doc.get("video_path"), "video_path") if videos else ""
-    return Info(float(fps), str(robot)[:200], features, data_path, video_path, raw)
+    video_path = _template(doc.get("video_path"), "video_path", fields) if videos else ""
+    chunks = doc.get("chunks_size", 1000)
+    return Info(float(fps), str(robot)[:200], features, data_path, video_path, raw,
+                version, chunks if isinstance(chunks, int) and chunks > 0 else 1000)
 
 
 def _check_numbers(doc: Mapping[str, Any]) -> None:
@@ -203,8 +224,8 @@ def _video_shape(name: str, shape: list[int], names: object) -> tuple[int, int, 
     return h, w, c
 
 
-def _template(value: object, field: str) -> str:
-    """A path template that names only the known fields, with integer format specs."""
+def _template(value: object, field: str, fields: frozenset[str] = _FIELDS) -> str:
+    """A path template that names only ``fields``, with integer format specs."""
     if not isinstance(value, str) or not 0 < len(value) <= MAX_PATH_CHARS:
         raise MetaError(f"{INFO_PATH}: {field!r} must be a path template, got {_shown(value)}")
     try:
@@ -217,10 +238,11 @@ def _template(value: object, field: str) -> str:
         spec = given or ""
         int_spec = spec == "" or (spec.endswith("d") and spec[:-1].isdigit()
                                   and len(spec) <= 3)
-        if name not in _FIELDS or conversion is not None \
+        if name not in fields or conversion is not None \
                 or not (int_spec if name != "video_key" else spec == ""):
-            raise MetaError(f"{INFO_PATH}: {field!r} {value!r} may name only chunk_index, "
-                            f"file_index (as ints) and video_key, got {{{name}}}")
+            ints = " and ".join(sorted(fields - {"video_key"}))
+            raise MetaError(f"{INFO_PATH}: {field!r} {value!r} may name only {ints} (as "
+                            f"ints) and video_key, got {{{name}}}")
     return value
 
 
@@ -228,6 +250,29 @@ def fill(template: str, *, chunk: int, file: int, video_key: str = "") -> str:
     """A file's path under the root; ``MetaError`` if it is absolute or leaves the root."""
     path = template.format(chunk_index=chunk, file_index=file, video_key=video_key)
     return safe_path(path)
+
+
+def fill_v2(template: str, info: Info, episode: int, video_key: str = "") -> str:
+    """A v2 episode's data or video path under the root (its chunk: index // chunks_size)."""
+    path = template.format(episode_chunk=episode // info.chunks_size, episode_index=episode,
+                           video_key=video_key)
+    return safe_path(path)
+
+
+def episode_of_v2(row: object, info: Info, from_index: int) -> EpisodeMeta:
+    """One line of ``meta/episodes.jsonl`` (its frames start at global row ``from_index``);
+    ``MetaError`` names the field and the value."""
+    if not isinstance(row, dict):
+        raise MetaError(f"a line is {_shown(row)}, not an object")
+    index = index_of(row.get("episode_index"), "'episode_index'", MAX_EPISODES * 16)
+    length = row.get("length")
+    if isinstance(length, bool) or not isinstance(length, int) \
+            or not 0 < length <= min(MAX_ROWS, MAX_EPISODE_FRAMES):
+        raise MetaError(f"'length' must be a positive int of at most {MAX_ROWS}, got "
+                        f"{_shown(length)}")
+    videos = tuple((name, VideoSpan(fill_v2(info.video_path, info, index, name), 0.0))
+                   for name, feature in info.features.items() if feature.kind == "video")
+    return EpisodeMeta(index, length, fill_v2(info.data_path, info, index), from_index, videos)
 
 
 def safe_path(path: str) -> str:

@@ -1,10 +1,14 @@
-"""A LeRobot v3 dataset root as a source of catalog episodes.
+"""A LeRobot dataset root (v3.0, v2.1 or v2.0) as a source of catalog episodes.
 
 The catalog asks a root with ``meta/info.json`` for its episode names (``episode_<index:06d>``)
 and opens each through :meth:`LeRobotSource.open`: the episode's row of ``meta/episodes``
 checked, its data file's row count checked against the rows the episode claims, each
 numeric feature a :class:`ParquetReader`, each video feature a :class:`VideoReader`, and the
-tasks a :class:`TaskReader` under the key ``task``. A problem of one episode's metadata makes
+tasks a :class:`TaskReader` under the key ``task``. A v2.x root lists its episodes in
+``meta/episodes.jsonl`` and its tasks in ``meta/tasks.jsonl``, one data file and one video per
+episode and camera (each video starting at 0 s); an episode's global first row is the sum of
+the lengths listed before it, as LeRobot's writer numbers them, and its data file must hold
+exactly the rows the listing says. A problem of one episode's metadata makes
 that episode broken (listed with its reason), never the dataset. A dataset refused whole
 (its ``info.json``, tasks or episode files) lists one broken entry, ``lerobot_dataset``,
 with the reason, and a read of any episode of it is refused with that reason.
@@ -32,11 +36,15 @@ from episerve_server.storage.lerobot.files import OpenFiles
 from episerve_server.storage.lerobot.meta import (
     DEFAULT_TOLERANCE_S,
     EPISODES_DIR,
+    EPISODES_JSONL,
     INFO_PATH,
     MAX_EPISODES,
     MAX_FILES,
+    MAX_JSONL_BYTES,
+    MAX_JSONL_LINE,
     MAX_TASK_BYTES,
     MAX_TASKS,
+    TASKS_JSONL,
     TASKS_PATH,
     EpisodeMeta,
     Info,
@@ -44,6 +52,7 @@ from episerve_server.storage.lerobot.meta import (
     episode_columns,
     episode_name,
     episode_of,
+    episode_of_v2,
     file_offsets,
     parse_info,
     safe_path,
@@ -78,7 +87,7 @@ class LeRobotSource:
     a ``storage.sources.Source``. Its episodes are fixed by its metadata, so a rescan does
     not fingerprint them."""
 
-    layout = "LeRobot v3.0"
+    layout = "LeRobot"
     tracks_changes = False
 
     def __init__(self, store: CountingStore, local: ConfinedLocalStore, *,
@@ -140,6 +149,9 @@ class LeRobotSource:
         if buf is None:
             raise MetaError(f"{INFO_PATH} is missing")
         info = self.info = parse_info(buf.to_bytes())
+        if info.v2:
+            await self._load_v2(info)
+            return
         self.tasks = await self._tasks()
         rows: list[dict[str, Any]] = []
         columns = dict.fromkeys(episode_columns(info), "number")
@@ -169,6 +181,65 @@ class LeRobotSource:
             self.episodes[name] = meta
             good.append(meta)
         self._offsets = file_offsets(good)
+
+    async def _load_v2(self, info: Info) -> None:
+        """A v2.x listing: ``meta/tasks.jsonl`` and ``meta/episodes.jsonl``."""
+        self.tasks = {}
+        for k, line in enumerate(await self._jsonl(TASKS_JSONL, MAX_TASKS, required=False)):
+            index, text = (line.get("task_index"), line.get("task")) \
+                if isinstance(line, dict) else (None, None)
+            if isinstance(index, bool) or not isinstance(index, int) \
+                    or not isinstance(text, str) or len(text.encode()) > MAX_TASK_BYTES:
+                raise MetaError(f"{TASKS_JSONL} line {k + 1}: a task must be an int "
+                                f"'task_index' and a 'task' text of at most {MAX_TASK_BYTES} "
+                                "bytes")
+            self.tasks[index] = text
+        lines = await self._jsonl(EPISODES_JSONL, MAX_EPISODES)
+        if self.state is not None:
+            videos = sum(f.kind == "video" for f in info.features.values())
+            self.state.kept(LISTING).charge(
+                EPISODES_JSONL, len(lines) * (META_BYTES + VIDEO_SPAN_BYTES * videos),
+                f"the listing of {len(lines)} episodes with {videos} videos each")
+        good: list[EpisodeMeta] = []
+        first = 0
+        for k, line in enumerate(lines):
+            index = line.get("episode_index") if isinstance(line, dict) else None
+            name = episode_name(index) if isinstance(index, int) and 0 <= index < 10**8 \
+                else f"episode_row_{k:06d}"
+            try:
+                meta = episode_of_v2(line, info, first)
+            except MetaError as exc:
+                self.episodes[name] = f"{EPISODES_JSONL} line {k + 1} ({name}): {exc}"
+                continue
+            first += meta.length
+            if name in self.episodes:
+                self.episodes[name] = f"{EPISODES_JSONL} lists {name} more than once"
+                continue
+            self.episodes[name] = meta
+            good.append(meta)
+        self._offsets = file_offsets(good)
+
+    async def _jsonl(self, path: str, max_lines: int, *, required: bool = True
+                     ) -> list[Any]:
+        """A JSON-lines metadata file, read whole (at most ``MAX_JSONL_BYTES``)."""
+        buf = await self.store.get(path, default_buffer_prototype(), max_bytes=MAX_JSONL_BYTES)
+        if buf is None:
+            if required:
+                raise MetaError(f"{path} is missing")
+            return []
+        out: list[Any] = []
+        for k, line in enumerate(buf.to_bytes().splitlines()):
+            if not line.strip():
+                continue
+            if len(out) >= max_lines or len(line) > MAX_JSONL_LINE:
+                raise MetaError(f"{path}: more than {max_lines} lines, or line {k + 1} over "
+                                f"{MAX_JSONL_LINE} bytes")
+            try:
+                out.append(json.loads(line))
+            except (ValueError, RecursionError) as exc:
+                raise MetaError(f"{path} line {k + 1} is not JSON ({type(exc).__name__})"
+                                ) from None
+        return out
 
     async def _episode_files(self) -> list[str]:
         paths = []
@@ -217,6 +288,9 @@ class LeRobotSource:
         if isinstance(meta, str):
             raise MetaError(meta)
         rows, columns = await self._data_file(meta.data_path)
+        if info.v2 and rows != meta.length:
+            raise MetaError(f"{EPISODES_JSONL} gives {name} {meta.length} frames, but its data "
+                            f"file {meta.data_path!r} holds {rows} rows")
         row0 = meta.from_index - self._offsets[meta.data_path]
         if row0 + meta.length > rows:
             raise MetaError(f"rows {row0}..{row0 + meta.length} of {meta.data_path!r} were "
