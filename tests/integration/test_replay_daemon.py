@@ -210,3 +210,50 @@ def test_a_buffer_whose_ends_do_not_increase_is_listed_broken_with_the_reason(
         assert d.proc.poll() is None
     assert got["episodes"] == ""
     assert "episode_ends[3] is 5 after 33" in got["replay_buffer"], got
+
+
+def _frames_twice(target: str, samples: list[tuple[str, int]]) -> dict[str, Any]:
+    keymap = {"img": {"zarr_key": "img", "key_type": "camera_keys"},
+              "wrist": {"zarr_key": "wrist", "key_type": "camera_keys"}}
+    out: dict[str, Any] = {"passes": [], "stats": []}
+    with Client(target) as client:
+        for _ in range(2):
+            got = []
+            for k in range(0, len(samples), 8):
+                result = client.read(keymap, samples[k:k + 8])
+                for key in ("img", "wrist"):
+                    source, index = result.images[key]
+                    got += [bytes(result.frames[source][int(i)]) for i in index.reshape(-1)]
+            out["passes"].append(got)
+            stats = client.stats()
+            out["stats"].append({k: int(stats.get(k, 0)) for k in (
+                "image_frames_decoded", "spill_hits", "spill_writes")})
+    return out
+
+
+def test_decoded_frames_spill_and_survive_a_restart(tmp_path: Path) -> None:
+    """With the cache far under the decoded frames, a second pass reads them back from the
+    spill tier instead of decoding them (and so does a daemon restarted on its folder),
+    every frame as first decoded."""
+    root = _buffer(tmp_path)
+    samples = [(f"episode_{e:06d}", f) for e, n in enumerate(LENGTHS) for f in range(n)]
+    flags = ("--rescan-s", "0", "--cache-bytes", "64KiB", "--spill-dir",
+             str(tmp_path / "spill"), "--spill-bytes", "64MiB")
+    with DaemonProcess(root, *flags, unix=tmp_path / "d.sock") as d:
+        first = isolated(_frames_twice, d.target, samples)
+    with DaemonProcess(root, *flags, unix=tmp_path / "d2.sock") as d:
+        again = isolated(_frames_twice, d.target, samples)
+    served = 2 * len(samples)
+    one, two = first["stats"]
+    assert one["image_frames_decoded"] >= served  # the first pass decodes every frame
+    assert two["image_frames_decoded"] - one["image_frames_decoded"] <= 0.05 * served
+    assert two["spill_hits"] - one["spill_hits"] >= 0.95 * served
+    assert again["stats"][0]["image_frames_decoded"] <= 0.05 * served  # restarted: warm
+    data, _ = read_buffer(root)
+    want = [f.tobytes() for k in range(0, len(samples), 8)
+            for key in ("img", "wrist")
+            for f in data[key][[sum(LENGTHS[:int(e[-6:])]) + i
+                                for e, i in samples[k:k + 8]]]]
+    for run in (first, again):
+        for got in run["passes"]:
+            assert [g[16:] for g in got] == want

@@ -50,6 +50,8 @@ COUNTERS = (
     # frames served and cached: a pass decodes from a keyframe, converting only its frames)
     "video_frames_decoded",
     "video_frames_converted",
+    # replay buffers: frames an image codec (JPEG 2000, JPEG XL) decoded
+    "image_frames_decoded",
     # arrays not cached because indexing them would pass the slot tables' share of the
     # cache (their declared chunk count is that large)
     "cache_index_refused",
@@ -100,6 +102,7 @@ class Stats:
     # opening and reading need
     change_checks: int = 0
     video_frames_decoded: int = 0
+    image_frames_decoded: int = 0
     spill_hits: int = 0
     spill_writes: int = 0
     spill_drops: int = 0

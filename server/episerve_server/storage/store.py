@@ -211,6 +211,13 @@ class CountingStore(WrapperStore[Store]):
             asyncio.to_thread(lambda: [local.fingerprint_sync(f, MAX_FINGERPRINT_FILES)
                                        for f in names])))
 
+    def zip_root(self) -> ConfinedZipStore | None:
+        """The zip file underneath, or None."""
+        inner = self._store
+        while isinstance(inner, LatencyStore):
+            inner = inner._store
+        return inner if isinstance(inner, ConfinedZipStore) else None
+
     def local_root(self) -> ConfinedLocalStore | None:
         """The confined local store underneath, or None for an object store."""
         return self._local()

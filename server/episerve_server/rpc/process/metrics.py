@@ -75,6 +75,8 @@ COUNTER_HELP = {
     "episodes_reopened": "Episodes reopened because their files were rewritten in place.",
     "change_checks": "Store requests made to see whether an episode was rewritten.",
     "video_frames_decoded": "Video frames of LeRobot datasets decoded by the daemon.",
+    "image_frames_decoded": "Frames of replay buffers decoded by an image codec (JPEG 2000, "
+                            "JPEG XL).",
     "video_frames_converted": "Decoded video frames converted to RGB (those served).",
     "spill_hits": "Chunks read back from the spill tier instead of decoded.",
     "spill_writes": "Entries written to the spill tier.",

@@ -25,6 +25,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -46,7 +47,7 @@ from episerve_server.storage.readers.bounds import (
     raw_bound,
 )
 from episerve_server.storage.replay.arrays import ArrayMeta, ArrayProblem, parse
-from episerve_server.storage.replay.images import HeaderError
+from episerve_server.storage.replay.images import IMAGE_CODECS, HeaderError
 from episerve_server.storage.store import CountingStore, Refused
 
 log = logging.getLogger(__name__)
@@ -85,6 +86,9 @@ class ReplaySource:
         self.arrays: dict[str, ArrayMeta] = {}
         self.problems: dict[str, str] = {}  # key -> why it is not served
         self.fps, self.embodiment = 1.0, ""
+        #: per frame key, what its decoded frames come from (files, codec, decoder), for the
+        #: spill tier; none when the store cannot tell (an object store)
+        self.tokens: dict[str, str] = {}
         self._loaded = False
 
     async def names(self, entries: Iterable[str] = ()) -> set[str]:
@@ -132,7 +136,10 @@ class ReplaySource:
         features: dict[str, Any] = {}
         for key, meta in self.arrays.items():
             if meta.is_image:
-                episode.readers[key] = FrameReader(name, key, meta, self.store, start, length)
+                reader = FrameReader(name, key, meta, self.store, start, length)
+                if key in self.tokens:
+                    reader.spill_token = f"{self.tokens[key]}|{start}|{length}"
+                episode.readers[key] = reader
                 kind = "camera"
             else:
                 episode.readers[key] = NumberReader(name, key, meta, self.store, start, length)
@@ -191,6 +198,36 @@ class ReplaySource:
             self.arrays[key] = meta
         for key, why in self.problems.items():
             log.warning("replay buffer key %r is not served: %s", key, why)
+        images = [k for k, m in self.arrays.items() if m.is_image]
+        self.tokens = await asyncio.to_thread(self._tokens, images)
+
+    def _tokens(self, keys: list[str]) -> dict[str, str]:
+        """What each frame key's decoded frames come from: the zip file's size, mtime and
+        inode, or (a folder) the array folder's and its ``.zarray``'s (zarr replaces a
+        chunk file by renaming a new one into place, which changes the folder's mtime)."""
+        import imagecodecs
+
+        def stat(path: str) -> str:
+            st = os.stat(path)
+            return f"{st.st_size}:{st.st_mtime_ns}:{st.st_ino}:{st.st_dev}"
+
+        zipped, local = self.store.zip_root(), self.store.local_root()
+        out = {}
+        for key in keys:
+            meta = self.arrays[key]
+            try:
+                if zipped is not None:
+                    where = f"zip:{stat(str(zipped.path))}"
+                elif local is not None:
+                    folder = os.path.join(str(local.root), meta.path)
+                    where = f"dir:{stat(folder)}:{stat(os.path.join(folder, '.zarray'))}"
+                else:
+                    continue
+            except OSError:
+                continue
+            out[key] = "|".join(("replay", "1", meta.path, where, meta.codec, repr(meta),
+                                 imagecodecs.__version__))
+        return out
 
     async def _json(self, path: str, *, required: bool = True) -> Any:
         buf = await self.store.get(path, default_buffer_prototype(),
@@ -286,7 +323,10 @@ class _BufferReader(ChunkReader):
             skip = lo - first * meta.chunk_rows
             return block[skip: skip + hi - lo]
 
-        return await asyncio.to_thread(decode)
+        rows = await asyncio.to_thread(decode)
+        if meta.codec in IMAGE_CODECS:
+            self.store.stats.image_frames_decoded += last - first + 1  # (on the loop)
+        return rows
 
     def _chunk_loss(self, k: int, what: str) -> Exception:
         return self.loss(f"chunk {k} of {self.meta.path} ({self.meta.key(k)}) {what}")
