@@ -138,6 +138,12 @@ SUITE: tuple[Bench, ...] = (
           "against `LeRobotWindowDataset` on the same root, written by LeRobot's own writer "
           "(4 episodes x 200 frames, 2 cameras, h264): 2 workers, batch 32, torch's default "
           "collate on both sides, cold then warm, float32 and uint8 frames, worker RSS."),
+    Bench("lerobot21_vs", "LeRobotDataset 0.3.3 on a v2.1 root, 96x128",
+          ("benchmarks/bench_lerobot_vs.py", "--size", "96x128", "--batches", "20",
+           "--lerobot-python", ".venv-lerobot21/bin/python"),
+          "As above with LeRobot 0.3.3 (`make lerobot21-env`), the last release that writes "
+          "and reads v2.1 datasets, on a root its own writer made (AV1, its default): "
+          "float32 frames (0.3.3 has no uint8 items)."),
     Bench("lerobot_vs_large", "LeRobotDataset itself, 480x640, as LeRobot's writer makes it",
           ("benchmarks/bench_lerobot_vs.py", "--size", "480x640", "--episodes", "4",
            "--length", "150", "--fps", "30", "--codec", "default", "--cache-share", "0.25,1"),

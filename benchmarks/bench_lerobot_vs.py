@@ -66,11 +66,21 @@ def rerun_in_lerobot_venv(python: Path) -> int:
                           check=False).returncode
 
 
+def v21() -> bool:
+    """LeRobot 0.3.x: its writer and reader are v2.1's."""
+    from importlib.metadata import version
+
+    return version("lerobot").startswith("0.3.")
+
+
 def write(root: Path, episodes: int, length: int, size: tuple[int, int], fps: int,
           codec: str) -> None:
     import numpy as np
-    from lerobot.configs.video import RGBEncoderConfig
     from lerobot.datasets.lerobot_dataset import LeRobotDataset
+
+    if v21():
+        return write_v21(root, episodes, length, size, fps, codec)
+    from lerobot.configs.video import RGBEncoderConfig
 
     h, w = size
     features: dict[str, Any] = {
@@ -97,6 +107,43 @@ def write(root: Path, episodes: int, length: int, size: tuple[int, int], fps: in
             ds.add_frame(frame)
         ds.save_episode()
     ds.finalize()
+
+
+def write_v21(root: Path, episodes: int, length: int, size: tuple[int, int], fps: int,
+              codec: str) -> None:
+    """LeRobot 0.3.3's writer (v2.1): the task an argument of ``add_frame``, the codec its
+    encoder's argument (``save_episode`` leaves it at AV1, what ``default`` keeps)."""
+    import functools
+
+    import numpy as np
+    from lerobot.datasets import lerobot_dataset, video_utils
+
+    if codec != "default":
+        lerobot_dataset.encode_video_frames = functools.partial(
+            video_utils.encode_video_frames, vcodec=codec)
+    h, w = size
+    features: dict[str, Any] = {
+        "observation.state": {"dtype": "float32", "shape": (6,), "names": None},
+        "action": {"dtype": "float32", "shape": (6,), "names": None}}
+    for cam in CAMERAS:
+        features[cam] = {"dtype": "video", "shape": (h, w, 3),
+                         "names": ["height", "width", "channels"]}
+    ds = lerobot_dataset.LeRobotDataset.create(repo_id="bench/vs", fps=fps, root=root,
+                                               features=features, use_videos=True)
+    y, x = np.mgrid[0:h, 0:w]
+    for ep in range(episodes):
+        for f in range(length):
+            frame: dict[str, Any] = {
+                "observation.state": np.full(6, ep * 1000 + f, np.float32),
+                "action": np.full(6, -(ep * 1000 + f), np.float32)}
+            for c, cam in enumerate(CAMERAS):
+                img = np.empty((h, w, 3), np.uint8)
+                img[..., 0] = (x * 5 + f * 9) % 256
+                img[..., 1] = (y * 7 + ep * 40) % 256
+                img[..., 2] = 60 + 90 * c
+                frame[cam] = img
+            ds.add_frame(frame, task=f"task {ep % 3}")
+        ds.save_episode()
 
 
 def rss_mb(pid: int) -> float:
@@ -150,7 +197,7 @@ def lerobot_decodes(ds: Any, order: list[int], delta: dict[str, list[float]]) ->
                     packets[path] = ([t for t, _ in ps], [k for _, k in ps],
                                      float(st.time_base))
             times, keys, tick = packets[path]
-            shift = float(ds.meta.episodes[ep][f"videos/{cam}/from_timestamp"])
+            shift = 0.0 if v21() else float(ds.meta.episodes[ep][f"videos/{cam}/from_timestamp"])
             query = [min(max(ts + d, 0.0), (length - 1) / fps) + shift for d in delta[cam]]
             seek = (round(query[0] / tick) - 1) * tick
             start = max((i for i, t in enumerate(times) if keys[i] and t <= seek + tick / 4),
@@ -219,10 +266,11 @@ def main() -> None:
         order_of = {"cold": "cold", "warm": "warm", "restarted": "warm"}
         for label, cache in caches:
             for tier in tiers:
-                for uint8 in (False, True):
+                for uint8 in (False,) if v21() else (False, True):  # (0.3.3: float32 only)
                     frames = "uint8" if uint8 else "float32"
                     theirs = LeRobotDataset("bench/vs", root=root, delta_timestamps=delta,
-                                            video_backend="pyav", return_uint8=uint8)
+                                            video_backend="pyav",
+                                            **({"return_uint8": True} if uint8 else {}))
                     spill = ["--spill-dir", str(Path(tmp) / f"spill-{label}-{frames}"),
                              "--spill-bytes", "8GiB"] if tier == "on" else []
                     passes = [("cold", 0), ("warm", 0)] + ([("restarted", 1)] if spill else [])
@@ -269,8 +317,10 @@ def main() -> None:
                     finally:
                         if daemon is not None:
                             daemon.stop()
-    print(f"{a.episodes} episodes x {a.length} frames at {a.fps} fps written by LeRobot's "
-          f"writer in {written_s:.0f} s, 2 cameras of {h}x{w} ({a.codec} codec), "
+    from importlib.metadata import version
+
+    print(f"{a.episodes} episodes x {a.length} frames at {a.fps} fps written by LeRobot "
+          f"{version('lerobot')}'s writer in {written_s:.0f} s, 2 cameras of {h}x{w} ({a.codec} codec), "
           f"{decoded_bytes / 2**20:.0f} MiB of decoded frames; {WORKERS} workers, batch "
           f"{BATCH}, {per_pass} samples a pass")
     print(table(rows, ("daemon cache", "frames, pass", "LeRobotWindowDataset samples/s",

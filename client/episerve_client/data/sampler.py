@@ -131,6 +131,13 @@ def _manifest_of(source: Manifest | HasManifest) -> Manifest:
                               f"(a WindowDataset), got {type(source).__name__!r}")
     if len(manifest) == 0:
         raise InvalidArgument("WindowSampler: the manifest holds no samples")
+    if not isinstance(source, Manifest) and hasattr(source, "__len__") \
+            and len(source) != len(manifest):  # type: ignore[arg-type]
+        raise InvalidArgument(
+            f"WindowSampler orders one sample per frame of the manifest ({len(manifest)}), "
+            f"but this {type(source).__name__} indexes its own {len(source)} samples "  # type: ignore[arg-type]
+            "(a SequenceDataset: its windows' starts); give it torch's RandomSampler or "
+            "DistributedSampler")
     return manifest  # (bounded when it was made: contract.MAX_MANIFEST_FRAMES samples)
 
 
