@@ -1,5 +1,6 @@
-"""Every example in README.md, docs/GUIDE.md and docs/LEROBOT.md runs, as written, with
-temporary paths in place of /tmp, against the daemons the README's own lines start."""
+"""Every example in README.md, docs/GUIDE.md, docs/LEROBOT.md and docs/REPLAY_BUFFERS.md
+runs, as written, with temporary paths in place of /tmp, against the daemons the README's
+own lines start."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ REPO = Path(__file__).resolve().parents[2]
 README = (REPO / "README.md").read_text()
 GUIDE = (REPO / "docs" / "GUIDE.md").read_text()
 LEROBOT = (REPO / "docs" / "LEROBOT.md").read_text()
-BLOCKS = re.findall(r"```(\w+)\n(.*?)```", README + GUIDE + LEROBOT, flags=re.S)
+REPLAY = (REPO / "docs" / "REPLAY_BUFFERS.md").read_text()
+BLOCKS = re.findall(r"```(\w+)\n(.*?)```", README + GUIDE + LEROBOT + REPLAY, flags=re.S)
 
 
 def _blocks(lang: str, text: str = "") -> list[str]:
