@@ -162,14 +162,15 @@ SUITE: tuple[Bench, ...] = (
           "a pass after the daemon restarted on the same folder."),
     Bench("replay_vs", "Diffusion Policy's loader, 96x96 JPEG 2000 replay buffer",
           ("benchmarks/bench_replay_vs.py", "--episodes", "30", "--copies", "20",
-           "--samples", "5000", "--daemon", "", "--daemon", "--cache-bytes 128MiB --spill"),
+           "--samples", "5000", "--daemon", "",
+           "--daemon", "--cache-bytes 128MiB --spill --spill-queue-bytes 16MiB"),
           "Diffusion Policy's replay-buffer loader (the buffer copied compressed into a zarr "
           "`MemoryStore`, frames decoded per sample in the workers) against `SequenceDataset` "
           "on the same zip (88,100 samples, 379 MiB), sampled as its real-robot image "
           "datasets sample (16 steps, 2 observation frames): 2 workers, batch 32, fork, the "
           "same 5,000 samples cold then warm; each side's summed RSS and PSS (the daemon on "
           "episerve's side); the daemon with its defaults, and with a 128 MiB cache over the "
-          "spill tier."),
+          "spill tier (its write queue at 16 MiB)."),
     Bench("front_limit", "The front's response limit", ("benchmarks/bench_front_limit.py",),
           "Reads split over both workers of `--workers 2`, over and under "
           "`--max-response-bytes`: the front's memory and health."),

@@ -121,6 +121,10 @@ class ServerConfig:
     spill_bytes: int = setting(
         16 * 2**30, "the spill folder's budget, least recently used entries deleted first",
         "cache", kind="size", low=1, scope="daemon")
+    spill_queue_bytes: int = setting(
+        256 * 2**20, "evicted frames held in memory while they wait to be written to the "
+        "spill folder (memory beyond --cache-bytes); past it an evicted chunk is not "
+        "spilled (counted in spill_skipped)", "cache", kind="size", low=1, scope="daemon")
     stats_cache_bytes: int = setting(
         512 * 2**20, "GetKeyStats keeps each (episode, key)'s moments and values, and the "
         "percentile tails of recent episode sets, under this budget, least recently used "

@@ -68,7 +68,8 @@ def build_read_core(config: ServerConfig, *, stats: Stats | None = None) -> Read
     dropped.append(COLLECTOR.episode_dropped)  # frozen episodes are reclaimed in batches
     spill = None
     if config.spill_dir:  # decoded frames the cache lets go, kept on disk and read back
-        spill = SpillTier(config.spill_dir, config.spill_bytes, stats)
+        spill = SpillTier(config.spill_dir, config.spill_bytes, stats,
+                          queue_bytes=config.spill_queue_bytes)
         try:
             spill.open()
         except (SpillRefused, OSError) as exc:

@@ -134,10 +134,10 @@ def test_the_budget_deletes_the_least_recently_used(tmp_path: Path,
     assert len(list((tmp_path / "spill").glob("*.spill"))) == 3
 
 
-def test_a_full_queue_skips_instead_of_waiting(tmp_path: Path, run: Callable[..., Any],
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(spill_module, "MAX_PENDING_BYTES", 2500)
-    t = tier(tmp_path / "spill")
+def test_a_full_queue_skips_instead_of_waiting(tmp_path: Path, run: Callable[..., Any]) -> None:
+    """The queue holds at most ``--spill-queue-bytes`` of evicted frames."""
+    t = SpillTier(str(tmp_path / "spill"), 1 << 30, Stats(), queue_bytes=2500)
+    t.open()
 
     async def go() -> None:
         t.offer([(TOKEN, (CID[0], CID[1], k), [b"x" * 1000]) for k in range(4)])

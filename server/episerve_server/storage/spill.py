@@ -15,8 +15,8 @@ starts warm.
   header, the identity and the CRC before a byte is served; an entry that fails is deleted
   and counted (``spill_drops``), and the frame is decoded again.
 - **Off the read path.** Evicted frames are queued on the event loop and written by one task
-  in a worker thread, at most ``MAX_PENDING_BYTES`` queued (past that an entry is skipped and
-  counted); a read never waits for a write. Each entry is written to a temporary name and
+  in a worker thread, at most ``queue_bytes`` queued (``--spill-queue-bytes``; past that an
+  entry is skipped and counted); a read never waits for a write. Each entry is written to a temporary name and
   renamed, so a crash leaves no half entry under a real name.
 - **Bounded.** At most ``budget_bytes`` of entries, least recently used deleted first; the
   index (in memory) holds a name, a size and an order per entry, rebuilt at start from the
@@ -60,7 +60,7 @@ MAGIC = b"EPISPILL"
 VERSION = 1
 SUFFIX = ".spill"
 LOCK_NAME = "lock"
-#: Evicted bytes queued for writing, at most; more are skipped (and counted).
+#: Evicted bytes queued for writing, at most, by default; more are skipped (and counted).
 MAX_PENDING_BYTES = 256 << 20
 #: The smallest entry the start-up scan expects: it looks at budget / this many files.
 MIN_ENTRY_BYTES = 4 << 10
@@ -90,9 +90,11 @@ class SpillCounters:
 class SpillTier:
     """The folder, its index and its writer. ``open`` it (blocking: at start-up) first."""
 
-    def __init__(self, folder: str, budget_bytes: int, stats: Stats) -> None:
+    def __init__(self, folder: str, budget_bytes: int, stats: Stats, *,
+                 queue_bytes: int = MAX_PENDING_BYTES) -> None:
         self.folder = os.path.abspath(folder)
         self.budget_bytes = budget_bytes
+        self.queue_bytes = queue_bytes
         self.stats = stats
         self.enabled = False
         self.counters = SpillCounters()
@@ -255,7 +257,7 @@ class SpillTier:
     def offer(self, items: Sequence[tuple[str, ChunkId, list[bytes]]], *,
               bounded: bool = True) -> None:
         """Queue evicted frame chunks (token, chunk id, frames) for writing; on the loop,
-        never waits. Those already there, or past ``MAX_PENDING_BYTES`` (unless not
+        never waits. Those already there, or past ``queue_bytes`` (unless not
         ``bounded``: the cache's own frames at a drain, held in memory anyway), are
         skipped."""
         if not self.enabled:
@@ -266,7 +268,7 @@ class SpillTier:
             if name in self._index:
                 continue
             size = sum(map(len, frames))
-            if (bounded and self._pending_bytes + size > MAX_PENDING_BYTES) \
+            if (bounded and self._pending_bytes + size > self.queue_bytes) \
                     or len(frames) > MAX_FRAMES or size > MAX_ENTRY_BYTES // 2:
                 with self._lock:
                     self.counters.skipped += 1
