@@ -320,7 +320,8 @@ def main() -> None:
     from importlib.metadata import version
 
     print(f"{a.episodes} episodes x {a.length} frames at {a.fps} fps written by LeRobot "
-          f"{version('lerobot')}'s writer in {written_s:.0f} s, 2 cameras of {h}x{w} ({a.codec} codec), "
+          f"{version('lerobot')}'s writer in {written_s:.0f} s, 2 cameras of {h}x{w} "
+          f"({a.codec} codec), "
           f"{decoded_bytes / 2**20:.0f} MiB of decoded frames; {WORKERS} workers, batch "
           f"{BATCH}, {per_pass} samples a pass")
     print(table(rows, ("daemon cache", "frames, pass", "LeRobotWindowDataset samples/s",

@@ -321,3 +321,32 @@ def test_make_dataset_writes_a_replay_buffer_the_source_serves(tmp_path: Path,
     assert rows == [rawframe.pack(96, 96, f.tobytes()) for f in data["img"][start:]]
     assert np.array_equal(asyncio.run(read_rows(episode.readers["state"])),
                           data["state"][start:])
+
+
+def test_a_deflated_zip_serves_the_same_rows(tmp_path: Path) -> None:
+    stored = _write(tmp_path / "a", as_zip=True)
+    deflated = tmp_path / "deflated.zarr.zip"
+    with zipfile.ZipFile(stored) as src, zipfile.ZipFile(deflated, "w",
+                                                          zipfile.ZIP_DEFLATED) as out:
+        for name in src.namelist():
+            out.writestr(name, src.read(name))
+    for name in ("episode_000000", "episode_000002"):
+        a, b = _open(stored, name)[2], _open(deflated, name)[2]
+        for key in a.readers:
+            x, y = asyncio.run(read_rows(a.readers[key])), asyncio.run(read_rows(b.readers[key]))
+            assert (x == y) if isinstance(x, list) else np.array_equal(x, y), (name, key)
+
+
+def test_a_zip_member_that_fails_its_crc_is_data_loss(tmp_path: Path) -> None:
+    root = _write(tmp_path, as_zip=True)
+    with zipfile.ZipFile(root) as zf:
+        info = zf.getinfo("data/state/1.0")
+    raw = bytearray(root.read_bytes())
+    start = info.header_offset + 30 + len(info.filename.encode()) + len(info.extra)
+    raw[start + info.compress_size - 1] ^= 0xFF  # the member's last stored byte
+    root.write_bytes(bytes(raw))
+    _, _, episode = _open(root, "episode_000001")  # rows 7 (episode 1) lie in chunk 1
+    with pytest.raises(DataLossError) as caught:
+        asyncio.run(read_rows(episode.readers["state"]))
+    assert "fails its CRC-32" in caught.value.message
+    assert caught.value.key == "state"

@@ -16,8 +16,8 @@ starts warm.
   and counted (``spill_drops``), and the frame is decoded again.
 - **Off the read path.** Evicted frames are queued on the event loop and written by one task
   in a worker thread, at most ``queue_bytes`` queued (``--spill-queue-bytes``; past that an
-  entry is skipped and counted); a read never waits for a write. Each entry is written to a temporary name and
-  renamed, so a crash leaves no half entry under a real name.
+  entry is skipped and counted); a read never waits for a write. Each entry is written to a
+  temporary name and renamed, so a crash leaves no half entry under a real name.
 - **Bounded.** At most ``budget_bytes`` of entries, least recently used deleted first; the
   index (in memory) holds a name, a size and an order per entry, rebuilt at start from the
   folder (at most ``budget_bytes / MIN_ENTRY_BYTES`` entries are looked at).
