@@ -21,6 +21,7 @@ import argparse
 import datetime
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -162,7 +163,7 @@ SUITE: tuple[Bench, ...] = (
           "a pass after the daemon restarted on the same folder."),
     Bench("replay_vs", "Diffusion Policy's loader, 96x96 JPEG 2000 replay buffer",
           ("benchmarks/bench_replay_vs.py", "--episodes", "30", "--copies", "20",
-           "--samples", "5000", "--daemon", "",
+           "--samples", "5000", "--daemon", "defaults",
            "--daemon", "--cache-bytes 128MiB --spill --spill-queue-bytes 16MiB"),
           "Diffusion Policy's replay-buffer loader (the buffer copied compressed into a zarr "
           "`MemoryStore`, frames decoded per sample in the workers) against `SequenceDataset` "
@@ -208,7 +209,7 @@ def now() -> str:
 
 def run_one(bench: Bench, results: Path, charts_dir: Path) -> dict[str, object]:
     argv = [sys.executable, *bench.argv]
-    shown = " ".join(["python", *bench.argv])
+    shown = shlex.join(["python", *bench.argv])  # (quoted: a command to paste)
     print(f"\n=== {bench.name}: {shown}", flush=True)
     load_before, started, t0 = os.getloadavg()[0], now(), time.monotonic()
     proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

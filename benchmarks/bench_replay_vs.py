@@ -256,8 +256,9 @@ def main() -> None:
                    help="samples a pass (0: every sample): the same samples in both passes, "
                         "each in a new shuffled order, so the second pass is warm")
     p.add_argument("--daemon", action="append", default=[],
-                   help="a daemon configuration to run (its extra flags, e.g. "
-                        "\"--cache-bytes 64MiB --spill\"); repeatable; default: the defaults")
+                   help="a daemon configuration to run: its extra flags (e.g. "
+                        "\"--cache-bytes 64MiB --spill\"), or \"defaults\"; repeatable "
+                        "(default: defaults)")
     a = p.parse_args()
     rows = []
 
@@ -280,8 +281,8 @@ def main() -> None:
         chosen = rng.permutation(total)[: a.samples or total]
         orders = {"cold": chosen.tolist(), "warm": rng.permutation(chosen).tolist()}
         theirs = side("theirs", str(path), orders, "", [])
-        for k, config in enumerate(a.daemon or [""]):
-            flags = config.split()
+        for k, config in enumerate(a.daemon or ["defaults"]):
+            flags = [] if config == "defaults" else config.split()
             if "--spill" in flags:
                 flags.remove("--spill")
                 flags += ["--spill-dir", str(Path(tmp) / f"spill{k}"), "--spill-bytes", "8GiB"]
@@ -301,12 +302,12 @@ def main() -> None:
             for pass_ in orders:
                 o_rate, o_rss, o_pss = ours["passes"][pass_]
                 t_rate, t_rss, t_pss = theirs["passes"][pass_]
-                rows.append((config or "defaults", pass_, f"{o_rate:.0f}", f"{t_rate:.0f}",
+                rows.append((config, pass_, f"{o_rate:.0f}", f"{t_rate:.0f}",
                              f"{o_rate / t_rate:.2f}x", f"{o_rss:.0f}", f"{t_rss:.0f}",
                              f"{o_rss / t_rss:.2f}", f"{o_pss:.0f}", f"{t_pss:.0f}",
                              f"{o_pss / t_pss:.2f}"))
                 print(*rows[-1], flush=True)
-            print(f"daemon ({config or 'defaults'}): {1e3 * used / n:.2f} ms CPU a sample over "
+            print(f"daemon ({config}): {1e3 * used / n:.2f} ms CPU a sample over "
                   f"both passes ({n} samples)", flush=True)
     print(f"{a.episodes} episodes x {a.copies} ({a.min_frames}-{a.max_frames} frames, 96x96 "
           f"JPEG 2000; a {size_mb:.0f} MiB zip written in {written_s:.0f} s), {total} "

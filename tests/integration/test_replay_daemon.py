@@ -55,6 +55,12 @@ def _read_all(target: str) -> list[dict[str, Any]]:
                              episode_mask=mask, masks="all")
         out.append({"len": len(ds), "samples": [ds.sample_sequence(i) for i in range(len(ds))],
                     "item0": ds[0] if len(ds) else None})
+    from episerve_client import WindowSampler
+
+    try:  # it orders one index per frame: the wrong indices for window starts
+        WindowSampler(ds, 8)
+    except InvalidArgument as exc:
+        out.append({"sampler": str(exc)})
     return out
 
 
@@ -96,6 +102,7 @@ def test_sequence_dataset_is_the_reference_sampler(tmp_path: Path, as_zip: bool)
     with DaemonProcess(root, "--rescan-s", "0", unix=tmp_path / "d.sock") as d:
         got = isolated(_read_all, d.target)
         loaded = isolated(_loader, d.target)
+    assert "give it torch's RandomSampler" in got.pop()["sampler"]
     _check_against_oracle(root, got)
     data, ends = read_buffer(root)
     index = oracle_index(ends, 16, 1, 7)

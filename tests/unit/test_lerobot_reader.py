@@ -194,10 +194,14 @@ def test_a_data_file_linked_outside_the_root_is_refused(
 
 def test_a_root_of_another_version_serves_nothing_and_says_why(
         small: Path, serve: Callable[..., Served]) -> None:
-    rewrite_info(small, lambda d: d.update(codebase_version="v2.1"))
+    rewrite_info(small, lambda d: d.update(codebase_version="v1.6"))
     served = serve(small)
     assert not served.catalog.episodes
-    assert "'v2.1'" in served.catalog.source.problem  # type: ignore[union-attr]
+    assert "'v1.6'" in served.catalog.source.problem  # type: ignore[union-attr]
+    # a v3.0 root labelled v2.1: its v3 path templates are refused, named
+    rewrite_info(small, lambda d: d.update(codebase_version="v2.1"))
+    problem = serve(small).catalog.source.problem  # type: ignore[union-attr]
+    assert "'data_path'" in problem and "got {chunk_index}" in problem
 
 
 def test_a_parquet_footer_larger_than_the_bound_is_refused_before_parsing(

@@ -38,7 +38,7 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch.distributed as dist
-from torch.utils.data import Sampler
+from torch.utils.data import Dataset, Sampler
 
 from episerve_client.data.manifest import Manifest
 from episerve_client.errors import InvalidArgument, surfaced
@@ -131,8 +131,7 @@ def _manifest_of(source: Manifest | HasManifest) -> Manifest:
                               f"(a WindowDataset), got {type(source).__name__!r}")
     if len(manifest) == 0:
         raise InvalidArgument("WindowSampler: the manifest holds no samples")
-    if not isinstance(source, Manifest) and hasattr(source, "__len__") \
-            and len(source) != len(manifest):  # type: ignore[arg-type]
+    if isinstance(source, Dataset) and len(source) != len(manifest):  # type: ignore[arg-type]
         raise InvalidArgument(
             f"WindowSampler orders one sample per frame of the manifest ({len(manifest)}), "
             f"but this {type(source).__name__} indexes its own {len(source)} samples "  # type: ignore[arg-type]
