@@ -73,54 +73,34 @@ def v21() -> bool:
     return version("lerobot").startswith("0.3.")
 
 
-def write(root: Path, episodes: int, length: int, size: tuple[int, int], fps: int,
-          codec: str) -> None:
+def pixels(ep: int, f: int, size: tuple[int, int]) -> dict[str, Any]:
+    """Each camera's frame ``f`` of episode ``ep``: gradients that move frame to frame."""
     import numpy as np
-    from lerobot.datasets.lerobot_dataset import LeRobotDataset
-
-    if v21():
-        return write_v21(root, episodes, length, size, fps, codec)
-    from lerobot.configs.video import RGBEncoderConfig
 
     h, w = size
-    features: dict[str, Any] = {
-        "observation.state": {"dtype": "float32", "shape": (6,), "names": None},
-        "action": {"dtype": "float32", "shape": (6,), "names": None}}
-    for cam in CAMERAS:
-        features[cam] = {"dtype": "video", "shape": (h, w, 3),
-                         "names": ["height", "width", "channels"]}
-    encoder = {} if codec == "default" else {"rgb_encoder": RGBEncoderConfig(vcodec=codec)}
-    ds = LeRobotDataset.create(repo_id="bench/vs", fps=fps, root=root, features=features,
-                               use_videos=True, **encoder)
     y, x = np.mgrid[0:h, 0:w]
-    for ep in range(episodes):
-        for f in range(length):
-            frame: dict[str, Any] = {
-                "observation.state": np.full(6, ep * 1000 + f, np.float32),
-                "action": np.full(6, -(ep * 1000 + f), np.float32), "task": f"task {ep % 3}"}
-            for c, cam in enumerate(CAMERAS):
-                img = np.empty((h, w, 3), np.uint8)
-                img[..., 0] = (x * 5 + f * 9) % 256
-                img[..., 1] = (y * 7 + ep * 40) % 256
-                img[..., 2] = 60 + 90 * c
-                frame[cam] = img
-            ds.add_frame(frame)
-        ds.save_episode()
-    ds.finalize()
+    out = {}
+    for c, cam in enumerate(CAMERAS):
+        img = np.empty((h, w, 3), np.uint8)
+        img[..., 0] = (x * 5 + f * 9) % 256
+        img[..., 1] = (y * 7 + ep * 40) % 256
+        img[..., 2] = 60 + 90 * c
+        out[cam] = img
+    return out
 
 
-def write_v21(root: Path, episodes: int, length: int, size: tuple[int, int], fps: int,
-              codec: str) -> None:
-    """LeRobot 0.3.3's writer (v2.1): the task an argument of ``add_frame``, the codec its
-    encoder's argument (``save_episode`` leaves it at AV1, what ``default`` keeps)."""
+def write(root: Path, episodes: int, length: int, size: tuple[int, int], fps: int,
+          codec: str) -> None:
+    """The root, by the LeRobot of this venv's own writer. LeRobot 0.3.3 (v2.1) takes the
+    task as an argument of ``add_frame`` and the codec as its encoder's argument
+    (``save_episode`` leaves it at AV1, what ``default`` keeps); 0.6 takes both in its
+    frame and its ``rgb_encoder``, and needs ``finalize``."""
     import functools
 
     import numpy as np
-    from lerobot.datasets import lerobot_dataset, video_utils
+    from lerobot.datasets import lerobot_dataset
 
-    if codec != "default":
-        lerobot_dataset.encode_video_frames = functools.partial(
-            video_utils.encode_video_frames, vcodec=codec)
+    old = v21()
     h, w = size
     features: dict[str, Any] = {
         "observation.state": {"dtype": "float32", "shape": (6,), "names": None},
@@ -128,22 +108,32 @@ def write_v21(root: Path, episodes: int, length: int, size: tuple[int, int], fps
     for cam in CAMERAS:
         features[cam] = {"dtype": "video", "shape": (h, w, 3),
                          "names": ["height", "width", "channels"]}
+    encoder: dict[str, Any] = {}
+    if codec != "default" and old:
+        from lerobot.datasets import video_utils
+
+        lerobot_dataset.encode_video_frames = functools.partial(
+            video_utils.encode_video_frames, vcodec=codec)
+    elif codec != "default":
+        from lerobot.configs.video import RGBEncoderConfig
+
+        encoder = {"rgb_encoder": RGBEncoderConfig(vcodec=codec)}
     ds = lerobot_dataset.LeRobotDataset.create(repo_id="bench/vs", fps=fps, root=root,
-                                               features=features, use_videos=True)
-    y, x = np.mgrid[0:h, 0:w]
+                                               features=features, use_videos=True, **encoder)
     for ep in range(episodes):
         for f in range(length):
             frame: dict[str, Any] = {
                 "observation.state": np.full(6, ep * 1000 + f, np.float32),
                 "action": np.full(6, -(ep * 1000 + f), np.float32)}
-            for c, cam in enumerate(CAMERAS):
-                img = np.empty((h, w, 3), np.uint8)
-                img[..., 0] = (x * 5 + f * 9) % 256
-                img[..., 1] = (y * 7 + ep * 40) % 256
-                img[..., 2] = 60 + 90 * c
-                frame[cam] = img
-            ds.add_frame(frame, task=f"task {ep % 3}")
+            frame |= pixels(ep, f, (h, w))
+            task = f"task {ep % 3}"
+            if old:
+                ds.add_frame(frame, task=task)
+            else:
+                ds.add_frame(frame | {"task": task})
         ds.save_episode()
+    if not old:
+        ds.finalize()
 
 
 def rss_mb(pid: int) -> float:

@@ -265,11 +265,7 @@ def episode_of_v2(row: object, info: Info, from_index: int) -> EpisodeMeta:
     if not isinstance(row, dict):
         raise MetaError(f"a line is {_shown(row)}, not an object")
     index = index_of(row.get("episode_index"), "'episode_index'", MAX_EPISODES * 16)
-    length = row.get("length")
-    if isinstance(length, bool) or not isinstance(length, int) \
-            or not 0 < length <= min(MAX_ROWS, MAX_EPISODE_FRAMES):
-        raise MetaError(f"'length' must be a positive int of at most {MAX_ROWS}, got "
-                        f"{_shown(length)}")
+    length = _length(row.get("length"))
     videos = tuple((name, VideoSpan(fill_v2(info.video_path, info, index, name), 0.0))
                    for name, feature in info.features.items() if feature.kind == "video")
     return EpisodeMeta(index, length, fill_v2(info.data_path, info, index), from_index, videos)
@@ -296,14 +292,18 @@ def seconds_of(value: object, what: str) -> float:
     return float(value)
 
 
-def episode_of(row: Mapping[str, Any], info: Info) -> EpisodeMeta:
-    """One row of ``meta/episodes``; ``MetaError`` names the column and the value."""
-    index = index_of(row.get("episode_index"), "'episode_index'", MAX_EPISODES * 16)
-    length = row.get("length")
+def _length(length: object) -> int:
     if isinstance(length, bool) or not isinstance(length, int) \
             or not 0 < length <= min(MAX_ROWS, MAX_EPISODE_FRAMES):
         raise MetaError(f"'length' must be a positive int of at most {MAX_ROWS}, got "
                         f"{_shown(length)}")
+    return length
+
+
+def episode_of(row: Mapping[str, Any], info: Info) -> EpisodeMeta:
+    """One row of ``meta/episodes``; ``MetaError`` names the column and the value."""
+    index = index_of(row.get("episode_index"), "'episode_index'", MAX_EPISODES * 16)
+    length = _length(row.get("length"))
     start = index_of(row.get("dataset_from_index"), "'dataset_from_index'")
     stop = index_of(row.get("dataset_to_index"), "'dataset_to_index'")
     if stop - start != length:

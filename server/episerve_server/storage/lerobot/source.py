@@ -21,7 +21,6 @@ import hashlib
 import json
 import logging
 import math
-from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -64,6 +63,7 @@ from episerve_server.storage.lerobot.readers import (
     TaskReader,
 )
 from episerve_server.storage.lerobot.video import VideoReader
+from episerve_server.storage.listed_once import ListedOnce, file_problem
 from episerve_server.storage.local import ConfinedLocalStore
 from episerve_server.storage.store import CountingStore, Refused
 
@@ -82,56 +82,32 @@ META_BYTES = 640
 VIDEO_SPAN_BYTES = 256
 
 
-class LeRobotSource:
-    """The episodes of one LeRobot v3 root (a local folder), loaded once at the first scan:
-    a ``storage.sources.Source``. Its episodes are fixed by its metadata, so a rescan does
-    not fingerprint them."""
+class LeRobotSource(ListedOnce):
+    """The episodes of one LeRobot root (a local folder), loaded once at the first scan:
+    a ``storage.sources.Source``."""
 
     layout = "LeRobot"
-    tracks_changes = False
+    refused_name, what, listing = REFUSED_ENTRY, "LeRobot dataset", LISTING
+    load_errors = (MetaError, FileProblem, Refused, OSError, pa.ArrowException, LimitExceeded)
 
     def __init__(self, store: CountingStore, local: ConfinedLocalStore, *,
                  tolerance_s: float = DEFAULT_TOLERANCE_S,
                  state: EpisodeState | None = None) -> None:
+        super().__init__(state)
         self.store = store
-        #: the catalog's ledger: the episodes' listing is kept for as long as the root
-        self.state = state
         self.files = OpenFiles(local)
         self.tolerance_s = tolerance_s
         self.info: Info | None = None
-        self.problem = ""  # why the dataset as a whole cannot be served
         self.episodes: dict[str, EpisodeMeta | str] = {}  # name -> metadata, or why broken
         self.tasks: dict[int, str] = {}
         self._offsets: dict[str, int] = {}
         self._data: dict[str, asyncio.Future[tuple[int, frozenset[str]]]] = {}
-        self._loaded = False
 
-    async def names(self, entries: Iterable[str] = ()) -> set[str]:
-        if not self._loaded:
-            self._loaded = True
-            try:
-                await self._load()
-            except (MetaError, FileProblem, Refused, OSError, pa.ArrowException,
-                    LimitExceeded) as exc:
-                self.problem = _why(exc)
-                self.episodes = {}
-                if self.state is not None:  # nothing of the listing is kept
-                    self.state.release(LISTING)
-            if self.problem:
-                log.error("LeRobot dataset cannot be served: %s", self.problem)
-        if self.problem:  # listed (and opened) as one broken entry that says why
-            return {REFUSED_ENTRY}
+    def _forget(self) -> None:
+        self.episodes = {}
+
+    def _names(self) -> set[str]:
         return set(self.episodes)
-
-    def refusal(self) -> str:
-        """Why the dataset as a whole is refused, as a broken entry says it ("" if not)."""
-        return f"the LeRobot dataset cannot be served: {self.problem}" if self.problem else ""
-
-    def refused_entry(self) -> str:
-        return REFUSED_ENTRY if self.problem else ""
-
-    async def fingerprint(self, names: list[str]) -> list[tuple[str, str]]:
-        return [("", "")] * len(names)
 
     async def exists(self, name: str) -> bool:
         return name in self.episodes
@@ -368,14 +344,4 @@ class LeRobotSource:
         try:
             return await asyncio.shield(fut)
         except (FileProblem, Refused, OSError, pa.ArrowException) as exc:
-            raise MetaError(f"data file {path!r}: {_why(exc)}") from exc
-
-
-def _why(exc: BaseException) -> str:
-    if isinstance(exc, Refused):
-        return f"file {exc.key!r} refused: {exc.why}"
-    if isinstance(exc, FileNotFoundError):
-        return f"file {exc.filename or str(exc)!r} is missing"
-    if isinstance(exc, OSError):
-        return f"file {exc.filename!r} cannot be read ({exc.strerror or exc})"
-    return str(exc)
+            raise MetaError(f"data file {path!r}: {file_problem(exc)}") from exc

@@ -26,7 +26,7 @@ import json
 import logging
 import math
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -37,6 +37,7 @@ from episerve_proto.errors import BrokenEpisodeError, LimitExceeded
 from episerve_server.core.cache import Chunk
 from episerve_server.core.ledger import EpisodeState
 from episerve_server.storage.episode import Episode
+from episerve_server.storage.listed_once import ListedOnce, file_problem
 from episerve_server.storage.readers import ArrayInfo, ChunkReader, Decoder, Raw
 from episerve_server.storage.readers.bounds import (
     MAX_CHUNK_BYTES,
@@ -72,16 +73,17 @@ def episode_name(index: int) -> str:
     return f"episode_{index:06d}"
 
 
-class ReplaySource:
-    """The episodes of one replay buffer: a ``storage.sources.Source``. Its episodes are
-    fixed by ``episode_ends``, so a rescan does not fingerprint them."""
+class ReplaySource(ListedOnce):
+    """The episodes of one replay buffer, fixed by ``episode_ends``: a
+    ``storage.sources.Source``."""
 
     layout = "Diffusion Policy replay buffer"
-    tracks_changes = False
+    refused_name, what, listing = REFUSED_ENTRY, "replay buffer", LISTING
+    load_errors = (ArrayProblem, Refused, OSError, LimitExceeded, BoundError)
 
     def __init__(self, store: CountingStore, *, state: EpisodeState | None = None) -> None:
-        self.store, self.state = store, state
-        self.problem = ""
+        super().__init__(state)
+        self.store = store
         self.ends = np.zeros(0, np.int64)
         self.arrays: dict[str, ArrayMeta] = {}
         self.problems: dict[str, str] = {}  # key -> why it is not served
@@ -89,32 +91,12 @@ class ReplaySource:
         #: per frame key, what its decoded frames come from (files, codec, decoder), for the
         #: spill tier; none when the store cannot tell (an object store)
         self.tokens: dict[str, str] = {}
-        self._loaded = False
 
-    async def names(self, entries: Iterable[str] = ()) -> set[str]:
-        if not self._loaded:
-            self._loaded = True
-            try:
-                await self._load()
-            except (ArrayProblem, Refused, OSError, LimitExceeded, BoundError) as exc:
-                self.problem = _why(exc)
-                self.ends, self.arrays = np.zeros(0, np.int64), {}
-                if self.state is not None:
-                    self.state.release(LISTING)
-            if self.problem:
-                log.error("replay buffer cannot be served: %s", self.problem)
-        if self.problem:
-            return {REFUSED_ENTRY}
+    def _forget(self) -> None:
+        self.ends, self.arrays = np.zeros(0, np.int64), {}
+
+    def _names(self) -> set[str]:
         return {episode_name(e) for e in range(len(self.ends))}
-
-    def refusal(self) -> str:
-        return f"the replay buffer cannot be served: {self.problem}" if self.problem else ""
-
-    def refused_entry(self) -> str:
-        return REFUSED_ENTRY if self.problem else ""
-
-    async def fingerprint(self, names: list[str]) -> list[tuple[str, str]]:
-        return [("", "")] * len(names)
 
     async def exists(self, name: str) -> bool:
         index = _index_of(name)
@@ -189,7 +171,7 @@ class ReplaySource:
             try:
                 meta = await self._meta(f"{DATA}/{key}")
             except (ArrayProblem, Refused, OSError) as exc:
-                self.problems[key] = _why(exc)
+                self.problems[key] = file_problem(exc)
                 continue
             if meta.rows != total:
                 self.problems[key] = (f"{meta.path} holds {meta.rows} rows, but {ENDS} ends "
@@ -392,12 +374,3 @@ class FrameReader(_BufferReader):
         h, w, _ = self.meta.feature
         return [rawframe.pack(h, w, np.ascontiguousarray(row).tobytes()) for row in rows]
 
-
-def _why(exc: BaseException) -> str:
-    if isinstance(exc, Refused):
-        return f"file {exc.key!r} refused: {exc.why}"
-    if isinstance(exc, FileNotFoundError):
-        return f"file {exc.filename or str(exc)!r} is missing"
-    if isinstance(exc, OSError):
-        return f"file {exc.filename!r} cannot be read ({exc.strerror or exc})"
-    return str(exc)
