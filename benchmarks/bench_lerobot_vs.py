@@ -1,6 +1,7 @@
 """``LeRobotDataset`` itself against ``LeRobotWindowDataset`` on the same root, written by
 LeRobot's own writer: DataLoader samples/s, cold and warm, float32 and uint8 frames, each
-side's worker RSS, and what the daemon decoded.
+side's worker RSS and summed RSS (its workers', and the daemon's on episerve's side; the
+main process holds both datasets, so it counts on neither), and what the daemon decoded.
 
     python benchmarks/bench_lerobot_vs.py [--size 96x128] [--episodes 4] [--length 200]
                                           [--fps 10] [--codec h264|default]
@@ -26,7 +27,8 @@ Each pass is a shuffled order of every sample (a new permutation per pass, as a 
 DataLoader's epochs are; ``--batches`` cuts it shorter), timed from each worker's second
 batch on (worker start-up is excluded); "cold" is the daemon's first pass (its cache
 empty; LeRobotDataset has no cache, so its two passes are alike). Worker RSS is the
-largest VmRSS of the loader's worker processes, read every 4th batch of the pass. After
+largest VmRSS of the loader's worker processes, read every 4th batch of the pass; the
+summed RSS the largest sum of them (with the daemon's, on episerve's side). After
 each of the daemon's passes a line gives, per sample, the video frames its decoder gave,
 those it converted to RGB, and its CPU (``/proc``); LeRobot's frames decoded per sample
 are counted from its rule (seek to the keyframe at or before the first time less a tick,
@@ -144,7 +146,9 @@ def rss_mb(pid: int) -> float:
     return 0.0
 
 
-def run(ds: Any, order: list[int]) -> tuple[float, float]:
+def run(ds: Any, order: list[int], extra: tuple[int, ...] = ()) -> tuple[float, float, float]:
+    """(samples/s, the largest worker's RSS MB, the largest sum of the workers' RSS and
+    ``extra``'s, the daemon on episerve's side) of one pass."""
     from torch.utils.data import DataLoader
 
     loader = DataLoader(ds, batch_size=BATCH, sampler=order, num_workers=WORKERS,
@@ -153,14 +157,16 @@ def run(ds: Any, order: list[int]) -> tuple[float, float]:
     for _ in range(WORKERS):  # each worker's first batch (its start-up) is not timed
         next(it)
     workers = getattr(it, "_workers", [])
-    t0, n, rss = time.perf_counter(), 0, 0.0
+    t0, n, rss, summed = time.perf_counter(), 0, 0.0, 0.0
     for _ in it:
         n += BATCH
         if n % (4 * BATCH) == 0:  # every 4th batch, while the workers still run
-            rss = max([rss, *(rss_mb(w.pid) for w in workers if w.is_alive())])
+            each = [rss_mb(w.pid) for w in workers if w.is_alive()]
+            rss = max([rss, *each])
+            summed = max(summed, sum(each) + sum(rss_mb(p) for p in extra))
     rate = n / (time.perf_counter() - t0)
     del it
-    return rate, rss
+    return rate, rss, summed
 
 
 def lerobot_decodes(ds: Any, order: list[int], delta: dict[str, list[float]]) -> float:
@@ -283,7 +289,7 @@ def main() -> None:
                                 pid = daemon.proc.pid
                                 cpu = cpu_s(pid)
                             order = orders[order_of[pass_]]
-                            ours_s, ours_rss = run(ours, order)
+                            ours_s, ours_rss, ours_sum = run(ours, order, (pid,))
                             now = {k: int(counts.stats().get(k, 0)) for k in KEYS}
                             done = {k: now[k] - seen[k] for k in KEYS}
                             seen = now
@@ -296,13 +302,14 @@ def main() -> None:
                                   f"{done['spill_hits'] / n:.2f} read back from the spill "
                                   f"tier, {1e3 * used / n:.1f} ms CPU ({n} samples)",
                                   flush=True)
-                            theirs_s, theirs_rss = run(theirs, order)
+                            theirs_s, theirs_rss, theirs_sum = run(theirs, order)
                             rows.append((where, f"{frames} {pass_}", f"{ours_s:.1f}",
                                          f"{theirs_s:.1f}", f"{ours_s / theirs_s:.2f}x",
                                          f"{done['video_frames_decoded'] / n:.2f}",
                                          f"{theirs_decoded[order_of[pass_]]:.1f}",
                                          f"{1e3 * used / n:.1f}", f"{ours_rss:.0f}",
-                                         f"{theirs_rss:.0f}"))
+                                         f"{theirs_rss:.0f}", f"{ours_sum:.0f}",
+                                         f"{theirs_sum:.0f}"))
                             print(*rows[-1], flush=True)
                     finally:
                         if daemon is not None:
@@ -317,7 +324,8 @@ def main() -> None:
     print(table(rows, ("daemon cache", "frames, pass", "LeRobotWindowDataset samples/s",
                        "LeRobotDataset samples/s", "ratio", "episerve frames decoded/sample",
                        "LeRobot frames decoded/sample", "daemon CPU ms/sample",
-                       "episerve worker RSS MB", "LeRobot worker RSS MB")))
+                       "episerve worker RSS MB", "LeRobot worker RSS MB",
+                       "episerve workers + daemon RSS MB", "LeRobot workers RSS MB")))
 
 
 if __name__ == "__main__":
