@@ -264,3 +264,21 @@ def test_decoded_frames_spill_and_survive_a_restart(tmp_path: Path) -> None:
     for run in (first, again):
         for got in run["passes"]:
             assert [g[16:] for g in got] == want
+
+
+def _sequence_over(target: str) -> str:
+    try:
+        SequenceDataset(target, 4)
+    except InvalidArgument as exc:
+        return str(exc)
+    return "built"
+
+
+def test_sequence_dataset_refuses_a_daemon_that_serves_no_replay_buffer(tmp_path: Path
+                                                                        ) -> None:
+    from tests.support import lerobot as lr
+
+    root = lr.write(tmp_path / "lerobot", lr.Layout(lengths=(6, 5)))  # also episode_000000
+    with DaemonProcess(root, "--rescan-s", "0", unix=tmp_path / "d.sock") as d:
+        said = isolated(_sequence_over, d.target)
+    assert "does not serve a replay buffer" in said, said

@@ -88,6 +88,10 @@ class SequenceDataset(WindowDataset):
             raise DataLossError(f"the daemon at {target!r} serves no episode_000000"
                                 + (f": {why}" if why else " (is it serving a replay buffer?)"),
                                 episode="episode_000000")
+        if "replay_episode_index" not in first.episodes[0].attrs:
+            raise InvalidArgument(f"the daemon at {target!r} does not serve a replay buffer "
+                                  "(its episode_000000 is not one); SequenceDataset reads "
+                                  "Diffusion Policy replay buffers")
         self.features: dict[str, dict[str, Any]] = {
             k: dict(v) for k, v in first.episodes[0].features.items() if isinstance(v, Mapping)}
         wanted = list(keys) if keys is not None else sorted(self.features)

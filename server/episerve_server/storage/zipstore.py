@@ -19,7 +19,6 @@ import asyncio
 import os
 import posixpath
 import struct
-import threading
 import zlib
 from collections.abc import AsyncIterator, Iterable, Sequence
 from pathlib import Path
@@ -170,7 +169,6 @@ class ConfinedZipStore(Store):
             self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
         except (ValueError, OSError, struct.error) as exc:
             raise BadZipRoot(f"zip root {str(path)!r} cannot be served: {exc}") from None
-        self._lock = threading.Lock()
         self._is_open = True
         self.max_metadata_bytes, self.max_object_bytes = max_metadata_bytes, max_object_bytes
 
