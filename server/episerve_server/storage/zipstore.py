@@ -2,10 +2,10 @@
 local folder is.
 
 The central directory is read here rather than by ``zipfile``, which keeps a ``ZipInfo``
-object per member (about 700 bytes each: 64 MB for a buffer of 88,000 frames, and ten times
-that at the member limit). The index keeps, per member, its name and four numbers (where
-its local header is, its stored and its declared size, its CRC-32) and whether it is
-deflated: about 120 bytes. Before anything is read, the member count the end record
+object per member: 615 bytes a member measured with tracemalloc (54 MiB for a zip of 92,501
+members). The index keeps, per member, its name and four numbers (where its local header
+is, its stored and its declared size, its CRC-32) and whether it is deflated: 297 bytes a
+member on the same zip (26 MiB). Before anything is read, the member count the end record
 declares (ZIP64's too) must be at most ``MAX_MEMBERS`` and the directory at most
 ``MAX_DIRECTORY_BYTES``. Each read is refused when the member's declared size is over the
 reader's cap, inflates at most that many bytes, and checks the CRC-32; members are read in
