@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import sys
+import warnings
 import zipfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -155,8 +156,9 @@ def oracle_sample(arrays: Mapping[str, np.ndarray], entry: tuple[int, int, int, 
             sample = arr[b0:b1]
         else:
             k_data = min(k, n_data)
-            fill = np.nan if arr.dtype.kind == "f" else 0
-            sample = np.full((n_data, *arr.shape[1:]), fill, dtype=arr.dtype)
+            with warnings.catch_warnings():  # the reference's own expression: NaN cast
+                warnings.simplefilter("ignore", RuntimeWarning)
+                sample = np.full((n_data, *arr.shape[1:]), np.nan, dtype=arr.dtype)
             sample[:k_data] = arr[b0:b0 + k_data]
         data = sample
         if s0 > 0 or s1 < sequence_length:

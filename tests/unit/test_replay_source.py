@@ -210,7 +210,7 @@ def test_a_truncated_chunk_is_data_loss_naming_the_chunk(tmp_path: Path) -> None
     assert "chunk 2 of data/state (data/state/2.0)" in info.value.message
 
 
-def test_zip_roots_are_bounded_before_zipfile_reads_them(tmp_path: Path,
+def test_zip_roots_are_bounded_before_their_directory_is_read(tmp_path: Path,
                                                          monkeypatch: pytest.MonkeyPatch
                                                          ) -> None:
     root = _write(tmp_path, as_zip=True)
@@ -350,3 +350,78 @@ def test_a_zip_member_that_fails_its_crc_is_data_loss(tmp_path: Path) -> None:
         asyncio.run(read_rows(episode.readers["state"]))
     assert "fails its CRC-32" in caught.value.message
     assert caught.value.key == "state"
+
+
+# -- what a hostile buffer declares -----------------------------------------------------------
+
+def test_odd_metadata_is_a_problem_of_its_key_not_a_crash(tmp_path: Path) -> None:
+    root = _write(tmp_path)
+    _set_zarray(root, "data/action", order="F")  # F order with columns: another layout
+    _set_zarray(root, "data/state", dtype=",")  # numpy raises SyntaxError on it
+    _set_zarray(root, "data/stage", filters=1)
+    _, names, episode = _open(root)
+    assert len(names) == len(LENGTHS)
+    assert "reads C order" in episode.unserved["action"]
+    assert "is not a numpy dtype" in episode.unserved["state"]
+    assert "filters 1 are not decoded" in episode.unserved["stage"]
+    assert "img" in episode.readers
+
+
+def test_episode_ends_that_wrap_around_are_refused(tmp_path: Path) -> None:
+    root = _write(tmp_path)
+    _set_zarray(root, "meta/episode_ends", shape=[3], chunks=[3])
+    ends = np.array([5, 2**63 - 1, -2**63 + 3], np.int64)  # a difference would wrap to > 0
+    (root / "meta" / "episode_ends" / "0").write_bytes(ends.tobytes())
+    source, names, _ = _open(root)
+    assert names == {REFUSED_ENTRY}
+    assert "episode_ends[2] is -9223372036854775805 after 9223372036854775807" \
+        in source.refusal()
+
+
+def test_an_unforeseen_error_refuses_the_buffer_rather_than_half_loading_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from episerve_server.storage.replay import source as replay_source
+
+    root = _write(tmp_path)
+
+    def broken(path: str, doc: bytes) -> Any:
+        raise KeyError("a file no check foresaw")
+
+    monkeypatch.setattr(replay_source, "parse", broken)
+    source, entries = _source(root)
+    for _ in range(2):  # and the next scan does not serve a half-loaded buffer
+        assert asyncio.run(source.names(entries)) == {REFUSED_ENTRY}
+    assert "unexpected KeyError" in source.refusal()
+
+
+def test_a_zip_member_declaring_a_huge_stored_size_is_refused_unread(tmp_path: Path) -> None:
+    root = _write(tmp_path, as_zip=True)
+    data = bytearray(root.read_bytes())
+    name = b"data/state/1.0"
+    at = data.rindex(b"PK\x01\x02", 0, data.rindex(name))  # its central directory record
+    data[at + 20:at + 24] = (0xFFFFFFFF).to_bytes(4, "little")  # compressed size
+    root.write_bytes(bytes(data))
+    store = open_root(str(root), stats=Stats())
+    inner = store._store
+    assert isinstance(inner, zipstore.ConfinedZipStore)
+    with pytest.raises(zipstore.Refused, match="sizes past the file"):
+        inner.read_sync("data/state/1.0", None, 1 << 20)
+    _, _, episode = _open(root, "episode_000001")
+    with pytest.raises(DataLossError, match="data/state/1.0"):
+        asyncio.run(read_rows(episode.readers["state"]))
+
+
+def _with_palette(jp2: bytes) -> bytes:
+    """The JP2 file with an (empty) palette box added to its header box."""
+    at = jp2.index(b"jp2h") - 4
+    size = int.from_bytes(jp2[at:at + 4], "big")
+    box = b"\x00\x00\x00\x08pclr"
+    return jp2[:at] + (size + 8).to_bytes(4, "big") + jp2[at + 4:at + size] + box \
+        + jp2[at + size:]
+
+
+def test_a_jp2_frame_with_a_palette_is_refused_before_decoding() -> None:
+    jp2 = imagecodecs.jpeg2k_encode(_image(16, 16), level=50)
+    images.check(images.JPEG2K, jp2, 16, 16, 3)
+    with pytest.raises(images.HeaderError, match="palette"):
+        images.check(images.JPEG2K, _with_palette(jp2), 16, 16, 3)

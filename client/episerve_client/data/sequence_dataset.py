@@ -12,7 +12,8 @@ line that builds it::
 ``len(ds)`` and ``ds.sample_sequence(i)`` are the sampler's: the same index order (every
 window start from ``-pad_before`` to ``length - sequence_length + pad_after`` of each kept
 episode, episode after episode), the rows outside the episode repeating its first or last
-row, ``key_first_k``'s filler rows (NaN for floats, 0 for ints), values in the stored dtype
+row, ``key_first_k``'s filler rows (NaN cast to the key's dtype, as the reference's
+``np.full`` casts it), values in the stored dtype
 and shape (images H x W x C uint8). ``ds[i]`` is the same dict as tensors; a DataLoader reads
 a whole batch with one call to the daemon.
 
@@ -24,6 +25,7 @@ placed here, from the rows read, by Diffusion Policy's rule.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -173,7 +175,7 @@ class SequenceDataset(WindowDataset):
                     got, np.minimum(rows, got.shape[1] - 1).reshape(
                         *rows.shape, *[1] * (got.ndim - 2)), axis=1).astype(dtype)
             if filler is not None and filler.any():
-                values[filler] = np.nan if dtype.kind == "f" else 0
+                values[filler] = nan_as(dtype)
             for b in range(len(samples)):
                 out[b][key] = values[b]
                 if self.sequence_masks == "all":
@@ -201,6 +203,15 @@ class SequenceDataset(WindowDataset):
                 out[b, j] = np.frombuffer(frame, np.uint8, offset=rawframe.HEADER_BYTES
                                           ).reshape(h, w, 3)
         return out
+
+
+def nan_as(dtype: np.dtype[Any]) -> Any:
+    """NaN in ``dtype`` as numpy casts it, which is the reference's ``key_first_k`` filler
+    (``np.full(..., np.nan, dtype)``): NaN for floats; for ints what the cast gives on this
+    machine (int64: -2**63 on x86-64, uint8: 0), True for bool."""
+    with np.errstate(invalid="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return np.array(np.nan).astype(dtype)[()]
 
 
 def sequence_index(lengths: np.ndarray, mask: np.ndarray, sequence_length: int,

@@ -57,7 +57,7 @@ def check_keymap(keymap: Keymap, episodes: Sequence[Episode]) -> KeymapCheck:
         readers = ep.readers
         missing = next(((n, k) for n, k in keys if k not in readers), None)
         if missing is not None:
-            why = ep.unserved.get(missing[1])
+            why = ep.why_not(missing[1])
             reason = f"output key {missing[0]!r}: {why}" if why else \
                 missing_array_reason(*missing, readers)
             problems.append(KeyProblem(ep.hash, reason, missing[1]))

@@ -7,10 +7,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
+from episerve_proto.errors import Unavailable
 from episerve_server.core.ledger import EpisodeState
 from episerve_server.storage.store import Refused
 
 log = logging.getLogger(__name__)
+
+
+def episode_name(index: int) -> str:
+    """The name of a root's episode ``index``, as LeRobot roots and replay buffers list it."""
+    return f"episode_{index:06d}"
 
 
 def file_problem(exc: BaseException) -> str:
@@ -45,19 +51,28 @@ class ListedOnce:
 
     async def names(self, entries: Iterable[str] = ()) -> set[str]:
         if not self._loaded:
-            self._loaded = True
             try:
                 await self._load()
+            except Unavailable:  # storage did not answer in time: the next scan tries again
+                self._drop()
+                raise
             except self.load_errors as exc:
                 self.problem = file_problem(exc)
-                self._forget()
-                if self.state is not None:  # nothing of the listing is kept
-                    self.state.release(self.listing)
+                self._drop()
+            except Exception as exc:  # a file no check foresaw: refused, never half-loaded
+                self.problem = f"unexpected {type(exc).__name__} reading it: {exc}"[:500]
+                self._drop()
+            self._loaded = True
             if self.problem:
                 log.error("%s cannot be served: %s", self.what, self.problem)
         if self.problem:
             return {self.refused_name}
         return self._names()
+
+    def _drop(self) -> None:
+        self._forget()
+        if self.state is not None:  # nothing of the listing is kept
+            self.state.release(self.listing)
 
     def refusal(self) -> str:
         """Why the root as a whole is refused, as its broken entry says it ("" if not)."""

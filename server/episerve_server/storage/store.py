@@ -213,9 +213,7 @@ class CountingStore(WrapperStore[Store]):
 
     def zip_root(self) -> ConfinedZipStore | None:
         """The zip file underneath, or None."""
-        inner = self._store
-        while isinstance(inner, LatencyStore):
-            inner = inner._store
+        inner = self._unwrapped()
         return inner if isinstance(inner, ConfinedZipStore) else None
 
     def local_root(self) -> ConfinedLocalStore | None:
@@ -223,10 +221,15 @@ class CountingStore(WrapperStore[Store]):
         return self._local()
 
     def _local(self) -> ConfinedLocalStore | None:
+        inner = self._unwrapped()
+        return inner if isinstance(inner, ConfinedLocalStore) else None
+
+    def _unwrapped(self) -> Store:
+        """The store under any added latency."""
         inner = self._store
         while isinstance(inner, LatencyStore):
             inner = inner._store
-        return inner if isinstance(inner, ConfinedLocalStore) else None
+        return inner
 
     async def fingerprint(self, folder: str) -> tuple[str, str]:
         """Two digests of what ``folder`` serves: one that changes when anything in it is

@@ -81,13 +81,6 @@ def _end_record(f: BinaryIO, size: int) -> tuple[int, int, int]:
     return int(count), int(dir_offset), int(dir_size)
 
 
-def member_count(path: Path | str) -> int:
-    """The member count a zip file's end record declares (ZIP64's when it has one);
-    ``ValueError`` when it has none."""
-    with open(path, "rb") as f:
-        return _end_record(f, f.seek(0, os.SEEK_END))[0]
-
-
 class _Member:
     """One member as the index keeps it."""
 
@@ -126,7 +119,8 @@ def read_directory(path: Path | str) -> dict[str, _Member]:
             declared, stored, header = _zip64_sizes(extra, declared, stored, header)
         if name.endswith("/"):
             continue  # a folder entry
-        if flags & 1 or method not in (_STORED, _DEFLATED):
+        if flags & 1 or method not in (_STORED, _DEFLATED) or header + stored > size \
+                or (method == _STORED and stored != declared):
             members[name] = _Member(header, -1, declared, crc, False)  # refused when read
             continue
         members[name] = _Member(header, stored, declared, crc, method == _DEFLATED)
@@ -162,7 +156,11 @@ class ConfinedZipStore(Store):
 
     def __init__(self, path: Path | str, *, max_metadata_bytes: int,
                  max_object_bytes: int) -> None:
+        # (imported here: the readers' package imports the store module, which imports this)
+        from episerve_server.storage.readers.bounds import raw_bound
+
         super().__init__(read_only=True)
+        self._raw_bound = raw_bound  # stored bytes accepted for a member of a capped size
         self.path = Path(path)
         try:
             self.members = read_directory(self.path)
@@ -193,10 +191,11 @@ class ConfinedZipStore(Store):
         if member is None:
             return None
         if member.stored < 0:
-            raise NotARegularFile(key, "is encrypted or compressed by a method other than "
-                                       "stored or deflate")
-        if member.size > cap:
-            raise ObjectTooLarge(key, f"holds {member.size} bytes, over the limit of {cap}")
+            raise NotARegularFile(key, "is encrypted, compressed by a method other than "
+                                       "stored or deflate, or declares sizes past the file")
+        if member.size > cap or member.stored > self._raw_bound(cap):
+            raise ObjectTooLarge(key, f"holds {member.size} bytes ({member.stored} stored), "
+                                      f"over the limit of {cap}")
         head = os.pread(self._fd, 30, member.header)
         if len(head) < 30 or head[:4] != _LOCAL:
             raise DamagedMember(key, f"has no local header at byte {member.header}")

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from episerve_proto.contract import MAX_EPISODE_FRAMES
+from episerve_server.storage.listed_once import episode_name
 from episerve_server.storage.readers.bounds import (
     MAX_FEATURE_ELEMENTS,
     MAX_FPS,
@@ -116,10 +117,6 @@ class Info:
     def v2(self) -> bool:
         """A v2.x layout: one data file and one video per episode, JSON-lines metadata."""
         return self.version.startswith("v2.")
-
-
-def episode_name(index: int) -> str:
-    return f"episode_{index:06d}"
 
 
 def _shown(value: object) -> str:

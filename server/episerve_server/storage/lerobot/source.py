@@ -49,7 +49,6 @@ from episerve_server.storage.lerobot.meta import (
     Info,
     MetaError,
     episode_columns,
-    episode_name,
     episode_of,
     episode_of_v2,
     file_offsets,
@@ -63,7 +62,7 @@ from episerve_server.storage.lerobot.readers import (
     TaskReader,
 )
 from episerve_server.storage.lerobot.video import VideoReader
-from episerve_server.storage.listed_once import ListedOnce, file_problem
+from episerve_server.storage.listed_once import ListedOnce, episode_name, file_problem
 from episerve_server.storage.local import ConfinedLocalStore
 from episerve_server.storage.store import CountingStore, Refused
 

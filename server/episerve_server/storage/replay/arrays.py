@@ -120,11 +120,13 @@ def parse(path: str, doc: bytes) -> ArrayMeta:
             or chunk_rows * row_bytes > MAX_CHUNK_BYTES:
         raise ArrayProblem(f"{path}: chunks of {chunks[0]} rows exceed "
                            f"{MAX_CHUNK_BYTES} bytes")
-    if meta.get("order", "C") != "C" and len(feature) > 1:
+    if meta.get("order", "C") != "C" and feature:
         raise ArrayProblem(f"{path}: order {meta.get('order')!r}; the daemon reads C order")
-    if meta.get("filters"):
-        ids = [f.get("id") if isinstance(f, dict) else f for f in meta["filters"]]
-        raise ArrayProblem(f"{path}: filters {ids!r} are not decoded by the daemon")
+    filters = meta.get("filters")
+    if filters:
+        ids = [f.get("id") if isinstance(f, dict) else f for f in filters] \
+            if isinstance(filters, list) else filters
+        raise ArrayProblem(f"{path}: filters {str(ids)[:200]} are not decoded by the daemon")
     codec = _codec(path, meta.get("compressor"))
     separator = meta.get("dimension_separator", ".")
     if separator not in (".", "/"):
@@ -147,7 +149,7 @@ def _dtype(path: str, value: Any) -> np.dtype[Any]:
         raise ArrayProblem(f"{path}: dtype {value!r} is not a plain numeric dtype")
     try:
         dtype = np.dtype(value)
-    except TypeError:
+    except Exception:  # numpy raises TypeError, SyntaxError, ValueError... for odd strings
         raise ArrayProblem(f"{path}: dtype {value!r} is not a numpy dtype") from None
     if dtype.kind not in _KINDS or dtype.itemsize > 8 or dtype.fields is not None \
             or dtype.shape:

@@ -4,7 +4,7 @@ An image codec's decoder allocates what the file's own header declares. So befor
 handed to ``imagecodecs``, its header is parsed here and must declare exactly the image the
 array's metadata says a chunk holds: its height and width, 8-bit unsigned samples and the
 channel count (JPEG 2000: the codestream's SIZ segment, every component at full resolution,
-a sane number of tiles; JPEG XL: the codestream's size header and image metadata, 8-bit
+a sane number of tiles, no palette; JPEG XL: the codestream's size header and image metadata, 8-bit
 integer samples and no extra channels). A chunk that declares anything else is refused
 before it is decoded, and a decoded image is checked again against the expected shape.
 """
@@ -93,7 +93,12 @@ def _jpeg2k_size(data: bytes) -> tuple[int, int, int]:
 
 
 def _jp2_codestream(data: bytes) -> bytes:
+    """A JP2 file's codestream; one whose header maps components through a palette
+    (``pclr``, ``cmap``: the decoder would expand them past what SIZ declares) is refused."""
     for kind, start, end in _boxes(data):
+        if kind == b"jp2h" and any(sub in (b"pclr", b"cmap")
+                                   for sub, _, _ in _boxes(data[start:end])):
+            raise HeaderError("JP2 file maps its components through a palette")
         if kind == b"jp2c":
             return data[start:end]
     raise HeaderError("JP2 file has no codestream box")

@@ -37,7 +37,7 @@ from episerve_proto.errors import BrokenEpisodeError, LimitExceeded
 from episerve_server.core.cache import Chunk
 from episerve_server.core.ledger import EpisodeState
 from episerve_server.storage.episode import Episode
-from episerve_server.storage.listed_once import ListedOnce, file_problem
+from episerve_server.storage.listed_once import ListedOnce, episode_name, file_problem
 from episerve_server.storage.readers import ArrayInfo, ChunkReader, Decoder, Raw
 from episerve_server.storage.readers.bounds import (
     MAX_CHUNK_BYTES,
@@ -47,7 +47,12 @@ from episerve_server.storage.readers.bounds import (
     BoundError,
     raw_bound,
 )
-from episerve_server.storage.replay.arrays import ArrayMeta, ArrayProblem, parse
+from episerve_server.storage.replay.arrays import (
+    MAX_BUFFER_ROWS,
+    ArrayMeta,
+    ArrayProblem,
+    parse,
+)
 from episerve_server.storage.replay.images import IMAGE_CODECS, HeaderError
 from episerve_server.storage.store import CountingStore, Refused
 
@@ -67,10 +72,6 @@ MAX_KEYS = 1024
 NUMERIC_CHUNK_ROWS = 256
 #: What the listing keeps: 8 bytes an episode end, and each array's parsed metadata.
 ARRAY_META_BYTES = 2048
-
-
-def episode_name(index: int) -> str:
-    return f"episode_{index:06d}"
 
 
 class ReplaySource(ListedOnce):
@@ -234,13 +235,14 @@ class ReplaySource(ListedOnce):
 def _checked_ends(ends: np.ndarray) -> np.ndarray:
     if not len(ends):
         raise ArrayProblem(f"{ENDS} is empty: the buffer holds no episodes")
-    steps = np.diff(ends, prepend=0)
-    bad = np.flatnonzero(steps <= 0)
+    previous = np.concatenate([[0], ends[:-1]])
+    bad = np.flatnonzero(ends <= previous)  # (compared, not subtracted: no wrap-around)
     if len(bad):
         e = int(bad[0])
-        before = int(ends[e - 1]) if e else 0
         raise ArrayProblem(f"{ENDS} must be strictly increasing from above 0: "
-                           f"episode_ends[{e}] is {int(ends[e])} after {before}")
+                           f"episode_ends[{e}] is {int(ends[e])} after {int(previous[e])}")
+    if int(ends[-1]) > MAX_BUFFER_ROWS:
+        raise ArrayProblem(f"{ENDS} ends at {int(ends[-1])}, past {MAX_BUFFER_ROWS} rows")
     return ends
 
 
