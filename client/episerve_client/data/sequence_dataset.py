@@ -93,7 +93,7 @@ class SequenceDataset(WindowDataset):
         if "replay_episode_index" not in first.episodes[0].attrs:
             raise InvalidArgument(f"the daemon at {target!r} does not serve a replay buffer "
                                   "(its episode_000000 is not one); SequenceDataset reads "
-                                  "Diffusion Policy replay buffers")
+                                  "the replay buffers of Diffusion Policy and UMI")
         self.features: dict[str, dict[str, Any]] = {
             k: dict(v) for k, v in first.episodes[0].features.items() if isinstance(v, Mapping)}
         wanted = list(keys) if keys is not None else sorted(self.features)
