@@ -55,7 +55,7 @@ from common import cpu_s, table
 
 from episerve_client import Client, SequenceDataset
 from episerve_tools.launch import DaemonProcess
-from episerve_tools.synth.replay_root import write_replay_root
+from episerve_tools.synth.replay_root import write_replay_root, zip_folder
 
 WORKERS, BATCH = 2, 32
 HORIZON, N_OBS, PAD_BEFORE, PAD_AFTER = 16, 2, 1, 7
@@ -151,7 +151,6 @@ def grow(unique: Path, out: Path, copies: int) -> Path:
     frames' stored chunks reused as they are, the numbers written again, so a large buffer
     costs seconds rather than rendering and encoding every frame."""
     import shutil
-    import zipfile
 
     import numcodecs
     import zarr
@@ -178,12 +177,7 @@ def grow(unique: Path, out: Path, copies: int) -> Path:
     del dst["meta"]["episode_ends"]
     dst["meta"].create_array("episode_ends", data=np.concatenate(
         [ends + c * rows for c in range(copies)]).astype(np.int64), compressors=None)
-    with zipfile.ZipFile(out, "w", compression=zipfile.ZIP_STORED) as zf:
-        for file in sorted(folder.rglob("*")):
-            if file.is_file():
-                zf.write(file, file.relative_to(folder).as_posix())
-    shutil.rmtree(folder)
-    return out
+    return zip_folder(folder, out)
 
 
 def memory_mb(pids: list[int]) -> tuple[float, float]:

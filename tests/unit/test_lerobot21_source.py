@@ -98,3 +98,16 @@ def test_a_v20_root_is_served_as_v21(tmp_path: Path) -> None:
     episode = _open(source, "episode_000002")
     assert episode.total_frames == 6 and not episode.problems
     assert "observation.images.top" in episode.readers and "task" in episode.readers
+
+
+def test_an_episode_listed_twice_is_broken_saying_so(tmp_path: Path) -> None:
+    root = lr.write_v21(tmp_path / "root", LAYOUT)
+    listing = root / "meta" / "episodes.jsonl"
+    lines = listing.read_text().splitlines()
+    listing.write_text("\n".join([*lines, lines[1]]) + "\n")
+    source, names = _source(root)
+    assert names == {"episode_000000", "episode_000001", "episode_000002"}
+    with pytest.raises(BrokenEpisodeError,
+                       match=r"meta/episodes\.jsonl lists episode_000001 more than once"):
+        _open(source, "episode_000001")
+    assert _open(source, "episode_000002").total_frames == 6

@@ -80,11 +80,15 @@ def write_replay_root(out: str | Path, *, episodes: int, seed: int = 0,
         total += n
         ends.append(total)
     meta.create_array("episode_ends", data=np.array(ends, np.int64), compressors=None)
-    if target == folder:
-        return target
-    with zipfile.ZipFile(target, "w", compression=zipfile.ZIP_STORED) as zf:
+    return target if target == folder else zip_folder(folder, target)
+
+
+def zip_folder(folder: Path, out: Path) -> Path:
+    """A folder buffer as one zip file at ``out`` (members stored, as zarr's ``ZipStore``
+    writes them); the folder is removed."""
+    with zipfile.ZipFile(out, "w", compression=zipfile.ZIP_STORED) as zf:
         for file in sorted(folder.rglob("*")):
             if file.is_file():
                 zf.write(file, file.relative_to(folder).as_posix())
     shutil.rmtree(folder)
-    return target
+    return out

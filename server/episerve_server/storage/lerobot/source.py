@@ -150,11 +150,7 @@ class LeRobotSource(ListedOnce):
             except MetaError as exc:
                 self.episodes[name] = f"meta/episodes row of {name}: {exc}"
                 continue
-            if name in self.episodes:
-                self.episodes[name] = f"meta/episodes lists {name} more than once"
-                continue
-            self.episodes[name] = meta
-            good.append(meta)
+            self._add(name, meta, "meta/episodes", good)
         self._offsets = file_offsets(good)
 
     async def _load_v2(self, info: Info) -> None:
@@ -187,12 +183,17 @@ class LeRobotSource(ListedOnce):
                 self.episodes[name] = f"{EPISODES_JSONL} line {k + 1} ({name}): {exc}"
                 continue
             first += meta.length
-            if name in self.episodes:
-                self.episodes[name] = f"{EPISODES_JSONL} lists {name} more than once"
-                continue
-            self.episodes[name] = meta
-            good.append(meta)
+            self._add(name, meta, EPISODES_JSONL, good)
         self._offsets = file_offsets(good)
+
+    def _add(self, name: str, meta: EpisodeMeta, listing: str,
+             good: list[EpisodeMeta]) -> None:
+        """A listed episode kept; one listed twice is broken, saying so."""
+        if name in self.episodes:
+            self.episodes[name] = f"{listing} lists {name} more than once"
+            return
+        self.episodes[name] = meta
+        good.append(meta)
 
     async def _jsonl(self, path: str, max_lines: int, *, required: bool = True
                      ) -> list[Any]:
