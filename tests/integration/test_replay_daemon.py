@@ -282,3 +282,19 @@ def test_sequence_dataset_refuses_a_daemon_that_serves_no_replay_buffer(tmp_path
     with DaemonProcess(root, "--rescan-s", "0", unix=tmp_path / "d.sock") as d:
         said = isolated(_sequence_over, d.target)
     assert "does not serve a replay buffer" in said, said
+
+
+def _over_bound(target: str) -> str:
+    ds = SequenceDataset(target, 16, key_first_k={"img": 2}, max_decoded_bytes=10_000)
+    try:
+        ds.sample_sequence(0)
+    except DataLossError as exc:
+        return str(exc)
+    return "read"
+
+
+def test_frames_past_max_decoded_bytes_are_refused_before_allocation(tmp_path: Path) -> None:
+    root = _buffer(tmp_path)  # 16 rows of 32x48x3 frames: 73,728 bytes a sample
+    with DaemonProcess(root, "--rescan-s", "0", unix=tmp_path / "d.sock") as d:
+        said = isolated(_over_bound, d.target)
+    assert "key 'img'" in said and "at most 10000" in said, said

@@ -39,6 +39,9 @@ from episerve_proto import rawframe
 from episerve_proto.contract import CAMERA_KEYS, MAX_WINDOW, PROPRIO_KEYS
 
 SEQUENCE_MASKS = ("none", "all")
+#: The stored dtypes a replay buffer's keys may have (what the daemon serves).
+_DTYPES = frozenset({"bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
+                     "uint64", "float16", "float32", "float64"})
 
 
 @surfaced
@@ -96,6 +99,12 @@ class SequenceDataset(WindowDataset):
                                   "the replay buffers of Diffusion Policy and UMI")
         self.features: dict[str, dict[str, Any]] = {
             k: dict(v) for k, v in first.episodes[0].features.items() if isinstance(v, Mapping)}
+        for key, spec in self.features.items():  # what the daemon says: checked, not trusted
+            shape = spec.get("shape")
+            if str(spec.get("dtype")) not in _DTYPES or not isinstance(shape, list) or not all(
+                    isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
+                raise DataLossError(f"the daemon lists key {key!r} as {spec!r}, not a numeric "
+                                    "dtype and a shape of ints", key=str(key))
         wanted = list(keys) if keys is not None else sorted(self.features)
         for key in [*wanted, *self.key_first_k]:
             if key not in self.features:
@@ -188,6 +197,11 @@ class SequenceDataset(WindowDataset):
         source, index = result.images[key]
         frames = result.frames[source]
         h, w, c = (int(n) for n in self.features[key]["shape"])
+        size = rows.size * h * w * c * dtype.itemsize
+        if c != 3 or h < 1 or w < 1 or size > self.max_decoded_bytes:
+            raise DataLossError(f"key {key!r}: the daemon declares {h}x{w}x{c} frames, {size} "
+                                f"bytes for this batch (at most {self.max_decoded_bytes}, "
+                                "three channels)", key=key)
         out = np.zeros((*rows.shape, h, w, c), dtype)
         width = index.shape[1]
         for b in range(rows.shape[0]):
