@@ -51,15 +51,12 @@ SUITE: tuple[Bench, ...] = (
     Bench("core", "Read core, in process", ("benchmarks/bench_core.py",),
           "The planner against the per-entry loader it replaced and a per-sample zarr reader, "
           "in one process over `data/bench` (the mecka keymap: 10 windows over 6 keys)."),
-    Bench("plan", "Compiled read plan, in process", ("benchmarks/bench_plan.py",),
-          "The warm planner with the compiled read plan against its general path (what every "
-          "batch cost before it), the same batches alternating, CPU time per batch; batches "
-          "of 32 and 256, the mecka keymap without and with the front camera."),
-    Bench("warm_daemon", "Daemon CPU against the code before the compiled plan",
-          ("benchmarks/bench_warm_daemon.py",),
-          "This tree's daemon and one of commit a8cd8f7 (`git archive`), side by side over one "
-          "root, warm: `episerve loadtest` (16 clients, batch 64) over gRPC and the local "
-          "plane, round by round; the daemon's CPU per 1,000 samples from /proc, over the "
+    Bench("warm_daemon", "Daemon CPU against bd73ad1, before the one read plan",
+          ("benchmarks/bench_warm_daemon.py", "--before", "bd73ad1"),
+          "This tree's daemon and one of commit bd73ad1 (`git archive`: a compiled plan for "
+          "warm batches beside a general path for the rest), side by side over one root, "
+          "warm: `episerve loadtest` (16 clients, batch 64) over gRPC and the local plane, "
+          "round by round; the daemon's CPU per 1,000 samples from /proc, over the "
           "loadtest's timed phase (after a 1 s warm-up: a run's start-up is not a per-sample "
           "cost), the whole run's figures below the table; then the miss path, both "
           "daemons with the cache off, over the local plane."),

@@ -1,6 +1,7 @@
-"""Two read cores over one root, one with the compiled read plan and one without, driven
-through the same random batches: every answer, its encoded bytes, the cache's LRU state
-and the counters after each batch must be the same (plan/compiled.py's promise)."""
+"""Two read cores over one root driven through the same random batches: one with a chunk
+cache, whose warm batches the kernel locates in the cache's slabs, one without, whose
+every batch is served from the chunks it fetched, located by numpy. Every answer and its
+encoded bytes must be the same, and so must every refusal (plan/locate.py's promise)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from episerve_proto.errors import EpiserveError
+from episerve_proto.errors import EpiserveError, ResponseTooLarge
 from episerve_server.config import ServerConfig
-from episerve_server.core.cache import ChunkCache
 from episerve_server.core.keymap import Keymap
 from episerve_server.core.result import BatchResult
 from episerve_server.plan.options import ReadOptions
@@ -26,8 +26,8 @@ from tests.support import ramp
 from tests.support.keymaps import CAMERA, KEYMAPS, e
 from tests.support.served import LoopRunner
 
-# Chunk lengths per episode: most share 100 rows (the warm path's case), two differ (a
-# batch over both kinds takes the general path).
+# Chunk lengths per episode: most share 100 rows (the kernel's case), two differ (a batch
+# over both kinds is located by numpy, slab by slab).
 EPISODES: tuple[tuple[str, int, int, int, int], ...] = (
     ("ep000a", 0, 37, 30, 100), ("ep001b", 1, 100, 30, 100), ("ep002c", 2, 101, 15, 100),
     ("ep003d", 3, 257, 30, 100), ("ep004e", 4, 420, 30, 100), ("ep005f", 5, 90, 25, 33),
@@ -63,28 +63,27 @@ def write_root(root: Path, uniform: bool = False) -> None:
 @dataclass
 class Pair:
     root: Path
-    new: ReadCore
-    old: ReadCore
+    cached: ReadCore
+    uncached: ReadCore
     run: LoopRunner
-    warm_batches: int = 0
+    warm_batches: int = 0  # batches the cached core located by the kernel alone
     batches: int = 0
-    #: With a pool, the compiled core gathers into a segment of it, as the local plane
+    #: With a pool, the cached core gathers into a segment of it, as the local plane
     #: has it do (the segment goes back to the pool once the answers are compared).
     pool: SegmentPool | None = None
 
     @classmethod
     def open(cls, root: Path, cache_bytes: int, run: LoopRunner,
              segments: bool = False) -> Pair:
-        cores = [build_read_core(ServerConfig(root=str(root), cache_bytes=cache_bytes))
-                 for _ in range(2)]
+        cores = [build_read_core(ServerConfig(root=str(root), cache_bytes=size))
+                 for size in (cache_bytes, 0)]
         for core in cores:
             run(core.catalog.scan())
-        cores[1].planner.use_compiled = False
         pool = SegmentPool(2, lambda segments, nbytes: None) if segments else None
         return cls(root, cores[0], cores[1], run, pool=pool)
 
     def scan(self) -> None:
-        for core in (self.new, self.old):
+        for core in (self.cached, self.uncached):
             self.run(core.catalog.scan())
 
     def read(self, keymap: Keymap, samples: Sequence[tuple[Any, Any]],
@@ -99,14 +98,17 @@ class Pair:
 
     def _compare(self, keymap: Keymap, samples: Sequence[tuple[Any, Any]],
                  options: ReadOptions, arena: SegmentArena | None) -> None:
-        before = self.new.planner.compiled.warm_batches
-        got = [self._one(self.new, keymap, samples, replace(options, arena=arena)),
-               self._one(self.old, keymap, samples, options)]
+        before = self.cached.planner.locator.warm_batches
+        got = [self._one(self.cached, keymap, samples, replace(options, arena=arena)),
+               self._one(self.uncached, keymap, samples, options)]
         self.batches += 1
-        self.warm_batches += self.new.planner.compiled.warm_batches - before
+        self.warm_batches += self.cached.planner.locator.warm_batches - before
         new, old = got
         if isinstance(old, EpiserveError) or isinstance(new, EpiserveError):
-            assert type(new) is type(old) and str(new) == str(old), (new, old)
+            assert type(new) is type(old), (new, old)
+            # a limit refusal says "at least" what was charged when it stopped: frames
+            # come from the cache all at once, or from the store as they arrive
+            assert isinstance(new, ResponseTooLarge) or str(new) == str(old), (new, old)
         else:
             assert isinstance(new, BatchResult) and isinstance(old, BatchResult)
             same_result(new, old)
@@ -116,8 +118,6 @@ class Pair:
                 outputs = [a for name, a in new.arrays.items()
                            if name in names and a.dtype == np.float32]
                 assert None not in arena.offsets([memoryview(a) for a in outputs])
-        assert self.new.stats.snapshot() == self.old.stats.snapshot()
-        same_cache(self.new.cache, self.old.cache)
 
     def _one(self, core: ReadCore, keymap: Keymap, samples: Sequence[tuple[Any, Any]],
              options: ReadOptions) -> BatchResult | EpiserveError:
@@ -145,25 +145,6 @@ def same_result(a: BatchResult, b: BatchResult) -> None:
         assert col.index.dtype == b.images[name].index.dtype
         assert np.array_equal(col.index, b.images[name].index), name
     assert a.frames == b.frames and a.texts == b.texts
-
-
-def same_cache(a: ChunkCache, b: ChunkCache) -> None:
-    """The whole LRU state: the clock, every slab's stamps, owners and free list, every
-    slot table, the frame chunks in recency order with their stamps."""
-    assert a._clock == b._clock and a._bytes == b._bytes and a._entries == b._entries
-    assert a._uids.table == b._uids.table and a._uids.given == b._uids.given
-    assert len(a._slabs) == len(b._slabs)
-    for x, y in zip(a._slabs, b._slabs):
-        assert x.shape == y.shape and x._free == y._free
-        assert np.array_equal(x.stamp, y.stamp)
-        assert np.array_equal(x.owner_table, y.owner_table)
-        assert np.array_equal(x.owner_pos, y.owner_pos)
-    assert list(a._tables) == list(b._tables)
-    for key, x in a._tables.items():
-        y = b._tables[key]
-        for field in ("base", "size", "slab", "flat"):
-            assert np.array_equal(getattr(x, field), getattr(y, field)), (key, field)
-    assert a._frames.state() == b._frames.state()
 
 
 def random_samples(rng: random.Random, episodes: list[tuple[str, int]],

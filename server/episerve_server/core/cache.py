@@ -229,6 +229,20 @@ class ChunkCache:
         slot, slab = slot.reshape(shape), slab.reshape(shape).astype(np.int64)
         return slab, slot
 
+    def find(self, key: str, uids: np.ndarray,
+             chunks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(slab, slot) per (uid, chunk), -1 where missing (a uid of -1 has none); nothing
+        is stamped or counted (``stamp_slabs`` does that for what a read uses)."""
+        table = self._tables.get(key)
+        if table is None or not self.enabled:
+            none = np.full(uids.shape, -1, np.int64)
+            return none, none
+        pos = table.positions(np.maximum(uids, 0), chunks)
+        pos[uids < 0] = -1
+        slot = np.where(pos >= 0, table.flat[np.maximum(pos, 0)], -1)
+        slab = np.where(slot >= 0, table.slab[np.where(pos >= 0, uids, 0)], -1)
+        return slab.astype(np.int64), slot
+
     def count(self, hits: int, misses: int) -> None:
         self.stats.cache_hits += hits
         self.stats.cache_misses += misses
@@ -313,6 +327,11 @@ class ChunkCache:
         """The frames' own bytes of each chunk of ``fids`` (what a response limit counts)."""
         got: np.ndarray = self._frames.payload[fids]
         return got
+
+    def frames_found(self, keys: Sequence[ChunkKey]) -> list[list[Any] | None]:
+        """Each chunk as kept, [frames, bytes, fid], or None where it is not cached.
+        Nothing is stamped or counted."""
+        return list(map(self._frames.entries.get, keys))
 
     def frame_entries(self, keys: Sequence[ChunkKey]) -> list[list[Any]] | None:
         """Each chunk as kept, [frames, bytes, fid], for ``take_frames``; None if one is

@@ -1,18 +1,20 @@
-"""What the compiled read plan knows of a keymap before any batch: per (keymap, catalog
-version), which episodes can serve it and each key's geometry per episode, as arrays
-indexed by the directory's dense ids (plan/compiled.py)."""
+"""What the read plan knows of a keymap before any batch: per (keymap, catalog version),
+which episodes can serve it and each key's geometry per episode, as arrays indexed by the
+directory's dense ids; an episode's arrays checked against the keymap; the windows of a
+batch; the bytes of an answer."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from episerve_proto.errors import EpiserveError
+from episerve_proto.contract import ACTION_KEYS
+from episerve_proto.errors import BrokenEpisodeError, EpiserveError, InvalidArgument, KeymapError
 from episerve_server.core.keymap import Keymap, KeySpec, Rule
 from episerve_server.core.windows import Window, window
-from episerve_server.plan.checks import check_keys, entry_bytes, row_bytes
 from episerve_server.storage.directory import Directory
 from episerve_server.storage.episode import Episode
 
@@ -114,41 +116,99 @@ def _geometry(key: str, episodes: tuple[Episode, ...], servable: np.ndarray) -> 
 
 def _signature(e: KeySpec) -> tuple[Any, ...]:
     """What an entry's window depends on: entries with equal signatures share one window
-    (the annotation cutoff, which treats action keys apart, is never compiled)."""
+    (action keys apart: the annotation cutoff shortens their horizons only)."""
     return (e.rule, e.horizon, e.history, e.history_stride, e.history_stride_s, e.lag_s,
-            e.offsets_s)
+            e.offsets_s, e.key_type == ACTION_KEYS)
 
 
-def windows_of(kp: KeymapPlan, frame: np.ndarray, total: np.ndarray,
-               fps: np.ndarray) -> tuple[list[Window], dict[str, Window]]:
+def windows_of(kp: KeymapPlan, frame: np.ndarray, total: np.ndarray, fps: np.ndarray,
+               cut: np.ndarray | None = None) -> tuple[list[Window], dict[str, Window]]:
     """Each distinct window (one per signature, in ``kp.window_entries`` order) and every
-    windowed output's window among them."""
-    made = [window(e, frame, total, fps) for e in kp.window_entries]
+    windowed output's window among them; ``cut``: per sample, where the annotation cutoff
+    ends action keys' horizons."""
+    made = [window(e, frame, total, fps, cut if e.key_type == ACTION_KEYS else None)
+            for e in kp.window_entries]
     return made, {name: made[k] for name, k in kp.window_index}
 
 
-def batch_kinds(kp: KeymapPlan, ids: np.ndarray
-                ) -> dict[str, tuple[tuple[int, ...], bool]] | None:
-    """Each key's (feature, is_bytes) in this batch, or None: a key with none, or with
-    several among the batch's episodes (the general path names them)."""
+def check_keys(keymap: Keymap, episode: Episode) -> None:
+    """Raises why ``episode`` cannot serve ``keymap``'s keys, if it cannot."""
+    for e in keymap:
+        reader = episode.readers.get(e.zarr_key)
+        why = episode.why_not(e.zarr_key) if reader is None else None
+        if why is not None:  # the data is broken, not the keymap
+            raise BrokenEpisodeError(
+                f"output key {e.name!r}: episode {episode.hash!r} cannot serve zarr_key "
+                f"{e.zarr_key!r}: {why}",
+                episode=episode.hash, key=e.zarr_key,
+            )
+        if reader is None:
+            why = "it has no such array"
+            raise KeymapError(
+                f"output key {e.name!r}: episode {episode.hash!r} cannot serve zarr_key "
+                f"{e.zarr_key!r} ({why})", episode=episode.hash, key=e.zarr_key,
+            )
+        if e.rule is Rule.ANNOTATION and not reader.info.is_bytes:
+            raise KeymapError(
+                f"output key {e.name!r}: annotation_keys needs an array of JSON annotations, "
+                f"but {e.zarr_key!r} in episode {episode.hash!r} holds numbers",
+                episode=episode.hash, key=e.zarr_key,
+            )
+
+
+def row_bytes(feature: tuple[int, ...], is_bytes: bool) -> int:
+    """One output row's bytes: a float32 feature, or a frame's int32 index."""
+    return 4 if is_bytes else 4 * math.prod(feature)
+
+
+def entry_bytes(e: KeySpec, per_row: int, all_masks: bool) -> int:
+    """One sample's bytes of entry ``e`` (rows of ``per_row`` bytes; with ``all_masks``, a
+    byte per windowed row for its ``_is_pad`` mask)."""
+    return e.length * (per_row + (1 if all_masks and e.time_axis else 0))
+
+
+def batch_kinds(kp: KeymapPlan, ids: np.ndarray, order: np.ndarray
+                ) -> dict[str, tuple[tuple[int, ...], bool]]:
+    """Each key's (feature, is_bytes) in this batch (``order``: its episodes' dense ids by
+    first appearance); raises for a key with several among the batch's episodes."""
+    if kp.kinds is not None:
+        return kp.kinds
     kinds = {}
     for key in kp.ordered_keys:
         geo = kp.keys[key]
-        if not geo.shapes:
-            return None
         if geo.one_shape:
             kinds[key] = geo.shapes[0]
             continue
         shape_id = geo.shape_id[ids]
         if shape_id.min() != shape_id.max():
-            return None
+            seen = {geo.shapes[int(geo.shape_id[i])]: kp.directory.episodes[i].hash
+                    for i in order.tolist()}
+            first = kp.directory.episodes[int(order[0])].hash
+            raise InvalidArgument(
+                f"key {key!r} has different feature shapes in one batch: "
+                + ", ".join(f"episode {ep!r}: {s!r}" for (s, _), ep in sorted(seen.items())),
+                episode=first, key=key,
+            )
         kinds[key] = geo.shapes[int(shape_id[0])]
     return kinds
 
 
+def answer_bytes(kp: KeymapPlan, kinds: dict[str, tuple[tuple[int, ...], bool]], n: int,
+                 all_masks: bool) -> int:
+    """Bytes of a batch of ``n`` samples' numeric outputs and frame indexes (and with
+    ``all_masks``, of the ``_is_pad`` masks and total_frames), known before any window."""
+    if kinds is kp.kinds:
+        return n * kp.sample_bytes[all_masks]
+    total = 8 * n if all_masks else 0
+    for key in kp.ordered_keys:
+        per_row = row_bytes(*kinds[key])
+        total += n * sum(entry_bytes(e, per_row, all_masks) for e in kp.entries[key])
+    return total
+
+
 def first_seen(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per sample, its episode's rank by first appearance in the batch (the general
-    path's episode positions), and per rank the episode's dense id."""
+    """Per sample, its episode's rank by first appearance in the batch, and per rank the
+    episode's dense id."""
     listed = ids.tolist()
     order = list(dict.fromkeys(listed))
     rank = {dense: r for r, dense in enumerate(order)}

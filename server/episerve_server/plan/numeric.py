@@ -6,8 +6,8 @@ servable episodes, where each output's slots and gather rows go is fixed per key
 (a ``Layout``): a batch then allocates one slots and one rows buffer, the kernel checks
 and resolves every key and output in one call, and copies every output in one more (the
 outputs' names, shapes and row sizes are kept per batch size). Keymaps it does not cover
-keep the per-key path in ``compiled``; both give the same answer
-(``tests/unit/test_compiled_plan.py``).
+are located key by key (``locate.py``); every way gives the same answer
+(``tests/unit/test_read_plan.py``).
 """
 
 from __future__ import annotations
@@ -20,10 +20,8 @@ import numpy as np
 from episerve_server.core import kernel
 from episerve_server.core.cache import ChunkCache
 from episerve_server.core.windows import Window
-from episerve_server.plan.assemble import Empty
-from episerve_server.plan.checks import row_bytes
-from episerve_server.plan.geometry import KeymapPlan
-from episerve_server.plan.options import Arena
+from episerve_server.plan.geometry import KeymapPlan, row_bytes
+from episerve_server.plan.options import Arena, Empty
 
 MAX_LAYOUTS = 64  # keymap plans with a layout kept (cleared when more turn up)
 
@@ -91,7 +89,7 @@ class NumericKeys:
              total: np.ndarray, scratch: np.ndarray,
              stamps: list[tuple[int, list[np.ndarray]]]) -> Fused | None:
         """Every numeric key's outputs and slots to stamp (appended to ``stamps`` in read
-        order, as ``_key`` appends them) from one ``kernel.plan_keys`` call, or None."""
+        order, as ``Locator._key`` appends them) from one ``kernel.plan_keys`` call, or None."""
         version = self.cache.version
         args = self._key_args
         if args is None or args[0] is not layout or args[1] != version:

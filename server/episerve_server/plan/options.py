@@ -1,5 +1,5 @@
-"""What a read asks of the planner besides its keymap and samples, and the error for an
-answer over its byte limit."""
+"""What a read asks of the planner besides its keymap and samples, where its outputs are
+made, and its answer's byte limit."""
 
 from __future__ import annotations
 
@@ -25,6 +25,14 @@ class ReadOptions:
     arena: Arena | None = None
 
 
+#: Makes a float32 output array of a shape (``np.empty``, or the local plane's arena).
+Empty = Callable[[tuple[int, ...]], np.ndarray]
+
+
+def empty32(shape: tuple[int, ...]) -> np.ndarray:
+    return np.empty(shape, np.float32)
+
+
 class Arena(Protocol):
     async def open(self, nbytes: int, outputs: int) -> None:
         """Room for ``outputs`` arrays of ``nbytes`` in all (again if a read is retried)."""
@@ -42,3 +50,17 @@ def too_big(nbytes: int, limit: int, batch: int, *, at_least: bool = False) -> R
         f"the response would be {size} bytes, over the limit of {limit} bytes; "
         f"split the batch into requests of at most {fit} samples"
     )
+
+
+class Budget:
+    """The response byte limit, charged with the numeric outputs (known before fetching)
+    and then with each frame's bytes as they arrive, so a batch of huge frames is refused
+    early instead of after everything was loaded."""
+
+    def __init__(self, limit: int, numeric_bytes: int, batch: int) -> None:
+        self.limit, self.used, self.batch = limit, numeric_bytes, batch
+
+    def add(self, nbytes: int) -> None:
+        self.used += nbytes
+        if self.limit and self.used > self.limit:
+            raise too_big(self.used, self.limit, self.batch, at_least=True)

@@ -1,9 +1,12 @@
-"""The compiled read plan (plan/compiled.py) against the planner's general path: random
-batches through both, every answer, its encoded bytes, the LRU state and the counters
-compared after each one (tests/support/differential.py)."""
+"""The read plan (plan/planner.py, plan/locate.py): random batches through a core with a
+cache (warm batches located by the kernel) and one without (every batch served from the
+chunks it fetched, located by numpy), every answer and its encoded bytes compared
+(tests/support/differential.py); the batches the kernel must locate; the answer's size;
+the texts' tables."""
 
 from __future__ import annotations
 
+import random
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,12 +14,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from episerve_proto.errors import ResponseTooLarge
 from episerve_server.core.keymap import Keymap
 from episerve_server.core.spans import Span, texts_at
-from episerve_server.plan import compiled as compiled_module
+from episerve_server.plan import locate as locate_module
 from episerve_server.plan.options import ReadOptions
 from episerve_server.plan.texts import per_frame
-from tests.support.differential import CAMERA_KEYMAPS, NUMERIC, Pair, drive, write_root
+from tests.support.differential import (
+    CAMERA_KEYMAPS,
+    EPISODES,
+    NUMERIC,
+    Pair,
+    drive,
+    write_root,
+)
 from tests.support.served import LoopRunner
 
 
@@ -42,17 +53,17 @@ def run() -> Iterator[LoopRunner]:
 
 
 @pytest.mark.parametrize("cache_bytes", [8 << 20, 1 << 20])
-def test_compiled_plan_answers_as_the_general_path(template: Path, tmp_path: Path,
-                                                   run: LoopRunner, cache_bytes: int,
-                                                   loops: str) -> None:
+def test_cached_and_fetched_batches_answer_the_same(template: Path, tmp_path: Path,
+                                                    run: LoopRunner, cache_bytes: int,
+                                                    loops: str) -> None:
     pair = Pair.open(fresh(template, tmp_path), cache_bytes, run)
     drive(pair, 300, seed=cache_bytes, max_batch=32)
-    assert pair.warm_batches >= 2, pair  # the warm path was taken, not only the fallback
+    assert pair.warm_batches >= 2, pair  # the kernel located some, numpy the others
 
 
 @pytest.fixture(scope="module")
 def uniform(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Every episode with 100-row chunks: the numeric keys planned in one kernel call."""
+    """Every episode with 100-row chunks: the numeric keys located in one kernel call."""
     root = tmp_path_factory.mktemp("uniform") / "root"
     write_root(root, uniform=True)
     return root
@@ -69,61 +80,79 @@ def test_gathered_into_a_segment_the_answers_are_the_same(uniform: Path, tmp_pat
     assert pair.pool is not None and any(s.arrays for s in pair.pool.free.values())
 
 
-def test_warm_batches_take_the_compiled_plan(template: Path, run: LoopRunner,
-                                            loops: str) -> None:
-    pair = Pair.open(template, 8 << 20, run)
-    keymap = Keymap.parse(NUMERIC["mecka"])
-    samples = [("ep003d", f) for f in (0, 5, 99, 100, 256)] + [("ep000a", 36)]
-    pair.read(keymap, samples, ReadOptions())  # cold: both take the general path
-    assert pair.warm_batches == 0
-    for all_masks in (False, True):
-        pair.read(keymap, samples, ReadOptions(all_masks=all_masks))
-    assert pair.warm_batches == 2
+KEYMAPS = {**NUMERIC, **CAMERA_KEYMAPS}
 
 
-def test_a_warm_batch_over_the_response_limit_is_declined_before_its_windows(
+@pytest.mark.parametrize("name", sorted(KEYMAPS))
+def test_every_batch_read_again_is_located_by_the_kernel(template: Path, run: LoopRunner,
+                                                         name: str, loops: str) -> None:
+    """A batch whose chunks are all cached, over episodes of one chunk length, is located
+    by the kernel, whatever its options: with masks, with the annotation cutoff, with a
+    response limit it meets. A change that makes the plan decline such batches (and serve
+    them slower, by numpy) fails here."""
+    pair = Pair.open(template, 64 << 20, run)
+    keymap = Keymap.parse(KEYMAPS[name])
+    same_length = [(h, total) for h, _, total, _, chunk in EPISODES if chunk == 100]
+    rng = random.Random(name)
+    for options in (ReadOptions(), ReadOptions(all_masks=True),
+                    ReadOptions(annotation_cutoff=True),
+                    ReadOptions(max_response_bytes=64 << 20)):
+        for n in (1, 7, 64):
+            samples = [(h, rng.randrange(total))
+                       for h, total in (rng.choice(same_length) for _ in range(n))]
+            pair.read(keymap, samples, options)  # the first read fetches
+            before = pair.warm_batches
+            pair.read(keymap, samples, options)
+            assert pair.warm_batches == before + 1, (options, samples)
+
+
+def test_a_batch_over_the_response_limit_is_refused_before_its_windows(
         template: Path, run: LoopRunner, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A Read over ``max_response_bytes`` is refused by the general path before anything
-    large is built; the compiled plan must decline it before it computes a window (a warm
-    2 GB Read held +240 MB of window rows in a daemon before it was refused)."""
+    """A Read over ``max_response_bytes`` is refused before anything large is built, cold
+    or warm (a warm 2 GB Read once held +240 MB of window rows in a daemon before it was
+    refused)."""
     pair = Pair.open(template, 8 << 20, run)
     keymap = Keymap.parse(NUMERIC["mecka"])
     samples = [("ep003d", f) for f in (0, 5, 99)]
-    pair.read(keymap, samples, ReadOptions())  # warm the cache
-    compiled = pair.new.planner.compiled
     built: list[int] = []
-    real = compiled_module.windows_of
-    monkeypatch.setattr(compiled_module, "windows_of",
+    real = locate_module.windows_of
+    monkeypatch.setattr(locate_module, "windows_of",
                         lambda *a, **k: built.append(1) or real(*a, **k))
-    assert compiled.plan(keymap, samples, ReadOptions()) is not None
+    seen: list[int] = []
+    pair.run(pair.cached.planner.read(keymap, samples, ReadOptions(admit=seen.append)))
     assert built == [1]
-    warm = compiled.plan(keymap, samples, ReadOptions())
-    assert warm is not None
-    over = ReadOptions(max_response_bytes=warm.out_bytes - 1)
-    assert compiled.plan(keymap, samples, over) is None
-    assert built == [1, 1]  # no window for the refused one
-    assert compiled.plan(keymap, samples, ReadOptions(max_response_bytes=warm.out_bytes)) \
-        is not None
+    for _ in range(2):  # cold, then warm
+        with pytest.raises(ResponseTooLarge):
+            pair.run(pair.cached.planner.read(keymap, samples,
+                                              ReadOptions(max_response_bytes=seen[0] - 1)))
+        assert built == [1]  # no window for the refused one
+    pair.run(pair.cached.planner.read(keymap, samples, ReadOptions(
+        max_response_bytes=seen[0] + (1 << 20))))
+    assert built == [1, 1]
 
 
 @pytest.mark.parametrize("name", ["mecka", "camera"])
-def test_the_planned_answer_size_is_the_general_paths(template: Path, run: LoopRunner,
-                                                      name: str) -> None:
-    """What the compiled plan sizes a batch's answer at (worked out once per keymap when
-    every key has one shape) is what the general path's ``output_bytes`` says, with and
-    without ``all_masks``: the response limit and the segment's size depend on it."""
-    from episerve_server.plan.checks import output_bytes
-
+def test_the_planned_answer_size_is_the_answers(template: Path, run: LoopRunner,
+                                                name: str) -> None:
+    """What the plan sizes a batch's answer at before reading anything (the response
+    limit, the admission and the local plane's segment depend on it) is the bytes of the
+    arrays and frame indexes the answer then holds, with and without ``all_masks``."""
     pair = Pair.open(template, 8 << 20, run)
     keymap = Keymap.parse(NUMERIC["mecka"] if name == "mecka" else CAMERA_KEYMAPS["mecka_cam"])
     samples = [("ep003d", f) for f in (0, 5, 99)] + [("ep000a", 36), ("ep000a", 0)]
-    pair.read(keymap, samples, ReadOptions())  # warm
-    planner = pair.new.planner
+    planner = pair.cached.planner
     for all_masks in (False, True):
-        warm = planner.compiled.plan(keymap, samples, ReadOptions(all_masks=all_masks))
-        assert warm is not None
-        batch = planner._resolve(keymap, samples)
-        assert warm.out_bytes == output_bytes(keymap, batch, all_masks)
+        seen: list[int] = []
+        result = pair.run(planner.read(keymap, samples, ReadOptions(
+            all_masks=all_masks, admit=seen.append)))
+        names = {e.name for e in keymap}
+        held = sum(a.nbytes for n, a in result.arrays.items() if n in names)
+        held += sum(c.index.nbytes for c in result.images.values())
+        if all_masks:
+            assert result.total_frames is not None
+            held += result.total_frames.nbytes + sum(
+                a.nbytes for n, a in result.arrays.items() if n.endswith("_is_pad"))
+        assert seen == [held], (all_masks, seen, held)
 
 
 def test_text_tables_equal_texts_at() -> None:
@@ -192,7 +221,7 @@ def test_texts_of_a_batch_planned_before_a_rescan_are_its_own_episodes() -> None
 
 @pytest.mark.slow
 @pytest.mark.parametrize("cache_bytes", [8 << 20, 160 << 10, 1 << 20])
-def test_compiled_plan_answers_as_the_general_path_thousands(
+def test_cached_and_fetched_batches_answer_the_same_thousands(
         template: Path, tmp_path: Path, run: LoopRunner, cache_bytes: int,
         loops: str) -> None:
     pair = Pair.open(fresh(template, tmp_path), cache_bytes, run)

@@ -1,0 +1,544 @@
+"""Where every row of a batch's answer is: the read plan's middle step.
+
+A batch is checked once against its keymap's plan (``geometry.KeymapPlan``, compiled per
+keymap and catalog version into arrays by the directory's dense episode ids), then each
+output row is located: in a slab of the cache, or in the chunks the read fetched itself
+(``own``: what the cache did not keep, or was not asked to). What is neither is a chunk to
+fetch; the planner fetches it and locates the batch again. A located batch is then
+stamped (the cache's LRU and hit counts), gathered and answered, all by this one plan.
+
+Two loops locate numeric rows, the same plan either way:
+
+- **the kernel's** (``kernel.plan_keys``, ``numeric.py``; per key ``kernel.resolve``):
+  every chunk of a key in one slab of the cache, one chunk size over the batch (the warm
+  batch: a few array calls for the whole keymap);
+- **numpy's** (``_rows``): anything else, slab by slab and the read's own chunks, and the
+  refusal of a window that passes its array's end.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from episerve_proto.errors import FrameOutOfRange, ShortArrayError
+from episerve_server.core import kernel
+from episerve_server.core.cache import Chunk, ChunkCache
+from episerve_server.core.framecache import ChunkKey
+from episerve_server.core.keymap import Keymap
+from episerve_server.core.windows import Window
+from episerve_server.plan.geometry import (
+    KeyGeometry,
+    KeymapPlan,
+    batch_kinds,
+    check_keys,
+    compile_keymap,
+    first_seen,
+    windows_of,
+)
+from episerve_server.plan.misses import Need
+from episerve_server.plan.numeric import Fused, Gather, NumericKeys
+from episerve_server.plan.options import Arena, Empty
+from episerve_server.storage.catalog import Catalog
+from episerve_server.storage.directory import Directory
+
+MAX_PLANS = 64  # keymaps compiled at once (least recently used go first)
+MAX_SCRATCHES = 64  # batch sizes with scratch arrays kept (cleared when more turn up)
+PACK = np.int64(1 << 32)  # packs (episode, chunk or row) into one sortable int64
+
+ChunkId = tuple[str, str, int]
+
+
+@dataclass(slots=True)
+class Batch:
+    """A batch's samples, checked: each sample's episode can serve the keymap and its frame
+    is inside the episode."""
+
+    kp: KeymapPlan
+    hashes: list[str]
+    ids: np.ndarray  # per sample: its episode's dense id in ``kp.directory``
+    frame: np.ndarray
+    total: np.ndarray
+    uids: np.ndarray  # per sample: its episode's cache uid (-1: none yet)
+    uid_top: int  # the largest; -2 when some sample has none
+    kinds: dict[str, tuple[tuple[int, ...], bool]] = field(default_factory=dict)
+    ranks: tuple[np.ndarray, np.ndarray] | None = None  # ``first_seen(ids)``, when needed
+
+    @property
+    def fps(self) -> np.ndarray:
+        fps: np.ndarray = self.kp.directory.fps[self.ids]
+        return fps
+
+    def first_seen(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per sample its episode's rank by first appearance, per rank the dense id."""
+        if self.ranks is None:
+            self.ranks = first_seen(self.ids)
+        return self.ranks
+
+
+class Piece(NamedTuple):
+    """Rows of one output from one source: ``where`` the output's (flat) rows, ``idx``
+    their rows in the source (a slab's id, or -1 - k for the k-th own staging array)."""
+
+    source: int
+    where: np.ndarray | None  # None: every row
+    idx: np.ndarray
+
+
+class Pieces(NamedTuple):
+    """One output located by numpy's loop: its pieces, and the key's own staging arrays."""
+
+    name: str
+    shape: tuple[int, ...]
+    feature: tuple[int, ...]
+    pieces: tuple[Piece, ...]
+    staging: tuple[np.ndarray, ...]
+
+
+@dataclass(slots=True)
+class Frames:
+    """One camera key: its distinct frames, sorted by (episode rank, row), each as a chunk
+    (in that order: the cached ones, by their entries, then the read's own) and a row in it."""
+
+    key: str
+    needed: np.ndarray  # sorted packed (episode rank, row) of the distinct frames
+    chunk_of: list[int]  # per distinct frame, its chunk
+    within: list[int]
+    cached: tuple[ChunkKey, ...]  # the chunks the cache holds, in order
+    entries: list[list[Any]]  # and their entries (``frames_found``)
+    fids: np.ndarray
+    own: list[list[bytes]]  # the read's own chunks, after the cached ones
+
+
+@dataclass(slots=True)
+class Located:
+    """A batch whose every row has been found: what the answer needs, no side effect yet."""
+
+    windows: dict[str, Window]
+    fused: Fused | None  # every numeric output in one kernel call
+    gathers: tuple[Gather, ...]  # per output, one slab each (kernel-located keys)
+    pieces: tuple[Pieces, ...]  # per output (numpy-located keys)
+    stamps: tuple[tuple[int, list[np.ndarray]], ...]  # per key and slab: slots to stamp
+    frames: tuple[Frames, ...]
+    warm: bool  # located by the kernel from the cache alone
+    cache_version: int
+
+
+class Locator:
+    def __init__(self, catalog: Catalog, cache: ChunkCache) -> None:
+        self.catalog, self.cache = catalog, cache
+        self._plans: OrderedDict[Keymap, KeymapPlan] = OrderedDict()
+        self._uids = np.empty(0, np.int64)
+        self._uids_for: tuple[int, int] = (-1, -1)
+        self._flats: dict[tuple[int, tuple[int, ...]], np.ndarray] = {}
+        self._scratches: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self.numeric = NumericKeys(cache)
+        self.warm_batches = 0  # batches located by the kernel from the cache alone
+
+    # -- the batch ----------------------------------------------------------------------------
+
+    def batch(self, keymap: Keymap, samples: Sequence[tuple[str, int]]) -> Batch:
+        """The batch's samples against ``keymap``'s plan; raises for the first sample that
+        cannot be served (its episode, then its frame), then for a key whose feature shape
+        differs among its episodes."""
+        directory = self.catalog.directory()
+        kp = self._keymap_plan(keymap, directory)
+        got = self._plain(kp, samples)
+        if got is None:
+            got = self._checked(keymap, kp, samples)
+        batch = Batch(kp, *got)
+        batch.kinds = batch_kinds(kp, batch.ids, batch.first_seen()[1]) \
+            if kp.kinds is None else kp.kinds
+        return batch
+
+    def _plain(self, kp: KeymapPlan, samples: Sequence[tuple[str, int]]
+               ) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray, np.ndarray,
+                          int] | None:
+        """Plain (str, int) samples all servable, checked in one kernel call; else None."""
+        try:
+            pair_h, given = zip(*samples)  # one pass in C (a sample not a pair: ValueError)
+            hashes = list(pair_h)
+            if set(map(type, given)) != {int}:
+                return None
+            index = kp.directory.index
+            ids = np.fromiter(map(index.get, hashes, [-1] * len(hashes)), np.int64,
+                              len(hashes))
+            frame = np.array(given, np.int64)
+        except (TypeError, ValueError, OverflowError):
+            return None
+        n = len(ids)
+        total, uids = np.empty(n, np.int64), np.empty(n, np.int64)
+        top = kernel.check_batch(ids, frame, kp.totals, self._batch_uids(kp.directory),
+                                 total, uids)
+        if top == -1:
+            return None
+        return hashes, ids, frame, total, uids, top
+
+    def _checked(self, keymap: Keymap, kp: KeymapPlan, samples: Sequence[tuple[str, int]]
+                 ) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+        """Sample by sample, raising for the first that cannot be served."""
+        directory = kp.directory
+        seen: dict[str, int] = {}
+        n = len(samples)
+        ids, frame = np.empty(n, np.int64), np.empty(n, np.int64)
+        hashes: list[str] = []
+        for b, (episode_id, f) in enumerate(samples):
+            i = seen.get(episode_id)
+            if i is None:
+                episode = self.catalog.lookup(episode_id)
+                i = seen[episode_id] = directory.index[episode.hash]
+                if kp.totals[i] < 0:
+                    check_keys(keymap, directory.episodes[i])
+            total = int(kp.totals[i])
+            if isinstance(f, bool) or not isinstance(f, int | np.integer) \
+                    or not 0 <= f < total:
+                raise FrameOutOfRange(
+                    f"episode {episode_id!r}: frame {f!r} is outside [0, {total})",
+                    episode=episode_id,
+                )
+            ids[b], frame[b] = i, f
+            hashes.append(episode_id)
+        uids = self._batch_uids(directory)[ids]
+        return hashes, ids, frame, kp.totals[ids], uids, \
+            -2 if uids.min() < 0 else int(uids.max())
+
+    def windows(self, batch: Batch, cut: np.ndarray | None = None
+                ) -> tuple[list[Window], dict[str, Window]]:
+        return windows_of(batch.kp, batch.frame, batch.total, batch.fps, cut)
+
+    # -- locating ------------------------------------------------------------------------------
+
+    def locate(self, batch: Batch, made: list[Window], windows: dict[str, Window],
+               own: dict[ChunkId, Chunk]) -> Located | list[Need]:
+        """Every output row of ``batch`` found in the cache or in ``own``; else the chunks
+        to fetch first. Changes nothing."""
+        kp = batch.kp
+        if own or batch.uid_top < 0:
+            self._refresh_uids(batch)
+        needs: list[Need] = []
+        gathers: list[Gather] = []
+        pieces: list[Pieces] = []
+        stamps: list[tuple[int, list[np.ndarray]]] = []
+        frames: list[Frames] = []
+        fused = None
+        layout = self.numeric.layout(kp) if batch.uid_top >= 0 and not own \
+            and self.cache.enabled else None
+        if layout is not None:  # every numeric key in one kernel call
+            fused = self.numeric.plan(layout, made, batch.uids, batch.ids, batch.total,
+                                      self._scratch(2 * len(batch.ids))[0], stamps)
+        warm = fused is not None or layout is None
+        for key in kp.ordered_keys:
+            feature, is_bytes = batch.kinds[key]
+            if is_bytes:
+                frames.append(self._frames(key, batch, windows, own, needs))
+                continue
+            if fused is not None:
+                continue
+            kernel_got = None
+            if batch.uid_top >= 0 and not own:
+                kernel_got = self._key(key, batch, feature, windows)
+            if kernel_got is not None:
+                gathers.extend(kernel_got[0])
+                stamps.extend(kernel_got[1])
+                continue
+            warm = False
+            got = self._rows(key, batch, feature, windows, own, needs)
+            if got is not None:
+                pieces.extend(got[0])
+                stamps.extend(got[1])
+        if needs:
+            return needs
+        warm = warm and not any(f.own for f in frames)
+        return Located(windows, fused, tuple(gathers), tuple(pieces), tuple(stamps),
+                       tuple(frames), warm, self.cache.version)
+
+    def _key(self, key: str, batch: Batch, feature: tuple[int, ...],
+             windows: dict[str, Window]) -> tuple[list[Gather], list[Any]] | None:
+        """One numeric key located by the kernel: its gathers and the slots to stamp, or
+        None (chunk sizes or slabs that differ, a chunk not cached, a short array)."""
+        geo, ids, uids, total = batch.kp.keys[key], batch.ids, batch.uids, batch.total
+        c = geo.uniform_rows
+        if not c:
+            c_of = geo.chunk_rows[ids]
+            c = int(c_of[0])
+            if c_of.max() != c or c_of.min() != c:
+                return None
+        table = self.cache.slot_table(key)
+        if table is None or batch.uid_top >= len(table.base):
+            return None
+        n = len(ids)
+        base, limit = self._scratch(n)
+        slab, short = kernel.key_base(table.base, table.size, table.slab, uids, geo.rows,
+                                      ids, total, c, base, limit)
+        if slab < 0:
+            return None
+        slab_rows = self.numeric.slab_rows()
+        if slab >= len(slab_rows):
+            return None
+        rows_per_slot = int(slab_rows[slab])
+        every: list[np.ndarray] = []
+        gathers: list[Gather] = []
+        for e in batch.kp.entries[key]:
+            w = windows[e.name].rows
+            if short and (w >= limit[:, None]).any():
+                return None
+            slots = np.empty(w.shape, np.int64)
+            idx = np.empty(w.shape if e.time_axis else (n,), np.int64)
+            if kernel.resolve(table.flat, base, w, c, rows_per_slot, e.time_axis, slots,
+                              idx) < 0:
+                return None
+            every.append(slots)
+            gathers.append(Gather(e.name, slab, idx, (*idx.shape, *feature), feature))
+        return gathers, [(slab, every)]
+
+    def _rows(self, key: str, batch: Batch, feature: tuple[int, ...],
+              windows: dict[str, Window], own: dict[ChunkId, Chunk], needs: list[Need]
+              ) -> tuple[list[Pieces], list[Any]] | None:
+        """One numeric key located by numpy: each output row's chunk in the cache (any
+        slab) or in ``own``. Chunks in neither go to ``needs`` (then None)."""
+        geo, ids = batch.kp.keys[key], batch.ids
+        entries = batch.kp.entries[key]
+        ws = [windows[e.name].rows for e in entries]
+        _check_rows(key, batch, geo, ws)
+        c_of = geo.chunk_rows[ids][:, None]
+        packed = _distinct(np.concatenate([(ids[:, None] * PACK + w // c_of).ravel()
+                                           for w in ws]))
+        dense, chunk = np.divmod(packed, PACK)
+        uid_of = np.full(len(batch.kp.directory.episodes), -1, np.int64)
+        uid_of[ids] = batch.uids
+        slab, slot = self.cache.find(key, uid_of[dense], chunk)
+        hashes = batch.kp.directory.hashes
+        if own:  # what the read fetched is served from its own copy (and counted a miss)
+            cids = list(zip(hashes[dense].tolist(), [key] * len(packed), chunk.tolist()))
+            slab[np.fromiter(map(own.__contains__, cids), np.bool_, len(cids))] = -1
+        src = slab.copy()
+        staging: list[np.ndarray] = []
+        start = np.zeros(len(packed), np.int64)
+        first_need = len(needs)
+        at = 0
+        for j in np.flatnonzero(slab < 0).tolist():
+            cid = (hashes[dense[j]], key, int(chunk[j]))
+            got = own.get(cid)
+            if got is None:
+                reader = batch.kp.directory.episodes[int(dense[j])].readers[key]
+                needs.append(Need(reader, int(chunk[j])))
+                continue
+            assert isinstance(got, np.ndarray)
+            staging.append(got)
+            src[j], start[j] = -1, at
+            at += len(got)
+        if len(needs) > first_need:
+            return None
+        stage = (np.concatenate(staging) if len(staging) > 1 else staging[0],) \
+            if staging else ()
+        slab_rows = np.array(self.cache.slab_rows() or [0], np.int64)
+        out: list[Pieces] = []
+        for e, w in zip(entries, ws):
+            rows = (w if e.time_axis else w[:, 0])
+            c = c_of if e.time_axis else c_of[:, 0]
+            sample = ids[:, None] if e.time_axis else ids
+            pos = np.searchsorted(packed, sample * PACK + rows // c)
+            s = src[pos]
+            within = rows % c
+            idx = np.where(s >= 0, slot[pos] * slab_rows[np.maximum(s, 0)], start[pos]) + within
+            parts = []
+            sources = np.unique(s).tolist()
+            for sid in sources:
+                where = None if len(sources) == 1 else np.flatnonzero(s.ravel() == sid)
+                parts.append(Piece(sid, where, idx.ravel() if where is None
+                                   else idx.ravel()[where]))
+            out.append(Pieces(e.name, (*rows.shape, *feature), feature, tuple(parts), stage))
+        found = slab >= 0
+        stamps = [(sid, [slot[found & (slab == sid)]]) for sid in np.unique(slab[found]).tolist()]
+        return out, stamps
+
+    def frame_chunks(self, key: str, batch: Batch, windows: dict[str, Window]
+                     ) -> tuple[np.ndarray, list[ChunkKey], np.ndarray, np.ndarray, np.ndarray]:
+        """One camera key's distinct frames (sorted packed (episode rank, row)), the chunks
+        holding them in that order, and per frame its chunk and row within it; per chunk
+        its episode's rank. Raises for a window past its array's end."""
+        kp = batch.kp
+        geo = kp.keys[key]
+        position, order = batch.first_seen()
+        ws = [windows[e.name].rows for e in kp.entries[key]]
+        _check_rows(key, batch, geo, ws)
+        rows = [(position[:, None] * PACK + w).ravel() for w in ws]
+        # the distinct frames, sorted by (episode rank, row): their chunks come in order
+        # too, so the distinct chunks and each frame's among them need no sort
+        needed = _distinct(np.concatenate(rows) if len(rows) > 1 else rows[0])
+        f_pos, f_row = np.divmod(needed, PACK)
+        f_c = geo.uniform_rows or geo.chunk_rows[order[f_pos]]
+        f_chunk = f_pos * PACK + f_row // f_c
+        new = np.empty(len(f_chunk), np.bool_)
+        new[:1] = True
+        np.not_equal(f_chunk[1:], f_chunk[:-1], out=new[1:])
+        ep_pos, chunk = np.divmod(f_chunk[new], PACK)
+        hashes = kp.directory.hashes[order[ep_pos]].tolist()
+        keys = list(zip(hashes, [key] * len(hashes), chunk.tolist()))
+        return needed, keys, np.cumsum(new) - 1, f_row % f_c, ep_pos
+
+    def _frames(self, key: str, batch: Batch, windows: dict[str, Window],
+                own: dict[ChunkId, Chunk], needs: list[Need]) -> Frames:
+        """One camera key's distinct frames and the chunks holding them (the cache's, then
+        ``own``); chunks in neither go to ``needs``."""
+        needed, keys, chunk_of, within, ep_pos = self.frame_chunks(key, batch, windows)
+        entries = self.cache.frames_found(keys)
+        if own:  # what the read fetched is served from its own copy (and counted a miss)
+            entries = [None if k in own else got for k, got in zip(keys, entries)]
+        if None not in entries:
+            return Frames(key, needed, chunk_of.tolist(), within.tolist(), tuple(keys),
+                          entries, self.cache.frame_ids(entries), [])  # type: ignore[arg-type]
+        # some chunks are the read's own: cached ones first, then own ones, in order
+        order = batch.first_seen()[1]
+        hit = np.array([got is not None for got in entries], np.bool_)
+        renumber = np.empty(len(keys), np.int64)
+        renumber[hit] = np.arange(int(hit.sum()))
+        mine: list[list[bytes]] = []
+        for j in np.flatnonzero(~hit).tolist():
+            got = own.get(keys[j])
+            if got is None:
+                reader = batch.kp.directory.episodes[int(order[ep_pos[j]])].readers[key]
+                needs.append(Need(reader, keys[j][2]))
+                continue
+            renumber[j] = int(hit.sum()) + len(mine)
+            mine.append(got)  # type: ignore[arg-type]
+        found = [got for got in entries if got is not None]
+        return Frames(key, needed, renumber[chunk_of].tolist(), within.tolist(),
+                      tuple(k for k, got in zip(keys, entries) if got is not None), found,
+                      self.cache.frame_ids(found), mine)
+
+    # -- stamping and gathering ----------------------------------------------------------------
+
+    def frame_bytes(self, located: Located) -> int:
+        """The frames' own bytes (what a response limit counts)."""
+        total = 0
+        for f in located.frames:
+            total += int(self.cache.frame_bytes(f.fids).sum())
+            total += sum(sum(map(len, chunk)) for chunk in f.own)
+        return total
+
+    def stamp(self, located: Located) -> dict[str, list[bytes]]:
+        """The cache's side of the read: the cached chunks stamped as used and counted as
+        hits. Returns each camera key's distinct frames."""
+        if located.stamps:  # keys never share a slot: the hits are the sum of the keys'
+            self.cache.count(self.cache.stamp_slabs(located.stamps), 0)
+        if located.warm:
+            self.warm_batches += 1
+        out: dict[str, list[bytes]] = {}
+        for f in located.frames:
+            chunks = self.cache.take_frames(f.cached, f.entries, f.fids) + f.own
+            out[f.key] = list(map(operator.getitem, map(chunks.__getitem__, f.chunk_of),
+                                  f.within))
+        return out
+
+    def gather(self, located: Located, empty: Empty, arena: Arena | None = None,
+               nogil: bool = False) -> dict[str, np.ndarray]:
+        """Every numeric output, into arrays from ``empty`` (or ``arena``): in one kernel
+        call when the layout covers the keymap (``nogil``: in a worker thread), else one
+        ``take`` each, or one per source."""
+        if located.fused is not None:
+            return self.numeric.gather(located.fused, empty, arena, nogil)
+        out: dict[str, np.ndarray] = {}
+        for g in located.gathers:
+            dest = empty(g.shape)
+            self._flat(g.slab, g.feature).take(g.rows, axis=0, out=dest, mode="clip")
+            out[g.name] = dest
+        for p in located.pieces:
+            dest = empty(p.shape)
+            flat_dest = dest.reshape(-1, *p.feature)
+            for piece in p.pieces:
+                src = p.staging[-1 - piece.source] if piece.source < 0 \
+                    else self._flat(piece.source, p.feature)
+                if piece.where is None:
+                    flat_dest[...] = src[piece.idx]
+                else:
+                    flat_dest[piece.where] = src[piece.idx]
+            out[p.name] = dest
+        return out
+
+    def _flat(self, slab: int, feature: tuple[int, ...]) -> np.ndarray:
+        """A slab's rows (its memory never moves: the view is kept)."""
+        flat = self._flats.get((slab, feature))
+        if flat is None:
+            flat = self._flats[(slab, feature)] = \
+                self.cache.slab_data(slab).reshape(-1, *feature)
+        return flat
+
+    # -- what is kept between batches ----------------------------------------------------------
+
+    def _scratch(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """Two int64 arrays of ``n`` for a key's table starts and row limits: used only
+        while a batch is located (which never awaits), so kept from batch to batch."""
+        got = self._scratches.get(n)
+        if got is None:
+            if len(self._scratches) >= MAX_SCRATCHES:
+                self._scratches.clear()
+            got = self._scratches[n] = (np.empty(n, np.int64), np.empty(n, np.int64))
+        return got
+
+    def _keymap_plan(self, keymap: Keymap, directory: Directory) -> KeymapPlan:
+        kp = self._plans.get(keymap)
+        if kp is not None and kp.directory is directory:
+            self._plans.move_to_end(keymap)
+            return kp
+        kp = self._plans[keymap] = compile_keymap(keymap, directory)
+        self._plans.move_to_end(keymap)
+        while len(self._plans) > MAX_PLANS:
+            self._plans.popitem(last=False)
+        return kp
+
+    def _batch_uids(self, directory: Directory) -> np.ndarray:
+        """Per dense id of ``directory``, the episode's cache uid as found so far (-1: not
+        looked up yet, or none)."""
+        want = (directory.version, self.cache.drops)
+        if self._uids_for != want:
+            self._uids_for = want
+            self._uids = np.full(len(directory.episodes), -1, np.int64)
+        return self._uids
+
+    def _refresh_uids(self, batch: Batch) -> None:
+        """The uids of the batch's episodes that had none, looked up again (a fetch may
+        have given them one)."""
+        directory = batch.kp.directory
+        known = self._batch_uids(directory)
+        missing = batch.uids < 0
+        for i in np.unique(batch.ids[missing]).tolist():
+            known[i] = self.cache.known_uid(directory.episodes[i].hash)
+        if missing.any():
+            batch.uids = known[batch.ids]
+        batch.uid_top = -2 if batch.uids.min() < 0 else int(batch.uids.max())
+
+
+def _check_rows(key: str, batch: Batch, geo: KeyGeometry, ws: list[np.ndarray]) -> None:
+    """Raises for the first window row at or past its array's end (an array shorter than
+    its episode; window rows are below the episode's total)."""
+    cap = geo.rows[batch.ids]
+    if not (cap < batch.total).any():
+        return
+    for w in ws:
+        short = w >= cap[:, None]
+        if short.any():
+            b, k = divmod(int(np.argmax(short)), w.shape[1])
+            e = batch.kp.directory.episodes[int(batch.ids[b])]
+            raise ShortArrayError(
+                f"episode {e.hash!r} key {key!r}: the array holds {int(cap[b])} rows "
+                f"but a window needs row {int(w[b, k])} (total_frames={e.total_frames})",
+                episode=e.hash, key=key,
+            )
+
+
+def _distinct(values: np.ndarray) -> np.ndarray:
+    """The sorted distinct values: ``np.unique`` without its hash path, which numpy 2.4
+    takes for integers and which costs ~9x a sort on the few thousand keys of a batch."""
+    s = np.sort(values, kind="stable")
+    if s.size == 0:
+        return s
+    keep = np.empty(s.size, dtype=bool)
+    keep[0] = True
+    np.not_equal(s[1:], s[:-1], out=keep[1:])
+    return s[keep]
