@@ -9,9 +9,9 @@ stamped (the cache's LRU and hit counts), gathered and answered, all by this one
 
 Two loops locate numeric rows, the same plan either way:
 
-- **the kernel's** (``kernel.plan_keys``, ``numeric.py``; per key ``kernel.resolve``):
-  every chunk of a key in one slab of the cache, one chunk size over the batch (the warm
-  batch: a few array calls for the whole keymap);
+- **the kernel's** (``kernel.plan_keys``, ``numeric.py``): every chunk of each key in one
+  slab of the cache, one chunk size per key over the batch (the warm batch: one call for
+  the whole keymap);
 - **numpy's** (``_rows``): anything else, slab by slab and the read's own chunks, and the
   refusal of a window that passes its array's end.
 """
@@ -42,7 +42,7 @@ from episerve_server.plan.geometry import (
     windows_of,
 )
 from episerve_server.plan.misses import Need
-from episerve_server.plan.numeric import Fused, Gather, NumericKeys
+from episerve_server.plan.numeric import Fused, NumericKeys
 from episerve_server.plan.options import Arena, Empty
 from episerve_server.storage.catalog import Catalog
 from episerve_server.storage.directory import Directory
@@ -120,9 +120,8 @@ class Located:
     """A batch whose every row has been found: what the answer needs, no side effect yet."""
 
     windows: dict[str, Window]
-    fused: Fused | None  # every numeric output in one kernel call
-    gathers: tuple[Gather, ...]  # per output, one slab each (kernel-located keys)
-    pieces: tuple[Pieces, ...]  # per output (numpy-located keys)
+    fused: Fused | None  # every numeric output, located by the kernel
+    pieces: tuple[Pieces, ...]  # per output, located by numpy
     stamps: tuple[tuple[int, list[np.ndarray]], ...]  # per key and slab: slots to stamp
     frames: tuple[Frames, ...]
     warm: bool  # located by the kernel from the cache alone
@@ -136,7 +135,7 @@ class Locator:
         self._uids = np.empty(0, np.int64)
         self._uids_for: tuple[int, int] = (-1, -1)
         self._flats: dict[tuple[int, tuple[int, ...]], np.ndarray] = {}
-        self._scratches: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._scratches: dict[int, np.ndarray] = {}
         self.numeric = NumericKeys(cache)
         self.warm_batches = 0  # batches located by the kernel from the cache alone
 
@@ -221,80 +220,29 @@ class Locator:
         if own or batch.uid_top < 0:
             self._refresh_uids(batch)
         needs: list[Need] = []
-        gathers: list[Gather] = []
         pieces: list[Pieces] = []
         stamps: list[tuple[int, list[np.ndarray]]] = []
         frames: list[Frames] = []
         fused = None
-        layout = self.numeric.layout(kp) if batch.uid_top >= 0 and not own \
-            and self.cache.enabled else None
-        if layout is not None:  # every numeric key in one kernel call
-            fused = self.numeric.plan(layout, made, batch.uids, batch.ids, batch.total,
-                                      self._scratch(2 * len(batch.ids))[0], stamps)
-        warm = fused is not None or layout is None
+        if batch.uid_top >= 0 and not own and self.cache.enabled:
+            layout = self.numeric.layout(kp, batch.kinds, batch.ids)
+            if layout is not None:  # every numeric key in one kernel call
+                fused = self.numeric.plan(layout, made, batch.uids, batch.ids, batch.total,
+                                          self._scratch(2 * len(batch.ids)), stamps)
         for key in kp.ordered_keys:
             feature, is_bytes = batch.kinds[key]
             if is_bytes:
                 frames.append(self._frames(key, batch, windows, own, needs))
-                continue
-            if fused is not None:
-                continue
-            kernel_got = None
-            if batch.uid_top >= 0 and not own:
-                kernel_got = self._key(key, batch, feature, windows)
-            if kernel_got is not None:
-                gathers.extend(kernel_got[0])
-                stamps.extend(kernel_got[1])
-                continue
-            warm = False
-            got = self._rows(key, batch, feature, windows, own, needs)
-            if got is not None:
-                pieces.extend(got[0])
-                stamps.extend(got[1])
+            elif fused is None:
+                got = self._rows(key, batch, feature, windows, own, needs)
+                if got is not None:
+                    pieces.extend(got[0])
+                    stamps.extend(got[1])
         if needs:
             return needs
-        warm = warm and not any(f.own for f in frames)
-        return Located(windows, fused, tuple(gathers), tuple(pieces), tuple(stamps),
-                       tuple(frames), warm, self.cache.version)
-
-    def _key(self, key: str, batch: Batch, feature: tuple[int, ...],
-             windows: dict[str, Window]) -> tuple[list[Gather], list[Any]] | None:
-        """One numeric key located by the kernel: its gathers and the slots to stamp, or
-        None (chunk sizes or slabs that differ, a chunk not cached, a short array)."""
-        geo, ids, uids, total = batch.kp.keys[key], batch.ids, batch.uids, batch.total
-        c = geo.uniform_rows
-        if not c:
-            c_of = geo.chunk_rows[ids]
-            c = int(c_of[0])
-            if c_of.max() != c or c_of.min() != c:
-                return None
-        table = self.cache.slot_table(key)
-        if table is None or batch.uid_top >= len(table.base):
-            return None
-        n = len(ids)
-        base, limit = self._scratch(n)
-        slab, short = kernel.key_base(table.base, table.size, table.slab, uids, geo.rows,
-                                      ids, total, c, base, limit)
-        if slab < 0:
-            return None
-        slab_rows = self.numeric.slab_rows()
-        if slab >= len(slab_rows):
-            return None
-        rows_per_slot = int(slab_rows[slab])
-        every: list[np.ndarray] = []
-        gathers: list[Gather] = []
-        for e in batch.kp.entries[key]:
-            w = windows[e.name].rows
-            if short and (w >= limit[:, None]).any():
-                return None
-            slots = np.empty(w.shape, np.int64)
-            idx = np.empty(w.shape if e.time_axis else (n,), np.int64)
-            if kernel.resolve(table.flat, base, w, c, rows_per_slot, e.time_axis, slots,
-                              idx) < 0:
-                return None
-            every.append(slots)
-            gathers.append(Gather(e.name, slab, idx, (*idx.shape, *feature), feature))
-        return gathers, [(slab, every)]
+        warm = fused is not None and not any(f.own for f in frames)
+        return Located(windows, fused, tuple(pieces), tuple(stamps), tuple(frames), warm,
+                       self.cache.version)
 
     def _rows(self, key: str, batch: Batch, feature: tuple[int, ...],
               windows: dict[str, Window], own: dict[ChunkId, Chunk], needs: list[Need]
@@ -439,22 +387,20 @@ class Locator:
     def gather(self, located: Located, empty: Empty, arena: Arena | None = None,
                nogil: bool = False) -> dict[str, np.ndarray]:
         """Every numeric output, into arrays from ``empty`` (or ``arena``): in one kernel
-        call when the layout covers the keymap (``nogil``: in a worker thread), else one
-        ``take`` each, or one per source."""
+        call for a batch the kernel located (``nogil``: in a worker thread), else one
+        ``take`` per output and source."""
         if located.fused is not None:
             return self.numeric.gather(located.fused, empty, arena, nogil)
         out: dict[str, np.ndarray] = {}
-        for g in located.gathers:
-            dest = empty(g.shape)
-            self._flat(g.slab, g.feature).take(g.rows, axis=0, out=dest, mode="clip")
-            out[g.name] = dest
         for p in located.pieces:
             dest = empty(p.shape)
             flat_dest = dest.reshape(-1, *p.feature)
             for piece in p.pieces:
                 src = p.staging[-1 - piece.source] if piece.source < 0 \
                     else self._flat(piece.source, p.feature)
-                if piece.where is None:
+                if piece.where is None and src.dtype == dest.dtype:
+                    src.take(piece.idx, axis=0, out=flat_dest)
+                elif piece.where is None:
                     flat_dest[...] = src[piece.idx]
                 else:
                     flat_dest[piece.where] = src[piece.idx]
@@ -471,14 +417,14 @@ class Locator:
 
     # -- what is kept between batches ----------------------------------------------------------
 
-    def _scratch(self, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """Two int64 arrays of ``n`` for a key's table starts and row limits: used only
+    def _scratch(self, n: int) -> np.ndarray:
+        """An int64 array of ``n`` for the kernel's table starts and row limits: used only
         while a batch is located (which never awaits), so kept from batch to batch."""
         got = self._scratches.get(n)
         if got is None:
             if len(self._scratches) >= MAX_SCRATCHES:
                 self._scratches.clear()
-            got = self._scratches[n] = (np.empty(n, np.int64), np.empty(n, np.int64))
+            got = self._scratches[n] = np.empty(n, np.int64)
         return got
 
     def _keymap_plan(self, keymap: Keymap, directory: Directory) -> KeymapPlan:

@@ -1,19 +1,20 @@
-"""The compiled plan's numeric keys in one kernel call (``kernel.plan_keys``), and their
-outputs gathered in another (``kernel.gather_rows``).
+"""A warm batch's numeric keys located in one kernel call (``kernel.plan_keys``), and
+their outputs gathered in another (``kernel.gather_rows``).
 
-When each numeric key of a keymap has one feature shape and one chunk size over the
-servable episodes, where each output's slots and gather rows go is fixed per keymap plan
-(a ``Layout``): a batch then allocates one slots and one rows buffer, the kernel checks
+Where each output's slots and gather rows go is fixed by the keymap plan, the batch's
+feature shapes and its chunk size per key (a ``Layout``, made once per keymap plan when
+every key has one shape and one chunk size over its episodes, else once per such
+combination): a batch then allocates one slots and one rows buffer, the kernel checks
 and resolves every key and output in one call, and copies every output in one more (the
-outputs' names, shapes and row sizes are kept per batch size). Keymaps it does not cover
-are located key by key (``locate.py``); every way gives the same answer
-(``tests/unit/test_read_plan.py``).
+outputs' names, shapes and row sizes are kept per batch size). A batch whose chunks the
+kernel does not find all in one slab per key is located by numpy (``locate.py``); both
+give the same answer (``tests/unit/test_read_plan.py``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -23,15 +24,7 @@ from episerve_server.core.windows import Window
 from episerve_server.plan.geometry import KeymapPlan, row_bytes
 from episerve_server.plan.options import Arena, Empty
 
-MAX_LAYOUTS = 64  # keymap plans with a layout kept (cleared when more turn up)
-
-
-class Gather(NamedTuple):  # one per output and batch: a tuple is the cheapest to make
-    name: str
-    slab: int
-    rows: np.ndarray  # (B, W) or (B,): rows of the slab viewed as rows
-    shape: tuple[int, ...]  # the output's shape
-    feature: tuple[int, ...]
+MAX_LAYOUTS = 64  # layouts kept (cleared when more turn up)
 
 
 class Outputs(NamedTuple):
@@ -78,8 +71,9 @@ class NumericKeys:
 
     def __init__(self, cache: ChunkCache) -> None:
         self.cache = cache
-        # by id of their keymap plan (kept with it: an id is reused once its object is gone)
-        self._layouts: dict[int, tuple[KeymapPlan, Layout | None]] = {}
+        # by id of their keymap plan (kept with it: an id is reused once its object is
+        # gone), with the batch's shapes and chunk sizes where they vary by episode
+        self._layouts: dict[Any, tuple[KeymapPlan, Layout]] = {}
         # the layout, the cache version and the kernel's keys they were made for
         self._key_args: tuple[Layout, int, tuple[kernel.KeyArgs, ...]] | None = None
         self._slab_rows: tuple[int, np.ndarray] = (-1, np.empty(0, np.int64))
@@ -148,35 +142,52 @@ class NumericKeys:
             self._slab_rows = (self.cache.version, rows)
         return rows
 
-    def layout(self, kp: KeymapPlan) -> Layout | None:
-        """The layout of ``kp``, made once (None: the per-key path serves it)."""
-        got = self._layouts.get(id(kp))
+    def layout(self, kp: KeymapPlan, kinds: dict[str, tuple[tuple[int, ...], bool]],
+               ids: np.ndarray) -> Layout | None:
+        """The layout of a batch of ``kp`` over episodes ``ids`` whose keys have ``kinds``:
+        made once per keymap plan when each key has one shape and one chunk size over its
+        episodes, else once per (keymap plan, the batch's shapes and chunk sizes). None
+        when a numeric key's chunk size differs within the batch (numpy locates it)."""
+        if kinds is kp.kinds:
+            got = self._layouts.get(id(kp))
+            if got is not None and got[0] is kp:
+                return got[1]
+        rows: list[int] = []
+        for key in kp.ordered_keys:
+            if kinds[key][1]:
+                continue
+            geo = kp.keys[key]
+            c = geo.uniform_rows
+            if not c:
+                c_of = geo.chunk_rows[ids]
+                c = int(c_of[0])
+                if c_of.max() != c or c_of.min() != c:
+                    return None
+            rows.append(c)
+        fixed = kinds is kp.kinds and all(kp.keys[k].uniform_rows for k in kp.ordered_keys)
+        sig: Any = id(kp) if fixed else (id(kp), tuple(rows), tuple(kinds.values()))
+        got = self._layouts.get(sig)
         if got is None or got[0] is not kp:
             if len(self._layouts) >= MAX_LAYOUTS:
                 self._layouts.clear()
-            got = self._layouts[id(kp)] = (kp, make_layout(kp))
+            got = self._layouts[sig] = (kp, make_layout(kp, kinds, rows))
         return got[1]
 
 
-def make_layout(kp: KeymapPlan) -> Layout | None:
-    """The one-call layout of a keymap plan, or None when a numeric key's feature shape or
-    chunk size depends on the episode (``_key`` then checks them per batch)."""
-    if kp.kinds is None:
-        return None
+def make_layout(kp: KeymapPlan, kinds: dict[str, tuple[tuple[int, ...], bool]],
+                chunk_rows: list[int]) -> Layout:
+    """The one-call layout of a keymap plan's numeric keys with ``kinds`` and
+    ``chunk_rows`` (in key order)."""
     window_of = dict(kp.window_index)
     keys: list[str] = []
-    chunk_rows: list[int] = []
     outputs: list[tuple[kernel.Output, ...]] = []
     gathers: list[tuple[int, str, int, bool, int, tuple[int, ...]]] = []
     spans: list[tuple[int, int]] = []
     slot_at = idx_at = 0
     for key in kp.ordered_keys:
-        feature, is_bytes = kp.kinds[key]
+        feature, is_bytes = kinds[key]
         if is_bytes:
             continue
-        c = kp.keys[key].uniform_rows
-        if not c:
-            return None
         at, start = len(keys), slot_at
         outs: list[kernel.Output] = []
         for e in kp.entries[key]:
@@ -186,8 +197,7 @@ def make_layout(kp: KeymapPlan) -> Layout | None:
             slot_at += width
             idx_at += width if e.time_axis else 1
         keys.append(key)
-        chunk_rows.append(c)
         outputs.append(tuple(outs))
         spans.append((start, slot_at))
     return Layout(kp, tuple(keys), tuple(chunk_rows), tuple(outputs), tuple(gathers),
-                   tuple(spans), slot_at, idx_at)
+                  tuple(spans), slot_at, idx_at)
