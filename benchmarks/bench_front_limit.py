@@ -23,7 +23,7 @@ import grpc
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from episerve_client import convert
+from episerve_client import messages
 from episerve_proto import routing
 from episerve_proto.contract import SERVICE_PATH
 from episerve_tools.launch import DaemonProcess
@@ -79,7 +79,7 @@ def main() -> None:
                 ("under the limit (2 x 30.9 MB parts)", samples(120, frames)),
             ]
             for name, batch in cases:
-                request = convert.read_request(batch, keymap=LONG)
+                request = messages.read_request(batch, keymap=LONG)
                 out = hostile.measure(name, d.pid, poller,
                                       lambda r=request: burst(d.target, r, args.concurrent),
                                       lambda: d.proc.poll() is None, settle_s=1.0)

@@ -26,7 +26,7 @@ from typing import Any
 
 from common import MECKA, random_batches, replicate, table
 
-from episerve_client import Client, convert
+from episerve_client import Client, messages
 from episerve_tools.launch import DaemonProcess
 
 
@@ -102,7 +102,7 @@ def main() -> None:
         client.list_episodes(brief=True)
         brief_t = time.perf_counter() - brief_t
         sizes = {b: len(client._run(client.unary_flow("ListEpisodes",
-                                                      convert.list_request("", 0, b))))
+                                                      messages.list_request("", 0, b))))
                  for b in (False, True)}
         episodes = [(e.hash, e.total_frames) for e in listing.episodes]
         warm_t = time.perf_counter()

@@ -14,7 +14,7 @@ from collections.abc import Generator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeAlias
 
-from episerve_client import convert
+from episerve_client import messages
 from episerve_client._ops import Call, Flow, Op, Outcome, Sleep, left
 from episerve_client._outage import Outages
 from episerve_client._routes import Router, WorkerRoutes, merge_results
@@ -270,7 +270,7 @@ class BaseClient:
         for group in [()] if wanted is None else _filter_groups(wanted):
             token = ""
             while True:
-                payload = convert.list_request(token, page_size, brief, group)
+                payload = messages.list_request(token, page_size, brief, group)
                 data = yield from self.unary_flow("ListEpisodes", payload, None,
                                                   max(left(deadline), 0.001))
                 page, next_token = listing_page(data)
@@ -303,7 +303,7 @@ class BaseClient:
                                         samples)
             yield from self._register(km, km_key, {t for t, _ in groups}, deadline)
             calls: list[Op] = [
-                Call(t, "Read", convert.read_request(
+                Call(t, "Read", messages.read_request(
                     [samples[i] for i in idx], keymap_id=self._keymap_ids.get((t, km_key), ""),
                     annotation_cutoff=annotation_cutoff,
                     max_response_bytes=self.max_response_bytes, all_masks=all_masks,
@@ -355,21 +355,21 @@ class BaseClient:
             raise InvalidArgument("key_stats() needs at least one key")
         if isinstance(episodes, str | bytes):
             raise InvalidArgument(f"episodes must be a list of episode hashes, got {episodes!r}")
-        return convert.key_stats_request(keys, [str(e) for e in episodes or ()])
+        return messages.key_stats_request(keys, [str(e) for e in episodes or ()])
 
     def _register(self, km: dict[str, Any], km_key: str, targets: set[str],
                   deadline: float) -> Generator[list[Op], list[Outcome], None]:
         need = sorted(t for t in targets if (t, km_key) not in self._keymap_ids)
         if not need:
             return
-        payload = convert.register_request(km)
+        payload = messages.register_request(km)
         ops: list[Op] = [Call(t, "RegisterKeymap", payload,
                               self.outages.attempt_s(t, left(deadline))) for t in need]
         outcomes = yield ops
         for t, out in zip(need, outcomes):
             if isinstance(out, bytes):
                 self.outages.answered(t)
-                self._keymap_ids[(t, km_key)] = convert.keymap_id(out)
+                self._keymap_ids[(t, km_key)] = messages.keymap_id(out)
                 continue
             if self.workers.is_worker(t) or not isinstance(out, EpiserveError):
                 continue  # a worker that does not answer: its samples go through the front

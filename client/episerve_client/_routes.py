@@ -13,7 +13,7 @@ import stat
 import time
 from collections.abc import Callable, Collection, Sequence
 
-from episerve_client import convert
+from episerve_client import messages
 from episerve_client._ops import Call, Flow, left
 from episerve_client.channel import unix_path
 from episerve_client.errors import DataLossError, EpiserveError, PermissionDenied
@@ -80,7 +80,7 @@ class WorkerRoutes:
                           for t in need]
         for t, out in zip(need, outcomes):
             if isinstance(out, bytes):
-                workers, rule = convert.topology(out)
+                workers, rule = messages.topology(out)
                 owners = trusted_owners(t)
                 ok = rule == routing.ROUTING and all(reachable(w, owners) for w in workers)
                 self.of[t] = workers if ok else ()

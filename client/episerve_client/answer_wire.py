@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from episerve_client.errors import DataLossError
 from episerve_client.tensors import MAX_TENSOR_NDIM
-from episerve_proto.answer import (
+from episerve_proto.answer_fields import (
     FRAME_SOURCE,
     IMAGE_COLUMN,
     RESPONSE,
@@ -57,7 +57,7 @@ _TEXTS = {TEXTS["texts"]: _Field("texts", MAX_RESPONSE_TEXTS, pool="texts")}
 
 @functools.lru_cache(maxsize=64)
 def _response_fields(b: int, columns: int) -> dict[int, _Field]:
-    """Each field of ``ReadResponse`` (``episerve_proto.answer``) bounded for ``b`` samples
+    """Each field of ``ReadResponse`` (``episerve_proto.answer_fields``) bounded for ``b`` samples
     and ``columns`` columns: a per-sample field by the size of ``b`` values of its kind."""
     ints = 10 * b  # a packed int64 of b values, or b values one by one
     per_sample = {"strings": _NAME_BYTES, "varints": ints, "float32": 4 * b}

@@ -10,18 +10,18 @@ from typing import Any
 
 import grpc
 
-from episerve_client import convert, keystats
+from episerve_client import keystats, messages
 from episerve_client._base import BaseClient, KeymapLike, load_keymap
 from episerve_client._ops import Call, Flow, Op, Outcome, Sleep
 from episerve_client._outage import ALIVE_S, Watch
 from episerve_client.channel import CHANNEL_OPTIONS, HEALTH_CHECK, close_at_exit
-from episerve_client.convert import KeymapCheck
 from episerve_client.errors import EpiserveError, from_rpc_error, surfaced
 from episerve_client.keystats import KeyStats
 from episerve_client.listing import Listing
-from episerve_client.local import check_transport, pick_local
 from episerve_client.local_channel import Adopt, LocalChannel
+from episerve_client.messages import KeymapCheck
 from episerve_client.read_answer import ReadResult
+from episerve_client.transport_choice import check_transport, pick_local
 from episerve_proto.contract import SERVICE_PATH
 
 #: Served by every episerve daemon and front; the probe of a target's first call.
@@ -86,20 +86,20 @@ class Client(BaseClient):
         return listing
 
     def stats(self, *, target: str | None = None, timeout_s: float | None = None) -> dict[str, Any]:
-        return convert.stats(self._run(self.unary_flow("GetStats", b"", target, timeout_s)))
+        return messages.stats(self._run(self.unary_flow("GetStats", b"", target, timeout_s)))
 
     def register_keymap(self, keymap: KeymapLike, *, timeout_s: float | None = None) -> str:
         """Validate a keymap on the daemon; returns its id (a content hash)."""
-        payload = convert.register_request(load_keymap(keymap))
-        return convert.keymap_id(self._run(self.unary_flow("RegisterKeymap", payload, None,
+        payload = messages.register_request(load_keymap(keymap))
+        return messages.keymap_id(self._run(self.unary_flow("RegisterKeymap", payload, None,
                                                            timeout_s)))
 
     def check_keymap(self, keymap: KeymapLike, *,
                            timeout_s: float | None = None) -> KeymapCheck:
         """Register a keymap and have the daemon check it against every episode it serves:
         which lack one of its zarr keys, and the frame size each declares per camera key."""
-        payload = convert.register_request(load_keymap(keymap), check_episodes=True)
-        return convert.keymap_check(self._run(self.unary_flow("RegisterKeymap", payload,
+        payload = messages.register_request(load_keymap(keymap), check_episodes=True)
+        return messages.keymap_check(self._run(self.unary_flow("RegisterKeymap", payload,
                                                                     None, timeout_s)))
 
     def read(self, keymap: KeymapLike, samples: Sequence[tuple[str, int]], *,

@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from episerve_client.convert import parse
 from episerve_client.errors import DataLossError
+from episerve_client.messages import parse
 from episerve_client.tensors import tensor
 from episerve_proto.v1 import episerve_pb2 as pb
 

@@ -8,9 +8,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from episerve_client.convert import parse
 from episerve_client.errors import DataLossError
-from episerve_proto.episode import EpisodeFacts
+from episerve_client.messages import parse
+from episerve_proto.episode_fields import EpisodeFacts
 from episerve_proto.v1 import episerve_pb2 as pb
 
 

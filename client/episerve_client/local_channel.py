@@ -49,7 +49,7 @@ from episerve_client.errors import (
     Unavailable,
 )
 from episerve_client.read_answer import InSegment
-from episerve_proto import local as lp
+from episerve_proto import local_plane as lp
 from episerve_proto.errors import error_class
 
 log = logging.getLogger(__name__)

@@ -18,10 +18,10 @@ from typing import Any
 import numpy as np
 
 from episerve_client.answer_wire import check_wire
-from episerve_client.convert import parse
+from episerve_client.messages import parse
 from episerve_client.tensors import loss, tensor
 from episerve_proto import rawframe
-from episerve_proto.answer import OPTIONAL, PER_SAMPLE, Field
+from episerve_proto.answer_fields import OPTIONAL, PER_SAMPLE, Field
 from episerve_proto.contract import (
     ACTION_MASK,
     CAMERA_MASK_SUFFIX,

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from episerve_proto.contract import MAX_MESSAGE_BYTES, MAX_REQUEST_BYTES
-from episerve_proto.local import MAX_TOKEN_BYTES
+from episerve_proto.local_plane import MAX_TOKEN_BYTES
 from episerve_server import flaghelp, settings
 from episerve_server.core.ledger import DEFAULT_EPISODE_STATE_BYTES
 from episerve_server.settings import parse_bytes, setting
@@ -57,7 +57,7 @@ class ServerConfig:
         high=MAX_WORKERS,
         says=f"one per four usable cores, 1 to {AUTO_WORKERS_MAX}",
         why=f"0: one per four usable cores, at most {AUTO_WORKERS_MAX}")
-    # The local plane (rpc/local/): shared-memory Reads on ``<unix>.local``.
+    # The local plane (rpc/local_plane/): shared-memory Reads on ``<unix>.local``.
     local_plane: bool = setting(True, "with --unix: do not open the local shared-memory "
                                 "plane beside the socket", "listening",
                                 says="the plane opens at PATH.local")

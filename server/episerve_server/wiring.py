@@ -10,12 +10,12 @@ from typing import Any
 from episerve_server.config import ServerConfig
 from episerve_server.core.cache import ChunkCache, EvictHook
 from episerve_server.core.collector import COLLECTOR
+from episerve_server.core.counters import Stats
 from episerve_server.core.ledger import EpisodeState
-from episerve_server.core.stats import Stats
-from episerve_server.plan.background import Background
 from episerve_server.plan.planner import Planner
-from episerve_server.plan.statistics import KeyStatsEngine
+from episerve_server.plan.read_ahead import Background
 from episerve_server.preflight import StartupError
+from episerve_server.statistics.key_statistics import KeyStatsEngine
 from episerve_server.storage.catalog import Catalog
 from episerve_server.storage.spill import SpillRefused, SpillTier
 from episerve_server.storage.store import CountingStore, open_root

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from episerve_client import Client, convert
+from episerve_client import Client, messages
 from tests.support import hostile
 from tests.support.h2raw import RawH2Client
 
@@ -31,7 +31,7 @@ def test_stuck_connections_hold_no_more_than_the_budget(ramp_roots: dict[str, Pa
                                                         start_daemon: Any) -> None:
     d = start_daemon(ramp_roots["sharded"], "--max-buffered-bytes", str(BUDGET),
                      "--max-buffered-bytes-per-peer", str(64 * MiB), "--log-level", "WARNING")
-    payload = convert.read_request([("ep003d", f % 257) for f in range(RESPONSE_SAMPLES)],
+    payload = messages.read_request([("ep003d", f % 257) for f in range(RESPONSE_SAMPLES)],
                                    keymap=BIG)
     with Client(d.target) as c:  # warm: chunks cached, allocator settled
         for _ in range(3):

@@ -238,7 +238,7 @@ def test_garbage_bytes_are_invalid_argument(method: str,
 
 def test_keymap_by_id_and_inline_give_the_same_result(
         shared_daemons: dict[str, DaemonProcess]) -> None:
-    from episerve_client import convert
+    from episerve_client import messages
     from episerve_client.read_answer import read_result
 
     target = shared_daemons["tcp"].target
@@ -247,9 +247,9 @@ def test_keymap_by_id_and_inline_give_the_same_result(
     with _channel(target) as ch:
         register = ch.unary_unary("/episerve.v1.EpiServe/RegisterKeymap")
         read = ch.unary_unary("/episerve.v1.EpiServe/Read")
-        kid = convert.keymap_id(register(convert.register_request(keymap), timeout=5))
-        by_id = read_result(read(convert.read_request(samples, keymap_id=kid), timeout=5))
-        inline = read_result(read(convert.read_request(samples, keymap=keymap),
+        kid = messages.keymap_id(register(messages.register_request(keymap), timeout=5))
+        by_id = read_result(read(messages.read_request(samples, keymap_id=kid), timeout=5))
+        inline = read_result(read(messages.read_request(samples, keymap=keymap),
                                           timeout=5))
     assert kid.startswith("km-")
     assert by_id.arrays.keys() == inline.arrays.keys()
@@ -259,15 +259,15 @@ def test_keymap_by_id_and_inline_give_the_same_result(
 
 def test_one_debug_line_per_rpc_and_an_info_summary_per_interval(ramp_roots: dict[str, Path],
                                                                    start_daemon: Any) -> None:
-    from episerve_client import convert
+    from episerve_client import messages
 
     lines = {}
     for level in ("DEBUG", "INFO"):
         d = start_daemon(ramp_roots["sharded"], "--log-level", level, "--log-summary-s", "0.3")
         with _channel(d.target) as ch:
             read = ch.unary_unary("/episerve.v1.EpiServe/Read")
-            ok = convert.read_request([("ep000a", 1)], keymap=CAMERA_ONLY)
-            bad = convert.read_request([("ep000a", 99)], keymap=CAMERA_ONLY)
+            ok = messages.read_request([("ep000a", 1)], keymap=CAMERA_ONLY)
+            bad = messages.read_request([("ep000a", 99)], keymap=CAMERA_ONLY)
             read(ok, metadata=(("x-request-id", "req-ok-1"),), timeout=5)
             with pytest.raises(grpc.RpcError):
                 read(bad, metadata=(("x-request-id", "req-bad-2"),), timeout=5)

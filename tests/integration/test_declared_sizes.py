@@ -51,7 +51,7 @@ def test_an_episode_declaring_a_hundred_million_frames_costs_what_it_holds(
             client.read(KEYMAP, [("huge", 0)])
             before = hostile.rss(d.pid)
             poller.mark()
-            for _ in range(3):  # cold, then warm (the compiled plan's tables)
+            for _ in range(3):  # cold, then warm (the read plan's tables)
                 for f in frames:
                     got = client.read(KEYMAP, [("huge", f)])
                     assert got.arrays["k"].shape == (1, 63)

@@ -24,7 +24,7 @@ import pytest
 import simplejpeg
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from episerve_client import AsyncClient, Client, convert, errors
+from episerve_client import AsyncClient, Client, errors, messages
 from episerve_tools.launch import DaemonProcess
 from tests.support import ramp
 
@@ -293,10 +293,10 @@ def test_reads_over_the_limit_are_refused_quickly_and_clients_back_off(
                      "--inject-latency-s", "0.25", "--max-store-concurrency", "1",
                      "--cache-bytes", "0", "--log-level", "DEBUG",
                      unix=True)  # DEBUG: one log line per RPC
-    payload = convert.read_request([("ep003d", f) for f in range(0, 200, 20)], keymap=CAMERA)
+    payload = messages.read_request([("ep003d", f) for f in range(0, 200, 20)], keymap=CAMERA)
     done: list[tuple[Any, float]] = []
     with grpc.insecure_channel(d.target) as ch:
-        ch.unary_unary(READ)(convert.read_request([("ep000a", 0)], keymap=CAMERA), timeout=10)
+        ch.unary_unary(READ)(messages.read_request([("ep000a", 0)], keymap=CAMERA), timeout=10)
         start = time.monotonic()
         futures = [ch.unary_unary(READ).future(payload, timeout=30) for _ in range(10)]
         for f in futures:
@@ -375,7 +375,7 @@ def _huge_read(entries: int) -> tuple[bytes, int]:
     keymap = {f"a{k}": {"zarr_key": f"{('left', 'right')[k % 2]}.obs_keypoints",
                         "key_type": "action_keys", "horizon": 1024} for k in range(entries)}
     samples = [("ep003d", f % 257) for f in range(4096)]
-    return convert.read_request(samples, keymap=keymap), 4096 * entries * 1024 * (63 + 1) * 4
+    return messages.read_request(samples, keymap=keymap), 4096 * entries * 1024 * (63 + 1) * 4
 
 
 def _refusal(d: DaemonProcess, payload: bytes) -> tuple[grpc.RpcError, float, int, int]:
@@ -402,7 +402,7 @@ def test_a_request_for_gigabytes_is_refused_quickly_without_building_it(
     assert "split the batch" in error.details()
     assert elapsed < 2.0
     assert peak < would_be / 10  # the response itself is never built
-    over, _, _, _ = _refusal(d, convert.read_request([("ep003d", 0)] * 4097, keymap=KEYPOINTS))
+    over, _, _, _ = _refusal(d, messages.read_request([("ep003d", 0)] * 4097, keymap=KEYPOINTS))
     assert over.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "limit of 4096" in over.details()
     assert _health(d.target) == health_pb2.HealthCheckResponse.SERVING

@@ -31,7 +31,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from episerve_client import Client, convert, errors
+from episerve_client import Client, errors, messages
 from episerve_proto.contract import KEY_TYPES, SERVICE_PATH
 from episerve_proto.v1 import episerve_pb2 as pb
 from episerve_tools.launch import DaemonProcess
@@ -146,7 +146,7 @@ def fuzzed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fuzzed]:
     watch = Inotify(base / "outside.zarr")
     channel = grpc.insecure_channel(d.target)
     register = channel.unary_unary(SERVICE + "RegisterKeymap")
-    kid = convert.keymap_id(register(convert.register_request(MECKA), timeout=10))
+    kid = messages.keymap_id(register(messages.register_request(MECKA), timeout=10))
     fz = Fuzzed(d, channel, base / "outside.zarr", watch, kid)
     started = time.monotonic()
     yield fz
@@ -191,13 +191,13 @@ def test_path_like_episode_ids_are_refused_and_nothing_outside_the_root_is_opene
     fz = fuzzed
     for episode in PATH_LIKE:
         for frame in (0, 5):
-            payload = convert.read_request([(episode, frame)], keymap=MECKA)
+            payload = messages.read_request([(episode, frame)], keymap=MECKA)
             assert fz.send("path_like", "Read", payload)[0] == "INVALID_ARGUMENT", episode
-            by_id = convert.read_request([("ep000a", 1), (episode, frame)],
+            by_id = messages.read_request([("ep000a", 1), (episode, frame)],
                                          keymap_id=fz.keymap_id)
             assert fz.send("path_like", "Read", by_id)[0] == "INVALID_ARGUMENT", episode
     for episode in ABSENT:
-        payload = convert.read_request([(episode, 0)], keymap=MECKA)
+        payload = messages.read_request([(episode, 0)], keymap=MECKA)
         assert fz.send("path_like", "Read", payload)[0] == "NOT_FOUND", episode
     for zarr_key in ZARR_KEYS_HOSTILE:
         # Built by hand: the client refuses most of these keys before sending, and what is
@@ -386,11 +386,11 @@ def test_fuzzed_key_stats_get_deliberate_answers(fuzzed: Fuzzed, keys: list[str]
 def _valid_payloads(keymap_id: str) -> list[tuple[str, bytes]]:
     samples = [("ep003d", 200), ("ep000a", 36), ("ep002c", 0)]
     return [
-        ("Read", convert.read_request(samples, keymap=MECKA, annotation_cutoff=True)),
-        ("Read", convert.read_request(samples, keymap_id=keymap_id, max_response_bytes=1 << 20)),
-        ("RegisterKeymap", convert.register_request(MECKA)),
+        ("Read", messages.read_request(samples, keymap=MECKA, annotation_cutoff=True)),
+        ("Read", messages.read_request(samples, keymap_id=keymap_id, max_response_bytes=1 << 20)),
+        ("RegisterKeymap", messages.register_request(MECKA)),
         ("ListEpisodes", b""),
-        ("GetKeyStats", convert.key_stats_request(list(ramp.MECKA_KEYS), ["ep000a", "ep003d"])),
+        ("GetKeyStats", messages.key_stats_request(list(ramp.MECKA_KEYS), ["ep000a", "ep003d"])),
     ]
 
 

@@ -43,7 +43,7 @@ from typing import Any
 import grpc
 import pytest
 
-from episerve_client import Client, convert, errors
+from episerve_client import Client, errors, messages
 from episerve_client.errors import EpiserveError
 from episerve_client.read_answer import read_result
 from episerve_proto.contract import SERVICE_PATH
@@ -648,7 +648,7 @@ def test_5000_distinct_keymaps_registered(arena: Arena) -> None:
                 futures = [call.future(p, timeout=30) for p in payloads[start : start + 32]]
                 for f in futures:
                     try:
-                        ids.append(convert.keymap_id(f.result()))
+                        ids.append(messages.keymap_id(f.result()))
                     except grpc.RpcError as exc:
                         failed.append(typed(exc))
         # the last keymap is known; the first has been forgotten by now
@@ -700,7 +700,7 @@ def test_a_peer_that_never_opens_its_window(transport: str, arena: Arena) -> Non
     Over a unix socket gRPC reports every client as the same peer, so only the total budget
     (24 MiB here) bounds what the stuck client holds; others are served again once it goes."""
     victim = _requests_victim(arena, transport)
-    payload = convert.read_request([("ep003d", f) for f in range(0, 256, 8)], keymap=BIG_READ)
+    payload = messages.read_request([("ep003d", f) for f in range(0, 256, 8)], keymap=BIG_READ)
     seen: dict[str, Any] = {}
 
     def attack() -> Any:

@@ -247,10 +247,10 @@ def test_long_episodes_in_blocks_and_a_tiny_budget(root: Path, budget: int, cut:
     import asyncio
 
     from episerve_server.config import ServerConfig
-    from episerve_server.plan import statistics
+    from episerve_server.statistics import key_statistics
     from episerve_server.wiring import build_read_core
 
-    monkeypatch.setattr(statistics, cut, 1)
+    monkeypatch.setattr(key_statistics, cut, 1)
     core = build_read_core(ServerConfig(root=str(root), stats_cache_bytes=budget))
     noisy = ["noisy0", "noisy1", "noisy2"]
 

@@ -13,7 +13,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from episerve_client import Client, convert, errors
+from episerve_client import Client, errors, messages
 from tests.support import ramp
 
 pytestmark = pytest.mark.slow
@@ -49,7 +49,7 @@ def test_sigterm_drains_in_flight_reads(ramp_roots: dict[str, Path], start_daemo
     assert _health(d.target) == health_pb2.HealthCheckResponse.NOT_SERVING
     with grpc.insecure_channel(d.target) as ch, pytest.raises(grpc.RpcError) as refused:
         ch.unary_unary("/episerve.v1.EpiServe/Read")(
-            convert.read_request([("ep000a", 0)], keymap=KEYPOINTS), timeout=5)
+            messages.read_request([("ep000a", 0)], keymap=KEYPOINTS), timeout=5)
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
     reader.join(15)
     assert len(outcome["result"]) == 20

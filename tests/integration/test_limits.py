@@ -18,7 +18,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from episerve_client import Client, convert, errors
+from episerve_client import Client, errors, messages
 from episerve_client.listing import listing_page
 from episerve_proto.contract import (
     MAX_LISTED_ATTRS_BYTES,
@@ -107,13 +107,13 @@ def _keymap(n: int, name: str = "o") -> dict[str, dict[str, Any]]:
 def test_too_many_keymap_entries_are_refused(how: str, limited: DaemonProcess) -> None:
     keymap = _keymap(ENTRIES + 1)
     if how == "register":
-        err = _refused(limited, "RegisterKeymap", convert.register_request(keymap))
+        err = _refused(limited, "RegisterKeymap", messages.register_request(keymap))
     else:
-        err = _refused(limited, "Read", convert.read_request([("ep000a", 0)], keymap=keymap))
+        err = _refused(limited, "Read", messages.read_request([("ep000a", 0)], keymap=keymap))
     assert isinstance(err, errors.LimitExceeded)
     assert "entries" in str(err) and f"limit of {ENTRIES}" in str(err)
     assert "--max-keymap-entries" in str(err)
-    assert _refused(limited, "RegisterKeymap", convert.register_request(_keymap(100_000))) \
+    assert _refused(limited, "RegisterKeymap", messages.register_request(_keymap(100_000))) \
         .code == "RESOURCE_EXHAUSTED"
     _still_serving(limited)
 
@@ -137,11 +137,11 @@ LONG = "q" * HUGE
 IN_KEYMAP = 1500  # over MAX_NAME_CHARS, under the keymap byte limit (a keymap name's case)
 KM_LONG = "q" * IN_KEYMAP
 NAME_CASES = [
-    ("episode id", "Read", convert.read_request([("ep000a", 0), (LONG, 0)], keymap=KEYPOINTS),
+    ("episode id", "Read", messages.read_request([("ep000a", 0), (LONG, 0)], keymap=KEYPOINTS),
      errors.InvalidEpisodeId, "episodes[1]", HUGE),
-    ("keymap id", "Read", convert.read_request([("ep000a", 0)], keymap_id=LONG),
+    ("keymap id", "Read", messages.read_request([("ep000a", 0)], keymap_id=LONG),
      errors.InvalidArgument, "keymap_id", HUGE),
-    ("page token", "ListEpisodes", convert.list_request(LONG), errors.InvalidArgument,
+    ("page token", "ListEpisodes", messages.list_request(LONG), errors.InvalidArgument,
      "page_token", HUGE),
     ("output key", "RegisterKeymap", raw_register({KM_LONG: KEYPOINTS["k"]}),
      errors.KeymapError, "entries[0].name", IN_KEYMAP),
@@ -183,7 +183,7 @@ def test_names_at_the_limit_are_fine_and_just_over_are_not(limited: DaemonProces
 
 
 def test_a_request_over_the_receive_limit_is_refused_by_grpc(limited: DaemonProcess) -> None:
-    payload = convert.read_request([("ep000a", 0)] * (MAX_REQUEST_BYTES // 8 + 1),
+    payload = messages.read_request([("ep000a", 0)] * (MAX_REQUEST_BYTES // 8 + 1),
                                    keymap=KEYPOINTS)
     assert len(payload) > MAX_REQUEST_BYTES
     err = _refused(limited, "Read", payload)
@@ -199,15 +199,15 @@ def test_the_keymap_registry_stays_under_its_budget_and_clients_recover(
     first = _keymap(4, name="first")
     with Client(limited.target) as c:
         assert c.read(first, [("ep001b", 3)]).arrays["first0"].shape == (1, 7)
-        kid = convert.keymap_id(_call(limited, "RegisterKeymap", convert.register_request(first)))
+        kid = messages.keymap_id(_call(limited, "RegisterKeymap", messages.register_request(first)))
         for k in range(100):  # every one distinct: ~100 x 1.4 kB charged, over 16 kB
-            convert.keymap_id(_call(limited, "RegisterKeymap",
-                                    convert.register_request(_keymap(4, name=f"m{k}_"))))
+            messages.keymap_id(_call(limited, "RegisterKeymap",
+                                    messages.register_request(_keymap(4, name=f"m{k}_"))))
         stats = c.stats()
         assert 0 < stats["keymap_registry_bytes"] <= REGISTRY_BYTES
         assert stats["keymap_evictions"] >= 80
         assert stats["keymaps_registered"] < 20
-        err = _refused(limited, "Read", convert.read_request([("ep001b", 3)], keymap_id=kid))
+        err = _refused(limited, "Read", messages.read_request([("ep001b", 3)], keymap_id=kid))
         assert isinstance(err, errors.UnknownKeymap) and "register" in str(err)
         # the client registers again on UnknownKeymap: its read just works
         again = c.read(first, [("ep001b", 4)])
@@ -221,7 +221,7 @@ def test_registering_the_largest_keymaps_never_stalls_health(ramp_roots: dict[st
     the daemon accepts; health is checked all along from another channel."""
     d = start_daemon(ramp_roots["sharded"], "--log-level", "WARNING", unix=True)
     names = [f"{'w' * 200}{k:03d}" for k in range(256)]
-    payloads = [convert.register_request(
+    payloads = [messages.register_request(
         {f"{n}{j}": {"zarr_key": "obs_head_pose", "key_type": "proprio_keys"} for n in names})
         for j in range(30)]
     assert all(60_000 < len(p) < 64 * 2**10 for p in payloads)
@@ -281,7 +281,7 @@ def test_listing_pages_over_the_byte_budget_and_caps_one_episodes_attributes(
         _bare_episode(root, f"b{k:04d}", {"notes": blob})
     _bare_episode(root, "c0000", {"notes": "y" * (MAX_LISTED_ATTRS_BYTES + 10)})
     d = start_daemon(root, "--log-level", "WARNING", unix=True)
-    first = listing_page(_call_big(d, convert.list_request()))
+    first = listing_page(_call_big(d, messages.list_request()))
     assert first[1], "one page held everything: the budget did not page"
     with Client(d.target) as c:
         listing = c.list_episodes()
@@ -315,13 +315,13 @@ def test_pages_stay_consistent_when_episodes_are_added_between_them(
     seen: list[str] = []
     token = ""
     for page_no in range(100):
-        page, token = listing_page(_call(d, "ListEpisodes", convert.list_request(token, 3)))
+        page, token = listing_page(_call(d, "ListEpisodes", messages.list_request(token, 3)))
         seen += [e.hash for e in page.episodes] + list(page.broken)
         assert len(page.episodes) + len(page.broken) <= 3
         if page_no == 1:  # between pages: one before the token, one after it
             _bare_episode(root, "e01", {})
             _bare_episode(root, "e15", {})
-            _call(d, "ListEpisodes", convert.list_request())  # a first page rescans
+            _call(d, "ListEpisodes", messages.list_request())  # a first page rescans
         if not token:
             break
     expected = [f"e{k:02d}" for k in range(0, 20, 2)] + ["e15", "e97", "e99"]

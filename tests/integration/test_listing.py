@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from episerve_client import Client, convert
+from episerve_client import Client, messages
 from episerve_client.listing import listing_page
 from episerve_proto.v1 import episerve_pb2 as pb
 from tests.support import ramp
@@ -51,7 +51,7 @@ def test_brief_pages_are_small_and_continue_by_hash(tmp_path: Path, start_daemon
         sizes = {}
         for brief in (False, True):
             data = client._run(client.unary_flow("ListEpisodes",
-                                                 convert.list_request("", 0, brief)))
+                                                 messages.list_request("", 0, brief)))
             sizes[brief] = len(data)
             msg = pb.ListEpisodesResponse.FromString(data)
             assert all(bool(e.features_json) != brief for e in msg.episodes)

@@ -29,14 +29,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from episerve_client import convert
+from episerve_client import messages
 from episerve_client.local_channel import LocalChannel
 from episerve_client.read_answer import InSegment, read_result
-from episerve_proto import local as lp
+from episerve_proto import local_plane as lp
 from episerve_proto.contract import METHODS
 from episerve_server.config import ServerConfig
 from episerve_server.rpc.handlers.service import EpiserveService
-from episerve_server.rpc.local.plane import LocalPlane
+from episerve_server.rpc.local_plane.plane import LocalPlane
 from episerve_server.wiring import build_read_core
 from tests.support.localpeer import Answer
 
@@ -47,12 +47,12 @@ NEVER = {"UNKNOWN", "INTERNAL"}
 NUMERIC = {"a": {"zarr_key": "left.obs_keypoints", "key_type": "action_keys", "horizon": 30},
            "h": {"zarr_key": "obs_head_pose", "key_type": "proprio_keys", "history": 2}}
 PAYLOADS = {
-    "Read": [convert.read_request([("ep003d", 5), ("ep000a", 0)], keymap=NUMERIC),
-             convert.read_request([("ep003d", f) for f in range(0, 200, 4)], keymap=NUMERIC),
-             convert.read_request([("nope", 0)], keymap=NUMERIC)],
+    "Read": [messages.read_request([("ep003d", 5), ("ep000a", 0)], keymap=NUMERIC),
+             messages.read_request([("ep003d", f) for f in range(0, 200, 4)], keymap=NUMERIC),
+             messages.read_request([("nope", 0)], keymap=NUMERIC)],
     "GetStats": [b""], "ListEpisodes": [b""], "GetTopology": [b""],
-    "RegisterKeymap": [convert.register_request(NUMERIC)],
-    "GetKeyStats": [convert.key_stats_request(["obs_head_pose"], ["ep000a"])],
+    "RegisterKeymap": [messages.register_request(NUMERIC)],
+    "GetKeyStats": [messages.key_stats_request(["obs_head_pose"], ["ep000a"])],
 }
 
 # The first fuzz pass (and the check after it) is in the default run's smoke set.
@@ -252,7 +252,7 @@ def test_a_client_that_keeps_its_batches_stays_within_its_share(served: Served) 
     most): the client holds lent at most the quarter of the budget WELCOME names (one
     segment here) and keeps the rest, so the daemon stays within its 48 MiB and every Read
     is served (before: 4 lent segments, 64 MiB, over the budget: Overloaded)."""
-    big = convert.read_request([("ep003d", f) for f in range(0, 256, 8)], keymap={
+    big = messages.read_request([("ep003d", f) for f in range(0, 256, 8)], keymap={
         "a": {"zarr_key": "left.obs_keypoints", "key_type": "action_keys", "horizon": 1024}})
     channel = LocalChannel(served.unix, served.unix, "")
     held, worst = [], 0

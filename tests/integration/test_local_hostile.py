@@ -21,9 +21,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from episerve_client import Client, convert
+from episerve_client import Client, messages
 from episerve_client.read_answer import InSegment, read_result
-from episerve_proto import local as lp
+from episerve_proto import local_plane as lp
 from tests.support import hostile
 from tests.support.hostile import MiB, Victim
 from tests.support.localpeer import LocalPeer, batch_segment, inq, segment_of
@@ -33,8 +33,8 @@ pytestmark = pytest.mark.slow
 KEYPOINTS = "left.obs_keypoints"
 BIG_READ = {"a": {"zarr_key": KEYPOINTS, "key_type": "action_keys", "horizon": 1024}}
 #: About 8 MB answers (32 windows of 1024 rows of keypoints).
-BIG = convert.read_request([("ep003d", f) for f in range(0, 256, 8)], keymap=BIG_READ)
-SMALL = convert.read_request([("ep003d", 3)], keymap={
+BIG = messages.read_request([("ep003d", f) for f in range(0, 256, 8)], keymap=BIG_READ)
+SMALL = messages.read_request([("ep003d", 3)], keymap={
     "h": {"zarr_key": "obs_head_pose", "key_type": "proprio_keys"}})
 BUDGET = 64 * MiB
 #: The default --max-buffered-bytes, and the goal's limit at it: RSS growth within it.
@@ -236,7 +236,7 @@ def test_a_segment_released_twice_is_never_in_two_reads(victim: Victim) -> None:
     """Read A; RELEASE its segment; Read B, RELEASE it again while B writes it, Read C
     (before: B and C were answered in the same segment, B's bytes overwritten by C's).
     Each answer is read from its segment and compared with gRPC's."""
-    reads = [convert.read_request([("ep003d", f) for f in range(s, s + 64, 4)],
+    reads = [messages.read_request([("ep003d", f) for f in range(s, s + 64, 4)],
                                   keymap=BIG_READ) for s in (0, 1, 2)]
     with Client(victim.target, transport="grpc") as g:
         want = [g.read(BIG_READ, [("ep003d", f) for f in range(s, s + 64, 4)])
@@ -350,7 +350,7 @@ def test_a_kept_batch_received_stops_counting_once_the_budget_is_short(
     # ~21 MB each: one takes its segment and twice its size reserved while it is built
     # (~62 MB of the 64 MiB budget), so the second fits only once the first, received,
     # stops counting.
-    read = convert.read_request((samples * 3)[:80], keymap=BIG_READ)
+    read = messages.read_request((samples * 3)[:80], keymap=BIG_READ)
     with LocalPeer(_local(victim)) as a, LocalPeer(_local(victim)) as b:
         a.call("Read", read, 1, keep=True)
         got = a.answer()

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from episerve_client import Client, convert, errors
+from episerve_client import Client, errors, messages
 from episerve_client.local_channel import adopt_mapping
 from episerve_tools.launch import DaemonProcess
 from tests.support.keymaps import BATCH, KEYMAPS, without_annotations
@@ -139,7 +139,7 @@ def test_auto_picks_the_local_plane_for_a_unix_daemon(
     off = start_daemon(ramp_roots["sharded"], "--no-local-plane", unix=True)
     assert os.path.exists(_socket_path(d) + ".local")
     assert not os.path.exists(_socket_path(off) + ".local")
-    with caplog.at_level(logging.INFO, logger="episerve_client.local"):
+    with caplog.at_level(logging.INFO, logger="episerve_client.transport_choice"):
         for target in (d.target, tcp.target, off.target):
             with Client(target, transport="auto") as c:
                 c.read(NUMERIC, BATCH[:4])
@@ -157,7 +157,7 @@ def test_auto_picks_the_local_plane_for_a_unix_daemon(
                           (off.target, "")):
         with Client(target, transport="grpc") as c:
             answer = c._run(c.unary_flow("GetTopology", b"", target, 10))
-        assert convert.local_plane_of(answer) == plane, target
+        assert messages.local_plane_of(answer) == plane, target
     with pytest.raises(errors.InvalidArgument, match="transport='local' needs unix"):
         Client(tcp.target, transport="local")
     with pytest.raises(errors.InvalidArgument, match="transport must be one of"):

@@ -11,7 +11,8 @@ none read. On a8cd8f7 (where they were served at once) an answer's ``sendmsg`` w
 descriptor met the full queue, waited for it to be writable, and the stop logged uvloop's
 ``remove_writer`` (fd -1) from that wait. A connection's next call is now served only once
 its earlier answers are received, so a descriptor is only ever sent into an empty queue,
-and that wait is gone (``conn.send`` of ``rpc/local/`` refuses a full queue as a bug instead)."""
+and that wait is gone (``conn.send`` of ``rpc/local_plane/`` refuses a full queue as a
+bug instead)."""
 
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from episerve_client import convert
-from episerve_proto import local as lp
+from episerve_client import messages
+from episerve_proto import local_plane as lp
 from episerve_tools.launch import DaemonProcess
 from tests.support.localpeer import LocalPeer, inq
 
@@ -65,7 +66,7 @@ def _send_quietly(peer: LocalPeer, data: bytes) -> None:
 def test_sigterm_while_a_send_waits_for_the_socket(tmp_path: Path,
                                                    ramp_roots: dict[str, Path]) -> None:
     sock = tmp_path / "d.sock"
-    request = convert.read_request(
+    request = messages.read_request(
         [("ep003d", k % 200) for k in range(SAMPLES)],
         keymap={"h": {"zarr_key": "obs_head_pose", "key_type": "proprio_keys"}})
     daemon = DaemonProcess(ramp_roots["sharded"], "--rescan-s", "0", "--grace-s", "1",
@@ -97,7 +98,7 @@ def test_sigterm_while_kept_answers_wait_for_a_full_socket(tmp_path: Path,
     and the stop logged uvloop's ``remove_writer`` on the closed socket. Now only the first
     is answered until the peer reads it; the stop is clean."""
     sock = tmp_path / "d.sock"
-    request = convert.read_request(
+    request = messages.read_request(
         [("ep003d", k % 200) for k in range(256)],
         keymap={"h": {"zarr_key": "obs_head_pose", "key_type": "proprio_keys"}})
     daemon = DaemonProcess(ramp_roots["sharded"], "--rescan-s", "0", "--grace-s", "1",

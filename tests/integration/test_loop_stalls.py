@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 
-from episerve_client import Client, convert, errors
+from episerve_client import Client, errors, messages
 from episerve_proto.contract import MAX_LIST_HASHES
 from tests.support import ramp
 from tests.support.hostile import MiB, Outcome, Probe, Victim
@@ -209,7 +209,7 @@ def test_brief_listings_with_huge_hash_filters_keep_health_answering(many: Victi
         assert o.value == [len(wanted)] * 8
 
         def huge() -> None:
-            payload = convert.list_request("", 0, True, [f"{i:06d}" for i in range(900_000)])
+            payload = messages.list_request("", 0, True, [f"{i:06d}" for i in range(900_000)])
             client._run(client.unary_flow("ListEpisodes", payload, None, 30))
 
         o = many.attack("brief listing, 900k ids", huge)

@@ -25,7 +25,7 @@ import pytest
 import simplejpeg
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from episerve_client import Client, convert, errors
+from episerve_client import Client, errors, messages
 from episerve_client.read_answer import read_result
 from episerve_proto.contract import SERVICE_PATH
 from episerve_server.rpc.handlers.buffers import HELD_COPIES
@@ -163,7 +163,7 @@ def test_responses_refused_after_loading_frames_leave_nothing_behind(
     limit: frames are fetched until they pass it, then the response is refused."""
     d = start_daemon(heavy_root, "--cache-bytes", "0", "--log-level", "ERROR", unix=True)
     camera = {"f": {"zarr_key": "images.big", "key_type": "camera_keys"}}
-    payload = convert.read_request([("frames", f) for f in range(FRAMES)], keymap=camera,
+    payload = messages.read_request([("frames", f) for f in range(FRAMES)], keymap=camera,
                                    max_response_bytes=MiB)
     with grpc.insecure_channel(d.target) as ch:
         read = ch.unary_unary(SERVICE_PATH + "Read")
@@ -176,12 +176,12 @@ def test_responses_refused_after_loading_frames_leave_nothing_behind(
         stats = ch.unary_unary(SERVICE_PATH + "GetStats")
         for _ in range(5):
             refuse()
-        warm, fetched = _settle(d.pid), convert.stats(stats(b"", timeout=5))["bytes_fetched"]
+        warm, fetched = _settle(d.pid), messages.stats(stats(b"", timeout=5))["bytes_fetched"]
         repeats = 100
         for _ in range(repeats):
             refuse()
         after = _settle(d.pid)
-        loaded = convert.stats(stats(b"", timeout=5))["bytes_fetched"] - fetched
+        loaded = messages.stats(stats(b"", timeout=5))["bytes_fetched"] - fetched
     assert loaded >= repeats * MiB  # each refusal came after loading more than the limit
     print(f"RSS after warm-up {warm / MiB:.0f} MiB, after {repeats} refused reads that loaded "
           f"{loaded / repeats / MiB:.1f} MiB each: {(after - warm) / MiB:+.1f} MiB")
@@ -241,7 +241,7 @@ def test_a_client_that_never_reads_holds_little_and_not_for_long(
     of it is refused on arrival, for as long as it asks. Its connection is recycled after 4 s
     (+1 s grace) and the buffers let go."""
     d = slow_daemon
-    payload = convert.read_request([("ep003d", f) for f in range(64)], keymap=WIDE)
+    payload = messages.read_request([("ep003d", f) for f in range(64)], keymap=WIDE)
     asked = 50
     with Client(d.target, timeout_s=30, transport="grpc") as good, \
             HealthProbe(d.target) as probe:
@@ -308,7 +308,7 @@ def test_reads_over_the_total_buffer_limit_are_overloaded_and_say_why(
     # one stalled 13 MB response, counted with gRPC's copy, fits; a second would not
     d = start_daemon(ramp_roots["sharded"], "--max-buffered-bytes", "40MiB",
                      "--log-level", "ERROR")
-    payload = convert.read_request([("ep003d", f) for f in range(64)], keymap=WIDE)
+    payload = messages.read_request([("ep003d", f) for f in range(64)], keymap=WIDE)
     stalled = Stalled(d.target)
     with grpc.insecure_channel(d.target, (("grpc.max_receive_message_length", 64 * MiB),)) as ch:
         read = ch.unary_unary(SERVICE_PATH + "Read")
@@ -316,7 +316,7 @@ def test_reads_over_the_total_buffer_limit_are_overloaded_and_say_why(
         try:
             stalled.call("Read", payload)
             deadline = time.monotonic() + 10
-            while not convert.stats(stats(b"", timeout=5))["buffered_bytes"]:
+            while not messages.stats(stats(b"", timeout=5))["buffered_bytes"]:
                 assert time.monotonic() < deadline
                 time.sleep(0.02)
             with pytest.raises(grpc.RpcError) as info:
@@ -324,12 +324,12 @@ def test_reads_over_the_total_buffer_limit_are_overloaded_and_say_why(
             err = errors.from_rpc_error(info.value)
             assert isinstance(err, errors.Overloaded) and err.transient
             assert "--max-buffered-bytes" in str(err) and "slow clients" in str(err)
-            small = convert.read_request([("ep003d", 3)], keymap=KEYPOINTS)
+            small = messages.read_request([("ep003d", 3)], keymap=KEYPOINTS)
             assert read_result(read(small, timeout=10)).arrays["k"].shape == (1, 63)
         finally:
             stalled.close()  # its connection goes: its response is let go
         deadline = time.monotonic() + 10
-        while convert.stats(stats(b"", timeout=5))["buffered_bytes"]:
+        while messages.stats(stats(b"", timeout=5))["buffered_bytes"]:
             assert time.monotonic() < deadline, "a closed connection's buffer was kept"
             time.sleep(0.02)
         assert len(read_result(read(payload, timeout=30))) == 64

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from episerve_client import Client, errors
-from episerve_proto import local as lp
+from episerve_proto import local_plane as lp
 from tests.support.daemons import SyncAsync
 
 pytestmark = pytest.mark.slow

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from episerve_client import Client
-from episerve_proto.local import MAX_TOKEN_BYTES
+from episerve_proto.local_plane import MAX_TOKEN_BYTES
 from episerve_server.config import ServerConfig
 from episerve_server.settings import MAX_SIZE, MAX_WHOLE, declared
 from episerve_tools.launch import DaemonProcess

@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 import pytest
 
-from episerve_client import convert
+from episerve_client import messages
 from episerve_client.errors import from_rpc_error
 from episerve_client.read_answer import read_result
 from episerve_proto.contract import SERVICE_PATH
@@ -71,7 +71,7 @@ class TestForwardedByTheFront(TransportTests):
     def read(self, client: Any, target: str, keymap: dict[str, Any],
              samples: list[tuple[str, int]], cutoff: bool = False,
              all_masks: bool = False) -> Any:
-        request = convert.read_request(samples, keymap=keymap, annotation_cutoff=cutoff,
+        request = messages.read_request(samples, keymap=keymap, annotation_cutoff=cutoff,
                                        all_masks=all_masks)
         with grpc.insecure_channel(target) as ch:
             try:

@@ -25,7 +25,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from episerve_client import Client, convert, errors
+from episerve_client import Client, errors, messages
 from episerve_client.read_answer import ReadResult, read_result
 from episerve_proto import routing
 from episerve_proto.contract import SERVICE_PATH
@@ -79,13 +79,13 @@ def _health(target: str) -> int:
 
 def _topology(target: str) -> tuple[tuple[str, ...], str]:
     with grpc.insecure_channel(target) as ch:
-        return convert.topology(ch.unary_unary(SERVICE_PATH + "GetTopology")(b"", timeout=5))
+        return messages.topology(ch.unary_unary(SERVICE_PATH + "GetTopology")(b"", timeout=5))
 
 
 def _forwarded_read(target: str, keymap: dict[str, Any], samples: list[tuple[str, int]],
                     cutoff: bool = False, all_masks: bool = False) -> ReadResult:
     """What grpcurl or an older client does: one Read to the daemon's address."""
-    request = convert.read_request(samples, keymap=keymap, annotation_cutoff=cutoff,
+    request = messages.read_request(samples, keymap=keymap, annotation_cutoff=cutoff,
                                    all_masks=all_masks)
     with grpc.insecure_channel(target) as ch:
         return read_result(ch.unary_unary(SERVICE_PATH + "Read")(request, timeout=30))

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from episerve_client import Client, convert, errors
+from episerve_client import Client, errors, messages
 from episerve_client.read_answer import read_result
 from episerve_proto import routing
 from episerve_proto.contract import ERROR_TRAILER, SERVICE_NAME, SERVICE_PATH
@@ -236,7 +236,7 @@ def limited(ramp_roots: dict[str, Path],
 
 
 def _refusal(target: str, samples: list[tuple[str, int]]) -> grpc.RpcError:
-    request = convert.read_request(samples, keymap=LONG)
+    request = messages.read_request(samples, keymap=LONG)
     with pytest.raises(grpc.RpcError) as refused:
         _raw(target, "Read", request)
     return refused.value
@@ -257,9 +257,9 @@ def test_the_front_refuses_a_merged_answer_over_the_limit_as_one_process_does(
     for d in limited.values():
         for half in (HALVES[:16], HALVES[16:]):
             assert len(read_result(_raw(d.target, "Read",
-                                                convert.read_request(half, keymap=LONG)))) == 16
+                                                messages.read_request(half, keymap=LONG)))) == 16
     # a client's own lower limit is applied to the sum too
-    request = convert.read_request(HALVES[:8] + HALVES[16:24], keymap=LONG,
+    request = messages.read_request(HALVES[:8] + HALVES[16:24], keymap=LONG,
                                    max_response_bytes=2**20)
     with pytest.raises(grpc.RpcError) as lower:
         _raw(limited[2].target, "Read", request)
@@ -306,7 +306,7 @@ def test_reads_through_the_front_are_refused_before_their_parts_are_asked_for(
     does not fit beside what the front holds is refused before any worker reads for it.
     Before, each read's parts were fetched and held first (the front's RSS peaked at
     493 MiB for 62 MB answers) and then all four were refused."""
-    request = convert.read_request(WIDE_HALVES, keymap=WIDE)
+    request = messages.read_request(WIDE_HALVES, keymap=WIDE)
     before = _worker_reads(budgeted.target)
 
     def one(_: int) -> str:
@@ -355,7 +355,7 @@ def test_a_hung_worker_is_not_serving_and_reads_fail_fast(ramp_roots: dict[str, 
             assert len(c.read(KEYPOINTS, [(OWNED_BY_0, 3)], timeout_s=5)) == 1
         start = time.monotonic()  # forwarded, with no deadline: refused, not held 120 s
         with pytest.raises(grpc.RpcError) as refused:
-            _raw(d.target, "Read", convert.read_request([(OWNED_BY_1, 3)], keymap=KEYPOINTS),
+            _raw(d.target, "Read", messages.read_request([(OWNED_BY_1, 3)], keymap=KEYPOINTS),
                  timeout_s=None)
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
         assert time.monotonic() - start < 2
@@ -372,7 +372,7 @@ def test_a_call_in_flight_to_a_worker_that_hangs_ends_unavailable(
     slow = ("--inject-latency-s", "1.0", "--cache-bytes", "0")
     d = start_daemon(ramp_roots["sharded"], *slow, unix=True, workers=2)
     pid = d.worker_pids()[1]
-    request = convert.read_request([(OWNED_BY_1, 7)], keymap=KEYPOINTS)
+    request = messages.read_request([(OWNED_BY_1, 7)], keymap=KEYPOINTS)
     with grpc.insecure_channel(d.target) as ch:
         pending = ch.unary_unary(SERVICE_PATH + "Read").future(request)  # no deadline
         time.sleep(0.3)
@@ -390,8 +390,8 @@ def test_a_call_in_flight_to_a_worker_that_hangs_ends_unavailable(
 def test_keymaps_registered_through_the_front_survive_a_worker_restart(
         ramp_roots: dict[str, Path], start_daemon: Any) -> None:
     d = start_daemon(ramp_roots["sharded"], unix=True, workers=2)
-    kid = convert.keymap_id(_raw(d.target, "RegisterKeymap",
-                                 convert.register_request(KEYPOINTS)))
+    kid = messages.keymap_id(_raw(d.target, "RegisterKeymap",
+                                 messages.register_request(KEYPOINTS)))
     samples = [(OWNED_BY_1, 4), (OWNED_BY_0, 4)]
     request = pb.ReadRequest(keymap_id=kid, episodes=[e for e, _ in samples],
                              frames=[f for _, f in samples]).SerializeToString()

@@ -19,7 +19,7 @@ from episerve_server.config import ServerConfig
 from episerve_server.core.keymap import Keymap
 from episerve_server.core.result import BatchResult
 from episerve_server.plan.options import ReadOptions
-from episerve_server.rpc.local.segments import SegmentArena, SegmentPool
+from episerve_server.rpc.local_plane.segments import SegmentArena, SegmentPool
 from episerve_server.rpc.wire.encode import encode_result
 from episerve_server.wiring import ReadCore, build_read_core
 from tests.support import ramp
@@ -53,7 +53,7 @@ CAMERA_KEYMAPS = {"camera_history": KEYMAPS["camera_history"], "mecka_cam": KEYM
 
 def write_root(root: Path, uniform: bool = False) -> None:
     """The episodes; ``uniform``: all with 100-row chunks (each key then has one chunk
-    length, so the compiled plan plans every numeric key in one kernel call)."""
+    length, so the kernel locates every numeric key of a batch in one call)."""
     root.mkdir(parents=True, exist_ok=True)
     for h, no, total, fps, chunk in EPISODES:
         ramp.write_ramp_episode(root, h, episode_no=no, total_frames=total, fps=fps,

@@ -25,8 +25,8 @@ from typing import Any
 from zarr.abc.store import ByteRequest, Store
 from zarr.core.buffer import Buffer, BufferPrototype
 
+from episerve_server.storage.confined_root import METADATA_NAMES, ByteGet
 from episerve_server.storage.latency import LatencyStore
-from episerve_server.storage.local import METADATA_NAMES, ByteGet
 
 CONTROL_ENV = "FAULTSTORE_CONTROL"
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from episerve_proto import local as lp
+from episerve_proto import local_plane as lp
 
 _FD_SPACE = socket.CMSG_SPACE(array.array("i").itemsize)
 

@@ -30,7 +30,7 @@ from zarr.codecs import ZstdCodec
 
 from episerve_proto.errors import DataLossError
 from episerve_server.core.cache import Chunk
-from episerve_server.core.stats import Stats
+from episerve_server.core.counters import Stats
 from episerve_server.storage.catalog import Catalog
 from episerve_server.storage.readers import ChunkReader
 from episerve_server.storage.readers.base import decode_chunk

@@ -12,9 +12,9 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from episerve_server.core.counters import Stats
 from episerve_server.core.keymap import Keymap
 from episerve_server.core.result import BatchResult
-from episerve_server.core.stats import Stats
 from episerve_server.plan.options import ReadOptions
 from episerve_server.plan.planner import Planner
 from episerve_server.storage.catalog import Catalog

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from episerve_server.storage.local import ConfinedLocalStore
+from episerve_server.storage.confined_root import ConfinedLocalStore
 from tests.support import ramp
 from tests.support.exactness_rank import digest
 from tests.support.faultstore import FaultStore, write_orders

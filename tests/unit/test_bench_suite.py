@@ -124,14 +124,14 @@ def test_profile_shares_count_each_function_once_per_sample_below_the_loop(
             "Runner.run (asyncio/runners.py:118)")
     raw.write_text("\n".join([
         f"{loop};Planner.read (episerve_server/plan/planner.py:5);"
-        "Compiled.plan (episerve_server/plan/compiled.py:9) 6",
+        "Locator.locate (episerve_server/plan/locate.py:9) 6",
         # recursion: counted once for the sample
         f"{loop};Planner.read (episerve_server/plan/planner.py:5);"
         "Planner.read (episerve_server/plan/planner.py:7);take (numpy/core.py:3) 3",
         f"{loop};select (selectors.py:1) 1",  # nothing of episerve's under the loop
-        "_bootstrap (threading.py:1);_copy (episerve_server/rpc/local/answer.py:4) 2",
+        "_bootstrap (threading.py:1);_copy (episerve_server/rpc/local_plane/segment_answer.py:4) 2",
     ]) + "\n")
     total, inclusive = bench_profile.shares(raw)
     assert total == 12
-    assert inclusive == {"planner.Planner.read": 9, "compiled.Compiled.plan": 6,
-                         "(the event loop itself)": 1, "answer._copy": 2}
+    assert inclusive == {"planner.Planner.read": 9, "locate.Locator.locate": 6,
+                         "(the event loop itself)": 1, "segment_answer._copy": 2}

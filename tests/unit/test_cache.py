@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from episerve_server.core.cache import ChunkCache, chunk_nbytes
+from episerve_server.core.counters import Stats
 from episerve_server.core.slots import SLOT_BOOKKEEPING
-from episerve_server.core.stats import Stats
 from tests.support.profiles import scaled
 
 
@@ -283,7 +283,7 @@ def test_frame_chunks_and_slabs_evict_as_a_reference_lru(
             assert (got is not None) == (k in model)
             if k in model:
                 model.move_to_end(k)
-        elif op == "take":  # the compiled plan's batched hits, distinct kept chunks in order
+        elif op == "take":  # the read plan's batched hits, distinct kept chunks in order
             keys = [m for m in list(model) if m[1] == "img" and m[2] % width == 0]
             entries = cache.frame_entries(keys)
             assert entries is not None

@@ -13,8 +13,8 @@ import pytest
 from episerve_server.config import ServerConfig
 from episerve_server.core import cache as cache_module
 from episerve_server.core.cache import BYTES_OVERHEAD, ChunkCache
+from episerve_server.core.counters import Stats
 from episerve_server.core.keymap import Keymap
-from episerve_server.core.stats import Stats
 from episerve_server.wiring import build_read_core
 from tests.support import lerobot as lr
 

@@ -7,7 +7,7 @@ import asyncio
 import shutil
 from pathlib import Path
 
-from episerve_server.core.stats import Stats
+from episerve_server.core.counters import Stats
 from episerve_server.storage import catalog as catalog_module
 from episerve_server.storage import sources as sources_module
 from episerve_server.storage.catalog import Catalog

@@ -280,7 +280,7 @@ def _serve_pages(flow: Any, serve: Any) -> Any:
 
 
 def test_the_client_follows_pages_into_one_listing() -> None:
-    from episerve_server.rpc.wire.convert import PageRequest, encode_listing
+    from episerve_server.rpc.wire.messages import PageRequest, encode_listing
 
     episodes = _episodes([f"ep{k:03d}" for k in range(0, 40, 2)])
     broken = {"ep005": "unreadable", "ep999": "gone"}
@@ -299,7 +299,7 @@ def test_the_client_follows_pages_into_one_listing() -> None:
 
 
 def test_pages_stay_consistent_when_episodes_appear_between_them() -> None:
-    from episerve_server.rpc.wire.convert import PageRequest, encode_listing
+    from episerve_server.rpc.wire.messages import PageRequest, encode_listing
 
     current = _episodes([f"ep{k:03d}" for k in range(0, 30, 3)])
     pages = 0
@@ -326,7 +326,7 @@ def test_one_episode_with_huge_attributes_is_listed_with_a_marker() -> None:
         TOO_LARGE_ATTR,
         TOO_LARGE_BYTES_ATTR,
     )
-    from episerve_server.rpc.wire.convert import encode_listing
+    from episerve_server.rpc.wire.messages import encode_listing
 
     huge, fine = _episodes(["big"], MAX_LISTED_ATTRS_BYTES * 2) + _episodes(["small"])
     out = listing(encode_listing([huge, fine], {}))
@@ -350,7 +350,7 @@ def test_a_page_token_that_does_not_advance_is_data_loss() -> None:
 
 def test_a_listing_of_some_hashes_is_filtered_by_the_daemon_or_else_by_the_client() -> None:
     from episerve_proto.v1 import episerve_pb2 as pb
-    from episerve_server.rpc.wire.convert import PageRequest, encode_listing
+    from episerve_server.rpc.wire.messages import PageRequest, encode_listing
 
     episodes = _episodes(["ep000", "ep001", "ep002"])
     broken = {"ep003": "unreadable", "ep004": "gone"}
@@ -381,9 +381,9 @@ def test_a_listing_of_some_hashes_is_filtered_by_the_daemon_or_else_by_the_clien
 
 
 def test_a_keymap_check_crosses_the_wire_with_its_groups() -> None:
-    from episerve_client.convert import keymap_check, register_request
+    from episerve_client.messages import keymap_check, register_request
     from episerve_proto.v1 import episerve_pb2 as pb
-    from episerve_server.rpc.wire.convert import encode_keymap_check, unchecked_register
+    from episerve_server.rpc.wire.messages import encode_keymap_check, unchecked_register
     from episerve_server.storage.keycheck import KeymapCheck, KeyProblem
 
     check = KeymapCheck(4, [KeyProblem("ep9", "output key 'a': the episode has no array 'x'",

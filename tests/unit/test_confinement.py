@@ -19,15 +19,15 @@ from zarr.abc.store import RangeByteRequest, SuffixByteRequest
 from zarr.core.buffer import default_buffer_prototype
 
 from episerve_proto.errors import BrokenEpisodeError, DataLossError, Unavailable
-from episerve_server.core.stats import Stats
+from episerve_server.core.counters import Stats
 from episerve_server.storage.catalog import Catalog
-from episerve_server.storage.latency import LatencyStore
-from episerve_server.storage.local import (
+from episerve_server.storage.confined_root import (
     ConfinedLocalStore,
     NotARegularFile,
     ObjectTooLarge,
     OutsideRoot,
 )
+from episerve_server.storage.latency import LatencyStore
 from episerve_server.storage.store import CountingStore
 from tests.support import crafted, ramp
 

@@ -28,7 +28,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from episerve_server.config import ENV_PREFIX, ServerConfig, parse_bytes
-from episerve_server.core.stats import Stats
+from episerve_server.core.counters import Stats
 from episerve_server.rpc.process.metrics import Metrics
 
 REPO = Path(__file__).resolve().parents[2]

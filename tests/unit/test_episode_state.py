@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from episerve_proto.errors import BrokenEpisodeError, LimitExceeded
+from episerve_server.core.counters import Stats
 from episerve_server.core.ledger import JSON_GROWTH, SHARED, EpisodeState
-from episerve_server.core.stats import Stats
 from episerve_server.storage.catalog import Catalog
 from episerve_server.storage.store import open_root
 from tests.support import ramp

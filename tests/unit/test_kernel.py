@@ -288,7 +288,7 @@ def test_plan_keys_is_key_base_then_resolve_per_output(seed: int) -> None:
             kernel.use(kernel.BUILT)
         got.append((slabs, slots, idx))
     (c, c_slots, c_idx), (p, p_slots, p_idx) = got
-    # the oracle: the per-key loops, one call each, as the compiled plan made them before
+    # the oracle: the per-key loops, one call each, as the read plan once made them
     want: list[int] | None = []
     w_slots, w_idx = np.full(su * n, -7, np.int64), np.full(iu * n, -7, np.int64)
     base, limit = np.zeros(n, np.int64), np.zeros(n, np.int64)

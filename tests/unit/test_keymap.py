@@ -397,7 +397,7 @@ def _pb_keymap(n: int, name: str = "o") -> Any:
 
 
 def test_the_rpc_layer_checks_entries_and_bytes_before_parsing() -> None:
-    from episerve_server.rpc.wire.convert import Limits, keymap_from_pb
+    from episerve_server.rpc.wire.messages import Limits, keymap_from_pb
 
     limits = Limits(max_batch=10, max_keymap_entries=4, max_keymap_bytes=300)
     assert len(keymap_from_pb(_pb_keymap(4), limits)) == 4
@@ -432,7 +432,7 @@ def test_the_registry_evicts_least_recently_used_under_its_byte_budget() -> None
 
 def test_a_keymap_registered_again_keeps_the_object_already_known() -> None:
     """Every client registers the same keymap: the registry keeps the first object, so the
-    compiled plans keyed by it are found by identity, not by comparing every entry."""
+    keymap plans keyed by it are found by identity, not by comparing every entry."""
     from episerve_server.rpc.handlers.registry import KeymapRegistry
 
     first, again = Keymap.parse({"a": entry()}), Keymap.parse({"a": entry()})

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 from episerve_client import keymap_from_delta_timestamps
-from episerve_client.convert import keymap_message, read_request
 from episerve_client.errors import KeymapError
+from episerve_client.messages import keymap_message, read_request
 from episerve_client.read_answer import ReadResult, read_result
 from episerve_proto.v1 import episerve_pb2 as pb
 from episerve_server.core.keymap import Keymap, Rule
-from episerve_server.rpc.wire.convert import Limits, keymap_from_pb, parse_read
+from episerve_server.rpc.wire.messages import Limits, keymap_from_pb, parse_read
 
 LIMITS = Limits(max_batch=64, max_keymap_entries=256, max_keymap_bytes=64 << 10)
 

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import yaml
 
-from episerve_client.convert import keymap_message
+from episerve_client.messages import keymap_message
 from episerve_proto.errors import KeymapError
 from episerve_server.core.keymap import Keymap
 from episerve_server.core.windows import window
-from episerve_server.rpc.wire.convert import Limits, keymap_from_pb
+from episerve_server.rpc.wire.messages import Limits, keymap_from_pb
 from tests.support import oracle
 
 DOC = (Path(__file__).resolve().parents[2] / "docs" / "KEYMAP.md").read_text()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from episerve_server.core import keystats as ks
+from episerve_server.statistics import moments as ks
 
 
 def _stats(parts: list[np.ndarray], grow_from: int) -> ks.KeyStats:
@@ -85,7 +85,7 @@ def test_a_key_stats_request_parses_with_its_keys_and_episodes() -> None:
     """The request's bytes as the daemon reads them: keys and episodes kept in order, a
     too-long episode id refused by its position, too many keys refused."""
     from episerve_proto.errors import InvalidEpisodeId, LimitExceeded
-    from episerve_server.rpc.wire.convert import MAX_NAME_CHARS, parse_key_stats, pb
+    from episerve_server.rpc.wire.messages import MAX_NAME_CHARS, parse_key_stats, pb
 
     data = pb.KeyStatsRequest(keys=["a", "b"], episodes=["e1", "e2"]).SerializeToString()
     call = parse_key_stats(data, max_keys=4)

@@ -13,9 +13,9 @@ import pytest
 from zarr.abc.store import RangeByteRequest
 from zarr.core.buffer import default_buffer_prototype
 
-from episerve_server.core.stats import Stats
+from episerve_server.core.counters import Stats
+from episerve_server.storage.confined_root import ConfinedLocalStore, ObjectTooLarge, OutsideRoot
 from episerve_server.storage.latency import LatencyStore
-from episerve_server.storage.local import ConfinedLocalStore, ObjectTooLarge, OutsideRoot
 from episerve_server.storage.store import CountingStore
 
 

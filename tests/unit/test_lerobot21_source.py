@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from episerve_proto.errors import BrokenEpisodeError
-from episerve_server.core.stats import Stats
+from episerve_server.core.counters import Stats
 from episerve_server.storage.lerobot.source import LeRobotSource
 from episerve_server.storage.store import open_root
 from tests.support import lerobot as lr

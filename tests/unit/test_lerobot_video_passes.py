@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 from episerve_proto.errors import LimitExceeded
+from episerve_server.core.counters import Stats
 from episerve_server.core.ledger import KEYFRAME_BYTES, EpisodeState
-from episerve_server.core.stats import Stats
 from episerve_server.storage.lerobot.columns import FileProblem
 from episerve_server.storage.lerobot.meta import Feature, VideoSpan
 from episerve_server.storage.lerobot.video import (

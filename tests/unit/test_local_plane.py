@@ -18,16 +18,16 @@ import pytest
 
 from episerve_client.errors import DataLossError
 from episerve_client.read_answer import InSegment, read_result
-from episerve_proto import local as lp
+from episerve_proto import local_plane as lp
 from episerve_proto.errors import Overloaded, Unavailable
 from episerve_proto.v1 import episerve_pb2 as pb
 from episerve_server.core import kernel
 from episerve_server.core.result import BatchResult, ImageColumn
 from episerve_server.preflight import StartupError, bind_private_socket
 from episerve_server.rpc.handlers.buffers import ResponseBuffers
-from episerve_server.rpc.local.conn import Connection
-from episerve_server.rpc.local.conn import send as conn_send
-from episerve_server.rpc.local.guard import (
+from episerve_server.rpc.local_plane.conn import Connection
+from episerve_server.rpc.local_plane.conn import send as conn_send
+from episerve_server.rpc.local_plane.peer_limits import (
     BODY_CHUNK,
     BODY_PIECE,
     BODY_READ,
@@ -35,7 +35,7 @@ from episerve_server.rpc.local.guard import (
     descriptor_cap,
     recv_call,
 )
-from episerve_server.rpc.local.segments import SegmentPool
+from episerve_server.rpc.local_plane.segments import SegmentPool
 from episerve_server.rpc.wire import encode
 
 # -- framing ----------------------------------------------------------------------------

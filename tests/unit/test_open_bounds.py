@@ -206,7 +206,7 @@ def test_a_variable_length_chunk_of_two_billion_elements_is_a_problem_of_its_key
     open, naming the key and the count (before: MemoryError, outside the typed errors)."""
     import asyncio
 
-    from episerve_server.core.stats import Stats
+    from episerve_server.core.counters import Stats
     from episerve_server.storage.catalog import Catalog
     from episerve_server.storage.store import open_root
 

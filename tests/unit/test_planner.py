@@ -108,13 +108,13 @@ def test_a_read_needing_more_decoded_chunks_than_allowed_is_refused_before_fetch
     answer takes: past the bound, LimitExceeded names the episode and key holding most,
     and nothing is fetched; a read within it is served as before."""
     from episerve_proto.errors import LimitExceeded
-    from episerve_server.plan import misses
+    from episerve_server.plan import fetcher
 
     served = ramp_served["unsharded", False]  # no cache: every chunk is a miss
     keymap = {"kp": e("left.obs_keypoints", "proprio_keys")}
     samples = [("ep000a", 0), ("ep003d", 0), ("ep003d", 150), ("ep003d", 250)]
     one = served.catalog.episodes["ep003d"].readers["left.obs_keypoints"].info.decoded_bound
-    monkeypatch.setattr(misses, "MAX_READ_DECODED_BYTES", 3 * one)
+    monkeypatch.setattr(fetcher, "MAX_READ_DECODED_BYTES", 3 * one)
     fetched = served.stats.chunks_fetched
     with pytest.raises(LimitExceeded) as refused:
         served.read(keymap, samples)
@@ -468,9 +468,10 @@ def test_the_fill_chunks_a_reader_remembers_are_bounded(
     """A reader remembers at most ``MAX_ABSENT`` chunks it found to be fill (an array can
     declare 10^8 chunks and hold none); past that, a batch that meets one checks that the
     episode is still there, and the answer is the same."""
-    from episerve_server.plan import misses
 
-    monkeypatch.setattr(misses, "MAX_ABSENT", 0)
+    from episerve_server.plan import fetcher
+
+    monkeypatch.setattr(fetcher, "MAX_ABSENT", 0)
     served = serve(extras_served["sharded"].root, 0)
     asked = _asked_exists(served, monkeypatch)
     keymap = {"s": e("x.sparse", "proprio_keys")}
@@ -818,7 +819,7 @@ def test_short_array_names_episode_and_key(keymap: dict[str, Any], frame: int, k
         yield served.read(keymap, samples)
 
     ok = [("shorty", 10), ("shorty", 90), ("fine", 149)]
-    served.read(keymap, ok)  # cached: the short read then meets the compiled plan's check
+    served.read(keymap, ok)  # cached: the short read then meets the kernel's check
     with pytest.raises(ShortArrayError) as info:
         list(batches())
     assert not isinstance(info.value, StopIteration)

@@ -12,7 +12,7 @@ from typing import ClassVar
 
 import pytest
 
-from episerve_server.core.stats import Stats
+from episerve_server.core.counters import Stats
 from episerve_server.storage.latency import LatencyStore
 from episerve_server.storage.readers import FallbackReader, KeyedReader, ShardedReader
 from episerve_server.storage.store import METADATA_NAMES, CountingStore, open_root

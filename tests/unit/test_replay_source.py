@@ -17,7 +17,7 @@ import pytest
 
 from episerve_proto import rawframe
 from episerve_proto.errors import BrokenEpisodeError, DataLossError
-from episerve_server.core.stats import Stats
+from episerve_server.core.counters import Stats
 from episerve_server.storage import sources, zipstore
 from episerve_server.storage.replay import images
 from episerve_server.storage.replay.source import REFUSED_ENTRY, ReplaySource

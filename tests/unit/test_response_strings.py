@@ -1,7 +1,7 @@
 """The response limit counts every byte of an answer, its strings included: an episode whose
 embodiment is a long string, or whose annotation texts are long and not ASCII, makes a
-batch large in its strings, not its arrays; that batch is refused, on the general path and
-the compiled one, instead of being encoded."""
+batch large in its strings, not its arrays; that batch is refused, warm or fetched, instead
+of being encoded."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ from episerve_client.read_answer import read_result
 from episerve_proto import routing
 from episerve_proto.v1 import episerve_pb2 as pb
 from episerve_server.config import ServerConfig
-from episerve_server.rpc.wire import convert, forward
+from episerve_server.rpc.wire import forward, messages
 
 EPISODES = [f"{i:016x}" for i in range(2000)]
 
@@ -212,7 +212,7 @@ def test_split_read_keeps_every_field_and_sends_hints_to_their_owner() -> None:
                          annotation_cutoff=True, max_response_bytes=123, all_masks=True)
     req.prefetch.episodes.extend(EPISODES[40:60])
     req.prefetch.frames.extend(range(20))
-    limits = convert.Limits.of(ServerConfig())
+    limits = messages.Limits.of(ServerConfig())
     parts = forward.split_read(req.SerializeToString(), lambda e: routing.owner(e, 2), limits)
     assert [w for w, _, _ in parts] == [0, 1]
     assert sorted(i for _, idx, _ in parts for i in idx) == list(range(40))
@@ -229,7 +229,7 @@ def test_split_read_keeps_every_field_and_sends_hints_to_their_owner() -> None:
 
 def test_split_read_of_one_owner_forwards_the_request_as_it_is() -> None:
     data = pb.ReadRequest(keymap_id="km", episodes=["a", "b"], frames=[0, 1]).SerializeToString()
-    limits = convert.Limits.of(ServerConfig())
+    limits = messages.Limits.of(ServerConfig())
     assert forward.split_read(data, lambda e: 1, limits) == [(1, [0, 1], data)]
 
 

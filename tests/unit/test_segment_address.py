@@ -10,9 +10,9 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from episerve_proto import local as lp
+from episerve_proto import local_plane as lp
 from episerve_server.core import kernel
-from episerve_server.rpc.local.segments import SegmentArena, SegmentPool
+from episerve_server.rpc.local_plane.segments import SegmentArena, SegmentPool
 
 
 @pytest.fixture(params=["compiled", "numpy"])

@@ -111,7 +111,7 @@ def test_preload_counts_what_fits_and_lists_chunks_only_as_its_jobs_take_them(
     they are taken."""
     import itertools
 
-    from episerve_server.plan import background
+    from episerve_server.plan import read_ahead
     from tests.support import crafted
 
     ramp.write_ramp_episode(tmp_path, "huge", episode_no=0, total_frames=30,
@@ -124,16 +124,16 @@ def test_preload_counts_what_fits_and_lists_chunks_only_as_its_jobs_take_them(
     core = build_read_core(ServerConfig(root=str(tmp_path), cache_bytes=1 << 20))
     run(core.catalog.scan())
     spans: list[tuple[Any, int]] = []
-    real_jobs = background._jobs
+    real_jobs = read_ahead._jobs
 
     def jobs(got: list[tuple[Any, int]], size: int) -> Any:
         spans.extend(got)
         return itertools.islice(real_jobs(got, size), 2)  # the first two jobs are enough
 
-    monkeypatch.setattr(background, "_jobs", jobs)
+    monkeypatch.setattr(read_ahead, "_jobs", jobs)
     run(core.background._preload_all())
     planned = dict((r.info.name, n) for r, n in spans)
-    per_chunk = 63 * 4 + background.PRELOAD_CHUNK_OVERHEAD
+    per_chunk = 63 * 4 + read_ahead.PRELOAD_CHUNK_OVERHEAD
     assert 0 < planned[KP] <= (1 << 20) // per_chunk, planned
     assert core.stats.preload_total == sum(planned.values()) <= (1 << 20) // 8
     first = next(real_jobs(spans, 16))

@@ -20,7 +20,7 @@ import zarr
 from episerve_proto import rawframe
 from episerve_proto.errors import BrokenEpisodeError
 from episerve_server.core.cache import Chunk
-from episerve_server.core.stats import Stats
+from episerve_server.core.counters import Stats
 from episerve_server.storage.episode import Episode
 from episerve_server.storage.lerobot.source import LeRobotSource
 from episerve_server.storage.readers import ChunkReader

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from episerve_proto.errors import BrokenEpisodeError
-from episerve_server.core.stats import Stats
+from episerve_server.core.counters import Stats
 from episerve_server.storage.catalog import Catalog
 from episerve_server.storage.episode import Episode
 from episerve_server.storage.lerobot.source import LeRobotSource

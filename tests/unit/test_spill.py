@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from episerve_server.core.stats import Stats
+from episerve_server.core.counters import Stats
 from episerve_server.storage import spill as spill_module
 from episerve_server.storage.spill import (
     SpillRefused,

@@ -13,7 +13,7 @@ from botocore.exceptions import EndpointConnectionError
 from zarr.storage import MemoryStore
 
 from episerve_proto.errors import DataLossError, Unavailable
-from episerve_server.plan.store_reads import storage_error
+from episerve_server.plan.fetched_runs import storage_error
 from episerve_server.storage.store import CountingStore
 
 

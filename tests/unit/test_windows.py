@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from episerve_server.core.keymap import Keymap, KeySpec
 from episerve_server.core.windows import frames, window
+from episerve_server.plan.fetcher import Need, _runs
 from episerve_server.plan.locate import PACK
-from episerve_server.plan.misses import Need, _runs
 from tests.support import oracle
 from tests.support.oracle import merge_intervals, row_runs
 from tests.support.profiles import scaled

@@ -115,18 +115,18 @@ def test_packed_varints_match_protobuf(values: list[int]) -> None:
 
 
 def test_the_read_accounting_uses_the_parse_the_handler_made() -> None:
-    from episerve_server.rpc.wire import convert
+    from episerve_server.rpc.wire import messages
 
     req = pb.ReadRequest(episodes=["ep000a", "ep001b", "ep000a"], frames=[0, 5, 9],
                          keymap_id="k")
     data = req.SerializeToString()
-    limits = convert.Limits(max_batch=256, max_keymap_entries=64, max_keymap_bytes=1 << 20)
-    convert.parse_read(data, limits)
+    limits = messages.Limits(max_batch=256, max_keymap_entries=64, max_keymap_bytes=1 << 20)
+    messages.parse_read(data, limits)
     # what the handler parsed counts: the bytes are not parsed again
-    assert convert.read_samples_seen(b"not a read request") == 3
+    assert messages.read_samples_seen(b"not a read request") == 3
     # read once: a call the handler never parsed is parsed for its count
-    assert convert.read_samples_seen(data) == 3
-    assert convert.read_samples_seen(b"\xff") == 0
+    assert messages.read_samples_seen(data) == 3
+    assert messages.read_samples_seen(b"\xff") == 0
 
 
 def test_varints_from_the_table_the_vectorized_loop_and_the_kernel_agree() -> None:

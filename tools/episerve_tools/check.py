@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from episerve_proto.errors import DataLossError, EpiserveError, clipped
 from episerve_server.config import ServerConfig
-from episerve_server.core.stats import Stats
+from episerve_server.core.counters import Stats
 from episerve_server.storage.catalog import Catalog
 from episerve_server.storage.readers import ChunkReader
 from episerve_server.storage.readers.base import decode_chunk

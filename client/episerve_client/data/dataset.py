@@ -39,8 +39,8 @@ from episerve_client.errors import (
 )
 from episerve_client.keystats import KeyStats
 from episerve_client.listing import EpisodeInfo
-from episerve_client.local import TRANSPORTS
 from episerve_client.read_answer import ReadResult
+from episerve_client.transport_choice import TRANSPORTS
 from episerve_proto.contract import ACTION_KEYS, CAMERA_KEYS, PROPRIO_KEYS
 
 DEFAULT_CONNECT_TIMEOUT_S = 15.0

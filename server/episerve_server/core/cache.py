@@ -33,10 +33,10 @@ from typing import Any, TypeAlias, cast
 import numpy as np
 
 from episerve_server.core import kernel
+from episerve_server.core.counters import Stats
 from episerve_server.core.framecache import ChunkKey, FrameChunks
 from episerve_server.core.numbering import Numbering
 from episerve_server.core.slots import SLOT_BOOKKEEPING, Slab, SlotTable
-from episerve_server.core.stats import Stats
 
 Chunk: TypeAlias = np.ndarray | list[bytes]
 #: Told the frame chunks the cache lets go (evicted, or not kept): (key, frames) each.
@@ -148,7 +148,7 @@ class ChunkCache:
         """Rows per slot of each slab (its chunks' rows)."""
         return [s.shape[0] for s in self._slabs]
 
-    # -- direct access for the compiled read plan (plan/compiled.py) ----------------------------
+    # -- direct access for the read plan (plan/locate.py) ---------------------------------------
 
     def known_uid(self, episode: str) -> int:
         """The episode's uid, or -1 if it has none (nothing of it was ever cached)."""

@@ -8,7 +8,7 @@ function both ways, bad indexes included); the extension is optional: without a 
 compiler the package installs and runs on the numpy versions.
 
 Arguments are contiguous int64 arrays (``place_blobs`` takes lists of byte buffers). A
-result of -1 means "not served here": the caller takes the general path, which says why
+result of -1 means "not located here": the caller locates the batch with numpy, which says why
 (a chunk not cached, a uid not indexed).
 """
 
@@ -133,7 +133,7 @@ def plan_keys(keys: tuple[KeyArgs, ...], windows: tuple[np.ndarray, ...],
     ``slab_rows``: rows per slot of each slab; ``scratch``: 2B int64. Returns each key's
     slab, or None where ``key_base`` or ``resolve`` would answer -1, a slab has no
     ``slab_rows`` entry, or a window row is at or past what its key can serve for that
-    sample (the general path's ShortArrayError, or a miss)."""
+    sample (a ShortArrayError, or a miss)."""
     if COMPILED:
         got: tuple[int, ...] | None = _c.plan_keys(keys, windows, slab_rows, uids, ids, total,
                                                    scratch, slots_out, idx_out)

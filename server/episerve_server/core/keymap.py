@@ -108,7 +108,7 @@ class Keymap:
     annotation_keys: frozenset[str] = dataclasses.field(init=False, compare=False, repr=False)
     action_mask_entry: KeySpec | None = dataclasses.field(init=False, compare=False, repr=False)
     proprio_mask_entry: KeySpec | None = dataclasses.field(init=False, compare=False, repr=False)
-    # A keymap is a dict key on every batch (the compiled plans): its hash is worked out once.
+    # A keymap is a dict key on every batch (the keymap plans): its hash is worked out once.
     _hash: int = dataclasses.field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:

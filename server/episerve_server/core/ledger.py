@@ -19,7 +19,7 @@ from __future__ import annotations
 import threading
 
 from episerve_proto.errors import LimitExceeded
-from episerve_server.core.stats import Stats
+from episerve_server.core.counters import Stats
 
 #: ``--episode-state-bytes``'s default, per daemon process.
 DEFAULT_EPISODE_STATE_BYTES = 2 * 2**30

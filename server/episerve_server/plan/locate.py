@@ -32,7 +32,8 @@ from episerve_server.core.cache import Chunk, ChunkCache
 from episerve_server.core.framecache import ChunkKey
 from episerve_server.core.keymap import Keymap
 from episerve_server.core.windows import Window
-from episerve_server.plan.geometry import (
+from episerve_server.plan.fetcher import Need
+from episerve_server.plan.keymap_plan import (
     KeyGeometry,
     KeymapPlan,
     batch_kinds,
@@ -41,9 +42,8 @@ from episerve_server.plan.geometry import (
     first_seen,
     windows_of,
 )
-from episerve_server.plan.misses import Need
-from episerve_server.plan.numeric import Fused, NumericKeys
 from episerve_server.plan.options import Arena, Empty
+from episerve_server.plan.warm_layout import Fused, NumericKeys
 from episerve_server.storage.catalog import Catalog
 from episerve_server.storage.directory import Directory
 

@@ -26,15 +26,15 @@ from episerve_proto.contract import (
 )
 from episerve_proto.errors import DataLossError, InvalidArgument, Unavailable
 from episerve_server.core.cache import Chunk, ChunkCache
+from episerve_server.core.counters import Stats
 from episerve_server.core.framecache import ChunkKey
 from episerve_server.core.keymap import Keymap, Rule
 from episerve_server.core.result import BatchResult, ImageColumn
 from episerve_server.core.spans import Span, cutoff_ends, texts_at
-from episerve_server.core.stats import Stats
 from episerve_server.core.windows import Window
-from episerve_server.plan.geometry import answer_bytes
+from episerve_server.plan.fetcher import Fetcher, Need
+from episerve_server.plan.keymap_plan import answer_bytes
 from episerve_server.plan.locate import PACK, Batch, ChunkId, Located, Locator
-from episerve_server.plan.misses import Fetcher, Need
 from episerve_server.plan.options import Budget, ReadOptions, empty32, too_big
 from episerve_server.plan.texts import TextTables
 from episerve_server.storage.annotations import load_spans

@@ -1,4 +1,4 @@
-"""Annotation texts per frame as per-episode tables, for the compiled read plan.
+"""Annotation texts per frame as per-episode tables, for the read plan.
 
 ``core.spans.texts_at`` compares every sample's frame with every span of its episode. The
 texts at a frame only change where a span starts or ends, so an episode's spans become,
@@ -6,7 +6,7 @@ once, its runs of frames between two span boundaries, each with its texts (one s
 tuple); a batch finds each sample's run by bisection. A table is as large as the episode's
 spans, whatever length the episode declares (a list per frame was 800 MB for an episode
 declaring 10^8 frames in a few KiB of files). Built lazily, per (catalog version, key,
-episode), from the spans the general path loaded and kept on the episode.
+episode), from the spans the planner loaded and kept on the episode.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from episerve_server.core.spans import Span
 from episerve_server.storage.directory import Directory
 
 #: Segments x spans compared when an episode's table is built; over it the episode's
-#: batches keep the general path (no table).
+#: batches take each sample's texts from the spans (``core.spans.texts_at``).
 MAX_TABLE_WORK = 1 << 22
 
 
@@ -64,7 +64,7 @@ class TextTables:
         episode = directory.episodes[i]
         spans = episode.spans.get(key)
         if spans is None:
-            return None  # not loaded yet: the general path loads them
+            return None  # not loaded yet
         table = per_frame(spans, episode.total_frames)
         if keep:
             self._tables[(key, i)] = table

@@ -96,7 +96,7 @@ class Catalog:
         self._scans = 0
         self._broken_prints: dict[str, str] = {}  # broken episodes' fingerprints
         self._changes_at = -math.inf  # when the last check for rewritten episodes started
-        #: Bumped whenever the served episodes change (the compiled plan's directory).
+        #: Bumped whenever the served episodes change (the read plan's directory).
         self.version = 0
         self._directory: Directory | None = None
 

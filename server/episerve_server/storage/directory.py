@@ -1,4 +1,4 @@
-"""The catalog's episodes as dense arrays, for the compiled read plan (plan/compiled.py).
+"""The catalog's episodes as dense arrays, for the read plan (plan/locate.py).
 
 One ``Directory`` per catalog version: a batch turns its episode ids into dense positions
 with one dict lookup each, and everything else it needs per episode (frames, fps,

@@ -1,6 +1,6 @@
 """One opened episode as the catalog keeps it: its length, rate, attributes and readers.
 
-Apart from the catalog so that what reads episodes (the planner, the compiled plan's
+Apart from the catalog so that what reads episodes (the planner, the read plan's
 directory, the key checks) can name the type without importing the catalog.
 """
 
@@ -10,7 +10,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
-from episerve_proto.episode import EpisodeFacts
+from episerve_proto.episode_fields import EpisodeFacts
 from episerve_server.core.spans import Span
 from episerve_server.storage.readers import ChunkReader
 

@@ -17,7 +17,7 @@ from zarr.abc.store import ByteRequest, Store
 from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
 from zarr.storage import WrapperStore
 
-from episerve_server.storage.local import ByteGet, ConfinedLocalStore
+from episerve_server.storage.confined_root import ByteGet, ConfinedLocalStore
 
 
 class LatencyStore(WrapperStore[Store]):

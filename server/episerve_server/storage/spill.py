@@ -49,7 +49,7 @@ from typing import TypeAlias
 
 from crc32c import crc32c
 
-from episerve_server.core.stats import Stats
+from episerve_server.core.counters import Stats
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Opening a dataset root as a zarr store, wrapped so every request is counted and timed.
 
-Local roots are a :class:`~episerve_server.storage.local.ConfinedLocalStore`: only regular
+Local roots are a :class:`~episerve_server.storage.confined_root.ConfinedLocalStore`: only regular
 files inside the root are ever read (see that module for the rule). Object-store roots
 (``s3://``) are fsspec stores; a metadata document or an object over its cap is refused
 there after it arrives, since the size is not known before.
@@ -20,9 +20,8 @@ from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
 from zarr.storage import FsspecStore, WrapperStore
 
 from episerve_proto.errors import Unavailable
-from episerve_server.core.stats import Stats
-from episerve_server.storage.latency import LatencyStore
-from episerve_server.storage.local import (
+from episerve_server.core.counters import Stats
+from episerve_server.storage.confined_root import (
     DEFAULT_MAX_METADATA_BYTES,
     DEFAULT_MAX_OBJECT_BYTES,
     METADATA_NAMES,
@@ -33,6 +32,7 @@ from episerve_server.storage.local import (
     OutsideRoot,
     Refused,
 )
+from episerve_server.storage.latency import LatencyStore
 from episerve_server.storage.zipstore import ConfinedZipStore, is_zip_root
 
 __all__ = [

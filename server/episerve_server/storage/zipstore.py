@@ -27,7 +27,7 @@ from typing import BinaryIO
 from zarr.abc.store import ByteRequest, RangeByteRequest, Store
 from zarr.core.buffer import Buffer, BufferPrototype
 
-from episerve_server.storage.local import (
+from episerve_server.storage.confined_root import (
     METADATA_NAMES,
     ByteGet,
     NotARegularFile,

@@ -12,7 +12,7 @@ from typing import Any
 
 from episerve_client.channel import TLS
 from episerve_client.errors import EpiserveError
-from episerve_client.local import TRANSPORTS
+from episerve_client.transport_choice import TRANSPORTS
 from episerve_tools.loadtest.driver import (
     DEFAULT_BATCH,
     DEFAULT_CONCURRENCY,

@@ -22,20 +22,20 @@ from episerve_proto.errors import (
     shown,
 )
 from episerve_server.config import ServerConfig
+from episerve_server.core.counters import Stats
 from episerve_server.core.keymap import Keymap
 from episerve_server.core.result import BatchResult
-from episerve_server.core.stats import Stats
-from episerve_server.plan.background import Background
 from episerve_server.plan.options import Arena, ReadOptions
 from episerve_server.plan.planner import Planner
-from episerve_server.plan.statistics import MAX_KEYS, KeyStatsEngine
+from episerve_server.plan.read_ahead import Background
 from episerve_server.rpc.handlers.admission import Admission
 from episerve_server.rpc.handlers.buffers import ResponseBuffers
 from episerve_server.rpc.handlers.registry import KeymapRegistry
 from episerve_server.rpc.handlers.servicer import Call, Handler, handlers
 from episerve_server.rpc.handlers.status import release_chain
-from episerve_server.rpc.wire import convert
+from episerve_server.rpc.wire import messages
 from episerve_server.rpc.wire.encode import encode_result
+from episerve_server.statistics.key_statistics import MAX_KEYS, KeyStatsEngine
 from episerve_server.storage.catalog import Catalog
 from episerve_server.storage.keycheck import check_keymap, merged
 
@@ -70,7 +70,7 @@ class EpiserveService:
         self.keymaps = KeymapRegistry(config.max_registry_bytes)
         self.buffers = ResponseBuffers(config.max_buffered_bytes,
                                        config.max_buffered_bytes_per_peer)
-        self.limits = convert.Limits.of(config)
+        self.limits = messages.Limits.of(config)
         self.admission = Admission(config.max_concurrent_reads, self.buffers)
         #: The local plane's socket once it listens (``GetTopology`` advertises it).
         self.local_plane = ""
@@ -103,9 +103,9 @@ class EpiserveService:
     async def list_episodes(self, request: bytes, rpc: Call) -> bytes:
         if len(request) > OFFLOAD_PARSE_BYTES:
             async with self._heavy_parse:
-                page = await asyncio.to_thread(convert.parse_list, request)
+                page = await asyncio.to_thread(messages.parse_list, request)
         else:
-            page = convert.parse_list(request)
+            page = messages.parse_list(request)
         del request
         if not page.token:  # the first page rescans; later ones continue by hash
             await self.rescan()
@@ -114,7 +114,7 @@ class EpiserveService:
         else:
             self.stats.listing_pages_full += 1
         healthy, broken = self.catalog.healthy(), self.catalog.broken_listing()
-        return await asyncio.to_thread(convert.encode_listing, healthy, broken, page,
+        return await asyncio.to_thread(messages.encode_listing, healthy, broken, page,
                                        LIST_PAGE_BYTES)
 
     async def register_keymap(self, request: bytes, rpc: Call) -> bytes:
@@ -123,15 +123,15 @@ class EpiserveService:
         # one is parsed in a worker thread (the loop keeps its turns at the GIL).
         async with self._registrations:
             if len(request) > OFFLOAD_KEYMAP_BYTES:
-                call = await asyncio.to_thread(convert.parse_register, request, self.limits)
+                call = await asyncio.to_thread(messages.parse_register, request, self.limits)
             else:
-                call = convert.parse_register(request, self.limits)
+                call = messages.parse_register(request, self.limits)
             del request
             self._check_windows(call.keymap)
-            kid = convert.keymap_id(call.keymap)
+            kid = messages.keymap_id(call.keymap)
             self.keymaps.add(kid, call.keymap, call.wire_bytes)
             if not call.check_episodes:
-                return convert.encode_keymap_id(kid)
+                return messages.encode_keymap_id(kid)
             # Every healthy episode, as the listing shows them (broken ones are listed
             # there). At 1,600 episodes the check takes ~14 ms and answers ~29 kB (measured
             # over benchmarks/bench_dataset_build.py's root); it yields every slice.
@@ -142,10 +142,10 @@ class EpiserveService:
                 await asyncio.sleep(0)
             check = merged(parts)
             self.stats.keymap_checks += 1
-        return convert.encode_keymap_check(kid, check)
+        return messages.encode_keymap_check(kid, check)
 
     async def get_stats(self, request: bytes, rpc: Call) -> bytes:
-        convert.parse_empty(request, "GetStats")
+        messages.parse_empty(request, "GetStats")
         snapshot = self.stats.snapshot()
         snapshot["episodes_open"] = len(self.catalog.healthy())
         snapshot["episodes_broken"] = len(self.catalog.broken_listing())
@@ -157,11 +157,11 @@ class EpiserveService:
         snapshot.update(self.key_stats.counters())
         for gauge in self.gauges:
             snapshot.update(gauge())
-        return convert.encode_stats(snapshot)
+        return messages.encode_stats(snapshot)
 
     async def get_key_stats(self, request: bytes, rpc: Call) -> bytes:
         arrived = time.monotonic()
-        call = convert.parse_key_stats(request, MAX_KEYS)
+        call = messages.parse_key_stats(request, MAX_KEYS)
         if not call.episodes:  # every episode: pick up the ones added since the last scan
             await self.rescan()
         try:
@@ -170,12 +170,12 @@ class EpiserveService:
             release_chain(exc)
             await self.rescan(arrived)
             results = await self.key_stats.compute(call.keys, call.episodes)
-        return convert.encode_key_stats(results)
+        return messages.encode_key_stats(results)
 
     async def get_topology(self, request: bytes, rpc: Call) -> bytes:
         """One process serves every episode: no workers to route to; and its local plane."""
-        convert.parse_empty(request, "GetTopology")
-        return convert.encode_topology((), routing.ROUTING, self.local_plane)
+        messages.parse_empty(request, "GetTopology")
+        return messages.encode_topology((), routing.ROUTING, self.local_plane)
 
     async def read(self, request: bytes, rpc: Call) -> bytes:
         """A Read's answer as the protobuf message's bytes (gRPC's; the local plane calls
@@ -196,7 +196,7 @@ class EpiserveService:
         """One Read, whatever carries it: admission (drain, concurrency, the peer's
         buffers), parsing, the planner, then ``encode`` (which returns the answer and the
         bytes it sends), the prefetch hint and the counters. The gRPC handler and the local
-        plane (``rpc/local/``) differ only in ``encode``, and in the ``arena``
+        plane (``rpc/local_plane/``) differ only in ``encode``, and in the ``arena``
         the local plane has the numeric outputs gathered into."""
         self.admission.enter(peer)
         start = time.perf_counter_ns()
@@ -218,7 +218,7 @@ class EpiserveService:
                     encode: Callable[[BatchResult], Awaitable[tuple[T, int]]],
                     peer: str = "", arena: Arena | None = None) -> T:
         arrived = time.monotonic()
-        call = convert.parse_read(request, self.limits)
+        call = messages.parse_read(request, self.limits)
         del request
         keymap = call.keymap if call.keymap is not None else self._registered(call.keymap_id)
         self._check_windows(keymap)
@@ -249,7 +249,7 @@ class EpiserveService:
             self.on_batch(len(call.samples))
         return data
 
-    def _hint(self, call: convert.ReadCall, keymap: Keymap, peer: str) -> None:
+    def _hint(self, call: messages.ReadCall, keymap: Keymap, peer: str) -> None:
         """Queue a Read's prefetch hint, once the read itself is served; never an error."""
         if call.prefetch_refused:
             self.stats.prefetch_hinted_samples += call.prefetch_refused

@@ -10,10 +10,10 @@ from collections.abc import Callable
 from episerve_server import preflight
 from episerve_server.config import ServerConfig
 from episerve_server.core.collector import COLLECTOR
-from episerve_server.core.stats import Stats
+from episerve_server.core.counters import Stats
 from episerve_server.preflight import StartupError
 from episerve_server.rpc.handlers.service import EpiserveService
-from episerve_server.rpc.local.plane import LocalPlane
+from episerve_server.rpc.local_plane.plane import LocalPlane
 from episerve_server.rpc.process import server
 from episerve_server.storage.sources import LayoutError
 from episerve_server.storage.zipstore import BadZipRoot

@@ -45,7 +45,7 @@ from episerve_server.rpc.handlers.servicer import Call, Handler, handlers
 from episerve_server.rpc.process import server
 from episerve_server.rpc.process.metrics import PREFIX, counter_families
 from episerve_server.rpc.process.workers import WorkerPool
-from episerve_server.rpc.wire import convert, forward
+from episerve_server.rpc.wire import forward, messages
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ PASSED_THROUGH = ("ListEpisodes", "GetKeyStats")
 class FrontService:
     def __init__(self, config: ServerConfig, pool: WorkerPool) -> None:
         self.config, self.pool = config, pool
-        self.limits = convert.Limits.of(config)
+        self.limits = messages.Limits.of(config)
         # Merged responses wait in gRPC until the client reads them, as a worker's do.
         self.buffers = ResponseBuffers(config.max_buffered_bytes,
                                        config.max_buffered_bytes_per_peer)
@@ -113,11 +113,11 @@ class FrontService:
         return forward.merge_stats(replies, extra)
 
     async def get_topology(self, request: bytes, rpc: Call) -> bytes:
-        convert.parse_empty(request, "GetTopology")
-        return convert.encode_topology(self.pool.addresses, routing.ROUTING)
+        messages.parse_empty(request, "GetTopology")
+        return messages.encode_topology(self.pool.addresses, routing.ROUTING)
 
     async def get_stats(self, request: bytes, rpc: Call) -> bytes:
-        convert.parse_empty(request, "GetStats")
+        messages.parse_empty(request, "GetStats")
         return await self._stats(_timeout(rpc), complete=False)
 
     async def register_keymap(self, request: bytes, rpc: Call) -> bytes:
@@ -125,7 +125,7 @@ class FrontService:
         worker 0's check (``check_episodes``) covers all of them, from the same catalog that
         answers ``ListEpisodes``; the other workers only register the keymap."""
         timeout_s = _timeout(rpc)
-        others = convert.unchecked_register(request)
+        others = messages.unchecked_register(request)
         replies = await _all([self.pool.call(w.index, "RegisterKeymap",
                                              request if w.index == 0 else others, timeout_s)
                               for w in self.pool.workers])

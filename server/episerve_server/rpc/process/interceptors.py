@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import grpc
 
-from episerve_server.rpc.wire.convert import read_samples_seen
+from episerve_server.rpc.wire.messages import read_samples_seen
 
 log = logging.getLogger(__name__)
 

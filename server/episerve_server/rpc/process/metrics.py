@@ -34,7 +34,7 @@ from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
 from episerve_server.config import ServerConfig
-from episerve_server.core.stats import COUNTERS
+from episerve_server.core.counters import COUNTERS
 from episerve_server.rpc.handlers.servicer import Servicer
 
 if TYPE_CHECKING:

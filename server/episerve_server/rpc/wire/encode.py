@@ -2,7 +2,7 @@
 
 Building the message copies every array into the protobuf arena and serializing copies it
 again; here each array's memory goes straight into one ``bytes.join``. What each field is
-and its number come from ``episerve_proto.answer`` (the generated descriptor): the answer
+and its number come from ``episerve_proto.answer_fields`` (the generated descriptor): the answer
 is written field by field in number order, each by the writer of its kind; a unit test
 parses the output with the generated class and compares it with a message built the
 ordinary way.
@@ -21,7 +21,14 @@ from typing import Any
 
 import numpy as np
 
-from episerve_proto.answer import FRAME_SOURCE, IMAGE_COLUMN, RESPONSE, TENSOR, TEXT_COLUMN, TEXTS
+from episerve_proto.answer_fields import (
+    FRAME_SOURCE,
+    IMAGE_COLUMN,
+    RESPONSE,
+    TENSOR,
+    TEXT_COLUMN,
+    TEXTS,
+)
 from episerve_server.core import kernel
 from episerve_server.core.result import BatchResult, ImageColumn
 

@@ -15,17 +15,17 @@ from typing import Any
 import numpy as np
 
 from episerve_proto import routing
-from episerve_proto.answer import PER_SAMPLE
+from episerve_proto.answer_fields import PER_SAMPLE
 from episerve_proto.v1 import episerve_pb2 as pb
-from episerve_server.rpc.wire.convert import Limits, parse_message
 from episerve_server.rpc.wire.encode import varint
+from episerve_server.rpc.wire.messages import Limits, parse_message
 
 #: Counters that every worker reports for the whole daemon (each one sees every episode and
 #: every keymap registered through the front): the front reports their largest value, not
 #: their sum.
 SHARED_GAUGES = frozenset({"episodes_open", "episodes_broken", "keymaps_registered",
                            "keymap_registry_bytes"})
-#: Per-sample fields of a ReadResponse, merged in request order (``episerve_proto.answer``).
+#: Per-sample fields of a ReadResponse, merged in request order (``episerve_proto.answer_fields``).
 SAMPLE_FIELDS = tuple(f.name for f in PER_SAMPLE)
 
 

@@ -27,6 +27,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from episerve_server.storage.confined_root import ConfinedLocalStore
 from episerve_server.storage.lerobot.columns import (
     FileProblem,
     check_texts,
@@ -36,7 +37,6 @@ from episerve_server.storage.lerobot.columns import (
     text_field,
 )
 from episerve_server.storage.lerobot.pages import page_sizes
-from episerve_server.storage.local import ConfinedLocalStore
 
 T = TypeVar("T")
 #: Open files kept per kind; the least recently used is closed past this.

@@ -29,6 +29,7 @@ from zarr.core.buffer import default_buffer_prototype
 
 from episerve_proto.errors import BrokenEpisodeError, DataLossError, LimitExceeded
 from episerve_server.core.ledger import EpisodeState
+from episerve_server.storage.confined_root import ConfinedLocalStore
 from episerve_server.storage.episode import Episode
 from episerve_server.storage.lerobot.columns import FileProblem
 from episerve_server.storage.lerobot.files import OpenFiles
@@ -63,7 +64,6 @@ from episerve_server.storage.lerobot.readers import (
 )
 from episerve_server.storage.lerobot.video import VideoReader
 from episerve_server.storage.listed_once import ListedOnce, episode_name, file_problem
-from episerve_server.storage.local import ConfinedLocalStore
 from episerve_server.storage.store import CountingStore, Refused
 
 log = logging.getLogger(__name__)

@@ -30,8 +30,8 @@ from typing import Any
 
 from episerve_proto import rawframe
 from episerve_server.core.cache import Chunk
+from episerve_server.core.counters import Stats
 from episerve_server.core.ledger import KEYFRAME_BYTES
-from episerve_server.core.stats import Stats
 from episerve_server.storage.lerobot.columns import FileProblem
 from episerve_server.storage.lerobot.files import OpenFiles
 from episerve_server.storage.lerobot.meta import Feature, VideoSpan

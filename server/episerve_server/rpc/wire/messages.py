@@ -40,7 +40,7 @@ from episerve_proto.errors import (
 from episerve_proto.v1 import episerve_pb2 as pb
 from episerve_server.config import ServerConfig
 from episerve_server.core.keymap import Keymap
-from episerve_server.core.keystats import KeyStats
+from episerve_server.statistics.moments import KeyStats
 from episerve_server.storage.episode import Episode
 from episerve_server.storage.keycheck import KeymapCheck
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from episerve_proto import local as lp
+from episerve_proto import local_plane as lp
 from episerve_proto.errors import Overloaded, ResponseTooLarge, Unavailable
 from episerve_server.core import kernel
 

@@ -11,7 +11,14 @@ import numpy as np
 
 from episerve_proto.contract import did_you_mean
 from episerve_proto.errors import BrokenEpisodeError, InvalidArgument, ShortArrayError, listed
-from episerve_server.core.keystats import KeyStats, Moments, TailBuilder, Tails, combine, key_stats
+from episerve_server.statistics.moments import (
+    KeyStats,
+    Moments,
+    TailBuilder,
+    Tails,
+    combine,
+    key_stats,
+)
 from episerve_server.storage.episode import Episode
 from episerve_server.storage.readers import ChunkReader, decode_chunk
 

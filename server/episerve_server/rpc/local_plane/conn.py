@@ -15,9 +15,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from episerve_proto import local as lp
+from episerve_proto import local_plane as lp
 from episerve_proto.errors import EpiserveError, clipped
-from episerve_server.rpc.local.segments import SegmentPool
+from episerve_server.rpc.local_plane.segments import SegmentPool
 
 
 class ConnectionClosed(Exception):

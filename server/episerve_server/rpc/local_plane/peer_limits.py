@@ -24,11 +24,11 @@ import socket
 import termios
 import time
 
-from episerve_proto import local as lp
+from episerve_proto import local_plane as lp
 from episerve_proto.errors import EpiserveError, Overloaded
 from episerve_server.config import ServerConfig
 from episerve_server.rpc.handlers.buffers import ResponseBuffers
-from episerve_server.rpc.local.conn import (
+from episerve_server.rpc.local_plane.conn import (
     Connection,
     ConnectionClosed,
     error_body,

@@ -57,7 +57,7 @@ def _response() -> tuple[Field, ...]:
     unknown = sorted({f.name for f in fields} - set(KINDS))
     if unknown or len(fields) != len(KINDS):
         raise ImportError(f"ReadResponse fields {unknown or sorted(KINDS)} have no kind in "
-                          "episerve_proto.answer.KINDS: describe them there")
+                          "episerve_proto.answer_fields.KINDS: describe them there")
     return tuple(sorted((Field(f.name, f.number, KINDS[f.name]) for f in fields),
                         key=lambda f: f.number))
 

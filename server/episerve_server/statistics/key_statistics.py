@@ -5,7 +5,7 @@ chunks are used; chunks fetched for statistics are not put into the chunk cache,
 over the whole dataset does not evict what training reads), decoded and summarized in a
 worker thread, and kept under its own byte budget (``--stats-cache-bytes``, least recently
 used first): its moments and, when they fit, its values. The 1st/99th percentiles of a set
-come from its tails (:mod:`episerve_server.core.keystats`), kept per key for the last sets
+come from its tails (:mod:`episerve_server.statistics.moments`), kept per key for the last sets
 asked for: a set that grows by a few episodes merges only their values into the tails of
 the set it grew from. So asking again after one episode was added computes that episode.
 
@@ -13,7 +13,7 @@ An entry is valid for the reader it was computed from: an episode dropped, or re
 other content, has new readers and is computed again.
 
 One key's plan, the reads' decoding and summary in the worker thread and the merge are
-:mod:`~episerve_server.plan.keyplan`'s.
+:mod:`~episerve_server.statistics.key_pass`'s.
 """
 
 from __future__ import annotations
@@ -32,16 +32,23 @@ from episerve_proto.contract import MAX_NAME_CHARS
 from episerve_proto.errors import InvalidArgument, LimitExceeded, shown
 from episerve_proto.keyspec import too_long
 from episerve_server.core.cache import ChunkCache
-from episerve_server.core.keystats import KeyStats, Moments, TailBuilder, Tails, combine, tail_room
 from episerve_server.core.numbering import Numbering
-from episerve_server.plan.keyplan import (
+from episerve_server.plan.planner import Planner
+from episerve_server.statistics.key_pass import (
     KeyPlan,
     RawChunk,
     feed_all,
     numeric_reader,
     summarize_all,
 )
-from episerve_server.plan.planner import Planner
+from episerve_server.statistics.moments import (
+    KeyStats,
+    Moments,
+    TailBuilder,
+    Tails,
+    combine,
+    tail_room,
+)
 from episerve_server.storage.catalog import Catalog
 from episerve_server.storage.episode import Episode
 from episerve_server.storage.readers import ChunkReader

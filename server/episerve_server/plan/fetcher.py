@@ -22,7 +22,7 @@
   each store call is bounded by the store's timeout; every decode by the array's metadata.
 
 How a job's reads are cut and decoded, and what a failed storage read is to the caller, is
-:mod:`~episerve_server.plan.store_reads`'s.
+:mod:`~episerve_server.plan.fetched_runs`'s.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ import numpy as np
 
 from episerve_proto.errors import DataLossError, EpisodeNotFound, LimitExceeded
 from episerve_server.core.cache import Chunk, ChunkCache
-from episerve_server.core.stats import Stats
-from episerve_server.plan.store_reads import Vanished, split_decode, storage_error
+from episerve_server.core.counters import Stats
+from episerve_server.plan.fetched_runs import Vanished, split_decode, storage_error
 from episerve_server.storage.catalog import Catalog
 from episerve_server.storage.readers import ChunkReader, Raw
 from episerve_server.storage.readers.base import MAX_ABSENT, RunPlan

@@ -45,7 +45,7 @@ import numpy as np
 from episerve_proto.errors import EpiserveError
 from episerve_server.core.framecache import ChunkKey
 from episerve_server.core.keymap import Keymap, Rule
-from episerve_server.plan.misses import Need
+from episerve_server.plan.fetcher import Need
 from episerve_server.storage.readers import ChunkReader
 
 if TYPE_CHECKING:

@@ -13,13 +13,13 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from episerve_proto import local as lp
+from episerve_proto import local_plane as lp
 from episerve_proto.errors import ResponseTooLarge
 from episerve_server.core import kernel
 from episerve_server.core.result import BatchResult
 from episerve_server.rpc.handlers.service import OFFLOAD_ENCODE_BYTES
-from episerve_server.rpc.local.conn import Connection
-from episerve_server.rpc.local.segments import Segment, SegmentArena
+from episerve_server.rpc.local_plane.conn import Connection
+from episerve_server.rpc.local_plane.segments import Segment, SegmentArena
 from episerve_server.rpc.wire import encode
 
 

@@ -21,7 +21,7 @@ import numpy as np
 from episerve_server.core import kernel
 from episerve_server.core.cache import ChunkCache
 from episerve_server.core.windows import Window
-from episerve_server.plan.geometry import KeymapPlan, row_bytes
+from episerve_server.plan.keymap_plan import KeymapPlan, row_bytes
 from episerve_server.plan.options import Arena, Empty
 
 MAX_LAYOUTS = 64  # layouts kept (cleared when more turn up)

@@ -6,7 +6,7 @@ daemon's own, or ``--local-uids``), and its first frame must carry the daemon's 
 it has one. A Read's request bytes are those of the gRPC path and go through the same
 ``EpiserveService.serve_read`` (admission, parsing, the planner, hints, counters); only the
 encoding differs: the batch's blobs are written once, by the daemon, into a segment, and the
-answer is the metadata and a table of offsets (``episerve_proto.local``). The other methods
+answer is the metadata and a table of offsets (``episerve_proto.local_plane``). The other methods
 run the same handlers as over gRPC; a handler's error is answered in an ERROR frame with
 the class, code, episode and key gRPC gives in its status and trailers.
 
@@ -27,10 +27,10 @@ segment.
 What a connection makes the daemon hold counts in the daemon's one budget
 (``--max-buffered-bytes``, shared with gRPC's unsent responses, ``buffers.py``): its call
 bodies as their bytes arrive, every segment of its pool, and a kept segment from its
-making until the client has received it (``guard.unread``). A segment or body with
+making until the client has received it (``peer_limits.unread``). A segment or body with
 no room is answered ``Overloaded``. A connection's calls are served one at a time, and the
 next only once the client has received every earlier answer. Connections are capped in
-total and per uid (``guard.ConnectionCaps``), and one that stays idle for
+total and per uid (``peer_limits.ConnectionCaps``), and one that stays idle for
 ``--local-idle-s`` is closed; one closed with answers still unread keeps them counted until
 its peer reads or closes.
 
@@ -52,7 +52,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from episerve_proto import local as lp
+from episerve_proto import local_plane as lp
 from episerve_proto.contract import SERVICE_PATH
 from episerve_proto.errors import (
     EpiserveError,
@@ -65,9 +65,8 @@ from episerve_server.core.result import BatchResult
 from episerve_server.preflight import MAX_UNIX_PATH_BYTES, bind_private_socket
 from episerve_server.rpc.handlers.service import EpiserveService
 from episerve_server.rpc.handlers.status import answered
-from episerve_server.rpc.local import guard
-from episerve_server.rpc.local.answer import Placed, place
-from episerve_server.rpc.local.conn import (
+from episerve_server.rpc.local_plane import peer_limits
+from episerve_server.rpc.local_plane.conn import (
     CallLog,
     Connection,
     ConnectionClosed,
@@ -78,7 +77,8 @@ from episerve_server.rpc.local.conn import (
     recv_head,
     send,
 )
-from episerve_server.rpc.local.segments import SegmentArena, SegmentPool
+from episerve_server.rpc.local_plane.segment_answer import Placed, place
+from episerve_server.rpc.local_plane.segments import SegmentArena, SegmentPool
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ class LocalPlane:
         self._serials = itertools.count(1)
         self.budget = service.buffers
         self.budget.reclaim.append(self._reclaim)
-        self.keeper = guard.Keeper(config, self.budget)
+        self.keeper = peer_limits.Keeper(config, self.budget)
         self.caps = self.keeper.caps
         self._sweep: asyncio.Task[None] | None = None
         #: Accounts each finished call as the gRPC server's interceptor does (metrics, the
@@ -198,7 +198,7 @@ class LocalPlane:
             refused = self.caps.accept()
             if refused is not None:
                 self.refused += 1
-                guard.refuse(sock, refused)
+                peer_limits.refuse(sock, refused)
                 continue
             task = asyncio.create_task(self._serve(sock))
             task.add_done_callback(lambda _: self.caps.closed())
@@ -271,10 +271,10 @@ class LocalPlane:
                 # One call at a time, and only once every earlier answer is received.
                 if conn.tasks:
                     await asyncio.wait(set(conn.tasks))
-                await guard.received(conn)
+                await peer_limits.received(conn)
                 self.keeper.kept_received(conn)
                 try:
-                    call = await guard.recv_call(conn.sock, head.length, self.budget,
+                    call = await peer_limits.recv_call(conn.sock, head.length, self.budget,
                                                  "a call body")
                 finally:
                     conn.consumed += head.length
