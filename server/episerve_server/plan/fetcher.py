@@ -411,6 +411,26 @@ class Fetcher:
                 room = MAX_ABSENT - len(reader.absent)
                 reader.absent.update(itertools.islice(unknown, max(0, room)))
 
+    async def fetch_raw(self, reader: ChunkReader, first: int, last: int) -> list[Any]:
+        """Raw chunks [first, last] of one array, under a store slot and counted as a
+        read's fetches, not cached (annotations and the statistics pass decode them)."""
+        async with self.slot():
+            try:
+                raws = await reader.fetch(first, last)
+            except FileNotFoundError as exc:
+                await self.check_present(reader)
+                info = reader.info
+                raise DataLossError(
+                    f"episode {info.episode!r} key {info.name!r}: data went missing "
+                    f"({exc})", episode=info.episode, key=info.name,
+                ) from exc
+            except (OSError, TimeoutError) as exc:
+                raise storage_error(exc, reader.info.episode, reader.info.name) from exc
+        self.stats.episodes[reader.info.episode].chunks_fetched += len(raws)
+        self.stats.chunks_fetched += len(raws)
+        self.stats.bytes_fetched += sum(len(r) for r in raws if isinstance(r, bytes))
+        return raws
+
     async def check_present(self, reader: ChunkReader) -> None:
         """Missing data may mean the episode folder was deleted: then drop it, NOT_FOUND."""
         episode = reader.info.episode

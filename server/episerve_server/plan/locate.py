@@ -32,7 +32,7 @@ from episerve_server.core.cache import Chunk, ChunkCache
 from episerve_server.core.framecache import ChunkKey
 from episerve_server.core.keymap import Keymap
 from episerve_server.core.windows import Window
-from episerve_server.plan.fetcher import Need
+from episerve_server.plan.fetcher import ChunkId, Need
 from episerve_server.plan.keymap_plan import (
     KeyGeometry,
     KeymapPlan,
@@ -50,8 +50,6 @@ from episerve_server.storage.directory import Directory
 MAX_PLANS = 64  # keymaps compiled at once (least recently used go first)
 MAX_SCRATCHES = 64  # batch sizes with scratch arrays kept (cleared when more turn up)
 PACK = np.int64(1 << 32)  # packs (episode, chunk or row) into one sortable int64
-
-ChunkId = tuple[str, str, int]
 
 
 @dataclass(slots=True)
@@ -257,9 +255,9 @@ class Locator:
         packed = _distinct(np.concatenate([(ids[:, None] * PACK + w // c_of).ravel()
                                            for w in ws]))
         dense, chunk = np.divmod(packed, PACK)
-        uid_of = np.full(len(batch.kp.directory.episodes), -1, np.int64)
-        uid_of[ids] = batch.uids
-        slab, slot = self.cache.find(key, uid_of[dense], chunk)
+        by_id = np.argsort(ids, kind="stable")
+        uid = batch.uids[by_id[np.searchsorted(ids, dense, sorter=by_id)]]
+        slab, slot = self.cache.find(key, uid, chunk)
         hashes = batch.kp.directory.hashes
         if own:  # what the read fetched is served from its own copy (and counted a miss)
             cids = list(zip(hashes[dense].tolist(), [key] * len(packed), chunk.tolist()))

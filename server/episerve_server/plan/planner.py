@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
@@ -24,7 +23,7 @@ from episerve_proto.contract import (
     IS_PAD_SUFFIX,
     PROPRIO_MASK,
 )
-from episerve_proto.errors import DataLossError, InvalidArgument, Unavailable
+from episerve_proto.errors import InvalidArgument
 from episerve_server.core.cache import Chunk, ChunkCache
 from episerve_server.core.counters import Stats
 from episerve_server.core.framecache import ChunkKey
@@ -32,14 +31,13 @@ from episerve_server.core.keymap import Keymap, Rule
 from episerve_server.core.result import BatchResult, ImageColumn
 from episerve_server.core.spans import Span, cutoff_ends, texts_at
 from episerve_server.core.windows import Window
-from episerve_server.plan.fetcher import Fetcher, Need
+from episerve_server.plan.fetcher import ChunkId, Fetcher, Need
 from episerve_server.plan.keymap_plan import answer_bytes
-from episerve_server.plan.locate import PACK, Batch, ChunkId, Located, Locator
+from episerve_server.plan.locate import PACK, Batch, Located, Locator
 from episerve_server.plan.options import Budget, ReadOptions, empty32, too_big
 from episerve_server.plan.texts import TextTables
 from episerve_server.storage.annotations import load_spans
 from episerve_server.storage.catalog import Catalog
-from episerve_server.storage.readers import ChunkReader
 
 # Gathers this large run in a worker thread (a few ms on the loop below it); smaller ones
 # run on the loop, where the thread hop would cost more than the copy.
@@ -144,7 +142,7 @@ class Planner:
             got = [e.spans.get(key) for e in episodes]
             if None in got:
                 got = list(await asyncio.gather(
-                    *(load_spans(e, key, self._fetch_raw) for e in episodes)))
+                    *(load_spans(e, key, self.fetcher.fetch_raw) for e in episodes)))
             out[key] = got
         return out
 
@@ -156,35 +154,6 @@ class Planner:
         if tables is not None:
             return TextTables.at(tables, batch.ids, batch.frame)
         return texts_at(spans[key], batch.first_seen()[0], batch.frame)
-
-    async def _fetch_raw(self, reader: ChunkReader, first: int, last: int) -> list[Any]:
-        """Raw chunks for the annotation loader (decoded there, a few chunks at a time)."""
-        async with self.fetcher.slot():
-            try:
-                raws = await reader.fetch(first, last)
-            except FileNotFoundError as exc:
-                await self.fetcher.check_present(reader)
-                info = reader.info
-                raise DataLossError(
-                    f"episode {info.episode!r} key {info.name!r}: data went missing "
-                    f"({exc})", episode=info.episode, key=info.name,
-                ) from exc
-            except (OSError, TimeoutError) as exc:
-                info = reader.info
-                raise Unavailable(
-                    f"episode {info.episode!r} key {info.name!r}: storage read failed "
-                    f"({type(exc).__name__}: {exc})", episode=info.episode, key=info.name,
-                ) from exc
-        self.stats.episodes[reader.info.episode].chunks_fetched += len(raws)
-        self.stats.chunks_fetched += len(raws)
-        self.stats.bytes_fetched += sum(len(r) for r in raws if isinstance(r, bytes))
-        return raws
-
-    async def fetch_chunks(self, reader: ChunkReader, first: int, last: int) -> list[Any]:
-        """Raw chunks [first, last] of one array, under the same store limit and counters
-        as a Read's fetches (the statistics pass reads through here)."""
-        return await self._fetch_raw(reader, first, last)
-
 
 
 def _answer(keymap: Keymap, batch: Batch, located: Located, arrays: dict[str, np.ndarray],

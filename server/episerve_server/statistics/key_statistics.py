@@ -287,7 +287,7 @@ class KeyStatsEngine:
             else:
                 runs.append((j, j))
         fetched = await asyncio.gather(
-            *(self.planner.fetch_chunks(reader, c0 + a, c0 + b) for a, b in runs))
+            *(self.planner.fetcher.fetch_raw(reader, c0 + a, c0 + b) for a, b in runs))
         for (a, _), raws in zip(runs, fetched):
             for k, raw in enumerate(raws):
                 out[a + k] = RawChunk(raw)
