@@ -106,6 +106,40 @@ def test_every_batch_read_again_is_located_by_the_kernel(template: Path, run: Lo
             assert pair.warm_batches == before + 1, (options, samples)
 
 
+def test_chunks_evicted_while_a_batch_fetches_are_fetched_in_another_round(
+        template: Path, run: LoopRunner, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch locates what it can in the cache and fetches the rest; if the cache drops
+    chunks it had found while it waits, the next round fetches those, and the answer is
+    the same. Rounds are bounded: past ``MAX_ROUNDS`` the read is refused as transient."""
+    from episerve_proto.errors import Unavailable
+    from episerve_server.plan import planner as planner_module
+
+    keymap = Keymap.parse(NUMERIC["mecka"])
+    batch = [("ep003d", 5), ("ep004e", 5), ("ep003d", 200)]
+    for rounds, served in ((1, False), (2, True)):
+        pair = Pair.open(template, 8 << 20, run)
+        pair.run(pair.cached.planner.read(keymap, batch[:1], ReadOptions()))  # ep003d warm
+        fetcher = pair.cached.planner.fetcher
+        real = fetcher.get
+        calls: list[int] = []
+
+        async def get(needs, charge=None, real=real, pair=pair, calls=calls):  # type: ignore[no-untyped-def]
+            got = await real(needs, charge)
+            calls.append(len(needs))
+            pair.cached.cache.drop_episode("ep003d")  # evicted while the batch waited
+            return got
+
+        monkeypatch.setattr(fetcher, "get", get)
+        monkeypatch.setattr(planner_module, "MAX_ROUNDS", rounds)
+        if not served:
+            with pytest.raises(Unavailable, match="in each of 1 rounds of fetching"):
+                pair.run(pair.cached.planner.read(keymap, batch, ReadOptions()))
+            assert len(calls) == 1
+            continue
+        pair.read(keymap, batch, ReadOptions())  # compared with the core without a cache
+        assert len(calls) == 2  # the first round, then the chunks dropped meanwhile
+
+
 def test_a_batch_over_the_response_limit_is_refused_before_its_windows(
         template: Path, run: LoopRunner, monkeypatch: pytest.MonkeyPatch) -> None:
     """A Read over ``max_response_bytes`` is refused before anything large is built, cold

@@ -23,7 +23,7 @@ from episerve_proto.contract import (
     IS_PAD_SUFFIX,
     PROPRIO_MASK,
 )
-from episerve_proto.errors import InvalidArgument
+from episerve_proto.errors import InvalidArgument, Unavailable
 from episerve_server.core.cache import Chunk, ChunkCache
 from episerve_server.core.counters import Stats
 from episerve_server.core.framecache import ChunkKey
@@ -44,6 +44,9 @@ from episerve_server.storage.catalog import Catalog
 GATHER_OFFLOAD_BYTES = 4 << 20
 
 DEFAULT_OPTIONS = ReadOptions()
+#: Rounds of fetching one read may take: after the first, a round fetches what the cache
+#: let go of meanwhile (``own`` keeps what a round fetched: each round's chunks are new).
+MAX_ROUNDS = 8
 
 
 class Planner:
@@ -78,11 +81,17 @@ class Planner:
             position, _ = batch.first_seen()
             cut = cutoff_ends(spans["annotations"], position, batch.frame, batch.total)
         made, windows = self.locator.windows(batch, cut)
-        own: dict[ChunkId, Chunk] = {}
-        while True:  # each round fetches chunks ``own`` lacks: it ends
+        own: dict[ChunkId, Chunk] = {}  # what this read fetched, served from its own copy
+        rounds = 0
+        while True:  # a round fetches what neither the cache nor ``own`` holds
             located = self.locator.locate(batch, made, windows, own)
             if isinstance(located, Located):
                 break
+            if rounds == MAX_ROUNDS:  # each round, the cache let go of chunks it had held
+                raise Unavailable(
+                    f"the chunk cache let go of this batch's chunks in each of {rounds} rounds "
+                    "of fetching them; retry, or raise --cache-bytes")
+            rounds += 1
             self.cache.count(0, len(located))
             budget = Budget(limit, out_bytes, n)
             fetched = await self.fetcher.get(located, budget.add)
