@@ -12,6 +12,7 @@ import os
 import stat
 import time
 from collections.abc import Callable, Collection, Sequence
+from typing import Any
 
 from episerve_client import messages
 from episerve_client._ops import Call, Flow, left
@@ -19,6 +20,7 @@ from episerve_client.channel import unix_path
 from episerve_client.errors import DataLossError, EpiserveError, PermissionDenied
 from episerve_client.read_answer import ReadResult
 from episerve_proto import routing
+from episerve_proto.answer_fields import OPTIONAL, PER_SAMPLE
 
 
 class Router:
@@ -172,19 +174,17 @@ def merge_results(parts: list[tuple[list[int], ReadResult]], n: int) -> ReadResu
 
 
 def _merged(merge: routing.Merge, results: list[ReadResult]) -> ReadResult:
-    out = ReadResult(
-        episodes=merge.rows([r.episodes for r in results]),
-        frame_index=merge.stack(r.frame_index for r in results),
-        fps=merge.stack(r.fps for r in results),
-        embodiments=merge.rows([r.embodiments for r in results]),
-    )
+    per_sample: dict[str, Any] = {}
+    for f in PER_SAMPLE:  # the answer's field table: strings are lists, the rest arrays
+        parts = [getattr(r, f.name) for r in results]
+        if f.name in OPTIONAL and any(p is None for p in parts):
+            continue
+        per_sample[f.name] = merge.rows(parts) if f.kind == "strings" else merge.stack(parts)
+    out = ReadResult(**per_sample)
     for name in results[0].arrays:
         out.arrays[name] = merge.stack(r.arrays[name] for r in results)
     for name in results[0].texts:
         out.texts[name] = merge.rows([r.texts[name] for r in results])
-    totals = [r.total_frames for r in results if r.total_frames is not None]
-    if len(totals) == len(results):
-        out.total_frames = merge.stack(totals)
     for source in results[0].frames:
         counts = [len(r.frames[source]) for r in results]
         out.frames[source] = [f for r in results for f in r.frames[source]]

@@ -35,3 +35,18 @@ def test_listed_names_whole_names_and_counts_the_rest() -> None:
     assert text.startswith("'observation.key_000', 'observation.key_001', ")
     assert text.endswith("'observation.key_011' and 28 more")
     assert listed(["a", "b"]) == "'a', 'b'" and listed([]) == "none"
+
+
+def test_both_result_classes_hold_every_field_of_the_answer_table() -> None:
+    """The daemon's ``BatchResult`` and the client's ``ReadResult`` are the answer's field
+    table (``episerve_proto.answer_fields``) in Python: a field described there and
+    missing from either class (or the reverse) fails here, and the client's merge of
+    several daemons' parts walks the table's per-sample fields."""
+    import dataclasses
+
+    from episerve_client.read_answer import ReadResult
+    from episerve_proto.answer_fields import KINDS
+    from episerve_server.core.result import BatchResult
+
+    for cls in (BatchResult, ReadResult):
+        assert {f.name for f in dataclasses.fields(cls)} == set(KINDS), cls
