@@ -13,17 +13,35 @@ from episerve_client._base import BaseClient, KeymapLike, load_keymap
 from episerve_client._ops import Call, Flow, Op, Outcome, Sleep
 from episerve_client._outage import ALIVE_S, Watch
 from episerve_client.channel import CHANNEL_OPTIONS, HEALTH_CHECK
-from episerve_client.errors import Unavailable, from_rpc_error, surfaced
+from episerve_client.errors import EpiserveError, Unavailable, from_rpc_error, surfaced
 from episerve_client.keystats import KeyStats
 from episerve_client.listing import Listing
+from episerve_client.local_channel import LocalChannel
 from episerve_client.messages import KeymapCheck
 from episerve_client.read_answer import ReadResult
+from episerve_client.transport_choice import LocalPlanes
 from episerve_proto.contract import SERVICE_PATH
 
 
 @surfaced
-class AsyncClient(BaseClient):
-    """Like ``Client``; channels belong to the event loop of the process that made them."""
+class AsyncClient(LocalPlanes, BaseClient):
+    """Like ``Client``; channels belong to the event loop of the process that made them.
+
+    ``transport`` is ``Client``'s: ``"auto"`` reads from a unix-socket daemon of this host
+    over its local shared-memory plane when it offers one. A call over the plane runs in
+    a worker thread (``asyncio.to_thread``), one call at a time per daemon; a call whose
+    task is cancelled still runs to its end there, and its answer is dropped.
+    """
+
+    def __init__(self, target: str | Sequence[str], *, transport: str = "auto",
+                 **options: Any) -> None:
+        super().__init__(target, **options)
+        self._init_planes(transport, self.targets)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_local"] = {}  # sockets never travel to another process
+        return state
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -33,6 +51,8 @@ class AsyncClient(BaseClient):
 
     async def aclose(self) -> None:
         await asyncio.gather(*(c.close() for c in self._take_channels()))
+        for plane in self._take_planes():
+            await asyncio.to_thread(plane.close)  # waits for a call still running there
 
     async def list_episodes(self, *, timeout_s: float | None = None, brief: bool = False,
                       hashes: Sequence[str] | None = None) -> Listing:
@@ -102,6 +122,9 @@ class AsyncClient(BaseClient):
                                            if isinstance(op, Call))))
 
     async def _call(self, call: Call) -> Outcome:
+        plane = self._plane(call.target)
+        if plane is not None:
+            return await self._plane_call(plane, call)
         channel = self._channel(call.target)
         if self.must_connect(call.target):
             try:
@@ -121,6 +144,18 @@ class AsyncClient(BaseClient):
         except grpc.RpcError as exc:
             return from_rpc_error(exc, call.target)
         except Unavailable as exc:
+            return exc
+        self.answered.add(call.target)
+        return data
+
+    async def _plane_call(self, plane: LocalChannel, call: Call) -> Outcome:
+        """A call over the local plane, in a worker thread (the channel's calls block)."""
+        try:
+            if self.must_connect(call.target):
+                await asyncio.to_thread(plane.connect, self.connect_wait_s(call))
+            data = await asyncio.to_thread(plane.call, call.method, call.payload,
+                                           call.timeout_s)
+        except EpiserveError as exc:
             return exc
         self.answered.add(call.target)
         return data

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -18,17 +17,17 @@ from episerve_client.channel import CHANNEL_OPTIONS, HEALTH_CHECK, close_at_exit
 from episerve_client.errors import EpiserveError, from_rpc_error, surfaced
 from episerve_client.keystats import KeyStats
 from episerve_client.listing import Listing
-from episerve_client.local_channel import Adopt, LocalChannel
+from episerve_client.local_channel import Adopt
 from episerve_client.messages import KeymapCheck
 from episerve_client.read_answer import ReadResult
-from episerve_client.transport_choice import check_transport, pick_local
+from episerve_client.transport_choice import LocalPlanes
 from episerve_proto.contract import SERVICE_PATH
 
 #: Served by every episerve daemon and front; the probe of a target's first call.
 
 
 @surfaced
-class Client(BaseClient):
+class Client(LocalPlanes, BaseClient):
     """``Client("unix:///run/episerve.sock")``, ``Client("host:50051")`` or a list of targets.
 
     Safe to build before a fork: no channel exists until the first call in a process.
@@ -50,8 +49,7 @@ class Client(BaseClient):
     def __init__(self, target: str | Sequence[str], *, transport: str = "auto",
                  **options: Any) -> None:
         super().__init__(target, **options)
-        self.transport = check_transport(transport, self.targets)
-        self._local: dict[str, LocalChannel | None] = {}
+        self._init_planes(transport, self.targets)
         #: Set by ``WindowDataset`` in a DataLoader worker: batches over the local plane
         #: keep their segment, mapped by this (``LocalChannel.call``).
         self.adopt_segment: Adopt | None = None
@@ -72,10 +70,8 @@ class Client(BaseClient):
         exits are closed then, a DataLoader worker's included."""
         for channel in self._take_channels():
             channel.close()
-        local, self._local = self._local, {}
-        for plane in local.values():
-            if plane is not None:
-                plane.close()
+        for plane in self._take_planes():
+            plane.close()
 
     def list_episodes(self, *, timeout_s: float | None = None, brief: bool = False,
                       hashes: Sequence[str] | None = None) -> Listing:
@@ -173,22 +169,6 @@ class Client(BaseClient):
             except EpiserveError as exc:
                 out.append(exc)
         return out
-
-    def daemon_pid(self, target: str) -> int | None:
-        plane = self._local.get(target) if self._pid == os.getpid() else None
-        return plane.daemon_pid if plane is not None else None
-
-    def _plane(self, target: str) -> LocalChannel | None:
-        """This process's local-plane channel to ``target``, or None for gRPC."""
-        if self._pid != os.getpid():
-            self._take_channels()  # forked: drop the parent's channels and planes
-            self._local, self._pid = {}, os.getpid()
-        if target in self._local:
-            return self._local[target]
-        plane = pick_local(target, self.transport, self.token, self.connect_timeout_s,
-                           self.outages.max_outage_s)
-        self._local[target] = plane
-        return plane
 
     def _send(self, stub: Any, call: Call, parallel: bool) -> Any:
         """What gives the call's answer when called: for calls to several targets at once,

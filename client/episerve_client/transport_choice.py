@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 import os
 import stat
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from episerve_client.channel import DEFAULT_CONNECT_TIMEOUT_S, unix_path
 from episerve_client.errors import InvalidArgument, PermissionDenied
@@ -17,6 +19,47 @@ from episerve_client.local_channel import LocalChannel, local_socket
 log = logging.getLogger(__name__)
 
 TRANSPORTS = ("auto", "local", "grpc")
+
+
+class LocalPlanes:
+    """A client's local-plane channels, per target, made lazily in the process that uses
+    them (the sync and the async client alike)."""
+
+    targets: tuple[str, ...]
+    token: str
+    connect_timeout_s: float
+    outages: Any
+    _pid: int
+    _take_channels: Callable[[], list[Any]]
+
+    def _init_planes(self, transport: str, targets: Sequence[str]) -> None:
+        self.transport = check_transport(transport, tuple(targets))
+        self._local: dict[str, LocalChannel | None] = {}
+
+    def _plane(self, target: str) -> LocalChannel | None:
+        """This process's local-plane channel to ``target``, or None for gRPC."""
+        if self._pid != os.getpid():
+            self._forked()
+        if target in self._local:
+            return self._local[target]
+        plane = pick_local(target, self.transport, self.token, self.connect_timeout_s,
+                           self.outages.max_outage_s)
+        self._local[target] = plane
+        return plane
+
+    def _forked(self) -> None:
+        """Drop what the parent process made: its channels and sockets are not ours."""
+        self._take_channels()
+        self._local, self._pid = {}, os.getpid()
+
+    def _take_planes(self) -> list[LocalChannel]:
+        """Forget every local-plane channel; returns them, to close."""
+        local, self._local = self._local, {}
+        return [plane for plane in local.values() if plane is not None]
+
+    def daemon_pid(self, target: str) -> int | None:
+        plane = self._local.get(target) if self._pid == os.getpid() else None
+        return plane.daemon_pid if plane is not None else None
 
 
 def check_transport(transport: str, targets: tuple[str, ...]) -> str:

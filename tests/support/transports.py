@@ -37,13 +37,9 @@ class TransportTests:
         return ramp_served[("sharded", False)]
 
     @pytest.fixture
-    def client(self, target: str, make_client: Any, request: pytest.FixtureRequest) -> Any:
-        """The sync client on ``TRANSPORT``, or the async one (which reads over gRPC)."""
-        if request.node.callspec.params["make_client"] == "sync":
-            return make_client(target, transport=self.TRANSPORT)
-        if self.TRANSPORT != "grpc":
-            pytest.skip(f"the async client has no {self.TRANSPORT!r} transport")
-        return make_client(target)
+    def client(self, target: str, make_client: Any) -> Any:
+        """The sync or the async client on ``TRANSPORT``."""
+        return make_client(target, transport=self.TRANSPORT)
 
     def read(self, client: Any, target: str, keymap: dict[str, Any],
              samples: list[tuple[str, int]], cutoff: bool = False,

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from collections.abc import Callable
+from typing import Any
 
 from episerve_proto import routing
 from episerve_proto.contract import METHODS
@@ -24,24 +24,19 @@ from episerve_proto.errors import (
 from episerve_server.config import ServerConfig
 from episerve_server.core.counters import Stats
 from episerve_server.core.keymap import Keymap
-from episerve_server.core.result import BatchResult
-from episerve_server.plan.options import Arena, ReadOptions
+from episerve_server.plan.options import ReadOptions
 from episerve_server.plan.planner import Planner
 from episerve_server.plan.read_ahead import Background
 from episerve_server.rpc.handlers.admission import Admission
 from episerve_server.rpc.handlers.buffers import ResponseBuffers
 from episerve_server.rpc.handlers.registry import KeymapRegistry
-from episerve_server.rpc.handlers.servicer import Call, Handler, handlers
+from episerve_server.rpc.handlers.servicer import AnswerWriter, Call, Handler, handlers
 from episerve_server.rpc.handlers.status import release_chain
 from episerve_server.rpc.wire import messages
-from episerve_server.rpc.wire.encode import encode_result
 from episerve_server.statistics.key_statistics import MAX_KEYS, KeyStatsEngine
 from episerve_server.storage.catalog import Catalog
 from episerve_server.storage.keycheck import check_keymap, merged
 
-# Responses this large are encoded in a worker thread; below it the hop costs more than the
-# join (about 0.2 ms per MB).
-OFFLOAD_ENCODE_BYTES = 8 << 20
 CHECK_SLICE = 50  # episodes checked against a keymap between yields to the event loop
 #: RegisterKeymap calls served at once; the others wait their turn (concurrent ones would
 #: each put a parse or a check slice on every loop turn).
@@ -56,7 +51,6 @@ OFFLOAD_PARSE_BYTES = 64 << 10
 #: small enough that encoding one page never keeps health waiting (measured: 16 MiB pages
 #: of 200 kB attributes delayed health by 260 ms; 4 MiB pages do not).
 LIST_PAGE_BYTES = 4 * 2**20
-T = TypeVar("T")
 
 
 class EpiserveService:
@@ -177,27 +171,13 @@ class EpiserveService:
         messages.parse_empty(request, "GetTopology")
         return messages.encode_topology((), routing.ROUTING, self.local_plane)
 
-    async def read(self, request: bytes, rpc: Call) -> bytes:
-        """A Read's answer as the protobuf message's bytes (gRPC's; the local plane calls
-        ``serve_read`` with its own encoding)."""
-        return await self.serve_read(request, rpc.peer() or "", self._encode)
-
-    @staticmethod
-    async def _encode(result: BatchResult) -> tuple[bytes, int]:
-        if result.nbytes >= OFFLOAD_ENCODE_BYTES:
-            data = await asyncio.to_thread(encode_result, result)
-        else:
-            data = encode_result(result)
-        return data, len(data)
-
-    async def serve_read(self, request: bytes, peer: str,
-                         encode: Callable[[BatchResult], Awaitable[tuple[T, int]]],
-                         arena: Arena | None = None) -> T:
+    async def read(self, request: bytes, rpc: Call) -> Any:
         """One Read, whatever carries it: admission (drain, concurrency, the peer's
-        buffers), parsing, the planner, then ``encode`` (which returns the answer and the
-        bytes it sends), the prefetch hint and the counters. The gRPC handler and the local
-        plane (``rpc/local_plane/``) differ only in ``encode``, and in the ``arena``
-        the local plane has the numeric outputs gathered into."""
+        buffers), parsing, the planner (gathering into the writer's arena), then the
+        batch laid out by the call's writer, the prefetch hint and the counters. Returns
+        what the writer wrote."""
+        peer = rpc.peer() or ""
+        writer = rpc.writer
         self.admission.enter(peer)
         start = time.perf_counter_ns()
         reserved: list[Callable[[object], None]] = []
@@ -206,7 +186,7 @@ class EpiserveService:
             reserved.append(self.buffers.reserve(peer, nbytes))
 
         try:
-            out = await self._read(request, admit, encode, peer, arena)
+            out = await self._read(request, admit, writer, peer)
         finally:
             self.admission.leave()
             for release in reserved:
@@ -215,8 +195,7 @@ class EpiserveService:
         return out
 
     async def _read(self, request: bytes, admit: Callable[[int], None],
-                    encode: Callable[[BatchResult], Awaitable[tuple[T, int]]],
-                    peer: str = "", arena: Arena | None = None) -> T:
+                    writer: AnswerWriter, peer: str = "") -> Any:
         arrived = time.monotonic()
         call = messages.parse_read(request, self.limits)
         del request
@@ -226,7 +205,7 @@ class EpiserveService:
         if call.max_response_bytes:
             limit = min(limit, call.max_response_bytes)
         options = ReadOptions(call.annotation_cutoff, limit, admit, all_masks=call.all_masks,
-                              arena=arena)
+                              arena=writer.arena)
         try:
             result = await self.planner.read(keymap, call.samples, options)
         except EpisodeNotFound as exc:
@@ -240,7 +219,7 @@ class EpiserveService:
                 raise
             release_chain(exc)
             result = await self.planner.read(keymap, call.samples, options)
-        data, nbytes = await encode(result)
+        data, nbytes = await writer.write(result)
         del result
         self._hint(call, keymap, peer)
         self.stats.read_rpcs += 1

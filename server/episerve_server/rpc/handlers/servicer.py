@@ -11,23 +11,40 @@ from __future__ import annotations
 
 import re
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Protocol
+from typing import Any, Protocol
 
 from episerve_server.config import ServerConfig
+from episerve_server.core.result import BatchResult
+from episerve_server.plan.options import Arena
 from episerve_server.rpc.handlers.admission import Admission
 from episerve_server.rpc.handlers.buffers import ResponseBuffers
 
 
+class AnswerWriter(Protocol):
+    """How a transport carries a batch: where the planner gathers its numeric outputs
+    (``arena``; None: arrays of their own), and the batch laid out for sending (``write``:
+    the answer, and the bytes it sends)."""
+
+    @property
+    def arena(self) -> Arena | None: ...
+
+    async def write(self, result: BatchResult) -> tuple[Any, int]: ...
+
+
 class Call(Protocol):
-    """What a handler may know of the call it serves. gRPC's servicer context has both
-    methods; the local plane gives its own."""
+    """What a handler may know of the call it serves: its peer, its deadline, and the
+    writer its transport lays a batch out with."""
 
     def peer(self) -> str: ...
 
     def time_remaining(self) -> float | None: ...
 
+    @property
+    def writer(self) -> AnswerWriter: ...
 
-Handler = Callable[[bytes, Call], Awaitable[bytes]]
+
+#: A request's bytes and its call in; the answer's bytes, or what ``call.writer`` wrote, out.
+Handler = Callable[[bytes, Call], Awaitable[Any]]
 
 
 class Servicer(Protocol):

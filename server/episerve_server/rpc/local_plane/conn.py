@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 from episerve_proto import local_plane as lp
 from episerve_proto.errors import EpiserveError, clipped
+from episerve_server.rpc.handlers.servicer import AnswerWriter
 from episerve_server.rpc.local_plane.segments import SegmentPool
 
 
@@ -33,12 +34,13 @@ class CallLog(Protocol):
 
 class LocalCall:
     """What a handler knows of a call over the local plane (``handlers/servicer.Call``):
-    its peer; a local call has no deadline of its own."""
+    its peer, and the writer that places a batch in a segment; a local call has no
+    deadline of its own."""
 
-    __slots__ = ("_peer",)
+    __slots__ = ("_peer", "writer")
 
-    def __init__(self, peer: str) -> None:
-        self._peer = peer
+    def __init__(self, peer: str, writer: AnswerWriter) -> None:
+        self._peer, self.writer = peer, writer
 
     def peer(self) -> str:
         return self._peer

@@ -3,12 +3,12 @@
 The daemon listens on ``<--unix PATH>.local`` (``--no-local-plane`` turns it off). A
 connection is accepted only from a process of an allowed uid (``SO_PEERCRED``: the
 daemon's own, or ``--local-uids``), and its first frame must carry the daemon's token when
-it has one. A Read's request bytes are those of the gRPC path and go through the same
-``EpiserveService.serve_read`` (admission, parsing, the planner, hints, counters); only the
-encoding differs: the batch's blobs are written once, by the daemon, into a segment, and the
-answer is the metadata and a table of offsets (``episerve_proto.local_plane``). The other methods
-run the same handlers as over gRPC; a handler's error is answered in an ERROR frame with
-the class, code, episode and key gRPC gives in its status and trailers.
+it has one. Every call runs the same handler as over gRPC, with the same request bytes;
+only the writer of a batch differs (``SegmentWriter``, the call's ``AnswerWriter``): the
+batch's blobs are written once, by the daemon, into a segment, and the answer is the
+metadata and a table of offsets (``episerve_proto.local_plane``). A handler's error is
+answered in an ERROR frame with the class, code, episode and key gRPC gives in its status
+and trailers.
 
 Segments are memfds (no name in any filesystem), sealed against shrinking, lent from a
 pool per connection: at most ``--local-segments`` at once. The client returns a segment
@@ -94,6 +94,18 @@ _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 def local_path(unix: str) -> Path:
     return Path(str(Path(unix).resolve()) + lp.LOCAL_SUFFIX)
+
+
+class SegmentWriter:
+    """The local plane's ``AnswerWriter``: a batch's numeric outputs gathered into the
+    segment its answer is sent in, the rest laid out after them (``segment_answer``)."""
+
+    def __init__(self, plane: LocalPlane, conn: Connection, keep: bool) -> None:
+        self.arena = SegmentArena(conn.pool, keep, conn.last_total)
+        self._plane, self._conn = plane, conn
+
+    async def write(self, result: BatchResult) -> tuple[Placed, int]:
+        return await self._plane._place(self._conn, result, self.arena)
 
 
 class LocalPlane:
@@ -285,9 +297,6 @@ class LocalPlane:
                         f"{self.budget.max_bytes} (--max-buffered-bytes); back off and retry"))
                     continue
                 method, payload, charged = call
-                if head.flags & lp.FLAG_KEEP and method != "Read":
-                    self.budget.charge(-charged)
-                    raise lp.FrameError(f"a {method} call cannot keep a segment")
                 task = asyncio.create_task(self._call(conn, head.ident, method, payload,
                                                       bool(head.flags & lp.FLAG_KEEP)))
                 conn.tasks.add(task)
@@ -303,41 +312,37 @@ class LocalPlane:
 
     async def _call(self, conn: Connection, ident: int, method: str, payload: bytes,
                     keep: bool = False) -> None:
+        """Serves one call: its handler's answer is bytes (a REPLY) or a batch the
+        connection's writer placed in a segment (a BATCH)."""
         start, code, sent = time.perf_counter(), "OK", 0
+        writer = SegmentWriter(self, conn, keep)
         try:
-            if method == "Read":
-                code, sent = await self._read(conn, ident, payload, keep)
-                return
-            data = await self._methods[method](payload, LocalCall(conn.peer))
-            sent = len(data)
-            await self._send(conn, lp.frame(lp.REPLY, ident, data))
+            answer = await self._methods[method](payload, LocalCall(conn.peer, writer))
+            if isinstance(answer, Placed):
+                sent = await self._send_batch(conn, ident, answer, keep)
+            else:
+                sent = len(answer)
+                await self._send(conn, lp.frame(lp.REPLY, ident, answer))
         except (OSError, ConnectionClosed):
             code = "CANCELLED"  # the connection is gone; _serve frees what it held
         except Exception as exc:
+            await writer.arena.release()
             error = answered(exc, f"{method} (local plane)")
             code = error.code
             await self._send_quietly(conn, lp.frame(lp.ERROR, ident, error_body(error)))
+        except BaseException:
+            await writer.arena.release()
+            raise
         finally:
             if self.calls is not None:
                 self.calls.finished(SERVICE_PATH + method, code, time.perf_counter() - start,
                                     payload, rid=f"local-{conn.serial}-{ident}",
                                     peer=lambda: conn.peer, sent=sent)
 
-    async def _read(self, conn: Connection, ident: int, payload: bytes,
-                    keep: bool) -> tuple[str, int]:
-        """Serves one Read; returns its status code's name and the bytes it sent."""
-        arena = SegmentArena(conn.pool, keep, conn.last_total)
-        try:
-            placed = await self.service.serve_read(
-                payload, conn.peer, lambda r: self._place(conn, r, arena), arena)
-        except Exception as exc:
-            await arena.release()
-            error = answered(exc, "read (local plane)")
-            await self._send_quietly(conn, lp.frame(lp.ERROR, ident, error_body(error)))
-            return error.code, 0
-        except BaseException:
-            await arena.release()
-            raise
+    async def _send_batch(self, conn: Connection, ident: int, placed: Placed,
+                          keep: bool) -> int:
+        """Sends a placed batch (its descriptor too, the first time or when the client
+        keeps it); returns the bytes it sent."""
         seg = placed.segment
         body = lp.batch_body(seg.ident, seg.size, placed.blobs, placed.meta)
         with_fd = keep or not seg.sent
@@ -355,7 +360,7 @@ class LocalPlane:
         if keep:  # counted (as the pool's) until the client has it
             self.keeper.sent_kept(conn, seg.size)
             await conn.pool.give_away(seg.ident)
-        return "OK", len(body) + placed.nbytes
+        return len(body) + placed.nbytes
 
     async def _place(self, conn: Connection, result: BatchResult,
                      arena: SegmentArena) -> tuple[Placed, int]:

@@ -17,10 +17,10 @@ from episerve_proto import local_plane as lp
 from episerve_proto.errors import ResponseTooLarge
 from episerve_server.core import kernel
 from episerve_server.core.result import BatchResult
-from episerve_server.rpc.handlers.service import OFFLOAD_ENCODE_BYTES
 from episerve_server.rpc.local_plane.conn import Connection
 from episerve_server.rpc.local_plane.segments import Segment, SegmentArena
 from episerve_server.rpc.wire import encode
+from episerve_server.rpc.wire.encode import OFFLOAD_ENCODE_BYTES
 
 
 @dataclass(eq=False)

@@ -40,12 +40,12 @@ from episerve_server.config import ServerConfig
 from episerve_server.plan.options import too_big
 from episerve_server.rpc.handlers.admission import Admission
 from episerve_server.rpc.handlers.buffers import Reservation, ResponseBuffers
-from episerve_server.rpc.handlers.service import OFFLOAD_ENCODE_BYTES
 from episerve_server.rpc.handlers.servicer import Call, Handler, handlers
 from episerve_server.rpc.process import server
 from episerve_server.rpc.process.metrics import PREFIX, counter_families
 from episerve_server.rpc.process.workers import WorkerPool
 from episerve_server.rpc.wire import forward, messages
+from episerve_server.rpc.wire.encode import OFFLOAD_ENCODE_BYTES
 
 log = logging.getLogger(__name__)
 
