@@ -18,7 +18,7 @@ import importlib.util
 import itertools
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -114,11 +114,29 @@ def resolve(flat: np.ndarray, base: np.ndarray, rows: np.ndarray, chunk_rows: in
     return 0
 
 
-#: One output of ``plan_keys``: (window, width, time_axis, slots_at, idx_at).
-Output = tuple[int, int, bool, int, int]
-#: One key of ``plan_keys``: (tbase, tsize, tslab, flat, rows_of, chunk_rows, outputs).
-KeyArgs = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, int,
-                tuple[Output, ...]]
+class Output(NamedTuple):
+    """One output of ``plan_keys``: its rows are ``windows[window]`` ((B, width)), its
+    slots go to ``slots_out`` from ``slots_at * B``, its rows in the slab to ``idx_out``
+    from ``idx_at * B`` (B of them without a time axis)."""
+
+    window: int
+    width: int
+    time_axis: bool
+    slots_at: int
+    idx_at: int
+
+
+class KeyArgs(NamedTuple):
+    """One key of ``plan_keys``: its slot table's arrays, its array's rows per dense id,
+    its chunk rows, its outputs."""
+
+    tbase: np.ndarray
+    tsize: np.ndarray
+    tslab: np.ndarray
+    flat: np.ndarray
+    rows_of: np.ndarray
+    chunk_rows: int
+    outputs: tuple[Output, ...]
 
 
 def plan_keys(keys: tuple[KeyArgs, ...], windows: tuple[np.ndarray, ...],
@@ -208,8 +226,14 @@ def place_blobs(dst: Any, blobs: list[Any], at: list[int | None], start: int,
     return ends[-1], sum(sizes)
 
 
-#: One output of ``gather_rows``: (its source's position, idx_at, units, row bytes).
-RowsSpec = tuple[int, int, int, int]
+class RowsSpec(NamedTuple):
+    """One output of ``gather_rows``: the rows ``idx[idx_at * n: (idx_at + units) * n]``
+    of ``srcs[source]``, viewed as rows of ``row_bytes``."""
+
+    source: int
+    idx_at: int
+    units: int
+    row_bytes: int
 
 
 def gather_rows(outs: list[np.ndarray], srcs: tuple[np.ndarray, ...], idx: np.ndarray, n: int,

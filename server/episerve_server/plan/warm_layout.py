@@ -27,13 +27,25 @@ from episerve_server.plan.options import Arena, Empty
 MAX_LAYOUTS = 64  # layouts kept (cleared when more turn up)
 
 
+class OutputGather(NamedTuple):
+    """Where one output of a layout comes from: its key's position among the layout's
+    keys, and its rows at ``idx_at`` times the batch size."""
+
+    key_at: int
+    name: str
+    width: int
+    time_axis: bool
+    idx_at: int
+    feature: tuple[int, ...]
+
+
 class Outputs(NamedTuple):
     """A layout's numeric outputs at one batch size: what ``kernel.gather_rows`` and the
     answer's arrays need, made once per (layout, batch size)."""
 
     names: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
-    spec: tuple[kernel.RowsSpec, ...]  # per output: (key position, idx_at, units, row bytes)
+    spec: tuple[kernel.RowsSpec, ...]
 
 
 class Fused(NamedTuple):
@@ -58,8 +70,7 @@ class Layout:
     keys: tuple[str, ...]
     chunk_rows: tuple[int, ...]
     outputs: tuple[tuple[kernel.Output, ...], ...]
-    gathers: tuple[tuple[int, str, int, bool, int, tuple[int, ...]], ...]  # key's position,
-    # name, width, time_axis, idx_at, feature
+    gathers: tuple[OutputGather, ...]
     slot_spans: tuple[tuple[int, int], ...]  # per key: its slots in units of the batch size
     slot_units: int
     idx_units: int
@@ -92,8 +103,8 @@ class NumericKeys:
                 table = self.cache.slot_table(key)
                 if table is None:
                     return None
-                keys.append((table.base, table.size, table.slab, table.flat,
-                             layout.plan.keys[key].rows, c, outputs))
+                keys.append(kernel.KeyArgs(table.base, table.size, table.slab, table.flat,
+                                           layout.plan.keys[key].rows, c, outputs))
             args = self._key_args = (layout, version, tuple(keys))
         n = len(ids)
         slots = np.empty(layout.slot_units * n, np.int64)
@@ -125,11 +136,12 @@ class NumericKeys:
             if len(self._outputs) >= MAX_LAYOUTS:
                 self._outputs.clear()
             names, shapes, spec = [], [], []
-            for at, name, width, time_axis, idx_at, feature in layout.gathers:
-                shape = (n, width, *feature) if time_axis else (n, *feature)
-                names.append(name)
+            for g in layout.gathers:
+                shape = (n, g.width, *g.feature) if g.time_axis else (n, *g.feature)
+                names.append(g.name)
                 shapes.append(shape)
-                spec.append((at, idx_at, width if time_axis else 1, row_bytes(feature, False)))
+                spec.append(kernel.RowsSpec(g.key_at, g.idx_at, g.width if g.time_axis else 1,
+                                            row_bytes(g.feature, False)))
             got = self._outputs[key] = (layout, Outputs(tuple(names), tuple(shapes),
                                                         tuple(spec)))
         return got[1]
@@ -181,7 +193,7 @@ def make_layout(kp: KeymapPlan, kinds: dict[str, tuple[tuple[int, ...], bool]],
     window_of = dict(kp.window_index)
     keys: list[str] = []
     outputs: list[tuple[kernel.Output, ...]] = []
-    gathers: list[tuple[int, str, int, bool, int, tuple[int, ...]]] = []
+    gathers: list[OutputGather] = []
     spans: list[tuple[int, int]] = []
     slot_at = idx_at = 0
     for key in kp.ordered_keys:
@@ -192,8 +204,8 @@ def make_layout(kp: KeymapPlan, kinds: dict[str, tuple[tuple[int, ...], bool]],
         outs: list[kernel.Output] = []
         for e in kp.entries[key]:
             width = e.length
-            outs.append((window_of[e.name], width, e.time_axis, slot_at, idx_at))
-            gathers.append((at, e.name, width, e.time_axis, idx_at, feature))
+            outs.append(kernel.Output(window_of[e.name], width, e.time_axis, slot_at, idx_at))
+            gathers.append(OutputGather(at, e.name, width, e.time_axis, idx_at, feature))
             slot_at += width
             idx_at += width if e.time_axis else 1
         keys.append(key)
