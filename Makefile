@@ -109,7 +109,7 @@ kernel-asan: $(STAMP)
 	    server/episerve_server/core/_kernel.c -o $(ASAN_KERNEL)
 	EPISERVE_KERNEL=$(abspath $(ASAN_KERNEL)) ASAN_OPTIONS=detect_leaks=0 \
 	    LD_PRELOAD=$$(cc -print-file-name=libasan.so) \
-	    $(PYTEST) -p no:randomly -q tests/unit/test_kernel.py tests/unit/test_compiled_plan.py $(PYTEST_ARGS)
+	    $(PYTEST) -p no:randomly -q tests/unit/test_kernel.py tests/unit/test_read_plan.py $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check protos server client tools tests benchmarks examples

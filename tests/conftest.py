@@ -142,15 +142,10 @@ def same_sample() -> Callable[..., None]:
 
 
 @pytest.fixture(params=["compiled", "numpy"])
-def loops(request: pytest.FixtureRequest) -> Iterator[str]:
-    """The warm path's inner loops, each way: the compiled extension, then numpy. Where
-    the extension is not built its case skips, saying so; with EPITEST_KERNEL=required
-    (CI) it fails instead."""
-    from episerve_server.core import kernel
-
+def loops(request: pytest.FixtureRequest) -> bool:
+    """Whether a test's read cores run the compiled loops (True) or numpy's (False): each
+    way. Where the extension is not built its compiled case skips, saying so; with
+    EPITEST_KERNEL=required (CI) it fails instead."""
     if request.param == "compiled":
         need_kernel()
-    was = kernel.COMPILED
-    kernel.use(request.param == "compiled")
-    yield request.param
-    kernel.use(was)
+    return bool(request.param == "compiled")

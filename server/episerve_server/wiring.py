@@ -12,6 +12,7 @@ from episerve_server.core.cache import ChunkCache, EvictHook
 from episerve_server.core.collector import COLLECTOR
 from episerve_server.core.counters import Stats
 from episerve_server.core.ledger import EpisodeState
+from episerve_server.plan.loops import PlanLoops
 from episerve_server.plan.planner import Planner
 from episerve_server.plan.read_ahead import Background
 from episerve_server.preflight import StartupError
@@ -35,7 +36,10 @@ class ReadCore:
     spill: SpillTier | None = None  # --spill-dir
 
 
-def build_read_core(config: ServerConfig, *, stats: Stats | None = None) -> ReadCore:
+def build_read_core(config: ServerConfig, *, stats: Stats | None = None,
+                    compiled: bool | None = None) -> ReadCore:
+    """The read core of ``config``; ``compiled``: its loops compiled or numpy's (None: the
+    compiled ones where built)."""
     stats = stats if stats is not None else Stats()
     # The storage bounds: metadata documents, one vlen element, the time of one store call.
     store = open_root(config.root, stats=stats, storage_options=storage_options(config),
@@ -43,7 +47,8 @@ def build_read_core(config: ServerConfig, *, stats: Stats | None = None) -> Read
                       timeout_s=config.store_timeout_s,
                       max_metadata_bytes=config.max_metadata_bytes,
                       latency_s=config.inject_latency_s)
-    cache = ChunkCache(config.cache_bytes, stats)
+    loops = PlanLoops(compiled)
+    cache = ChunkCache(config.cache_bytes, stats, loops.core)
     # A dropped episode's chunks (and its statistics) leave the caches with it.
     dropped: list[Callable[[str], None]] = [cache.drop_episode]
 
@@ -56,7 +61,8 @@ def build_read_core(config: ServerConfig, *, stats: Stats | None = None) -> Read
                       max_item_bytes=config.max_item_bytes,
                       video_tolerance_s=config.video_tolerance_s,
                       state=EpisodeState(config.episode_state_bytes, stats), root=config.root)
-    planner = Planner(catalog, cache, stats, fetch_limit=config.max_store_concurrency)
+    planner = Planner(catalog, cache, stats, fetch_limit=config.max_store_concurrency,
+                      loops=loops)
     dropped.append(planner.fetcher.forget_episode)  # no read joins a fetch of the old files
     # Hints: at most --prefetch-bytes in flight, and never more than half the cache; each
     # admitted as a read is (its estimated response within --max-response-bytes).

@@ -73,10 +73,11 @@ class Pair:
     pool: SegmentPool | None = None
 
     @classmethod
-    def open(cls, root: Path, cache_bytes: int, run: LoopRunner,
-             segments: bool = False) -> Pair:
-        cores = [build_read_core(ServerConfig(root=str(root), cache_bytes=size))
-                 for size in (cache_bytes, 0)]
+    def open(cls, root: Path, cache_bytes: int, run: LoopRunner, segments: bool = False,
+             compiled: bool | None = None) -> Pair:
+        """``compiled``: both cores' loops, compiled or numpy's (None: compiled if built)."""
+        cores = [build_read_core(ServerConfig(root=str(root), cache_bytes=size),
+                                 compiled=compiled) for size in (cache_bytes, 0)]
         for core in cores:
             run(core.catalog.scan())
         pool = SegmentPool(2, lambda segments, nbytes: None) if segments else None

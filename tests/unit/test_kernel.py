@@ -8,11 +8,15 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 from episerve_server.core import kernel
+from episerve_server.core.kernel import CoreLoops
+from episerve_server.plan.loops import PlanLoops
+from episerve_server.rpc.wire.loops import WireLoops
 from tests.support.kernel import need_kernel
 
 pytestmark = pytest.mark.usefixtures("built")
@@ -23,17 +27,35 @@ def built() -> None:
     need_kernel()
 
 
+class AllLoops:
+    """Every layer's loops (core, plan, wire), compiled or numpy's, as one object: this
+    file holds each loop to its other implementation."""
+
+    def __init__(self, compiled: bool | None) -> None:
+        self.parts = (CoreLoops(compiled), PlanLoops(compiled), WireLoops(compiled))
+
+    def __getattr__(self, name: str) -> Any:
+        for part in self.parts:
+            if hasattr(part, name):
+                return getattr(part, name)
+        raise AttributeError(name)
+
+
+def loops(compiled: bool | None) -> Any:
+    return AllLoops(compiled)
+
+
+#: The loops a component gets unless told: the compiled ones (this file needs them built).
+DEFAULT = AllLoops(None)
+
+
 def both(fn, *arrays, **kw):  # type: ignore[no-untyped-def]
-    """``fn`` run by each implementation on its own copies: (results, arrays after)."""
+    """Loop ``fn`` run by each implementation on its own copies: (results, arrays after)."""
     out = []
     for compiled in (True, False):
         copies = [a.copy() if isinstance(a, np.ndarray) else
                   [p.copy() for p in a] if isinstance(a, list) else a for a in arrays]
-        kernel.use(compiled)
-        try:
-            got = fn(*copies, **kw)
-        finally:
-            kernel.use(kernel.BUILT)
+        got = getattr(loops(compiled), fn)(*copies, **kw)
         out.append((got, copies))
     return out
 
@@ -62,7 +84,7 @@ def test_key_base_matches_numpy(seed: int) -> None:
         tbase, tslab = np.abs(tbase), np.full(m, 3)
         uids = np.clip(uids, 0, m - 1)
         ids = np.clip(ids, 0, d - 1)
-    (c, ca), (p, pa) = both(kernel.key_base, tbase, tsize, tslab, uids, rows_of, ids, total,
+    (c, ca), (p, pa) = both("key_base", tbase, tsize, tslab, uids, rows_of, ids, total,
                             8, np.zeros(n, np.int64), np.zeros(n, np.int64))
     assert c == p
     if c[0] >= 0:
@@ -85,7 +107,7 @@ def test_resolve_matches_numpy(seed: int, time_axis: bool) -> None:
     base = rng.integers(0, 150, n)
     rows = rng.integers(-1 if seed % 11 == 0 else 0, c * (50 if seed % 4 else 80), (n, w))
     idx_shape = (n, w) if time_axis else (n,)
-    (r, ra), (p, pa) = both(kernel.resolve, flat, base, rows, c, 7, time_axis,
+    (r, ra), (p, pa) = both("resolve", flat, base, rows, c, 7, time_axis,
                             np.zeros((n, w), np.int64), np.zeros(idx_shape, np.int64))
     assert r == p
     chunk, within = np.divmod(rows, c)
@@ -121,7 +143,7 @@ def test_resolve_of_window_rows_matches_numpy(seed: int, time_axis: bool) -> Non
         rows[:, w // 2:] = rows[:, :1]  # back to an earlier row
     base = rng.integers(0, 60, n)
     idx_shape = (n, w) if time_axis else (n,)
-    (r, ra), (p, pa) = both(kernel.resolve, flat, base, rows, c, 5, time_axis,
+    (r, ra), (p, pa) = both("resolve", flat, base, rows, c, 5, time_axis,
                             np.zeros((n, w), np.int64), np.zeros(idx_shape, np.int64))
     assert r == p
     pos = base[:, None] + rows // c
@@ -157,12 +179,12 @@ def test_horizon_and_history_match_numpy_and_a_per_entry_oracle(seed: int) -> No
     n, h = int(rng.integers(1, 70)), int(rng.integers(1, 60))
     total = rng.integers(1, 200, n)
     frame = (rng.random(n) * total).astype(np.int64)
-    (hc, _), (hp, _) = both(kernel.horizon, h, frame, total)
+    (hc, _), (hp, _) = both("horizon", h, frame, total)
     assert same(list(hc), list(hp)) and hc[1].dtype == hp[1].dtype == np.bool_
     assert [a.tolist() for a in hc] == list(horizon_oracle(h, frame, total))
     newest = frame - rng.integers(0, 30, n)  # lagged: some before the episode's start
     for stride in (int(rng.integers(1, 6)), rng.integers(1, 6, n)):
-        (kc, _), (kp, _) = both(kernel.history, h, newest, stride)
+        (kc, _), (kp, _) = both("history", h, newest, stride)
         assert same(list(kc), list(kp)) and kc[1].dtype == kp[1].dtype == np.bool_
         steps = stride if isinstance(stride, np.ndarray) else np.full(n, stride)
         assert [a.tolist() for a in kc] == list(history_oracle(h, newest, steps))
@@ -175,7 +197,7 @@ def test_stamp_matches_numpy(seed: int) -> None:
     stamps = rng.integers(-1, 50, size)
     parts = [rng.integers(0, size + (1 if seed % 6 == 0 else 0), tuple(rng.integers(1, 9, 2)))
              for _ in range(int(rng.integers(1, 4)))]
-    (c, ca), (p, pa) = both(kernel.stamp, stamps, parts, 77, np.zeros(size, np.int64))
+    (c, ca), (p, pa) = both("stamp", stamps, parts, 77, np.zeros(size, np.int64))
     every = np.concatenate([q.ravel() for q in parts])
     if every.max() >= size:
         assert c == p == -1
@@ -200,12 +222,9 @@ def test_stamp_keys_is_stamp_per_key_with_its_own_tick(seed: int) -> None:
         plain.append((stamps.copy(), parts))
     got = []
     for compiled in (True, False):
-        kernel.use(compiled)
-        try:
-            mine = tuple((st.copy(), parts, scratch) for st, parts, scratch in keys)
-            got.append((kernel.stamp_keys(mine, 100), [m[0] for m in mine]))
-        finally:
-            kernel.use(kernel.BUILT)
+        k = loops(compiled)
+        mine = tuple((st.copy(), parts, scratch) for st, parts, scratch in keys)
+        got.append((k.stamp_keys(mine, 100), [m[0] for m in mine]))
     (c, c_after), (p, p_after) = got
     total, want = 0, []
     for k, (stamps, parts) in enumerate(plain):  # the oracle: each key alone, tick 100 + k
@@ -279,13 +298,10 @@ def test_plan_keys_is_key_base_then_resolve_per_output(seed: int) -> None:
     n = len(uids)
     got = []
     for compiled in (True, False):
-        kernel.use(compiled)
-        try:
-            slots, idx = np.full(su * n, -7, np.int64), np.full(iu * n, -7, np.int64)
-            slabs = kernel.plan_keys(tuple(keys), windows, slab_rows, uids, ids, total,
-                                     np.zeros(2 * n, np.int64), slots, idx)
-        finally:
-            kernel.use(kernel.BUILT)
+        k = loops(compiled)
+        slots, idx = np.full(su * n, -7, np.int64), np.full(iu * n, -7, np.int64)
+        slabs = k.plan_keys(tuple(keys), windows, slab_rows, uids, ids, total,
+                                 np.zeros(2 * n, np.int64), slots, idx)
         got.append((slabs, slots, idx))
     (c, c_slots, c_idx), (p, p_slots, p_idx) = got
     # the oracle: the per-key loops, one call each, as the read plan once made them
@@ -293,8 +309,8 @@ def test_plan_keys_is_key_base_then_resolve_per_output(seed: int) -> None:
     w_slots, w_idx = np.full(su * n, -7, np.int64), np.full(iu * n, -7, np.int64)
     base, limit = np.zeros(n, np.int64), np.zeros(n, np.int64)
     for tbase, tsize, tslab, flat, rows_of, ch, outputs in keys:
-        slab, _ = kernel.key_base(tbase, tsize, tslab, uids, rows_of, ids, total, ch, base,
-                                  limit)
+        slab, _ = DEFAULT.key_base(tbase, tsize, tslab, uids, rows_of, ids, total, ch, base,
+                                   limit)
         if slab < 0 or slab >= len(slab_rows):
             want = None
             break
@@ -302,7 +318,7 @@ def test_plan_keys_is_key_base_then_resolve_per_output(seed: int) -> None:
             rows = windows[k]
             shape = (n, width) if time_axis else (n,)
             s_out, i_out = np.zeros((n, width), np.int64), np.zeros(shape, np.int64)
-            if (rows >= limit[:, None]).any() or kernel.resolve(
+            if (rows >= limit[:, None]).any() or DEFAULT.resolve(
                     flat, base, rows, ch, int(slab_rows[slab]), time_axis, s_out, i_out) < 0:
                 want = None
                 break
@@ -329,14 +345,11 @@ def test_plan_keys_refuses_outputs_that_do_not_fit() -> None:
     wrong = [(*k[:6], tuple((w, width + 1, t, sa, ia) for w, width, t, sa, ia in k[6]))
              for k in keys]
     for compiled in (True, False):
-        kernel.use(compiled)
-        try:
-            with pytest.raises(ValueError, match="does not fit"):
-                kernel.plan_keys(tuple(wrong), windows, slab_rows, uids, ids, total,
-                                 np.zeros(2 * n, np.int64), np.zeros(4 * su * n, np.int64),
-                                 np.zeros(4 * iu * n, np.int64))
-        finally:
-            kernel.use(kernel.BUILT)
+        k = loops(compiled)
+        with pytest.raises(ValueError, match="does not fit"):
+            k.plan_keys(tuple(wrong), windows, slab_rows, uids, ids, total,
+                             np.zeros(2 * n, np.int64), np.zeros(4 * su * n, np.int64),
+                             np.zeros(4 * iu * n, np.int64))
     huge = [(*k[:6], tuple((w, width, t, 2 ** 40, ia) for w, width, t, sa, ia in k[6]))
             for k in keys]  # an offset whose product with the batch would wrap
     with pytest.raises(ValueError, match="does not fit"):
@@ -376,17 +389,14 @@ def test_place_blobs_matches_numpy_and_a_per_blob_oracle(seed: int) -> None:
     for size in (room, off - 1):
         got = []
         for compiled in (True, False):
-            kernel.use(compiled)
-            try:
-                dst = mmap.mmap(-1, max(size, 1))
-                dst[:] = b"\xee" * len(dst)
-                mine = list(at)
-                layout = kernel.place_blobs(None, blobs, mine, start, align)
-                assert mine == at  # the layout alone writes nothing
-                result = kernel.place_blobs(dst, blobs, mine, start, align)
-                got.append((layout, result, mine, dst[:]))
-            finally:
-                kernel.use(kernel.BUILT)
+            k = loops(compiled)
+            dst = mmap.mmap(-1, max(size, 1))
+            dst[:] = b"\xee" * len(dst)
+            mine = list(at)
+            layout = k.place_blobs(None, blobs, mine, start, align)
+            assert mine == at  # the layout alone writes nothing
+            result = k.place_blobs(dst, blobs, mine, start, align)
+            got.append((layout, result, mine, dst[:]))
         assert got[0] == got[1]
         (layout, result, mine, data) = got[0]
         assert layout == result == (off, copied)
@@ -430,7 +440,7 @@ def test_check_batch_matches_numpy_and_a_per_sample_oracle(seed: int) -> None:
     frame = rng.integers(0, np.maximum(totals[inside], 1) + (1 if seed % 4 == 0 else 0))
     if seed % 11 == 0:
         frame[0] = -1
-    (got, after), (want, want_after) = both(kernel.check_batch, ids, frame, totals, uids_of,
+    (got, after), (want, want_after) = both("check_batch", ids, frame, totals, uids_of,
                                             np.zeros(n, np.int64), np.zeros(n, np.int64))
     assert got == want
     # the oracle: one sample at a time
@@ -448,14 +458,11 @@ def test_check_batch_matches_numpy_and_a_per_sample_oracle(seed: int) -> None:
 def test_check_batch_refuses_buffers_that_do_not_fit() -> None:
     z = np.zeros(3, np.int64)
     for compiled in (True, False):
-        kernel.use(compiled)
-        try:
-            with pytest.raises(ValueError, match="do not match"):
-                kernel.check_batch(z, np.zeros(2, np.int64), z, z, z, z)
-            with pytest.raises(ValueError, match="do not match"):
-                kernel.check_batch(z, z, z, z, np.zeros(2, np.int64), z)
-        finally:
-            kernel.use(kernel.BUILT)
+        k = loops(compiled)
+        with pytest.raises(ValueError, match="do not match"):
+            k.check_batch(z, np.zeros(2, np.int64), z, z, z, z)
+        with pytest.raises(ValueError, match="do not match"):
+            k.check_batch(z, z, z, z, np.zeros(2, np.int64), z)
 
 
 def test_the_kernel_refuses_other_dtypes() -> None:
@@ -491,8 +498,8 @@ def test_without_a_compiler_the_build_goes_on_and_the_numpy_loops_serve(
              "import numpy as np\n"
              "from episerve_server.core import kernel\n"
              "from episerve_server.preflight import kernel_missing\n"
-             "assert not kernel.BUILT and not kernel.COMPILED\n"
-             "rows, mask = kernel.history(3, np.array([5, 1], np.int64), 2)\n"
+             "assert not kernel.BUILT and not kernel.CORE.compiled\n"
+             "rows, mask = kernel.CORE.history(3, np.array([5, 1], np.int64), 2)\n"
              "print(rows.tolist(), mask.tolist())\n"
              "print(kernel_missing() is not None)\n")
     plain = {k: v for k, v in os.environ.items() if k != "EPISERVE_KERNEL"}  # no other build
@@ -531,11 +538,8 @@ def test_gather_rows_matches_numpy_and_a_per_row_oracle(seed: int) -> None:
         want.append(np.array(picked, np.float32).reshape(shape))
     for compiled in (True, False):
         outs = [np.full(shape, np.nan, np.float32) for shape in shapes]
-        kernel.use(compiled)
-        try:
-            kernel.gather_rows(outs, srcs, idx, n, tuple(spec))
-        finally:
-            kernel.use(kernel.BUILT)
+        k = loops(compiled)
+        k.gather_rows(outs, srcs, idx, n, tuple(spec))
         for got, w in zip(outs, want):
             assert got.tobytes() == w.tobytes(), compiled
 
@@ -544,16 +548,13 @@ def test_gather_rows_refuses_outputs_that_do_not_fit() -> None:
     src = np.zeros((10, 3), np.float32)
     idx = np.zeros(8, np.int64)
     for compiled in (True, False):
-        kernel.use(compiled)
-        try:
-            with pytest.raises(ValueError, match="does not fit"):  # rows past idx
-                kernel.gather_rows([np.empty((2, 5, 3), np.float32)], (src,), idx, 2,
-                                   ((0, 0, 5, 12),))
-            with pytest.raises(ValueError, match="does not match"):  # its size
-                kernel.gather_rows([np.empty((2, 3, 3), np.float32)], (src,), idx, 2,
-                                   ((0, 0, 2, 12),))
-        finally:
-            kernel.use(kernel.BUILT)
+        k = loops(compiled)
+        with pytest.raises(ValueError, match="does not fit"):  # rows past idx
+            k.gather_rows([np.empty((2, 5, 3), np.float32)], (src,), idx, 2,
+                               ((0, 0, 5, 12),))
+        with pytest.raises(ValueError, match="does not match"):  # its size
+            k.gather_rows([np.empty((2, 3, 3), np.float32)], (src,), idx, 2,
+                               ((0, 0, 2, 12),))
     with pytest.raises(ValueError, match="does not fit"):  # no such source
         kernel._c.gather_rows([np.empty((2, 3), np.float32)], (src,), idx, 2, ((1, 0, 1, 12),))
     with pytest.raises(ValueError, match="empty source"):
@@ -589,11 +590,8 @@ def test_inside_matches_numpy_and_a_per_blob_oracle(seed: int) -> None:
             blobs.append(memoryview(base[lo:hi]))
             want.append(lo if hi > lo and hi <= used else None)
     for compiled in (True, False):
-        kernel.use(compiled)
-        try:
-            assert kernel.inside(blobs, base, used) == want, compiled
-        finally:
-            kernel.use(kernel.BUILT)
+        k = loops(compiled)
+        assert k.inside(blobs, base, used) == want, compiled
     del blobs, base
     seg.close()
 
@@ -629,13 +627,13 @@ def test_a_large_copy_lets_other_threads_run(copy: str, compiled: bool) -> None:
     def work(started: threading.Event, done: threading.Event) -> None:
         started.set()
         if copy == "gather":
-            kernel.gather_rows(out, (src,), idx, 1, ((0, 0, 1 << 15, 1024),), nogil=True)
+            k.gather_rows(out, (src,), idx, 1, ((0, 0, 1 << 15, 1024),), nogil=True)
         else:
-            kernel.place_blobs(dst, [memoryview(src).cast("B")], [None], 0, 64, nogil=True)
+            k.place_blobs(dst, [memoryview(src).cast("B")], [None], 0, 64, nogil=True)
         done.set()
 
     interval = sys.getswitchinterval()
-    kernel.use(compiled)
+    k = loops(compiled)
     sys.setswitchinterval(0.25)
     try:
         stop = threading.Event()
@@ -650,7 +648,6 @@ def test_a_large_copy_lets_other_threads_run(copy: str, compiled: bool) -> None:
         worker.join()
     finally:
         sys.setswitchinterval(interval)
-        kernel.use(kernel.BUILT)
     if copy == "gather":
         assert np.array_equal(out[0][0], src[::-1])
     else:
@@ -679,13 +676,10 @@ def test_a_non_contiguous_output_is_refused_both_ways() -> None:
     src = np.zeros((10, 3), np.float32)
     strided = np.zeros((2, 6), np.float32)[:, ::2]
     for compiled in (True, False):
-        kernel.use(compiled)
-        try:
-            with pytest.raises((ValueError, BufferError)):
-                kernel.gather_rows([strided], (src,), np.zeros(2, np.int64), 2,
-                                   ((0, 0, 1, 12),))
-        finally:
-            kernel.use(kernel.BUILT)
+        k = loops(compiled)
+        with pytest.raises((ValueError, BufferError)):
+            k.gather_rows([strided], (src,), np.zeros(2, np.int64), 2,
+                               ((0, 0, 1, 12),))
 
 
 #: Each C entry point called with values whose products wrap 64 bits, in a child process (a
@@ -693,6 +687,9 @@ def test_a_non_contiguous_output_is_refused_both_ways() -> None:
 OVERFLOWS = r"""
 import numpy as np
 from episerve_server.core import kernel
+from episerve_server.core.kernel import CoreLoops
+from episerve_server.plan.loops import PlanLoops
+from episerve_server.rpc.wire.loops import WireLoops
 c = kernel._c
 big = 2**62
 frame, total = np.array([0, 1, 2, 3], np.int64), np.array([5, 5, 5, 5], np.int64)

@@ -21,7 +21,6 @@ from episerve_client.read_answer import InSegment, read_result
 from episerve_proto import local_plane as lp
 from episerve_proto.errors import Overloaded, Unavailable
 from episerve_proto.v1 import episerve_pb2 as pb
-from episerve_server.core import kernel
 from episerve_server.core.result import BatchResult, ImageColumn
 from episerve_server.preflight import StartupError, bind_private_socket
 from episerve_server.rpc.handlers.buffers import ResponseBuffers
@@ -37,6 +36,7 @@ from episerve_server.rpc.local_plane.peer_limits import (
 )
 from episerve_server.rpc.local_plane.segments import SegmentPool
 from episerve_server.rpc.wire import encode
+from episerve_server.rpc.wire.loops import WIRE
 
 # -- framing ----------------------------------------------------------------------------
 
@@ -74,11 +74,11 @@ def test_error_frames_round_trip_and_cut_short() -> None:
 
 
 def _layout(sizes: list[int], start: int = 0) -> tuple[list[int | None], int]:
-    """Where the daemon's placement (``kernel.place_blobs``) puts blobs of ``sizes``."""
+    """Where the daemon's placement (``WireLoops.place_blobs``) puts blobs of ``sizes``."""
     blobs = [bytes(n) for n in sizes]
     at: list[int | None] = [None] * len(blobs)
-    end, _ = kernel.place_blobs(None, blobs, at, start, lp.ALIGN)
-    kernel.place_blobs(bytearray(end), blobs, at, start, lp.ALIGN)
+    end, _ = WIRE.place_blobs(None, blobs, at, start, lp.ALIGN)
+    WIRE.place_blobs(bytearray(end), blobs, at, start, lp.ALIGN)
     return at, end
 
 

@@ -55,8 +55,8 @@ def run() -> Iterator[LoopRunner]:
 @pytest.mark.parametrize("cache_bytes", [8 << 20, 1 << 20])
 def test_cached_and_fetched_batches_answer_the_same(template: Path, tmp_path: Path,
                                                     run: LoopRunner, cache_bytes: int,
-                                                    loops: str) -> None:
-    pair = Pair.open(fresh(template, tmp_path), cache_bytes, run)
+                                                    loops: bool) -> None:
+    pair = Pair.open(fresh(template, tmp_path), cache_bytes, run, compiled=loops)
     drive(pair, 300, seed=cache_bytes, max_batch=32)
     assert pair.warm_batches >= 2, pair  # the kernel located some, numpy the others
 
@@ -70,11 +70,11 @@ def uniform(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_gathered_into_a_segment_the_answers_are_the_same(uniform: Path, tmp_path: Path,
-                                                         run: LoopRunner, loops: str) -> None:
+                                                         run: LoopRunner, loops: bool) -> None:
     """As the local plane reads: every numeric output gathered by one kernel call into a
     pooled segment (the arrays it keeps per keymap and batch size reused from batch to
     batch)."""
-    pair = Pair.open(fresh(uniform, tmp_path), 8 << 20, run, segments=True)
+    pair = Pair.open(fresh(uniform, tmp_path), 8 << 20, run, segments=True, compiled=loops)
     drive(pair, 300, seed=8 << 20, max_batch=32)
     assert pair.warm_batches >= 2, pair
     assert pair.pool is not None and any(s.arrays for s in pair.pool.free.values())
@@ -85,12 +85,12 @@ KEYMAPS = {**NUMERIC, **CAMERA_KEYMAPS}
 
 @pytest.mark.parametrize("name", sorted(KEYMAPS))
 def test_every_batch_read_again_is_located_by_the_kernel(template: Path, run: LoopRunner,
-                                                         name: str, loops: str) -> None:
+                                                         name: str, loops: bool) -> None:
     """A batch whose chunks are all cached, over episodes of one chunk length, is located
     by the kernel, whatever its options: with masks, with the annotation cutoff, with a
     response limit it meets. A change that makes the plan decline such batches (and serve
     them slower, by numpy) fails here."""
-    pair = Pair.open(template, 64 << 20, run)
+    pair = Pair.open(template, 64 << 20, run, compiled=loops)
     keymap = Keymap.parse(KEYMAPS[name])
     same_length = [(h, total) for h, _, total, _, chunk in EPISODES if chunk == 100]
     rng = random.Random(name)
@@ -257,8 +257,8 @@ def test_texts_of_a_batch_planned_before_a_rescan_are_its_own_episodes() -> None
 @pytest.mark.parametrize("cache_bytes", [8 << 20, 160 << 10, 1 << 20])
 def test_cached_and_fetched_batches_answer_the_same_thousands(
         template: Path, tmp_path: Path, run: LoopRunner, cache_bytes: int,
-        loops: str) -> None:
-    pair = Pair.open(fresh(template, tmp_path), cache_bytes, run)
+        loops: bool) -> None:
+    pair = Pair.open(fresh(template, tmp_path), cache_bytes, run, compiled=loops)
     drive(pair, 4000, seed=7 + cache_bytes)
     assert pair.warm_batches >= (1 if cache_bytes < 1 << 20 else 10)
 
@@ -267,7 +267,8 @@ def test_cached_and_fetched_batches_answer_the_same_thousands(
 @pytest.mark.parametrize("cache_bytes", [8 << 20, 1 << 20])
 def test_gathered_into_a_segment_the_answers_are_the_same_thousands(
         uniform: Path, tmp_path: Path, run: LoopRunner, cache_bytes: int,
-        loops: str) -> None:
-    pair = Pair.open(fresh(uniform, tmp_path), cache_bytes, run, segments=True)
+        loops: bool) -> None:
+    pair = Pair.open(fresh(uniform, tmp_path), cache_bytes, run, segments=True,
+                     compiled=loops)
     drive(pair, 4000, seed=3 + cache_bytes)
     assert pair.warm_batches >= (1 if cache_bytes < 8 << 20 else 10)

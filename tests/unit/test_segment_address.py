@@ -5,7 +5,6 @@ the compiled loop and the numpy one; and the arrays a segment keeps for ``empty_
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -13,23 +12,20 @@ import pytest
 from episerve_proto import local_plane as lp
 from episerve_server.core import kernel
 from episerve_server.rpc.local_plane.segments import SegmentArena, SegmentPool
+from episerve_server.rpc.wire.loops import WireLoops
 
 
 @pytest.fixture(params=["compiled", "numpy"])
-def loops(request: pytest.FixtureRequest) -> Iterator[None]:
+def loops(request: pytest.FixtureRequest) -> WireLoops:
     if request.param == "compiled" and not kernel.BUILT:
         pytest.skip("the compiled kernel is not built")
-    kernel.use(request.param == "compiled")
-    try:
-        yield
-    finally:
-        kernel.use(kernel.BUILT)
+    return WireLoops(request.param == "compiled")
 
 
-def test_the_arena_finds_its_own_arrays_and_nothing_else(loops: None) -> None:
+def test_the_arena_finds_its_own_arrays_and_nothing_else(loops: WireLoops) -> None:
     async def run() -> None:
         pool = SegmentPool(1, lambda segments, nbytes: None)
-        arena = SegmentArena(pool, keep=False)
+        arena = SegmentArena(pool, keep=False, loops=loops)
         await arena.open(4096, 2)
         first, second = arena.empty((4, 8)), arena.empty((3,))
         outside = np.zeros((4, 8), np.float32)
@@ -62,16 +58,16 @@ def test_the_arena_finds_its_own_arrays_and_nothing_else(loops: None) -> None:
     asyncio.run(run())
 
 
-def test_empty_many_is_empty_for_each_shape_and_keeps_the_arrays(loops: None) -> None:
+def test_empty_many_is_empty_for_each_shape_and_keeps_the_arrays(loops: WireLoops) -> None:
     shapes = ((4, 3, 2), (4,), (4, 5))
 
     async def run() -> None:
         pool = SegmentPool(1, lambda segments, nbytes: None)
-        arena = SegmentArena(pool, keep=False)
+        arena = SegmentArena(pool, keep=False, loops=loops)
         await arena.open(4096, 3)
         first = arena.empty_many(shapes)
         used = arena.used
-        want = SegmentArena(pool, keep=False)
+        want = SegmentArena(pool, keep=False, loops=loops)
         want.segment, want.used = arena.segment, 0
         one_by_one = [want.empty(s) for s in shapes]
         assert want.used == used

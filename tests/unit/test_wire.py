@@ -133,6 +133,7 @@ def test_varints_from_the_table_the_vectorized_loop_and_the_kernel_agree() -> No
     """Every way the encoder writes packed varints (the table join and the vectorized loop
     in numpy, the compiled loop when built) against one value at a time."""
     from episerve_server.core import kernel
+    from episerve_server.rpc.wire.loops import WireLoops
 
     rng = np.random.default_rng(5)
     cases = [rng.integers(0, top, 300).astype(np.int64) for top in (0x80, 0x4000, 1 << 16)]
@@ -142,11 +143,8 @@ def test_varints_from_the_table_the_vectorized_loop_and_the_kernel_agree() -> No
     for v in cases:
         want = b"".join(encode.varint(x) for x in v.tolist())
         for compiled in (False, True) if kernel.BUILT else (False,):
-            kernel.use(compiled)
-            try:
-                assert encode.varints(v) == kernel.varints(v) == want, (compiled, v[:5])
-            finally:
-                kernel.use(kernel.BUILT)
+            loops = WireLoops(compiled)
+            assert encode.varints(v, loops) == loops.varints(v) == want, (compiled, v[:5])
     assert encode.varints(np.array([0x7F, 0x80, 0xFFFF], np.int64)) == b"\x7f\x80\x01\xff\xff\x03"
 
 

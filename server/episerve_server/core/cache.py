@@ -32,9 +32,9 @@ from typing import Any, TypeAlias, cast
 
 import numpy as np
 
-from episerve_server.core import kernel
 from episerve_server.core.counters import Stats
 from episerve_server.core.framecache import ChunkKey, FrameChunks
+from episerve_server.core.kernel import CORE, CoreLoops
 from episerve_server.core.numbering import Numbering
 from episerve_server.core.slots import SLOT_BOOKKEEPING, Slab, SlotTable
 
@@ -77,13 +77,14 @@ def _last_within(items: list[tuple[ChunkKey, list[bytes], int]], limit: int,
 class ChunkCache:
     """LRU over (episode, key, chunk) under a byte budget. A budget of 0 turns it off."""
 
-    def __init__(self, budget_bytes: int, stats: Stats) -> None:
+    def __init__(self, budget_bytes: int, stats: Stats, loops: CoreLoops = CORE) -> None:
         if budget_bytes < 0:
             raise ValueError(f"cache budget must be >= 0 bytes, got {budget_bytes!r}")
         self.budget_bytes = budget_bytes
         #: Entries the slot tables may hold together (8 bytes each): a quarter of the budget.
         self.index_limit = max(INDEX_MIN_ENTRIES, budget_bytes // 32)
         self.stats = stats
+        self.loops = loops
         self._clock = 0
         self._bytes = 0
         self._entries = 0
@@ -163,7 +164,7 @@ class ChunkCache:
         Returns how many distinct slots were stamped; the caller counts the hits
         (``count``)."""
         slabs = self._slabs
-        got = kernel.stamp_keys(tuple((slabs[sid].stamp, slots, slabs[sid].scratch)
+        got = self.loops.stamp_keys(tuple((slabs[sid].stamp, slots, slabs[sid].scratch)
                                       for sid, slots in items), self._clock + 1)
         if got < 0:
             raise RuntimeError("a slot outside its slab was stamped")

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from episerve_server.core import kernel
+from episerve_server.core.kernel import CORE, CoreLoops
 from episerve_server.core.keymap import KeySpec, Rule
 
 IntArray = np.ndarray
@@ -28,15 +28,16 @@ def frames(seconds: float, fps: IntArray) -> IntArray:
 
 
 def window(spec: KeySpec, frame: IntArray, total: IntArray, fps: IntArray,
-           cutoff_end: IntArray | None = None) -> Window:
-    """Rows of ``spec`` for samples at ``frame`` in episodes of ``total`` frames."""
+           cutoff_end: IntArray | None = None, loops: CoreLoops = CORE) -> Window:
+    """Rows of ``spec`` for samples at ``frame`` in episodes of ``total`` frames (the
+    horizon and history rules by ``loops``)."""
     rule = spec.rule
     if rule is Rule.OFFSETS:
         return _offsets(spec.offsets_s or (), frame, total, fps)
     if rule is Rule.HORIZON:
-        return _horizon(spec.horizon or 1, frame, total, cutoff_end)
+        return _horizon(spec.horizon or 1, frame, total, cutoff_end, loops)
     if rule is Rule.HISTORY:
-        return _history(spec, frame, fps)
+        return _history(spec, frame, fps, loops)
     if rule is Rule.LAG:
         lag = frames(spec.lag_s or 0.0, fps)
         return Window(np.maximum(0, frame - lag)[:, None], None)
@@ -53,15 +54,16 @@ def _offsets(offsets: tuple[float, ...], frame: IntArray, total: IntArray,
     return Window(np.clip(idx, 0, (total - 1)[:, None]), mask)
 
 
-def _horizon(h: int, frame: IntArray, total: IntArray, cutoff_end: IntArray | None) -> Window:
+def _horizon(h: int, frame: IntArray, total: IntArray, cutoff_end: IntArray | None,
+             loops: CoreLoops) -> Window:
     if cutoff_end is not None:
         total = np.minimum(total, cutoff_end)
-    return Window(*kernel.horizon(h, frame, total))
+    return Window(*loops.horizon(h, frame, total))
 
 
-def _history(spec: KeySpec, frame: IntArray, fps: IntArray) -> Window:
+def _history(spec: KeySpec, frame: IntArray, fps: IntArray, loops: CoreLoops) -> Window:
     k = spec.history or 1
     newest = frame - frames(spec.lag_s, fps) if spec.lag_s is not None else frame
     stride = frames(spec.history_stride_s, fps) if spec.history_stride_s is not None \
         else spec.history_stride or 1
-    return Window(*kernel.history(k, newest, stride))
+    return Window(*loops.history(k, newest, stride))

@@ -13,6 +13,7 @@ import numpy as np
 
 from episerve_proto.contract import ACTION_KEYS
 from episerve_proto.errors import BrokenEpisodeError, EpiserveError, InvalidArgument, KeymapError
+from episerve_server.core.kernel import CORE, CoreLoops
 from episerve_server.core.keymap import Keymap, KeySpec, Rule
 from episerve_server.core.windows import Window, window
 from episerve_server.storage.directory import Directory
@@ -122,11 +123,12 @@ def _signature(e: KeySpec) -> tuple[Any, ...]:
 
 
 def windows_of(kp: KeymapPlan, frame: np.ndarray, total: np.ndarray, fps: np.ndarray,
-               cut: np.ndarray | None = None) -> tuple[list[Window], dict[str, Window]]:
+               cut: np.ndarray | None = None, loops: CoreLoops = CORE
+               ) -> tuple[list[Window], dict[str, Window]]:
     """Each distinct window (one per signature, in ``kp.window_entries`` order) and every
     windowed output's window among them; ``cut``: per sample, where the annotation cutoff
     ends action keys' horizons."""
-    made = [window(e, frame, total, fps, cut if e.key_type == ACTION_KEYS else None)
+    made = [window(e, frame, total, fps, cut if e.key_type == ACTION_KEYS else None, loops)
             for e in kp.window_entries]
     return made, {name: made[k] for name, k in kp.window_index}
 

@@ -9,9 +9,9 @@ stamped (the cache's LRU and hit counts), gathered and answered, all by this one
 
 Two loops locate numeric rows, the same plan either way:
 
-- **the kernel's** (``kernel.plan_keys``, ``numeric.py``): every chunk of each key in one
-  slab of the cache, one chunk size per key over the batch (the warm batch: one call for
-  the whole keymap);
+- **the kernel's** (``PlanLoops.plan_keys``, ``warm_layout.py``): every chunk of each key
+  in one slab of the cache, one chunk size per key over the batch (the warm batch: one
+  call for the whole keymap);
 - **numpy's** (``_rows``): anything else, slab by slab and the read's own chunks, and the
   refusal of a window that passes its array's end.
 """
@@ -27,7 +27,6 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from episerve_proto.errors import FrameOutOfRange, ShortArrayError
-from episerve_server.core import kernel
 from episerve_server.core.cache import Chunk, ChunkCache
 from episerve_server.core.framecache import ChunkKey
 from episerve_server.core.keymap import Keymap
@@ -42,6 +41,7 @@ from episerve_server.plan.keymap_plan import (
     first_seen,
     windows_of,
 )
+from episerve_server.plan.loops import PLAN, PlanLoops
 from episerve_server.plan.options import Arena, Empty
 from episerve_server.plan.warm_layout import Fused, NumericKeys
 from episerve_server.storage.catalog import Catalog
@@ -127,14 +127,14 @@ class Located:
 
 
 class Locator:
-    def __init__(self, catalog: Catalog, cache: ChunkCache) -> None:
-        self.catalog, self.cache = catalog, cache
+    def __init__(self, catalog: Catalog, cache: ChunkCache, loops: PlanLoops = PLAN) -> None:
+        self.catalog, self.cache, self.loops = catalog, cache, loops
         self._plans: OrderedDict[Keymap, KeymapPlan] = OrderedDict()
         self._uids = np.empty(0, np.int64)
         self._uids_for: tuple[int, int] = (-1, -1)
         self._flats: dict[tuple[int, tuple[int, ...]], np.ndarray] = {}
         self._scratches: dict[int, np.ndarray] = {}
-        self.numeric = NumericKeys(cache)
+        self.numeric = NumericKeys(cache, loops)
         self.warm_batches = 0  # batches located by the kernel from the cache alone
 
     # -- the batch ----------------------------------------------------------------------------
@@ -170,7 +170,7 @@ class Locator:
             return None
         n = len(ids)
         total, uids = np.empty(n, np.int64), np.empty(n, np.int64)
-        top = kernel.check_batch(ids, frame, kp.totals, self._batch_uids(kp.directory),
+        top = self.loops.check_batch(ids, frame, kp.totals, self._batch_uids(kp.directory),
                                  total, uids)
         if top == -1:
             return None
@@ -206,7 +206,7 @@ class Locator:
 
     def windows(self, batch: Batch, cut: np.ndarray | None = None
                 ) -> tuple[list[Window], dict[str, Window]]:
-        return windows_of(batch.kp, batch.frame, batch.total, batch.fps, cut)
+        return windows_of(batch.kp, batch.frame, batch.total, batch.fps, cut, self.loops.core)
 
     # -- locating ------------------------------------------------------------------------------
 

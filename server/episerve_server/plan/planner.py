@@ -34,6 +34,7 @@ from episerve_server.core.windows import Window
 from episerve_server.plan.fetcher import ChunkId, Fetcher, Need
 from episerve_server.plan.keymap_plan import answer_bytes
 from episerve_server.plan.locate import PACK, Batch, Located, Locator
+from episerve_server.plan.loops import PLAN, PlanLoops
 from episerve_server.plan.options import Budget, ReadOptions, empty32, too_big
 from episerve_server.plan.texts import TextTables
 from episerve_server.storage.annotations import load_spans
@@ -51,12 +52,13 @@ MAX_ROUNDS = 8
 
 class Planner:
     def __init__(self, catalog: Catalog, cache: ChunkCache, stats: Stats, *,
-                 fetch_limit: int = 64, offload_bytes: int = 1 << 20) -> None:
+                 fetch_limit: int = 64, offload_bytes: int = 1 << 20,
+                 loops: PlanLoops = PLAN) -> None:
         self.catalog, self.cache, self.stats = catalog, cache, stats
         self.offload_bytes = offload_bytes
         self.fetcher = Fetcher(catalog, cache, stats, limit=fetch_limit,
                                offload_bytes=offload_bytes)
-        self.locator = Locator(catalog, cache)
+        self.locator = Locator(catalog, cache, loops)
         self.texts = TextTables()
 
     async def read(self, keymap: Keymap, samples: Sequence[tuple[str, int]],

@@ -1,5 +1,5 @@
-"""A warm batch's numeric keys located in one kernel call (``kernel.plan_keys``), and
-their outputs gathered in another (``kernel.gather_rows``).
+"""A warm batch's numeric keys located in one kernel call (``PlanLoops.plan_keys``), and
+their outputs gathered in another (``PlanLoops.gather_rows``).
 
 Where each output's slots and gather rows go is fixed by the keymap plan, the batch's
 feature shapes and its chunk size per key (a ``Layout``, made once per keymap plan when
@@ -18,10 +18,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from episerve_server.core import kernel
 from episerve_server.core.cache import ChunkCache
 from episerve_server.core.windows import Window
 from episerve_server.plan.keymap_plan import KeymapPlan, row_bytes
+from episerve_server.plan.loops import PLAN, KeyArgs, Output, PlanLoops, RowsSpec
 from episerve_server.plan.options import Arena, Empty
 
 MAX_LAYOUTS = 64  # layouts kept (cleared when more turn up)
@@ -40,16 +40,16 @@ class OutputGather(NamedTuple):
 
 
 class Outputs(NamedTuple):
-    """A layout's numeric outputs at one batch size: what ``kernel.gather_rows`` and the
+    """A layout's numeric outputs at one batch size: what ``PlanLoops.gather_rows`` and the
     answer's arrays need, made once per (layout, batch size)."""
 
     names: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
-    spec: tuple[kernel.RowsSpec, ...]
+    spec: tuple[RowsSpec, ...]
 
 
 class Fused(NamedTuple):
-    """Every numeric output of one batch, gathered by one ``kernel.gather_rows`` call:
+    """Every numeric output of one batch, gathered by one ``PlanLoops.gather_rows`` call:
     ``idx`` holds each output's rows (at ``idx_at`` times the batch size) of the slab of
     its key's position in ``slabs``."""
 
@@ -61,7 +61,7 @@ class Fused(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class Layout:
-    """Where a keymap plan's numeric outputs go in one ``kernel.plan_keys`` call (when each
+    """Where a keymap plan's numeric outputs go in one ``PlanLoops.plan_keys`` call (when each
     key has one feature shape and one chunk size over the servable episodes): per key, in
     read order, its outputs' (window, width, time_axis, slots_at, idx_at), offsets in units
     of the batch size; per output, in the same order, what its gather needs."""
@@ -69,7 +69,7 @@ class Layout:
     plan: KeymapPlan
     keys: tuple[str, ...]
     chunk_rows: tuple[int, ...]
-    outputs: tuple[tuple[kernel.Output, ...], ...]
+    outputs: tuple[tuple[Output, ...], ...]
     gathers: tuple[OutputGather, ...]
     slot_spans: tuple[tuple[int, int], ...]  # per key: its slots in units of the batch size
     slot_units: int
@@ -80,13 +80,13 @@ class NumericKeys:
     """Layouts per keymap plan, and the kernel's per-key arguments per cache version (a
     slot table's arrays are replaced only when the cache stores, which moves its version)."""
 
-    def __init__(self, cache: ChunkCache) -> None:
-        self.cache = cache
+    def __init__(self, cache: ChunkCache, loops: PlanLoops = PLAN) -> None:
+        self.cache, self.loops = cache, loops
         # by id of their keymap plan (kept with it: an id is reused once its object is
         # gone), with the batch's shapes and chunk sizes where they vary by episode
         self._layouts: dict[Any, tuple[KeymapPlan, Layout]] = {}
         # the layout, the cache version and the kernel's keys they were made for
-        self._key_args: tuple[Layout, int, tuple[kernel.KeyArgs, ...]] | None = None
+        self._key_args: tuple[Layout, int, tuple[KeyArgs, ...]] | None = None
         self._slab_rows: tuple[int, np.ndarray] = (-1, np.empty(0, np.int64))
         self._outputs: dict[tuple[int, int], tuple[Layout, Outputs]] = {}
 
@@ -94,22 +94,22 @@ class NumericKeys:
              total: np.ndarray, scratch: np.ndarray,
              stamps: list[tuple[int, list[np.ndarray]]]) -> Fused | None:
         """Every numeric key's outputs and slots to stamp (appended to ``stamps`` in read
-        order, as ``Locator._key`` appends them) from one ``kernel.plan_keys`` call, or None."""
+        order) from one ``PlanLoops.plan_keys`` call, or None."""
         version = self.cache.version
         args = self._key_args
         if args is None or args[0] is not layout or args[1] != version:
-            keys: list[kernel.KeyArgs] = []
+            keys: list[KeyArgs] = []
             for key, c, outputs in zip(layout.keys, layout.chunk_rows, layout.outputs):
                 table = self.cache.slot_table(key)
                 if table is None:
                     return None
-                keys.append(kernel.KeyArgs(table.base, table.size, table.slab, table.flat,
+                keys.append(KeyArgs(table.base, table.size, table.slab, table.flat,
                                            layout.plan.keys[key].rows, c, outputs))
             args = self._key_args = (layout, version, tuple(keys))
         n = len(ids)
         slots = np.empty(layout.slot_units * n, np.int64)
         idx = np.empty(layout.idx_units * n, np.int64)
-        slabs = kernel.plan_keys(args[2], tuple(w.rows for w in made),
+        slabs = self.loops.plan_keys(args[2], tuple(w.rows for w in made),
                                  self.slab_rows(), uids, ids, total, scratch, slots, idx)
         if slabs is None:
             return None
@@ -119,11 +119,11 @@ class NumericKeys:
 
     def gather(self, f: Fused, empty: Empty, arena: Arena | None,
                nogil: bool = False) -> dict[str, np.ndarray]:
-        """The batch's outputs in one ``kernel.gather_rows`` call, into arrays from
+        """The batch's outputs in one ``PlanLoops.gather_rows`` call, into arrays from
         ``empty``, or all at once from ``arena`` (``nogil``: in a worker thread)."""
         o = f.outputs
         outs = arena.empty_many(o.shapes) if arena is not None else list(map(empty, o.shapes))
-        kernel.gather_rows(outs, tuple(map(self.cache.slab_data, f.slabs)), f.idx, f.n, o.spec,
+        self.loops.gather_rows(outs, tuple(map(self.cache.slab_data, f.slabs)), f.idx, f.n, o.spec,
                            nogil)
         return dict(zip(o.names, outs))
 
@@ -140,7 +140,7 @@ class NumericKeys:
                 shape = (n, g.width, *g.feature) if g.time_axis else (n, *g.feature)
                 names.append(g.name)
                 shapes.append(shape)
-                spec.append(kernel.RowsSpec(g.key_at, g.idx_at, g.width if g.time_axis else 1,
+                spec.append(RowsSpec(g.key_at, g.idx_at, g.width if g.time_axis else 1,
                                             row_bytes(g.feature, False)))
             got = self._outputs[key] = (layout, Outputs(tuple(names), tuple(shapes),
                                                         tuple(spec)))
@@ -192,7 +192,7 @@ def make_layout(kp: KeymapPlan, kinds: dict[str, tuple[tuple[int, ...], bool]],
     ``chunk_rows`` (in key order)."""
     window_of = dict(kp.window_index)
     keys: list[str] = []
-    outputs: list[tuple[kernel.Output, ...]] = []
+    outputs: list[tuple[Output, ...]] = []
     gathers: list[OutputGather] = []
     spans: list[tuple[int, int]] = []
     slot_at = idx_at = 0
@@ -201,10 +201,10 @@ def make_layout(kp: KeymapPlan, kinds: dict[str, tuple[tuple[int, ...], bool]],
         if is_bytes:
             continue
         at, start = len(keys), slot_at
-        outs: list[kernel.Output] = []
+        outs: list[Output] = []
         for e in kp.entries[key]:
             width = e.length
-            outs.append(kernel.Output(window_of[e.name], width, e.time_axis, slot_at, idx_at))
+            outs.append(Output(window_of[e.name], width, e.time_axis, slot_at, idx_at))
             gathers.append(OutputGather(at, e.name, width, e.time_axis, idx_at, feature))
             slot_at += width
             idx_at += width if e.time_axis else 1

@@ -3,7 +3,7 @@ segment, and the metadata that says where each one is.
 
 The numeric outputs are already in the segment (the planner gathered them into its
 ``SegmentArena``); what is left (frames, image indexes, masks) is written after them,
-one memcpy per blob, the layout and the copies in one call (``kernel.place_blobs``, a
+one memcpy per blob, the layout and the copies in one call (``WireLoops.place_blobs``, a
 loop in C when it is built). An answer that does not fit the arena's segment is written whole
 into a segment of its size, and the gathered arrays are then copied a second time.
 """
@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 from episerve_proto import local_plane as lp
 from episerve_proto.errors import ResponseTooLarge
-from episerve_server.core import kernel
 from episerve_server.core.result import BatchResult
 from episerve_server.rpc.local_plane.conn import Connection
 from episerve_server.rpc.local_plane.segments import Segment, SegmentArena
@@ -45,20 +44,20 @@ async def place(conn: Connection, result: BatchResult,
     sizes = list(map(len, blobs))
     at = arena.offsets(blobs)
     seg = arena.segment
-    total, copied_bytes = kernel.place_blobs(None, blobs, at, arena.used, lp.ALIGN)
+    total, copied_bytes = arena.loops.place_blobs(None, blobs, at, arena.used, lp.ALIGN)
     if seg is None or total > seg.size:  # write it all into a segment of its size
         blobs = [b if off is None else bytes(b) for b, off in zip(blobs, at)]
         await arena.release()
         at = [None] * len(blobs)
-        total, copied_bytes = kernel.place_blobs(None, blobs, at, 0, lp.ALIGN)
+        total, copied_bytes = arena.loops.place_blobs(None, blobs, at, 0, lp.ALIGN)
         seg = await conn.pool.acquire(max(total, 1), keep=arena.keep)
         arena.segment, arena.used = seg, 0
     try:
         if copied_bytes >= OFFLOAD_ENCODE_BYTES:
-            await asyncio.to_thread(kernel.place_blobs, seg.mm, blobs, at, arena.used,
+            await asyncio.to_thread(arena.loops.place_blobs, seg.mm, blobs, at, arena.used,
                                     lp.ALIGN, True)
         else:
-            kernel.place_blobs(seg.mm, blobs, at, arena.used, lp.ALIGN)
+            arena.loops.place_blobs(seg.mm, blobs, at, arena.used, lp.ALIGN)
     except BaseException:
         await arena.release()
         raise

@@ -30,7 +30,7 @@ import numpy as np
 
 from episerve_proto import local_plane as lp
 from episerve_proto.errors import Overloaded, ResponseTooLarge, Unavailable
-from episerve_server.core import kernel
+from episerve_server.rpc.wire.loops import WIRE, WireLoops
 
 #: A Read waits this long for a lent segment to come back before it answers Overloaded.
 LEND_WAIT_S = 30.0
@@ -241,8 +241,9 @@ class SegmentArena:
     follow usually fit too.
     """
 
-    def __init__(self, pool: SegmentPool, keep: bool, hint: int = 0) -> None:
-        self.pool, self.keep, self.hint = pool, keep, hint
+    def __init__(self, pool: SegmentPool, keep: bool, hint: int = 0,
+                 loops: WireLoops = WIRE) -> None:
+        self.pool, self.keep, self.hint, self.loops = pool, keep, hint, loops
         self.segment: Segment | None = None
         self.used = 0  # bytes handed out, 64-byte aligned
 
@@ -292,7 +293,7 @@ class SegmentArena:
         from ``empty``, whole or in part), else None (to be copied)."""
         if self.segment is None:
             return [None] * len(blobs)
-        return kernel.inside(blobs, self.segment.view, self.used)
+        return self.loops.inside(blobs, self.segment.view, self.used)
 
     async def release(self) -> None:
         """Give the segment up (the read failed, or its answer went elsewhere)."""

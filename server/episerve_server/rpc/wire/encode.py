@@ -30,8 +30,8 @@ from episerve_proto.answer_fields import (
     TEXT_COLUMN,
     TEXTS,
 )
-from episerve_server.core import kernel
 from episerve_server.core.result import BatchResult, ImageColumn
+from episerve_server.rpc.wire.loops import WIRE, WireLoops
 
 Buf = bytes | memoryview
 Sink = list[Buf] | None  # where bulk blobs go when they are sent apart (the local plane)
@@ -65,15 +65,15 @@ def _varint_table() -> list[bytes]:
     return _table
 
 
-def varints(values: np.ndarray) -> bytes:
+def varints(values: np.ndarray, loops: WireLoops = WIRE) -> bytes:
     """The varints of an integer array, concatenated (a packed repeated int field's body).
     Negative values take ten bytes, as protobuf writes an ``int64``."""
     v = np.ascontiguousarray(values).astype(np.int64, copy=False).ravel()
-    if not kernel.COMPILED and 0 < v.size <= 4096:  # a batch's frame indexes: one join
+    if not loops.compiled and 0 < v.size <= 4096:  # a batch's frame indexes: one join
         top = int(v.view(np.uint64).max())
         if 0x80 <= top < _TABLE_MAX:
             return b"".join(map(_varint_table().__getitem__, v.tolist()))
-    return kernel.varints(v)
+    return loops.varints(v)
 
 
 def _tag(field: int) -> bytes:
