@@ -127,7 +127,7 @@ def _bulk(msg: Any, answer: bytes | InSegment) -> list[Any]:
     return [seg[off:off + n] for off, n in answer.blobs]
 
 
-#: A per-sample field as the ``ReadResult`` holds it, by its kind in ``answer.KINDS``.
+#: A per-sample field as the ``ReadResult`` holds it, by its kind in ``answer_fields.KINDS``.
 _SAMPLE_VALUES: dict[str, Callable[[Any], Any]] = {
     "strings": list,
     "varints": lambda v: np.array(v, dtype=np.int64),

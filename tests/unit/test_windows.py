@@ -1,4 +1,4 @@
-"""Window rules (docs/KEYMAP.md) and the merge rule (docs/ARCHITECTURE.md), as pure functions."""
+"""Window rules (docs/KEYMAP.md) and the fetcher's merge rule, as pure functions."""
 
 from __future__ import annotations
 

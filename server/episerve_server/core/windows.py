@@ -1,4 +1,4 @@
-"""Window rules (docs/KEYMAP.md) and the chunk merge rule (docs/ARCHITECTURE.md), vectorized.
+"""Window rules (docs/KEYMAP.md), vectorized.
 
 A window is a (B, W) array of row indices, already clamped: padding is clamping, so a
 padded row is just a real row read again, and ``mask`` says which rows are real.

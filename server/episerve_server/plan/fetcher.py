@@ -125,7 +125,7 @@ class Fetcher:
     @contextlib.asynccontextmanager
     async def _background_slot(self) -> AsyncIterator[None]:
         """Background jobs take no read slot, so a read never waits behind one; they start
-        only when ``spare`` says so, and are few (see ``plan.background``)."""
+        only when ``spare`` says so, and are few (see ``plan.read_ahead``)."""
         self.background += 1
         try:
             yield

@@ -1,6 +1,6 @@
 """Where every row of a batch's answer is: the read plan's middle step.
 
-A batch is checked once against its keymap's plan (``geometry.KeymapPlan``, compiled per
+A batch is checked once against its keymap's plan (``keymap_plan.KeymapPlan``, compiled per
 keymap and catalog version into arrays by the directory's dense episode ids), then each
 output row is located: in a slab of the cache, or in the chunks the read fetched itself
 (``own``: what the cache did not keep, or was not asked to). What is neither is a chunk to
@@ -123,7 +123,6 @@ class Located:
     stamps: tuple[tuple[int, list[np.ndarray]], ...]  # per key and slab: slots to stamp
     frames: tuple[Frames, ...]
     warm: bool  # located by the kernel from the cache alone
-    cache_version: int
 
 
 class Locator:
@@ -239,8 +238,7 @@ class Locator:
         if needs:
             return needs
         warm = fused is not None and not any(f.own for f in frames)
-        return Located(windows, fused, tuple(pieces), tuple(stamps), tuple(frames), warm,
-                       self.cache.version)
+        return Located(windows, fused, tuple(pieces), tuple(stamps), tuple(frames), warm)
 
     def _rows(self, key: str, batch: Batch, feature: tuple[int, ...],
               windows: dict[str, Window], own: dict[ChunkId, Chunk], needs: list[Need]

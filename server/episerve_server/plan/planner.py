@@ -3,7 +3,7 @@
 A batch is checked against its keymap's plan (every sample's episode and frame, in one
 kernel call), its answer is sized and admitted, its windows are computed, and every
 output row is located (``locate.py``): in the cache, or in the chunks the read fetched.
-Chunks found in neither are fetched, together and single-flight (``misses.py``), and the
+Chunks found in neither are fetched, together and single-flight (``fetcher.py``), and the
 batch is located again: the cache keeps what it can, the read keeps the rest for itself.
 The located batch is stamped in the cache, gathered into its output arrays (in one kernel
 call for a warm batch) and answered.

@@ -1,14 +1,17 @@
-"""The daemon's RPC side, in four rooms that depend one way (wire <- handlers <- local <-
-process):
+"""The daemon's RPC side, in rooms that depend one way (wire <- handlers <- the transports,
+grpc and local_plane <- process):
 
 - ``wire``: the codec, bytes in and bytes out; the only modules that import the generated
-  classes (``convert``: requests and answers; ``encode``: Read responses without a message
-  object; ``forward``: a Read split for the workers and their answers merged back);
-- ``handlers``: what each RPC does (``service``; ``status``, errors to statuses;
-  ``buffers``, ``registry``);
-- ``local``: the shared-memory plane for clients on the host, a transport beside gRPC
-  (``plane``, listening and calls; ``answer``, a Read's answer laid out in a segment;
-  ``conn``, frames; ``guard``, its limits and caps; ``segments``);
+  classes (``messages``: requests and answers; ``encode``: Read responses without a message
+  object, gRPC's ``AnswerWriter``; ``forward``: a Read split for the workers and their
+  answers merged back; ``loops``: the codec's compiled or numpy loops);
+- ``handlers``: what each RPC does (``service``; ``servicer``: ``Call``, ``Handler``,
+  ``AnswerWriter``; ``status``, errors to statuses; ``admission``, ``buffers``,
+  ``registry``);
+- ``grpc``: gRPC as a transport (``adapter``);
+- ``local_plane``: the shared-memory plane for clients on the host, a transport beside gRPC
+  (``plane``, listening and calls; ``segment_answer``, a batch laid out in a segment;
+  ``conn``, frames; ``peer_limits``, its limits and caps; ``segments``);
 - ``process``: standing a server up and taking it down (``server``: the one serve path;
   ``daemon``, ``front``, ``workers``, ``worker``, ``main``; ``interceptors``,
   ``introspection``, ``metrics``, ``logs``).

@@ -1,10 +1,13 @@
 """What a set of handlers offers the transports that carry its calls: the single-process
 ``EpiserveService`` and the ``--workers N`` front alike.
 
-A handler takes a request's bytes and the ``Call`` it came in, returns the answer's bytes,
-and raises the project's errors (``episerve_proto.errors``); it knows no transport. Each
-transport maps those errors its own way: gRPC to a status and trailers (``rpc/grpc``), the
-local plane to an error frame (``rpc/local``).
+A handler takes a request's bytes and the ``Call`` it came in, returns the answer, and
+raises the project's errors (``episerve_proto.errors``); it knows no transport. An answer
+is its bytes, or what the call's ``AnswerWriter`` made of a batch: each transport brings
+the writer that lays a batch out its way (gRPC: the message's bytes; the local plane: a
+shared-memory segment) and sends whatever comes back. Each transport maps the errors its
+own way: gRPC to a status and trailers (``rpc/grpc``), the local plane to an error frame
+(``rpc/local_plane``).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The error a failed call is answered with, whatever transport carries it (gRPC in
-``rpc/grpc``, the local plane in ``rpc/local``).
+``rpc/grpc``, the local plane in ``rpc/local_plane``).
 
 A domain error is answered as it is (its code, message, class, episode and key); anything
 else is a bug, logged with its traceback and answered ``INTERNAL``. Messages are cut to

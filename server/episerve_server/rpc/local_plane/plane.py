@@ -34,8 +34,8 @@ total and per uid (``peer_limits.ConnectionCaps``), and one that stays idle for
 ``--local-idle-s`` is closed; one closed with answers still unread keeps them counted until
 its peer reads or closes.
 
-Here: listening, connections and their calls. A Read's answer is laid out by ``answer``;
-frames go through ``conn``; limits and caps are ``guard``'s; segments ``segments``'.
+Here: listening, connections and their calls. A batch is laid out by ``segment_answer``;
+frames go through ``conn``; limits and caps are ``peer_limits``'; segments ``segments``'.
 """
 
 from __future__ import annotations
