@@ -317,7 +317,17 @@ class LocalPlane:
         start, code, sent = time.perf_counter(), "OK", 0
         writer = SegmentWriter(self, conn, keep)
         try:
-            answer = await self._methods[method](payload, LocalCall(conn.peer, writer))
+            try:
+                answer = await self._methods[method](payload, LocalCall(conn.peer, writer))
+            except Exception as exc:  # the handler's: answered, whatever it is (an OSError too)
+                await writer.arena.release()
+                error = answered(exc, f"{method} (local plane)")
+                code = error.code
+                await self._send_quietly(conn, lp.frame(lp.ERROR, ident, error_body(error)))
+                return
+            except BaseException:
+                await writer.arena.release()
+                raise
             if isinstance(answer, Placed):
                 sent = await self._send_batch(conn, ident, answer, keep)
             else:
@@ -325,14 +335,6 @@ class LocalPlane:
                 await self._send(conn, lp.frame(lp.REPLY, ident, answer))
         except (OSError, ConnectionClosed):
             code = "CANCELLED"  # the connection is gone; _serve frees what it held
-        except Exception as exc:
-            await writer.arena.release()
-            error = answered(exc, f"{method} (local plane)")
-            code = error.code
-            await self._send_quietly(conn, lp.frame(lp.ERROR, ident, error_body(error)))
-        except BaseException:
-            await writer.arena.release()
-            raise
         finally:
             if self.calls is not None:
                 self.calls.finished(SERVICE_PATH + method, code, time.perf_counter() - start,
