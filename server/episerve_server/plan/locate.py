@@ -114,6 +114,22 @@ class Frames:
 
 
 @dataclass(slots=True)
+class Pinned:
+    """What a batch that must fetch found in the cache: taken for the read itself before
+    it awaits the fetch, so that the cache may let go of them meanwhile."""
+
+    numeric: list[tuple[ChunkId, int, int]] = field(default_factory=list)  # chunk, slab, slot
+    frames: list[tuple[ChunkKey, list[Any]]] = field(default_factory=list)  # chunk, entry
+
+
+class Missing(NamedTuple):
+    """A batch that lacks chunks: those to fetch, and those found (``Pinned``)."""
+
+    needs: list[Need]
+    pinned: Pinned
+
+
+@dataclass(slots=True)
 class Located:
     """A batch whose every row has been found: what the answer needs, no side effect yet."""
 
@@ -210,9 +226,9 @@ class Locator:
     # -- locating ------------------------------------------------------------------------------
 
     def locate(self, batch: Batch, made: list[Window], windows: dict[str, Window],
-               own: dict[ChunkId, Chunk]) -> Located | list[Need]:
+               own: dict[ChunkId, Chunk]) -> Located | Missing:
         """Every output row of ``batch`` found in the cache or in ``own``; else the chunks
-        to fetch first. Changes nothing."""
+        to fetch first, and those found (to ``keep`` before the fetch). Changes nothing."""
         kp = batch.kp
         if own or batch.uid_top < 0:
             self._refresh_uids(batch)
@@ -236,15 +252,23 @@ class Locator:
                     pieces.extend(got[0])
                     stamps.extend(got[1])
         if needs:
-            return needs
+            pinned = Pinned()
+            for key in kp.ordered_keys:  # what was found, chunk by chunk
+                feature, is_bytes = batch.kinds[key]
+                if is_bytes:
+                    self._frames(key, batch, windows, own, [], pinned)
+                else:
+                    self._rows(key, batch, feature, windows, own, [], pinned)
+            return Missing(needs, pinned)
         warm = fused is not None and not any(f.own for f in frames)
         return Located(windows, fused, tuple(pieces), tuple(stamps), tuple(frames), warm)
 
     def _rows(self, key: str, batch: Batch, feature: tuple[int, ...],
-              windows: dict[str, Window], own: dict[ChunkId, Chunk], needs: list[Need]
-              ) -> tuple[list[Pieces], list[Any]] | None:
+              windows: dict[str, Window], own: dict[ChunkId, Chunk], needs: list[Need],
+              pinned: Pinned | None = None) -> tuple[list[Pieces], list[Any]] | None:
         """One numeric key located by numpy: each output row's chunk in the cache (any
-        slab) or in ``own``. Chunks in neither go to ``needs`` (then None)."""
+        slab) or in ``own``. Chunks in neither go to ``needs`` (then None); ``pinned``
+        collects the chunks found in the cache."""
         geo, ids = batch.kp.keys[key], batch.ids
         entries = batch.kp.entries[key]
         ws = [windows[e.name].rows for e in entries]
@@ -260,6 +284,10 @@ class Locator:
         if own:  # what the read fetched is served from its own copy (and counted a miss)
             cids = list(zip(hashes[dense].tolist(), [key] * len(packed), chunk.tolist()))
             slab[np.fromiter(map(own.__contains__, cids), np.bool_, len(cids))] = -1
+        if pinned is not None:
+            for j in np.flatnonzero(slab >= 0).tolist():
+                pinned.numeric.append(((hashes[dense[j]], key, int(chunk[j])), int(slab[j]),
+                                       int(slot[j])))
         src = slab.copy()
         staging: list[np.ndarray] = []
         start = np.zeros(len(packed), np.int64)
@@ -327,13 +355,17 @@ class Locator:
         return needed, keys, np.cumsum(new) - 1, f_row % f_c, ep_pos
 
     def _frames(self, key: str, batch: Batch, windows: dict[str, Window],
-                own: dict[ChunkId, Chunk], needs: list[Need]) -> Frames:
+                own: dict[ChunkId, Chunk], needs: list[Need],
+                pinned: Pinned | None = None) -> Frames:
         """One camera key's distinct frames and the chunks holding them (the cache's, then
-        ``own``); chunks in neither go to ``needs``."""
+        ``own``); chunks in neither go to ``needs``; ``pinned`` collects those found in
+        the cache."""
         needed, keys, chunk_of, within, ep_pos = self.frame_chunks(key, batch, windows)
         entries = self.cache.frames_found(keys)
         if own:  # what the read fetched is served from its own copy (and counted a miss)
             entries = [None if k in own else got for k, got in zip(keys, entries)]
+        if pinned is not None:
+            pinned.frames.extend((k, got) for k, got in zip(keys, entries) if got is not None)
         if None not in entries:
             return Frames(key, needed, chunk_of.tolist(), within.tolist(), tuple(keys),
                           entries, self.cache.frame_ids(entries), [])  # type: ignore[arg-type]
@@ -357,6 +389,24 @@ class Locator:
                       self.cache.frame_ids(found), mine)
 
     # -- stamping and gathering ----------------------------------------------------------------
+
+    def keep(self, pinned: Pinned) -> dict[ChunkId, Chunk]:
+        """The chunks a batch found before it fetches the rest, as the read's own: numeric
+        ones copied out of their slots, frames by reference; stamped as used and counted
+        as hits, as ``stamp`` does. Whatever the cache lets go of during the fetch, the
+        batch is then located in one more round."""
+        out: dict[ChunkId, Chunk] = {}
+        by_slab: dict[int, list[int]] = {}
+        for cid, sid, slot in pinned.numeric:
+            out[cid] = self.cache.slab_data(sid)[slot].copy()
+            by_slab.setdefault(sid, []).append(slot)
+        if by_slab:
+            self.cache.count(self.cache.stamp_slabs(
+                [(sid, [np.array(slots, np.int64)]) for sid, slots in by_slab.items()]), 0)
+        if pinned.frames:
+            keys = [k for k, _ in pinned.frames]
+            out.update(zip(keys, self.cache.take_frames(keys, [e for _, e in pinned.frames])))
+        return out
 
     def frame_bytes(self, located: Located) -> int:
         """The frames' own bytes (what a response limit counts)."""

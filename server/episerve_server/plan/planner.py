@@ -23,7 +23,7 @@ from episerve_proto.contract import (
     IS_PAD_SUFFIX,
     PROPRIO_MASK,
 )
-from episerve_proto.errors import InvalidArgument, Unavailable
+from episerve_proto.errors import InvalidArgument
 from episerve_server.core.cache import Chunk, ChunkCache
 from episerve_server.core.counters import Stats
 from episerve_server.core.framecache import ChunkKey
@@ -45,10 +45,6 @@ from episerve_server.storage.catalog import Catalog
 GATHER_OFFLOAD_BYTES = 4 << 20
 
 DEFAULT_OPTIONS = ReadOptions()
-#: Rounds of fetching one read may take: after the first, a round fetches what the cache
-#: let go of meanwhile (``own`` keeps what a round fetched: each round's chunks are new).
-MAX_ROUNDS = 8
-
 
 class Planner:
     def __init__(self, catalog: Catalog, cache: ChunkCache, stats: Stats, *,
@@ -83,21 +79,18 @@ class Planner:
             position, _ = batch.first_seen()
             cut = cutoff_ends(spans["annotations"], position, batch.frame, batch.total)
         made, windows = self.locator.windows(batch, cut)
-        own: dict[ChunkId, Chunk] = {}  # what this read fetched, served from its own copy
-        rounds = 0
-        while True:  # a round fetches what neither the cache nor ``own`` holds
-            located = self.locator.locate(batch, made, windows, own)
-            if isinstance(located, Located):
-                break
-            if rounds == MAX_ROUNDS:  # each round, the cache let go of chunks it had held
-                raise Unavailable(
-                    f"the chunk cache let go of this batch's chunks in each of {rounds} rounds "
-                    "of fetching them; retry, or raise --cache-bytes")
-            rounds += 1
-            self.cache.count(0, len(located))
+        own: dict[ChunkId, Chunk] = {}  # the read's own chunks: served from its own copy
+        located = self.locator.locate(batch, made, windows, own)
+        if not isinstance(located, Located):
+            # what was found is kept first: the cache may let go of it during the fetch
+            own.update(self.locator.keep(located.pinned))
+            self.cache.count(0, len(located.needs))
             budget = Budget(limit, out_bytes, n)
-            fetched = await self.fetcher.get(located, budget.add)
-            own.update(zip([need.id for need in located], fetched))
+            fetched = await self.fetcher.get(located.needs, budget.add)
+            own.update(zip([need.id for need in located.needs], fetched))
+            again = self.locator.locate(batch, made, windows, own)
+            assert isinstance(again, Located), "every chunk of the batch is its own now"
+            located = again
         texts = {key: self._texts(batch, key, spans) for key in batch.kp.annotated}
         if limit and batch.kp.camera:
             used = out_bytes + self.locator.frame_bytes(located)
@@ -136,7 +129,7 @@ class Planner:
                 if batch.kinds[key][1]:
                     frames.extend(self.locator.frame_chunks(key, batch, windows)[1])
         return [] if isinstance(located, Located) else \
-            [need for need in located if not self.fetcher.in_flight(need.id)]
+            [need for need in located.needs if not self.fetcher.in_flight(need.id)]
 
     async def _spans(self, keymap: Keymap, batch: Batch,
                      options: ReadOptions) -> dict[str, list[list[Span]]]:
