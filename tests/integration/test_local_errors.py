@@ -21,6 +21,9 @@ from episerve_server.config import ServerConfig
 from episerve_server.rpc.handlers.service import EpiserveService
 from episerve_server.rpc.local_plane.plane import LocalPlane
 from episerve_server.wiring import build_read_core
+from tests.support.tiers import smoke_first
+
+pytestmark = pytest.mark.slow  # the Unavailable case runs in the default set too
 
 KEYMAP = {"h": {"zarr_key": "obs_head_pose", "key_type": "proprio_keys", "history": 2}}
 READ = messages.read_request([("ep003d", 5), ("ep000a", 0)], keymap=KEYMAP)
@@ -51,9 +54,9 @@ def plane(ramp_roots: dict[str, Path], tmp_path: Path) -> Iterator[tuple[LocalPl
     loop.close()
 
 
-@pytest.mark.parametrize("raised", [Unavailable("the store is away (test)"),
-                                    DeadlineExceeded("the store is slow (test)"),
-                                    ConnectionResetError("a socket of the store (test)")])
+@pytest.mark.parametrize("raised", smoke_first([
+    Unavailable("the store is away (test)"), DeadlineExceeded("the store is slow (test)"),
+    ConnectionResetError("a socket of the store (test)")]))
 def test_a_handlers_connection_error_is_answered_and_the_connection_serves_on(
         plane: tuple[LocalPlane, str], monkeypatch: pytest.MonkeyPatch,
         raised: Exception) -> None:
