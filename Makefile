@@ -98,7 +98,7 @@ bench-client: $(STAMP)
 	$(PY) benchmarks/bench_client.py
 
 # The compiled loops built with AddressSanitizer and UndefinedBehaviorSanitizer (signed
-# overflow included: no -fwrapv here), and their tests and the compiled plan's
+# overflow included: no -fwrapv here), and their tests and the read plan's
 # differential tests run on that build (EPISERVE_KERNEL points the daemon's code at it).
 ASAN_KERNEL := build/asan/_kernel.so
 kernel-asan: $(STAMP)

@@ -13,7 +13,13 @@ from episerve_client._base import BaseClient, KeymapLike, load_keymap
 from episerve_client._ops import Call, Flow, Op, Outcome, Sleep
 from episerve_client._outage import ALIVE_S, Watch
 from episerve_client.channel import CHANNEL_OPTIONS, HEALTH_CHECK
-from episerve_client.errors import EpiserveError, Unavailable, from_rpc_error, surfaced
+from episerve_client.errors import (
+    DeadlineExceeded,
+    EpiserveError,
+    Unavailable,
+    from_rpc_error,
+    surfaced,
+)
 from episerve_client.keystats import KeyStats
 from episerve_client.listing import Listing
 from episerve_client.local_channel import LocalChannel
@@ -37,10 +43,11 @@ class AsyncClient(LocalPlanes, BaseClient):
                  **options: Any) -> None:
         super().__init__(target, **options)
         self._init_planes(transport, self.targets)
+        self._plane_locks: dict[str, asyncio.Lock] = {}  # one call at a time per daemon
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        state["_local"] = {}  # sockets never travel to another process
+        state["_local"], state["_plane_locks"] = {}, {}  # sockets never travel elsewhere
         return state
 
     async def __aenter__(self) -> AsyncClient:
@@ -149,14 +156,28 @@ class AsyncClient(LocalPlanes, BaseClient):
         return data
 
     async def _plane_call(self, plane: LocalChannel, call: Call) -> Outcome:
-        """A call over the local plane, in a worker thread (the channel's calls block)."""
+        """A call over the local plane, in a worker thread (the channel's calls block):
+        one at a time per daemon, queued here on the event loop rather than in threads,
+        each with what is left of its deadline once its turn comes."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(call.timeout_s, 0.001)
+        lock = self._plane_locks.setdefault(call.target, asyncio.Lock())
+        try:
+            async with asyncio.timeout_at(deadline):
+                await lock.acquire()
+        except TimeoutError:
+            return DeadlineExceeded(f"the call to {call.target!r} waited its whole deadline "
+                                    "for this client's earlier calls to the same daemon",
+                                    target=call.target)
         try:
             if self.must_connect(call.target):
                 await asyncio.to_thread(plane.connect, self.connect_wait_s(call))
             data = await asyncio.to_thread(plane.call, call.method, call.payload,
-                                           call.timeout_s)
+                                           max(deadline - loop.time(), 0.001))
         except EpiserveError as exc:
             return exc
+        finally:
+            lock.release()
         self.answered.add(call.target)
         return data
 

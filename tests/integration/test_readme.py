@@ -141,10 +141,23 @@ def test_install_lines_name_real_extras() -> None:
 
 @pytest.mark.parametrize("path", ["docs/ARCHITECTURE.md", "docs/KEYMAP.md", "docs/FORMAT.md",
                                   "docs/GUIDE.md", "docs/PERFORMANCE.md", "docs/RELIABILITY.md",
-                                  "deploy/README.md"])
+                                  "docs/LIMITS.md", "deploy/README.md"])
 def test_linked_documents_exist(path: str) -> None:
     assert f"({path})" in README
     assert (REPO / path).is_file()
+
+
+def test_the_architecture_map_is_short_and_names_files_that_exist() -> None:
+    """docs/ARCHITECTURE.md is a map of at most 300 lines (figures go to PERFORMANCE.md,
+    history to the CHANGELOG), and every file it names in backticks is in the tree."""
+    text = (REPO / "docs/ARCHITECTURE.md").read_text()
+    assert len(text.splitlines()) <= 300, len(text.splitlines())
+    tree = [str(p.relative_to(REPO)) for p in REPO.rglob("*.py")
+            if ".venv" not in p.parts and "build" not in p.parts]
+    named = set(re.findall(r"`([\w/]+\.py)`", text))
+    assert len(named) > 20
+    missing = sorted(n for n in named if not any(t == n or t.endswith("/" + n) for t in tree))
+    assert not missing, missing
 
 
 def test_readme_keeps_within_its_length() -> None:

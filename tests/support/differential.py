@@ -1,7 +1,10 @@
-"""Two read cores over one root driven through the same random batches: one with a chunk
-cache, whose warm batches the kernel locates in the cache's slabs, one without, whose
-every batch is served from the chunks it fetched, located by numpy. Every answer and its
-encoded bytes must be the same, and so must every refusal (plan/locate.py's promise)."""
+"""Two read cores over one root driven through the same random batches. ``Pair``: one with
+a chunk cache, whose warm batches the kernel locates in the cache's slabs, one without,
+whose every batch is served from the chunks it fetched, located by numpy: every answer and
+its encoded bytes must be the same, and so must every refusal. ``Pair.open(...,
+kernel_pair=True)``: two cores with the same cache, one locating by the kernel and one by
+numpy only: the answers, the counters and the cache's whole LRU state must be the same
+after every batch (plan/locate.py's promise)."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import numpy as np
 
 from episerve_proto.errors import EpiserveError, ResponseTooLarge
 from episerve_server.config import ServerConfig
+from episerve_server.core.cache import ChunkCache
 from episerve_server.core.keymap import Keymap
 from episerve_server.core.result import BatchResult
 from episerve_server.plan.options import ReadOptions
@@ -71,17 +75,22 @@ class Pair:
     #: With a pool, the cached core gathers into a segment of it, as the local plane
     #: has it do (the segment goes back to the pool once the answers are compared).
     pool: SegmentPool | None = None
+    kernel_pair: bool = False
 
     @classmethod
     def open(cls, root: Path, cache_bytes: int, run: LoopRunner, segments: bool = False,
-             compiled: bool | None = None) -> Pair:
-        """``compiled``: both cores' loops, compiled or numpy's (None: compiled if built)."""
+             compiled: bool | None = None, kernel_pair: bool = False) -> Pair:
+        """``compiled``: both cores' loops, compiled or numpy's (None: compiled if built);
+        ``kernel_pair``: the second core has the same cache and locates by numpy only."""
+        sizes = (cache_bytes, cache_bytes) if kernel_pair else (cache_bytes, 0)
         cores = [build_read_core(ServerConfig(root=str(root), cache_bytes=size),
-                                 compiled=compiled) for size in (cache_bytes, 0)]
+                                 compiled=compiled) for size in sizes]
         for core in cores:
             run(core.catalog.scan())
+        if kernel_pair:
+            cores[1].planner.locator.kernel = False
         pool = SegmentPool(2, lambda segments, nbytes: None) if segments else None
-        return cls(root, cores[0], cores[1], run, pool=pool)
+        return cls(root, cores[0], cores[1], run, pool=pool, kernel_pair=kernel_pair)
 
     def scan(self) -> None:
         for core in (self.cached, self.uncached):
@@ -119,6 +128,9 @@ class Pair:
                 outputs = [a for name, a in new.arrays.items()
                            if name in names and a.dtype == np.float32]
                 assert None not in arena.offsets([memoryview(a) for a in outputs])
+        if self.kernel_pair:
+            assert self.cached.stats.snapshot() == self.uncached.stats.snapshot()
+            same_cache(self.cached.cache, self.uncached.cache)
 
     def _one(self, core: ReadCore, keymap: Keymap, samples: Sequence[tuple[Any, Any]],
              options: ReadOptions) -> BatchResult | EpiserveError:
@@ -146,6 +158,25 @@ def same_result(a: BatchResult, b: BatchResult) -> None:
         assert col.index.dtype == b.images[name].index.dtype
         assert np.array_equal(col.index, b.images[name].index), name
     assert a.frames == b.frames and a.texts == b.texts
+
+
+def same_cache(a: ChunkCache, b: ChunkCache) -> None:
+    """The whole LRU state: the clock, every slab's stamps, owners and free list, every
+    slot table, the frame chunks in recency order with their stamps."""
+    assert a._clock == b._clock and a._bytes == b._bytes and a._entries == b._entries
+    assert a._uids.table == b._uids.table and a._uids.given == b._uids.given
+    assert len(a._slabs) == len(b._slabs)
+    for x, y in zip(a._slabs, b._slabs):
+        assert x.shape == y.shape and x._free == y._free
+        assert np.array_equal(x.stamp, y.stamp)
+        assert np.array_equal(x.owner_table, y.owner_table)
+        assert np.array_equal(x.owner_pos, y.owner_pos)
+    assert list(a._tables) == list(b._tables)
+    for key, x in a._tables.items():
+        y = b._tables[key]
+        for field in ("base", "size", "slab", "flat"):
+            assert np.array_equal(getattr(x, field), getattr(y, field)), (key, field)
+    assert a._frames.state() == b._frames.state()
 
 
 def random_samples(rng: random.Random, episodes: list[tuple[str, int]],

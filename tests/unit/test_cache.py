@@ -411,3 +411,33 @@ def test_a_compaction_in_the_middle_of_a_batch_places_every_chunk_where_it_now_i
     for name, c, value in (("keep", 3, 7.0), ("first", 1, 1.0), ("late", 2, 2.0)):
         got = cache.get((name, "k", c))
         assert got is not None and float(got[0]) == value, name
+
+
+def test_a_pinned_slot_is_not_handed_out_again_until_unpinned() -> None:
+    """A read keeps the slots of the chunks it found while it fetches the rest: evicted
+    meanwhile, a pinned slot leaves the budget and every lookup, but its bytes stay as
+    they were until the read unpins it; then the slot is free again."""
+    stats = Stats()
+    cache = ChunkCache(2 * cost(100), stats)  # one slab of two slots
+    for n in range(2):
+        cache.put(("ep", "k", n), chunk(100, n))
+    uid = cache.known_uid("ep")
+    slab, slot = cache.find("k", np.array([uid, uid]), np.array([0, 1]))
+    first = (int(slab[0]), int(slot[0]))
+    cache.pin([first])
+    cache.pin([first])  # two reads keep it
+    cache.put(("ep", "k", 2), chunk(100, 2))  # evicts chunk 0, the oldest
+    assert cache.find("k", np.array([uid]), np.array([0]))[0][0] == -1  # gone for lookups
+    assert cache.find("k", np.array([uid]), np.array([2]))[0][0] >= 0  # the new one kept
+    assert stats.cache_bytes == cost(100)  # the pinned chunk's bytes left the budget
+    data = cache.slab_data(first[0])
+    for n in (3, 4):  # more stores evict and reuse slots, but never the pinned one
+        cache.put(("ep", "k", n), chunk(100, n))
+        assert float(data[first[1]][0]) == 0.0
+    cache.unpin([first])
+    assert float(data[first[1]][0]) == 0.0  # one read still keeps it
+    cache.unpin([first])
+    cache.put(("ep", "k", 5), chunk(100, 5))
+    cache.put(("ep", "k", 6), chunk(100, 6))
+    reused = {int(cache.find("k", np.array([uid]), np.array([n]))[1][0]) for n in (5, 6)}
+    assert first[1] in reused  # free again once no read keeps it

@@ -62,6 +62,20 @@ def test_cached_and_fetched_batches_answer_the_same(template: Path, tmp_path: Pa
     assert pair.warm_batches >= 2, pair  # the kernel located some, numpy the others
 
 
+@pytest.mark.parametrize("cache_bytes", [8 << 20, 1 << 20])
+def test_the_kernel_locates_as_numpy_does_lru_state_and_counters_included(
+        template: Path, tmp_path: Path, run: LoopRunner, cache_bytes: int,
+        loops: bool) -> None:
+    """Two cores with the same cache, one locating warm batches by the kernel and one by
+    numpy only: after every batch the answers, every counter and the cache's whole LRU
+    state (clock, slot stamps, owners, slot tables, frame recency) are the same."""
+    pair = Pair.open(fresh(template, tmp_path), cache_bytes, run, compiled=loops,
+                     kernel_pair=True)
+    drive(pair, 300, seed=cache_bytes + 1, max_batch=32)
+    assert pair.warm_batches >= 2, pair  # the kernel located some
+    assert pair.uncached.planner.locator.warm_batches == 0
+
+
 @pytest.fixture(scope="module")
 def uniform(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Every episode with 100-row chunks: the numeric keys located in one kernel call."""

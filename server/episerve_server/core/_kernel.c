@@ -2,7 +2,7 @@
  * numpy and says what each computes). Plain C over the buffer protocol: every argument is
  * a contiguous int64 buffer or an int, so no numpy headers are needed to build it, and
  * every index read from one buffer into another is bounds-checked here (a bad index
- * answers -1: the caller falls back to the general path, nothing is read out of range). */
+ * answers -1: the caller locates the batch with numpy, nothing is read out of range). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>

@@ -100,6 +100,10 @@ class ChunkCache:
         self.on_evict: EvictHook | None = None
         self._holds = 0  # gathers running in worker threads: slots are not reused meanwhile
         self._deferred: list[tuple[Slab, np.ndarray]] = []
+        #: Slots reads keep while they fetch the rest of their batch (``pin``), with how many
+        #: reads keep each; one evicted meanwhile is handed out again only once unpinned.
+        self._pins: dict[tuple[int, int], int] = {}
+        self._unpinned_later: set[tuple[int, int]] = set()
         #: Bumped by every change of what is cached (a plan made before an await checks it).
         self.version = 0
         self.drops = 0  # episodes dropped (their uids are gone)
@@ -513,14 +517,46 @@ class ChunkCache:
             flat = self._table_list[t].flat
             pos = slab.owner_pos[mine]
             flat[pos[flat[pos] == mine]] = -1
+        self._bytes -= slab.cost * len(live)
+        self._entries -= len(live)
+        if self._pins:
+            kept = np.fromiter(((sid, s) in self._pins for s in live.tolist()), np.bool_,
+                               len(live))
+            if kept.any():  # gone for lookups and eviction; handed out once unpinned
+                self._unpinned_later.update((sid, s) for s in live[kept].tolist())
+                slab.stamp[live[kept]] = -1
+                live = live[~kept]
+        self._free_slots(slab, live)
+        self._sync_gauges()
+
+    def _free_slots(self, slab: Slab, live: np.ndarray) -> None:
         if self._holds:
             self._deferred.append((slab, live))
             slab.stamp[live] = -1  # gone for lookups and eviction; reused after the hold
         else:
             slab.release(live)
-        self._bytes -= slab.cost * len(live)
-        self._entries -= len(live)
-        self._sync_gauges()
+
+    def pin(self, items: Sequence[tuple[int, int]]) -> None:
+        """Keep each (slab, slot) of ``items`` from being handed out again, evicted or not,
+        until ``unpin``: a read's found chunks while it fetches the rest of its batch. What
+        a pinned slot holds stays readable; its bytes leave the budget when it is evicted."""
+        for item in items:
+            self._pins[item] = self._pins.get(item, 0) + 1
+
+    def unpin(self, items: Sequence[tuple[int, int]]) -> None:
+        """Undo ``pin`` of ``items``; a slot evicted meanwhile is free once no read keeps it."""
+        freed: dict[int, list[int]] = {}
+        for item in items:
+            left = self._pins[item] - 1
+            if left:
+                self._pins[item] = left
+                continue
+            del self._pins[item]
+            if item in self._unpinned_later:
+                self._unpinned_later.discard(item)
+                freed.setdefault(item[0], []).append(item[1])
+        for sid, slots in freed.items():
+            self._free_slots(self._slabs[sid], np.array(slots, np.int64))
 
     def drop_episode(self, episode: str) -> None:
         """Forget one episode's chunks; costs what that episode holds, not the cache."""

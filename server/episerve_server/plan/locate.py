@@ -2,9 +2,10 @@
 
 A batch is checked once against its keymap's plan (``keymap_plan.KeymapPlan``, compiled per
 keymap and catalog version into arrays by the directory's dense episode ids), then each
-output row is located: in a slab of the cache, or in the chunks the read fetched itself
-(``own``: what the cache did not keep, or was not asked to). What is neither is a chunk to
-fetch; the planner fetches it and locates the batch again. A located batch is then
+output row is located: in a slab of the cache, in a slot the read keeps (``held``:
+pinned by ``keep`` before a fetch) or in the read's own chunks (``own``: what it fetched,
+and frames it kept). What is in none is a chunk to fetch; the planner fetches it and
+locates the batch again. A located batch is then
 stamped (the cache's LRU and hit counts), gathered and answered, all by this one plan.
 
 Two loops locate numeric rows, the same plan either way:
@@ -95,7 +96,7 @@ class Pieces(NamedTuple):
     shape: tuple[int, ...]
     feature: tuple[int, ...]
     pieces: tuple[Piece, ...]
-    staging: tuple[np.ndarray, ...]
+    staging: tuple[np.ndarray, ...]  # the key's own chunks, one after the other
 
 
 @dataclass(slots=True)
@@ -140,6 +141,12 @@ class Located:
     frames: tuple[Frames, ...]
     warm: bool  # located by the kernel from the cache alone
 
+    @property
+    def staged_bytes(self) -> int:
+        """Bytes of the read's own numeric chunks the gather joins and reads."""
+        return sum(sum(a.nbytes for a in p.staging) for p in {id(p.staging): p
+                                                              for p in self.pieces}.values())
+
 
 class Locator:
     def __init__(self, catalog: Catalog, cache: ChunkCache, loops: PlanLoops = PLAN) -> None:
@@ -151,6 +158,9 @@ class Locator:
         self._scratches: dict[int, np.ndarray] = {}
         self.numeric = NumericKeys(cache, loops)
         self.warm_batches = 0  # batches located by the kernel from the cache alone
+        #: False: every batch is located by numpy (the kernel's loops held to numpy's,
+        #: LRU state and counters included, by tests/unit/test_read_plan.py)
+        self.kernel = True
 
     # -- the batch ----------------------------------------------------------------------------
 
@@ -226,9 +236,12 @@ class Locator:
     # -- locating ------------------------------------------------------------------------------
 
     def locate(self, batch: Batch, made: list[Window], windows: dict[str, Window],
-               own: dict[ChunkId, Chunk]) -> Located | Missing:
-        """Every output row of ``batch`` found in the cache or in ``own``; else the chunks
-        to fetch first, and those found (to ``keep`` before the fetch). Changes nothing."""
+               own: dict[ChunkId, Chunk], held: dict[ChunkId, tuple[int, int]] | None = None,
+               pin: bool = True) -> Located | Missing:
+        """Every output row of ``batch`` found in the cache, in ``own`` or in the slots the
+        read ``held`` (``keep``); else the chunks to fetch first, and (``pin``) those found,
+        to ``keep`` before the fetch. Changes nothing."""
+        held = held or {}
         kp = batch.kp
         if own or batch.uid_top < 0:
             self._refresh_uids(batch)
@@ -237,7 +250,7 @@ class Locator:
         stamps: list[tuple[int, list[np.ndarray]]] = []
         frames: list[Frames] = []
         fused = None
-        if batch.uid_top >= 0 and not own and self.cache.enabled:
+        if batch.uid_top >= 0 and not own and not held and self.kernel and self.cache.enabled:
             layout = self.numeric.layout(kp, batch.kinds, batch.ids)
             if layout is not None:  # every numeric key in one kernel call
                 fused = self.numeric.plan(layout, made, batch.uids, batch.ids, batch.total,
@@ -247,28 +260,29 @@ class Locator:
             if is_bytes:
                 frames.append(self._frames(key, batch, windows, own, needs))
             elif fused is None:
-                got = self._rows(key, batch, feature, windows, own, needs)
+                got = self._rows(key, batch, feature, windows, own, held, needs)
                 if got is not None:
                     pieces.extend(got[0])
                     stamps.extend(got[1])
         if needs:
             pinned = Pinned()
-            for key in kp.ordered_keys:  # what was found, chunk by chunk
+            for key in kp.ordered_keys if pin else ():  # what was found, chunk by chunk
                 feature, is_bytes = batch.kinds[key]
                 if is_bytes:
                     self._frames(key, batch, windows, own, [], pinned)
                 else:
-                    self._rows(key, batch, feature, windows, own, [], pinned)
+                    self._rows(key, batch, feature, windows, own, held, [], pinned)
             return Missing(needs, pinned)
         warm = fused is not None and not any(f.own for f in frames)
         return Located(windows, fused, tuple(pieces), tuple(stamps), tuple(frames), warm)
 
     def _rows(self, key: str, batch: Batch, feature: tuple[int, ...],
-              windows: dict[str, Window], own: dict[ChunkId, Chunk], needs: list[Need],
+              windows: dict[str, Window], own: dict[ChunkId, Chunk],
+              held: dict[ChunkId, tuple[int, int]], needs: list[Need],
               pinned: Pinned | None = None) -> tuple[list[Pieces], list[Any]] | None:
         """One numeric key located by numpy: each output row's chunk in the cache (any
-        slab) or in ``own``. Chunks in neither go to ``needs`` (then None); ``pinned``
-        collects the chunks found in the cache."""
+        slab), in a slot the read ``held`` or in ``own``. Chunks in none go to ``needs``
+        (then None); ``pinned`` collects the chunks found in the cache."""
         geo, ids = batch.kp.keys[key], batch.ids
         entries = batch.kp.entries[key]
         ws = [windows[e.name].rows for e in entries]
@@ -281,9 +295,15 @@ class Locator:
         uid = batch.uids[by_id[np.searchsorted(ids, dense, sorter=by_id)]]
         slab, slot = self.cache.find(key, uid, chunk)
         hashes = batch.kp.directory.hashes
-        if own:  # what the read fetched is served from its own copy (and counted a miss)
+        stamped = slab >= 0  # found in the cache now: stamped and counted as hits
+        if own or held:
             cids = list(zip(hashes[dense].tolist(), [key] * len(packed), chunk.tolist()))
-            slab[np.fromiter(map(own.__contains__, cids), np.bool_, len(cids))] = -1
+            if own:  # what the read fetched is served from its own copy (counted a miss)
+                slab[np.fromiter(map(own.__contains__, cids), np.bool_, len(cids))] = -1
+            mine = np.fromiter(map(held.__contains__, cids), np.bool_, len(cids))
+            for j in np.flatnonzero(mine).tolist():  # kept slots: counted when kept
+                slab[j], slot[j] = held[cids[j]]
+            stamped = (slab >= 0) & ~mine
         if pinned is not None:
             for j in np.flatnonzero(slab >= 0).tolist():
                 pinned.numeric.append(((hashes[dense[j]], key, int(chunk[j])), int(slab[j]),
@@ -306,8 +326,7 @@ class Locator:
             at += len(got)
         if len(needs) > first_need:
             return None
-        stage = (np.concatenate(staging) if len(staging) > 1 else staging[0],) \
-            if staging else ()
+        stage = tuple(staging)  # concatenated by ``gather`` (in its thread when large)
         slab_rows = np.array(self.cache.slab_rows() or [0], np.int64)
         out: list[Pieces] = []
         for e, w in zip(entries, ws):
@@ -325,8 +344,8 @@ class Locator:
                 parts.append(Piece(sid, where, idx.ravel() if where is None
                                    else idx.ravel()[where]))
             out.append(Pieces(e.name, (*rows.shape, *feature), feature, tuple(parts), stage))
-        found = slab >= 0
-        stamps = [(sid, [slot[found & (slab == sid)]]) for sid in np.unique(slab[found]).tolist()]
+        stamps = [(sid, [slot[stamped & (slab == sid)]])
+                  for sid in np.unique(slab[stamped]).tolist()]
         return out, stamps
 
     def frame_chunks(self, key: str, batch: Batch, windows: dict[str, Window]
@@ -375,13 +394,14 @@ class Locator:
         renumber = np.empty(len(keys), np.int64)
         renumber[hit] = np.arange(int(hit.sum()))
         mine: list[list[bytes]] = []
+        first_own = int(hit.sum())
         for j in np.flatnonzero(~hit).tolist():
             got = own.get(keys[j])
             if got is None:
                 reader = batch.kp.directory.episodes[int(order[ep_pos[j]])].readers[key]
                 needs.append(Need(reader, keys[j][2]))
                 continue
-            renumber[j] = int(hit.sum()) + len(mine)
+            renumber[j] = first_own + len(mine)
             mine.append(got)  # type: ignore[arg-type]
         found = [got for got in entries if got is not None]
         return Frames(key, needed, renumber[chunk_of].tolist(), within.tolist(),
@@ -390,23 +410,27 @@ class Locator:
 
     # -- stamping and gathering ----------------------------------------------------------------
 
-    def keep(self, pinned: Pinned) -> dict[ChunkId, Chunk]:
-        """The chunks a batch found before it fetches the rest, as the read's own: numeric
-        ones copied out of their slots, frames by reference; stamped as used and counted
-        as hits, as ``stamp`` does. Whatever the cache lets go of during the fetch, the
-        batch is then located in one more round."""
-        out: dict[ChunkId, Chunk] = {}
+    def keep(self, pinned: Pinned, own: dict[ChunkId, Chunk],
+             held: dict[ChunkId, tuple[int, int]]) -> int:
+        """What a batch found before it fetches the rest, kept for the read: numeric
+        chunks' slots pinned (``held``: the cache hands none of them out again until
+        ``unpin``), frames by reference (into ``own``); stamped as used and counted as
+        hits, as ``stamp`` does. Returns the kept frames' bytes (the response limit's)."""
         by_slab: dict[int, list[int]] = {}
         for cid, sid, slot in pinned.numeric:
-            out[cid] = self.cache.slab_data(sid)[slot].copy()
+            held[cid] = (sid, slot)
             by_slab.setdefault(sid, []).append(slot)
         if by_slab:
+            self.cache.pin(list(held.values()))
             self.cache.count(self.cache.stamp_slabs(
                 [(sid, [np.array(slots, np.int64)]) for sid, slots in by_slab.items()]), 0)
-        if pinned.frames:
-            keys = [k for k, _ in pinned.frames]
-            out.update(zip(keys, self.cache.take_frames(keys, [e for _, e in pinned.frames])))
-        return out
+        if not pinned.frames:
+            return 0
+        keys = [k for k, _ in pinned.frames]
+        entries = [e for _, e in pinned.frames]
+        nbytes = int(self.cache.frame_bytes(self.cache.frame_ids(entries)).sum())
+        own.update(zip(keys, self.cache.take_frames(keys, entries)))
+        return nbytes
 
     def frame_bytes(self, located: Located) -> int:
         """The frames' own bytes (what a response limit counts)."""
@@ -438,12 +462,18 @@ class Locator:
         if located.fused is not None:
             return self.numeric.gather(located.fused, empty, arena, nogil)
         out: dict[str, np.ndarray] = {}
+        stages: dict[int, np.ndarray] = {}  # a key's own chunks, joined once for its outputs
         for p in located.pieces:
             dest = empty(p.shape)
             flat_dest = dest.reshape(-1, *p.feature)
             for piece in p.pieces:
-                src = p.staging[-1 - piece.source] if piece.source < 0 \
-                    else self._flat(piece.source, p.feature)
+                if piece.source < 0:
+                    src = stages.get(id(p.staging))
+                    if src is None:
+                        src = stages[id(p.staging)] = p.staging[0] if len(p.staging) == 1 \
+                            else np.concatenate(p.staging)
+                else:
+                    src = self._flat(piece.source, p.feature)
                 if piece.where is None and src.dtype == dest.dtype:
                     src.take(piece.idx, axis=0, out=flat_dest)
                 elif piece.where is None:

@@ -2,9 +2,10 @@
 
 A batch is checked against its keymap's plan (every sample's episode and frame, in one
 kernel call), its answer is sized and admitted, its windows are computed, and every
-output row is located (``locate.py``): in the cache, or in the chunks the read fetched.
-Chunks found in neither are fetched, together and single-flight (``fetcher.py``), and the
-batch is located again: the cache keeps what it can, the read keeps the rest for itself.
+output row is located (``locate.py``) in the cache. If chunks are missing, the batch keeps
+what it found (slots pinned, frames by reference), the rest is fetched, together and
+single-flight (``fetcher.py``), and the batch is located again from what it kept and
+fetched, whatever the cache let go of meanwhile.
 The located batch is stamped in the cache, gathered into its output arrays (in one kernel
 call for a warm batch) and answered.
 """
@@ -33,9 +34,9 @@ from episerve_server.core.spans import Span, cutoff_ends, texts_at
 from episerve_server.core.windows import Window
 from episerve_server.plan.fetcher import ChunkId, Fetcher, Need
 from episerve_server.plan.keymap_plan import answer_bytes
-from episerve_server.plan.locate import PACK, Batch, Located, Locator
+from episerve_server.plan.locate import PACK, Batch, Located, Locator, Missing
 from episerve_server.plan.loops import PLAN, PlanLoops
-from episerve_server.plan.options import Budget, ReadOptions, empty32, too_big
+from episerve_server.plan.options import Budget, Empty, ReadOptions, empty32, too_big
 from episerve_server.plan.texts import TextTables
 from episerve_server.storage.annotations import load_spans
 from episerve_server.storage.catalog import Catalog
@@ -80,24 +81,38 @@ class Planner:
             cut = cutoff_ends(spans["annotations"], position, batch.frame, batch.total)
         made, windows = self.locator.windows(batch, cut)
         own: dict[ChunkId, Chunk] = {}  # the read's own chunks: served from its own copy
-        located = self.locator.locate(batch, made, windows, own)
-        if not isinstance(located, Located):
-            # what was found is kept first: the cache may let go of it during the fetch
-            own.update(self.locator.keep(located.pinned))
-            self.cache.count(0, len(located.needs))
-            budget = Budget(limit, out_bytes, n)
-            fetched = await self.fetcher.get(located.needs, budget.add)
-            own.update(zip([need.id for need in located.needs], fetched))
-            again = self.locator.locate(batch, made, windows, own)
-            assert isinstance(again, Located), "every chunk of the batch is its own now"
-            located = again
+        held: dict[ChunkId, tuple[int, int]] = {}  # slots it keeps (pinned) meanwhile
+        try:
+            located = self.locator.locate(batch, made, windows, own)
+            if isinstance(located, Missing):
+                # what was found is kept first: the cache may let go of it during the fetch
+                kept = self.locator.keep(located.pinned, own, held)
+                self.cache.count(0, len(located.needs))
+                budget = Budget(limit, out_bytes + kept, n)
+                fetched = await self.fetcher.get(located.needs, budget.add)
+                own.update(zip([need.id for need in located.needs], fetched))
+                again = self.locator.locate(batch, made, windows, own, held)
+                if type(again) is not Located:  # every chunk is the read's own or kept now
+                    raise RuntimeError("a batch lacked chunks it had fetched or kept")
+                located = again
+            return await self._serve(keymap, batch, located, spans, options, out_bytes, empty)
+        finally:
+            if held:
+                self.cache.unpin(list(held.values()))
+
+    async def _serve(self, keymap: Keymap, batch: Batch, located: Located,
+                     spans: dict[str, list[list[Span]]], options: ReadOptions, out_bytes: int,
+                     empty: Empty) -> BatchResult:
+        """A located batch's answer: stamped, gathered (off the event loop when large),
+        checked against the limit, counted."""
+        n, limit = len(batch.ids), options.max_response_bytes
         texts = {key: self._texts(batch, key, spans) for key in batch.kp.annotated}
         if limit and batch.kp.camera:
             used = out_bytes + self.locator.frame_bytes(located)
             if used > limit:
                 raise too_big(used, limit, n, at_least=True)
         frames = self.locator.stamp(located)
-        if out_bytes >= GATHER_OFFLOAD_BYTES:  # a large gather runs off the event loop
+        if max(out_bytes, located.staged_bytes) >= GATHER_OFFLOAD_BYTES:  # off the loop
             self.cache.hold()
             try:
                 arrays = await asyncio.to_thread(self.locator.gather, located, empty,
@@ -123,7 +138,7 @@ class Planner:
         hits."""
         batch = self.locator.batch(keymap, samples)
         made, windows = self.locator.windows(batch)
-        located = self.locator.locate(batch, made, windows, {})
+        located = self.locator.locate(batch, made, windows, {}, pin=False)
         if frames is not None:
             for key in batch.kp.ordered_keys:
                 if batch.kinds[key][1]:

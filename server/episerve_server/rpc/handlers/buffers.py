@@ -24,7 +24,7 @@ All unix-socket clients report the same peer (``unix:``, no per-connection addre
 for them only the total limit applies.
 
 The total is the one budget of what clients make the daemon hold, whatever the transport:
-the local plane (``transport_choice.py``) ``charge``s it with the call bodies it receives (as their
+the local plane (``rpc/local_plane/``) ``charge``s it with the call bodies it receives (as their
 bytes arrive), every segment it has made (lent, being written, or free in a pool) and the
 kept segments it sent that the client has not yet received, and asks for ``room`` before it
 makes a segment or takes a body. Before it refuses anything it calls ``reclaim`` (the local

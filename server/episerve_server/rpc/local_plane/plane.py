@@ -335,6 +335,10 @@ class LocalPlane:
                 await self._send(conn, lp.frame(lp.REPLY, ident, answer))
         except (OSError, ConnectionClosed):
             code = "CANCELLED"  # the connection is gone; _serve frees what it held
+        except Exception as exc:  # sending failed for another reason: still answered
+            error = answered(exc, f"{method} (local plane)")
+            code = error.code
+            await self._send_quietly(conn, lp.frame(lp.ERROR, ident, error_body(error)))
         finally:
             if self.calls is not None:
                 self.calls.finished(SERVICE_PATH + method, code, time.perf_counter() - start,
