@@ -4,8 +4,6 @@ for its own connection going away sent nothing, so the client waited out its dea
 
 from __future__ import annotations
 
-import asyncio
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,9 +16,8 @@ from episerve_client.local_channel import LocalChannel
 from episerve_client.read_answer import InSegment, read_result
 from episerve_proto.errors import DeadlineExceeded, Unavailable
 from episerve_server.config import ServerConfig
-from episerve_server.rpc.handlers.service import EpiserveService
 from episerve_server.rpc.local_plane.plane import LocalPlane
-from episerve_server.wiring import build_read_core
+from tests.support.localpeer import plane_in_thread
 from tests.support.tiers import smoke_first
 
 pytestmark = pytest.mark.slow  # the Unavailable case runs in the default set too
@@ -34,24 +31,8 @@ def plane(ramp_roots: dict[str, Path], tmp_path: Path) -> Iterator[tuple[LocalPl
     tmp_path.chmod(0o700)
     unix = str(tmp_path / "d.sock")
     config = ServerConfig(root=str(ramp_roots["sharded"]), unix=unix, cache_bytes=16 << 20)
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-
-    async def start() -> LocalPlane:
-        core = build_read_core(config)
-        await core.catalog.scan()
-        plane = await LocalPlane.start(config, EpiserveService(config, core.catalog,
-                                                               core.planner, core.stats))
-        assert plane is not None
-        return plane
-
-    plane = asyncio.run_coroutine_threadsafe(start(), loop).result(60)
-    yield plane, unix
-    asyncio.run_coroutine_threadsafe(plane.stop(), loop).result(30)
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(10)
-    loop.close()
+    with plane_in_thread(config) as (served, _):
+        yield served, unix
 
 
 @pytest.mark.parametrize("raised", smoke_first([

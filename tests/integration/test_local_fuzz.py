@@ -17,10 +17,8 @@ import asyncio
 import contextlib
 import os
 import socket
-import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,10 +33,8 @@ from episerve_client.read_answer import InSegment, read_result
 from episerve_proto import local_plane as lp
 from episerve_proto.contract import METHODS
 from episerve_server.config import ServerConfig
-from episerve_server.rpc.handlers.service import EpiserveService
 from episerve_server.rpc.local_plane.plane import LocalPlane
-from episerve_server.wiring import build_read_core
-from tests.support.localpeer import Answer
+from tests.support.localpeer import Answer, plane_in_thread
 
 EXAMPLES = 50
 BUDGET = 48 << 20
@@ -78,25 +74,8 @@ def served(ramp_roots: dict[str, Path],
     unix = str(folder / "d.sock")
     config = ServerConfig(root=str(ramp_roots["sharded"]), unix=unix, cache_bytes=16 << 20,
                           max_buffered_bytes=BUDGET, local_segments=4, local_idle_s=5.0)
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-
-    async def start() -> LocalPlane:
-        core = build_read_core(config)
-        await core.catalog.scan()
-        service = EpiserveService(config, core.catalog, core.planner, core.stats)
-        plane = await LocalPlane.start(config, service)
-        assert plane is not None
-        return plane
-
-    plane = asyncio.run_coroutine_threadsafe(start(), loop).result(60)
-    yield Served(plane, loop, unix)
-    done: Future[None] = asyncio.run_coroutine_threadsafe(plane.stop(), loop)
-    done.result(30)
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(10)
-    loop.close()
+    with plane_in_thread(config) as (plane, loop):
+        yield Served(plane, loop, unix)
 
 
 # -- the peer's moves -------------------------------------------------------------------------

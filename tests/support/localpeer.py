@@ -5,12 +5,16 @@ client on the same host can do, without the client library's rules."""
 from __future__ import annotations
 
 import array
+import asyncio
 import contextlib
 import mmap
 import os
 import socket
 import struct
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -134,3 +138,33 @@ def inq(sock: socket.socket) -> int:
     raw = fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0")
     n: int = struct.unpack("i", raw)[0]
     return n
+
+
+@contextlib.contextmanager
+def plane_in_thread(config: Any) -> Iterator[tuple[Any, asyncio.AbstractEventLoop]]:
+    """A read core and its local plane on ``config``, served by an event loop in a thread
+    of this process (a real plane, a real socket; no daemon process): (plane, loop)."""
+    from episerve_server.rpc.handlers.service import EpiserveService
+    from episerve_server.rpc.local_plane.plane import LocalPlane
+    from episerve_server.wiring import build_read_core
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    async def start() -> LocalPlane:
+        core = build_read_core(config)
+        await core.catalog.scan()
+        plane = await LocalPlane.start(config, EpiserveService(config, core.catalog,
+                                                               core.planner, core.stats))
+        assert plane is not None
+        return plane
+
+    plane = asyncio.run_coroutine_threadsafe(start(), loop).result(60)
+    try:
+        yield plane, loop
+    finally:
+        asyncio.run_coroutine_threadsafe(plane.stop(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
