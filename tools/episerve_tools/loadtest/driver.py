@@ -282,7 +282,7 @@ async def run(plan: Plan, episodes: str = "") -> dict[str, Any]:
     pool = None
     clients: list[CountingClient | ThreadedClient]
     if plan.transport == "grpc":
-        clients = [CountingClient(plan.targets, **plan.client_options)
+        clients = [CountingClient(plan.targets, transport="grpc", **plan.client_options)
                    for _ in range(plan.concurrency)]
     else:
         pool = ThreadPoolExecutor(plan.concurrency, thread_name_prefix="loadtest")
