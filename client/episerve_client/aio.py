@@ -33,13 +33,15 @@ from episerve_proto.contract import SERVICE_PATH
 class AsyncClient(LocalPlanes, BaseClient):
     """Like ``Client``; channels belong to the event loop of the process that made them.
 
-    ``transport`` is ``Client``'s: ``"auto"`` reads from a unix-socket daemon of this host
-    over its local shared-memory plane when it offers one. A call over the plane runs in
-    a worker thread (``asyncio.to_thread``), one call at a time per daemon; a call whose
-    task is cancelled still runs to its end there, and its answer is dropped.
+    ``transport``: ``"grpc"`` by default, where concurrent calls to one daemon run at once
+    over its HTTP/2 connection. ``"auto"`` or ``"local"`` (``Client``'s) read from a
+    unix-socket daemon of this host over its local shared-memory plane: each call runs in a
+    worker thread (``asyncio.to_thread``), one call at a time per daemon, so a caller that
+    overlaps many reads keeps gRPC; a call whose task is cancelled still runs to its end
+    there, and its answer is dropped.
     """
 
-    def __init__(self, target: str | Sequence[str], *, transport: str = "auto",
+    def __init__(self, target: str | Sequence[str], *, transport: str = "grpc",
                  **options: Any) -> None:
         super().__init__(target, **options)
         self._init_planes(transport, self.targets)
