@@ -172,12 +172,13 @@ class AsyncClient(LocalPlanes, BaseClient):
                                     "for this client's earlier calls to the same daemon",
                                     target=call.target)
         try:
-            if self.must_connect(call.target):
+            if self.must_connect(call.target):  # fails in seconds, naming why (as Client's)
                 await asyncio.to_thread(plane.connect, self.connect_wait_s(call))
-            data = await asyncio.to_thread(plane.call, call.method, call.payload,
-                                           max(deadline - loop.time(), 0.001))
-        except EpiserveError as exc:
-            return exc
+            try:
+                data = await asyncio.to_thread(plane.call, call.method, call.payload,
+                                               max(deadline - loop.time(), 0.001))
+            except EpiserveError as exc:
+                return exc
         finally:
             lock.release()
         self.answered.add(call.target)

@@ -39,16 +39,18 @@ def _calls(target: str) -> dict[str, Callable[[], Any]]:
                 return c.stats()
         return call
 
-    def aio() -> Any:
-        c = SyncAsync(target, timeout_s=TIMEOUT_S)
-        try:
-            return c.read(KEYPOINTS, [("ep003d", 5)])
-        finally:
-            c.close()
+    def aio(transport: str) -> Callable[[], Any]:
+        def call() -> Any:
+            c = SyncAsync(target, timeout_s=TIMEOUT_S, transport=transport)
+            try:
+                return c.read(KEYPOINTS, [("ep003d", 5)])
+            finally:
+                c.close()
+        return call
 
     calls = {f"{t}-{w}": sync(t, w) for t in ("auto", "local", "grpc")
              for w in ("list", "read", "stats")}
-    calls["async-read"] = aio
+    calls |= {f"async-{t}-read": aio(t) for t in ("grpc", "auto", "local")}
     calls["dataset"] = lambda: WindowDataset(target, KEYPOINTS,
                                              client_options={"timeout_s": TIMEOUT_S})
     return calls
