@@ -285,9 +285,9 @@ def test_frame_chunks_and_slabs_evict_as_a_reference_lru(
                 model.move_to_end(k)
         elif op == "take":  # the read plan's batched hits, distinct kept chunks in order
             keys = [m for m in list(model) if m[1] == "img" and m[2] % width == 0]
-            entries = cache.frame_entries(keys)
-            assert entries is not None
-            cache.take_frames(keys, entries)
+            found = cache.frames_found(keys)
+            assert None not in found
+            cache.take_frames(keys, found)  # type: ignore[arg-type]
             for m in keys:
                 model.move_to_end(m)
         elif op == "drop":

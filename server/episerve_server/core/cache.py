@@ -314,7 +314,7 @@ class ChunkCache:
                     fids: np.ndarray | None = None) -> list[list[bytes]]:
         """``get`` of cached frame chunks (distinct) in turn: each a hit with its own tick
         of the clock, no numeric branch; stamped in two array assignments. ``entries`` and
-        their ``fids``, from ``frame_entries`` and ``frame_ids``, save looking them up."""
+        their ``fids``, from ``frames_found`` and ``frame_ids``, save looking them up."""
         if entries is None:
             entries = list(map(self._frames.entries.__getitem__, keys))
         self._frames.touch(self._frames.fids(entries) if fids is None else fids,
@@ -324,7 +324,7 @@ class ChunkCache:
         return list(map(_FRAMES, entries))
 
     def frame_ids(self, entries: list[list[Any]]) -> np.ndarray:
-        """The numbers of chunks found by ``frame_entries`` (valid while the cache's
+        """The numbers of chunks found by ``frames_found`` (valid while the cache's
         ``version`` is unchanged)."""
         return self._frames.fids(entries)
 
@@ -337,12 +337,6 @@ class ChunkCache:
         """Each chunk as kept, [frames, bytes, fid], or None where it is not cached.
         Nothing is stamped or counted."""
         return list(map(self._frames.entries.get, keys))
-
-    def frame_entries(self, keys: Sequence[ChunkKey]) -> list[list[Any]] | None:
-        """Each chunk as kept, [frames, bytes, fid], for ``take_frames``; None if one is
-        not cached. Nothing is stamped or counted."""
-        got = list(map(self._frames.entries.get, keys))
-        return None if None in got else cast(list[list[Any]], got)
 
     # -- frame bytes and the scalar API -------------------------------------------------------
 

@@ -29,7 +29,7 @@ FIRST_ROOM = 64  # chunks the arrays hold before they first grow (they double)
 class FrameChunks:
     def __init__(self) -> None:
         #: chunk key -> [frames, their bytes as charged, fid]: a list, so a caller holding
-        #: one (``ChunkCache.frame_entries``) sees what a later store or hit did to it
+        #: one (``ChunkCache.frames_found``) sees what a later store or hit did to it
         self.entries: dict[ChunkKey, list[Any]] = {}
         self._of_episode: dict[str, set[ChunkKey]] = {}  # so a drop costs that episode's
         self.stamp = np.full(FIRST_ROOM, -1, np.int64)  # -1: the fid is free

@@ -52,7 +52,6 @@ class Planner:
                  fetch_limit: int = 64, offload_bytes: int = 1 << 20,
                  loops: PlanLoops = PLAN) -> None:
         self.catalog, self.cache, self.stats = catalog, cache, stats
-        self.offload_bytes = offload_bytes
         self.fetcher = Fetcher(catalog, cache, stats, limit=fetch_limit,
                                offload_bytes=offload_bytes)
         self.locator = Locator(catalog, cache, loops)
