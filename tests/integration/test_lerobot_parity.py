@@ -166,6 +166,33 @@ def test_items_equal_lerobot_dataset(served: tuple[Path, str], delta: str,
         same((delta, "batch", i), batch[b], theirs[i])
 
 
+@pytest.mark.parametrize("uint8", [False, True], ids=["float32", "uint8"])
+def test_dataloader_batches_equal_lerobot_datasets(served: tuple[Path, str],
+                                                   uint8: bool) -> None:
+    """As a LeRobot training loop reads: 2 spawned workers, a shuffled order, torch's
+    default collate. Our frames are collated without a copy (their column is handed over),
+    LeRobot's are stacked; every batch is the same."""
+    from torch.utils.data import DataLoader
+
+    root, target = served
+    if V21 and uint8:
+        pytest.skip("LeRobot 0.3.3 gives float32 frames only (no return_uint8)")
+    options = {"return_uint8": True} if uint8 else {}
+    theirs = LeRobotDataset("episerve/parity", root=root, delta_timestamps=DELTAS["window"],
+                            video_backend="pyav", **options)
+    ours = LeRobotWindowDataset(target, root, DELTAS["window"], return_uint8=uint8)
+    order = np.random.default_rng(5).permutation(len(ours)).tolist()
+
+    def batches(ds: Any) -> list[dict[str, Any]]:
+        return list(DataLoader(ds, batch_size=8, sampler=order, num_workers=2,
+                               multiprocessing_context="spawn"))
+
+    got, want = batches(ours), batches(theirs)
+    assert len(got) == len(want) == -(-len(order) // 8)
+    for k, (mine, ref) in enumerate(zip(got, want, strict=True)):
+        assert same(("loader", k), mine, ref) == 0.0
+
+
 def test_an_episode_subset_indexes_as_lerobot_does_over_grpc(
         served: tuple[Path, str]) -> None:
     root, target = served

@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 from torch.utils.data import default_collate
+from torch.utils.data._utils.collate import collate as torch_collate
+from torch.utils.data._utils.collate import default_collate_fn_map
 
 from episerve_client.data.batch import SampleBatch
 from episerve_client.errors import InvalidArgument, surfaced
@@ -46,6 +48,54 @@ def collate(batch: Sequence[dict[str, Any]] | SampleBatch) -> dict[str, Any]:
         else:
             out[key] = default_collate(values)
     return out
+
+
+class StackedItem(dict[str, Any]):
+    """One item of a batch whose largest tensors are rows of columns already stacked
+    (``StackedItems``). To its user a plain dict; torch's default collate, which dispatches
+    on the item's type, hands those columns over instead of stacking the rows again."""
+
+    __slots__ = ()
+
+
+class StackedItems(list[StackedItem]):
+    """A batch's items in order, and ``columns``: for some keys, the [B, ...] tensor whose
+    row ``b`` item ``b`` holds as a view. In a DataLoader worker the columns are in torch
+    shared memory, so the collated batch reaches the main process as a descriptor."""
+
+    def __init__(self, items: Sequence[StackedItem], columns: dict[str, torch.Tensor]) -> None:
+        super().__init__(items)
+        self.columns = columns
+
+
+def _rows_of(column: torch.Tensor, values: Sequence[Any]) -> bool:
+    """Whether ``values`` are ``column``'s rows in order, each still the view it was made as
+    (same address, shape, strides and dtype): then ``column`` is their stack, exactly."""
+    if len(values) != column.shape[0]:
+        return False
+    base, step = column.data_ptr(), column.stride(0) * column.element_size()
+    shape, strides = column.shape[1:], column.stride()[1:]
+    return all(isinstance(v, torch.Tensor) and v.dtype == column.dtype and v.shape == shape
+               and v.stride() == strides and v.data_ptr() == base + b * step
+               for b, v in enumerate(values))
+
+
+def collate_stacked(batch: Sequence[StackedItem], *,
+                    collate_fn_map: dict[Any, Any] | None = None) -> dict[str, Any]:
+    """torch's default collate of ``StackedItem``s: what it would build (a dict of each
+    key's values collated), with a column of ``StackedItems`` given as it is when the items
+    still hold its rows; any other batch of them is collated key by key."""
+    columns = batch.columns if isinstance(batch, StackedItems) else {}
+    out: dict[str, Any] = {}
+    for key in batch[0]:
+        values = [item[key] for item in batch]
+        column = columns.get(key)
+        out[key] = column if column is not None and _rows_of(column, values) else \
+            torch_collate(values, collate_fn_map=collate_fn_map)
+    return out
+
+
+default_collate_fn_map[StackedItem] = collate_stacked
 
 
 #: Frames above the dataset's batch method searched for the DataLoader's fetcher.

@@ -231,7 +231,7 @@ class WindowDataset(Dataset[dict[str, Any]]):
         """Sample ``index``; a negative one counts from the end, as in a Python sequence."""
         return self.__getitems__([sequence_index(index, len(self))])[0]
 
-    def __getitems__(self, indices: Sequence[int]) -> SampleBatch | list[dict[str, Any]]:
+    def __getitems__(self, indices: Sequence[int]) -> Sequence[dict[str, Any]]:
         samples = [self.locate(int(g)) for g in indices]
         # A batch sampler may attach the indices of a batch to come (``.prefetch``): the
         # daemon then fetches their chunks into its cache in the background.
@@ -356,7 +356,7 @@ class WindowDataset(Dataset[dict[str, Any]]):
                 e: declared.get(e) for e in set(result.episodes)})
             try:
                 decoded, bad = decode_column(frames, index, check, self._frame_dtype,
-                                             self.max_decoded_bytes)
+                                             self.max_decoded_bytes, self._frame_memory())
             except FrameSizeMismatch as exc:
                 episode = result.episodes[exc.position]
                 raise InvalidArgument(
@@ -371,6 +371,11 @@ class WindowDataset(Dataset[dict[str, Any]]):
             arrays[name] = decoded
         return SampleBatch(arrays, objects, result.episodes, result.frame_index, result.fps,
                            self._embodiments(result), self._total_frames(result)), failed
+
+    def _frame_memory(self) -> Callable[[tuple[int, ...], type[np.generic]], np.ndarray]:
+        """How a batch's decoded frames are allocated (``LeRobotWindowDataset``: in torch
+        shared memory in a DataLoader worker)."""
+        return np.empty
 
     @property
     def _frame_dtype(self) -> type[np.generic]:

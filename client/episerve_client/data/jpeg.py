@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -177,6 +177,7 @@ def _decode_as(data: Frame, size: Size) -> np.ndarray | None:
 def decode_column(frames: Sequence[Frame], index: np.ndarray, check: FrameCheck | None = None,
                   dtype: type[np.generic] = np.float32,
                   max_bytes: int = DEFAULT_MAX_DECODED_BYTES,
+                  alloc: Callable[[tuple[int, ...], type[np.generic]], np.ndarray] = np.empty,
                   ) -> tuple[np.ndarray | None, set[int]]:
     """Frames ``index`` (shape [B] or [B, K]) as [B, (K,) 3, H, W] ``dtype``: float32 in
     [0, 1], or uint8 copied straight from the decoder (no float pass).
@@ -187,7 +188,8 @@ def decode_column(frames: Sequence[Frame], index: np.ndarray, check: FrameCheck 
     undecodable. Then the bytes the column needs (the decoded distinct frames and the
     output, where every sample has its own copy) are checked against ``max_bytes``
     (``DecodedTooLarge``), before anything is decoded or allocated. Frames that decode to
-    different sizes within the batch raise ``FrameSizeMismatch``.
+    different sizes within the batch raise ``FrameSizeMismatch``. ``alloc(shape, dtype)``
+    gives the output array (uninitialized).
     """
     flat = index.reshape(len(index), -1)
     rows = flat.tolist()
@@ -205,7 +207,7 @@ def decode_column(frames: Sequence[Frame], index: np.ndarray, check: FrameCheck 
     if need > max_bytes:
         raise DecodedTooLarge.of(check, index.shape, (h, w), len(known), need, max_bytes)
     decoded = {k: None if s is None else _decode_as(frames[k], s) for k, s in sizes.items()}
-    out = np.empty((*index.shape, 3, h, w), dtype)
+    out = alloc((*index.shape, 3, h, w), dtype)
     view = out.reshape(len(index), -1, 3, h, w)
     failed: set[int] = set()
     for b, row in enumerate(rows):

@@ -17,16 +17,19 @@ string). Index ``i`` is LeRobot's ``i``: the episodes in order, their frames in 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.data import get_worker_info
 
 from episerve_client._probe import rows
 from episerve_client.data.batch import SampleBatch
+from episerve_client.data.collation import StackedItem, StackedItems
 from episerve_client.data.dataset import WindowDataset
+from episerve_client.data.shared import as_tensor, shared_empty
 from episerve_client.errors import DataLossError, InvalidArgument, surfaced
 from episerve_client.lerobot import DEFAULT_TOLERANCE_S, TASK_KEY, _info, keymap_from_lerobot
 from episerve_client.lerobot_quantiles import Stats, as_json, dataset_stats
@@ -54,8 +57,9 @@ class LeRobotWindowDataset(WindowDataset):
     ``on_broken`` are set here).
     """
 
-    #: Items are fresh tensors that torch's collate stacks, so an answer's segment goes back
-    #: to the daemon's pool once read and the next batch is written into the same pages.
+    #: Items' frames are written out of the answer into a column of their own (in CHW, and
+    #: float32 unless uint8), so an answer's segment goes back to the daemon's pool once
+    #: read and the next batch is written into the same pages.
     _batches_travel = False
 
     def __init__(self, target: str | Sequence[str],
@@ -91,22 +95,36 @@ class LeRobotWindowDataset(WindowDataset):
         self._episode_index = {e.hash: _attr_int(e.hash, e.attrs, "lerobot_episode_index")
                                for e in self.episodes}
 
-    def __getitems__(self, indices: Sequence[int]) -> list[dict[str, Any]]:
+    def __getitems__(self, indices: Sequence[int]) -> StackedItems:
+        """The items, each a dict; their frames are rows of one [B, ...] tensor per video
+        feature, which torch's default collate takes as the batch's instead of stacking
+        the rows again (``StackedItems``): in a DataLoader worker that tensor is in shared
+        memory from the start, so the frames are written once, where the training loop
+        reads them."""
         batch = super().__getitems__(indices)
         assert isinstance(batch, SampleBatch)  # no transforms: they are LeRobot's to apply
-        return [self._item(batch, b) for b in range(len(batch))]
+        frames: dict[str, torch.Tensor] = {}
+        for name, spec in self.features.items():
+            if spec.get("dtype") == "video":
+                column = as_tensor(batch.arrays[name])
+                window = self.delta_timestamps.get(name)
+                frames[name] = column[:, 0] if window is not None and len(window) == 1 \
+                    else column
+        return StackedItems([self._item(batch, b, frames) for b in range(len(batch))], frames)
 
-    def _item(self, batch: SampleBatch, b: int) -> dict[str, Any]:
+    def _frame_memory(self) -> Callable[[tuple[int, ...], type[np.generic]], np.ndarray]:
+        return shared_empty if get_worker_info() is not None else np.empty
+
+    def _item(self, batch: SampleBatch, b: int,
+              frames: Mapping[str, torch.Tensor]) -> StackedItem:
         episode = batch.episode_hash[b]
         frame = int(batch.frame_index[b])
-        item: dict[str, Any] = {}
+        item = StackedItem()
         for name, spec in self.features.items():
             value = batch.arrays[name][b]
             window = self.delta_timestamps.get(name)
-            if spec.get("dtype") == "video":
-                if window is not None and len(window) == 1:
-                    value = value[0]
-                item[name] = torch.from_numpy(np.ascontiguousarray(value))
+            if name in frames:
+                item[name] = frames[name][b]
             else:
                 shape = [int(n) for n in spec.get("shape", ())]
                 if shape == [1]:

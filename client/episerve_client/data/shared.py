@@ -21,6 +21,18 @@ def adopt_segment(fd: int, size: int) -> np.ndarray:
     return flat
 
 
+def shared_empty(shape: tuple[int, ...], dtype: type[np.generic]) -> np.ndarray:
+    """An uninitialized array in torch shared memory (its base is the storage's tensor, so
+    ``as_tensor`` gives a tensor of that storage): a tensor made from it crosses to the main
+    process as a descriptor, as torch's own collate does in a worker."""
+    nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    new_shared = getattr(torch.UntypedStorage, "_new_shared", None)
+    if new_shared is None:  # a torch without it: plain memory, torch copies it as it would
+        return np.empty(shape, dtype)
+    flat = torch.empty(0, dtype=torch.uint8).set_(new_shared(max(nbytes, 1))).numpy()
+    return flat[:nbytes].view(dtype).reshape(shape)
+
+
 def as_tensor(v: np.ndarray) -> torch.Tensor:
     """``v`` as a tensor sharing its memory: a view of the segment's storage when ``v`` is a
     view of an adopted segment (so it travels between processes as a descriptor), else
