@@ -22,7 +22,7 @@ def test_large_batch_is_assembled_off_the_loop_and_matches(
     real, in_thread = locator.gather, []
 
     def gather(*args: Any, **kw: Any) -> Any:
-        in_thread.append((len(args) > 3 and args[3]) or kw.get("nogil", False))
+        in_thread.append(kw.get("nogil", False))
         return real(*args, **kw)
 
     monkeypatch.setattr(locator, "gather", gather)

@@ -90,10 +90,13 @@ class Job:
 class Fetcher:
     """Fetches missing chunks for reads, prefetch hints and preload: once, in batches."""
 
+    #: A job's fetched bytes from which its chunks are cut and decoded in a worker thread.
+    offload_bytes = 1 << 20
+
     def __init__(self, catalog: Catalog, cache: ChunkCache, stats: Stats, *,
-                 limit: int = 64, offload_bytes: int = 1 << 20) -> None:
+                 limit: int = 64) -> None:
         self.catalog, self.cache, self.stats = catalog, cache, stats
-        self.limit, self.offload_bytes = limit, offload_bytes
+        self.limit = limit
         #: decoded chunks kept on disk (``storage/spill.py``), read before decoding; set by
         #: the wiring when ``--spill-dir`` is given
         self.spill: SpillTier | None = None
@@ -339,10 +342,7 @@ class Fetcher:
         except Refused as exc:
             raise reader.loss(f"store object {exc.key!r} refused: {exc.why}") from exc
         except FileNotFoundError as exc:  # a shard index vanished: is the episode gone?
-            await self.check_present(reader)
-            info = reader.info
-            raise DataLossError(f"episode {info.episode!r} key {info.name!r}: data went "
-                                f"missing ({exc})", episode=info.episode, key=info.name) from exc
+            raise await self._went_missing(reader, exc) from exc
         except (OSError, TimeoutError) as exc:
             raise storage_error(exc, reader.info.episode, reader.info.name) from exc
 
@@ -383,11 +383,7 @@ class Fetcher:
                 return await asyncio.to_thread(split_decode, *args)
             return split_decode(*args)
         except Vanished as exc:
-            await self.check_present(exc.reader)
-            info = exc.reader.info
-            raise DataLossError(f"episode {info.episode!r} key {info.name!r}: data went "
-                                f"missing ({exc.exc})", episode=info.episode,
-                                key=info.name) from exc.exc
+            raise await self._went_missing(exc.reader, exc.exc) from exc.exc
 
     def _count(self, runs: list[tuple[ChunkReader, int, int]], plans: list[RunPlan | None],
                raws: list[bytes | None], fallback: dict[int, list[Raw | Chunk]]) -> None:
@@ -418,18 +414,19 @@ class Fetcher:
             try:
                 raws = await reader.fetch(first, last)
             except FileNotFoundError as exc:
-                await self.check_present(reader)
-                info = reader.info
-                raise DataLossError(
-                    f"episode {info.episode!r} key {info.name!r}: data went missing "
-                    f"({exc})", episode=info.episode, key=info.name,
-                ) from exc
+                raise await self._went_missing(reader, exc) from exc
             except (OSError, TimeoutError) as exc:
                 raise storage_error(exc, reader.info.episode, reader.info.name) from exc
         self.stats.episodes[reader.info.episode].chunks_fetched += len(raws)
         self.stats.chunks_fetched += len(raws)
         self.stats.bytes_fetched += sum(len(r) for r in raws if isinstance(r, bytes))
         return raws
+
+    async def _went_missing(self, reader: ChunkReader, exc: BaseException) -> DataLossError:
+        """What a read whose data vanished raises: NOT_FOUND when the episode is gone (raised
+        here), else data loss naming the episode and key."""
+        await self.check_present(reader)
+        return reader.loss(f"data went missing ({exc})")
 
     async def check_present(self, reader: ChunkReader) -> None:
         """Missing data may mean the episode folder was deleted: then drop it, NOT_FOUND."""

@@ -92,9 +92,7 @@ def _fixed_kinds(keys: dict[str, KeyGeometry], entries: dict[str, tuple[KeySpec,
     if not all(g.shapes and g.one_shape for g in keys.values()):
         return None, (0, 0)
     kinds = {key: g.shapes[0] for key, g in keys.items()}
-    plain = sum(entry_bytes(e, row_bytes(*kinds[k]), False) for k in keys for e in entries[k])
-    masked = sum(entry_bytes(e, row_bytes(*kinds[k]), True) for k in keys for e in entries[k])
-    return kinds, (plain, 8 + masked)  # with all_masks, each sample's total_frames too
+    return kinds, (_sample_bytes(entries, kinds, False), _sample_bytes(entries, kinds, True))
 
 
 def _geometry(key: str, episodes: tuple[Episode, ...], servable: np.ndarray) -> KeyGeometry:
@@ -138,18 +136,13 @@ def check_keys(keymap: Keymap, episode: Episode) -> None:
     for e in keymap:
         reader = episode.readers.get(e.zarr_key)
         why = episode.why_not(e.zarr_key) if reader is None else None
+        cannot = (f"output key {e.name!r}: episode {episode.hash!r} cannot serve zarr_key "
+                  f"{e.zarr_key!r}")
         if why is not None:  # the data is broken, not the keymap
-            raise BrokenEpisodeError(
-                f"output key {e.name!r}: episode {episode.hash!r} cannot serve zarr_key "
-                f"{e.zarr_key!r}: {why}",
-                episode=episode.hash, key=e.zarr_key,
-            )
+            raise BrokenEpisodeError(f"{cannot}: {why}", episode=episode.hash, key=e.zarr_key)
         if reader is None:
-            why = "it has no such array"
-            raise KeymapError(
-                f"output key {e.name!r}: episode {episode.hash!r} cannot serve zarr_key "
-                f"{e.zarr_key!r} ({why})", episode=episode.hash, key=e.zarr_key,
-            )
+            raise KeymapError(f"{cannot} (it has no such array)", episode=episode.hash,
+                              key=e.zarr_key)
         if e.rule is Rule.ANNOTATION and not reader.info.is_bytes:
             raise KeymapError(
                 f"output key {e.name!r}: annotation_keys needs an array of JSON annotations, "
@@ -173,8 +166,6 @@ def batch_kinds(kp: KeymapPlan, ids: np.ndarray, order: np.ndarray
                 ) -> dict[str, tuple[tuple[int, ...], bool]]:
     """Each key's (feature, is_bytes) in this batch (``order``: its episodes' dense ids by
     first appearance); raises for a key with several among the batch's episodes."""
-    if kp.kinds is not None:
-        return kp.kinds
     kinds = {}
     for key in kp.ordered_keys:
         geo = kp.keys[key]
@@ -201,11 +192,14 @@ def answer_bytes(kp: KeymapPlan, kinds: dict[str, tuple[tuple[int, ...], bool]],
     ``all_masks``, of the ``_is_pad`` masks and total_frames), known before any window."""
     if kinds is kp.kinds:
         return n * kp.sample_bytes[all_masks]
-    total = 8 * n if all_masks else 0
-    for key in kp.ordered_keys:
-        per_row = row_bytes(*kinds[key])
-        total += n * sum(entry_bytes(e, per_row, all_masks) for e in kp.entries[key])
-    return total
+    return n * _sample_bytes(kp.entries, kinds, all_masks)
+
+
+def _sample_bytes(entries: dict[str, tuple[KeySpec, ...]],
+                  kinds: dict[str, tuple[tuple[int, ...], bool]], all_masks: bool) -> int:
+    """One sample's bytes of every entry (with ``all_masks``, its total_frames too)."""
+    return (8 if all_masks else 0) + sum(entry_bytes(e, row_bytes(*kinds[key]), all_masks)
+                                         for key, es in entries.items() for e in es)
 
 
 def first_seen(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -23,6 +23,7 @@ import operator
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -43,7 +44,7 @@ from episerve_server.plan.keymap_plan import (
     windows_of,
 )
 from episerve_server.plan.loops import PLAN, PlanLoops
-from episerve_server.plan.options import Arena, Empty
+from episerve_server.plan.options import Arena, empty32
 from episerve_server.plan.warm_layout import Fused, NumericKeys
 from episerve_server.storage.catalog import Catalog
 from episerve_server.storage.directory import Directory
@@ -139,7 +140,6 @@ class Located:
     pieces: tuple[Pieces, ...]  # per output, located by numpy
     stamps: tuple[tuple[int, list[np.ndarray]], ...]  # per key and slab: slots to stamp
     frames: tuple[Frames, ...]
-    warm: bool  # located by the kernel from the cache alone
 
     @property
     def staged_bytes(self) -> int:
@@ -256,34 +256,28 @@ class Locator:
                 fused = self.numeric.plan(layout, made, batch.uids, batch.ids, batch.total,
                                           self._scratch(2 * len(batch.ids)), stamps)
         for key in kp.ordered_keys:
-            feature, is_bytes = batch.kinds[key]
-            if is_bytes:
+            if batch.kinds[key][1]:
                 frames.append(self._frames(key, batch, windows, own, needs))
             elif fused is None:
-                got = self._rows(key, batch, feature, windows, own, held, needs)
+                got = self._rows(key, batch, windows, own, needs, held=held)
                 if got is not None:
                     pieces.extend(got[0])
                     stamps.extend(got[1])
         if needs:
             pinned = Pinned()
             for key in kp.ordered_keys if pin else ():  # what was found, chunk by chunk
-                feature, is_bytes = batch.kinds[key]
-                if is_bytes:
-                    self._frames(key, batch, windows, own, [], pinned)
-                else:
-                    self._rows(key, batch, feature, windows, own, held, [], pinned)
+                find = self._frames if batch.kinds[key][1] else partial(self._rows, held=held)
+                find(key, batch, windows, own, [], pinned=pinned)
             return Missing(needs, pinned)
-        warm = fused is not None and not any(f.own for f in frames)
-        return Located(windows, fused, tuple(pieces), tuple(stamps), tuple(frames), warm)
+        return Located(windows, fused, tuple(pieces), tuple(stamps), tuple(frames))
 
-    def _rows(self, key: str, batch: Batch, feature: tuple[int, ...],
-              windows: dict[str, Window], own: dict[ChunkId, Chunk],
-              held: dict[ChunkId, tuple[int, int]], needs: list[Need],
-              pinned: Pinned | None = None) -> tuple[list[Pieces], list[Any]] | None:
+    def _rows(self, key: str, batch: Batch, windows: dict[str, Window],
+              own: dict[ChunkId, Chunk], needs: list[Need], pinned: Pinned | None = None, *,
+              held: dict[ChunkId, tuple[int, int]]) -> tuple[list[Pieces], list[Any]] | None:
         """One numeric key located by numpy: each output row's chunk in the cache (any
         slab), in a slot the read ``held`` or in ``own``. Chunks in none go to ``needs``
         (then None); ``pinned`` collects the chunks found in the cache."""
-        geo, ids = batch.kp.keys[key], batch.ids
+        geo, ids, feature = batch.kp.keys[key], batch.ids, batch.kinds[key][0]
         entries = batch.kp.entries[key]
         ws = [windows[e.name].rows for e in entries]
         _check_rows(key, batch, geo, ws)
@@ -445,7 +439,7 @@ class Locator:
         hits. Returns each camera key's distinct frames."""
         if located.stamps:  # keys never share a slot: the hits are the sum of the keys'
             self.cache.count(self.cache.stamp_slabs(located.stamps), 0)
-        if located.warm:
+        if located.fused is not None:  # only a batch with nothing of its own is fused
             self.warm_batches += 1
         out: dict[str, list[bytes]] = {}
         for f in located.frames:
@@ -454,13 +448,14 @@ class Locator:
                                   f.within))
         return out
 
-    def gather(self, located: Located, empty: Empty, arena: Arena | None = None,
+    def gather(self, located: Located, arena: Arena | None = None, *,
                nogil: bool = False) -> dict[str, np.ndarray]:
-        """Every numeric output, into arrays from ``empty`` (or ``arena``): in one kernel
-        call for a batch the kernel located (``nogil``: in a worker thread), else one
-        ``take`` per output and source."""
+        """Every numeric output, into new arrays (or ``arena``'s): in one kernel call for a
+        batch the kernel located (``nogil``: in a worker thread), else one ``take`` per
+        output and source."""
         if located.fused is not None:
-            return self.numeric.gather(located.fused, empty, arena, nogil)
+            return self.numeric.gather(located.fused, arena, nogil)
+        empty = arena.empty if arena is not None else empty32
         out: dict[str, np.ndarray] = {}
         stages: dict[int, np.ndarray] = {}  # a key's own chunks, joined once for its outputs
         for p in located.pieces:
@@ -505,10 +500,8 @@ class Locator:
 
     def _keymap_plan(self, keymap: Keymap, directory: Directory) -> KeymapPlan:
         kp = self._plans.get(keymap)
-        if kp is not None and kp.directory is directory:
-            self._plans.move_to_end(keymap)
-            return kp
-        kp = self._plans[keymap] = compile_keymap(keymap, directory)
+        if kp is None or kp.directory is not directory:
+            kp = self._plans[keymap] = compile_keymap(keymap, directory)
         self._plans.move_to_end(keymap)
         while len(self._plans) > MAX_PLANS:
             self._plans.popitem(last=False)

@@ -25,10 +25,6 @@ class ReadOptions:
     arena: Arena | None = None
 
 
-#: Makes a float32 output array of a shape (``np.empty``, or the local plane's arena).
-Empty = Callable[[tuple[int, ...]], np.ndarray]
-
-
 def empty32(shape: tuple[int, ...]) -> np.ndarray:
     return np.empty(shape, np.float32)
 

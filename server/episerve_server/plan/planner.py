@@ -36,7 +36,7 @@ from episerve_server.plan.fetcher import ChunkId, Fetcher, Need
 from episerve_server.plan.keymap_plan import answer_bytes
 from episerve_server.plan.locate import PACK, Batch, Located, Locator, Missing
 from episerve_server.plan.loops import PLAN, PlanLoops
-from episerve_server.plan.options import Budget, Empty, ReadOptions, empty32, too_big
+from episerve_server.plan.options import Budget, ReadOptions, too_big
 from episerve_server.plan.texts import TextTables
 from episerve_server.storage.annotations import load_spans
 from episerve_server.storage.catalog import Catalog
@@ -49,11 +49,9 @@ DEFAULT_OPTIONS = ReadOptions()
 
 class Planner:
     def __init__(self, catalog: Catalog, cache: ChunkCache, stats: Stats, *,
-                 fetch_limit: int = 64, offload_bytes: int = 1 << 20,
-                 loops: PlanLoops = PLAN) -> None:
+                 fetch_limit: int = 64, loops: PlanLoops = PLAN) -> None:
         self.catalog, self.cache, self.stats = catalog, cache, stats
-        self.fetcher = Fetcher(catalog, cache, stats, limit=fetch_limit,
-                               offload_bytes=offload_bytes)
+        self.fetcher = Fetcher(catalog, cache, stats, limit=fetch_limit)
         self.locator = Locator(catalog, cache, loops)
         self.texts = TextTables()
 
@@ -69,10 +67,8 @@ class Planner:
             raise too_big(out_bytes, limit, n)
         if options.admit is not None:
             options.admit(out_bytes)
-        empty = empty32
         if options.arena is not None:
             await options.arena.open(out_bytes, len(keymap))
-            empty = options.arena.empty
         spans = await self._spans(keymap, batch, options)
         cut = None
         if "annotations" in spans and options.annotation_cutoff:
@@ -94,14 +90,14 @@ class Planner:
                 if type(again) is not Located:  # every chunk is the read's own or kept now
                     raise RuntimeError("a batch lacked chunks it had fetched or kept")
                 located = again
-            return await self._serve(keymap, batch, located, spans, options, out_bytes, empty)
+            return await self._serve(keymap, batch, located, spans, options, out_bytes)
         finally:
             if held:
                 self.cache.unpin(list(held.values()))
 
     async def _serve(self, keymap: Keymap, batch: Batch, located: Located,
-                     spans: dict[str, list[list[Span]]], options: ReadOptions, out_bytes: int,
-                     empty: Empty) -> BatchResult:
+                     spans: dict[str, list[list[Span]]], options: ReadOptions,
+                     out_bytes: int) -> BatchResult:
         """A located batch's answer: stamped, gathered (off the event loop when large),
         checked against the limit, counted."""
         n, limit = len(batch.ids), options.max_response_bytes
@@ -114,12 +110,12 @@ class Planner:
         if max(out_bytes, located.staged_bytes) >= GATHER_OFFLOAD_BYTES:  # off the loop
             self.cache.hold()
             try:
-                arrays = await asyncio.to_thread(self.locator.gather, located, empty,
-                                                 options.arena, True)
+                arrays = await asyncio.to_thread(self.locator.gather, located,
+                                                 options.arena, nogil=True)
             finally:
                 self.cache.unhold()
         else:
-            arrays = self.locator.gather(located, empty, options.arena)
+            arrays = self.locator.gather(located, options.arena)
         result = _answer(keymap, batch, located, arrays, frames, texts, options.all_masks)
         if limit and result.nbytes > limit:
             raise too_big(result.nbytes, limit, n)

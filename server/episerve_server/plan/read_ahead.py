@@ -78,15 +78,13 @@ POLL_S = 0.002
 class Background:
     """The hint queue and its worker, and the preload task, over a planner's fetcher."""
 
-    def __init__(self, planner: Planner, *, budget_bytes: int, response_limit: int = 0,
-                 max_queue: int = MAX_QUEUED_HINTS, peer_cells: int = HINT_PEER_CELLS,
-                 total_cells: int = HINT_TOTAL_CELLS) -> None:
+    max_queue, peer_cells, total_cells = MAX_QUEUED_HINTS, HINT_PEER_CELLS, HINT_TOTAL_CELLS
+
+    def __init__(self, planner: Planner, *, budget_bytes: int, response_limit: int = 0) -> None:
         self.planner, self.fetcher = planner, planner.fetcher
         self.stats, self.cache = planner.stats, planner.cache
         self.budget_bytes = budget_bytes
         self.response_limit = response_limit  # 0: no limit
-        self.max_queue = max_queue
-        self.peer_cells, self.total_cells = peer_cells, total_cells
         self.in_flight_bytes = 0
         self.queued_cells = 0
         self._peer_cells: dict[str, int] = {}

@@ -22,7 +22,7 @@ from episerve_server.core.cache import ChunkCache
 from episerve_server.core.windows import Window
 from episerve_server.plan.keymap_plan import KeymapPlan, row_bytes
 from episerve_server.plan.loops import PLAN, KeyArgs, Output, PlanLoops, RowsSpec
-from episerve_server.plan.options import Arena, Empty
+from episerve_server.plan.options import Arena, empty32
 
 MAX_LAYOUTS = 64  # layouts kept (cleared when more turn up)
 
@@ -117,12 +117,11 @@ class NumericKeys:
             stamps.append((slab, [slots[lo * n: hi * n]]))
         return Fused(self.outputs(layout, n), slabs, idx, n)
 
-    def gather(self, f: Fused, empty: Empty, arena: Arena | None,
-               nogil: bool = False) -> dict[str, np.ndarray]:
-        """The batch's outputs in one ``PlanLoops.gather_rows`` call, into arrays from
-        ``empty``, or all at once from ``arena`` (``nogil``: in a worker thread)."""
+    def gather(self, f: Fused, arena: Arena | None, nogil: bool = False) -> dict[str, np.ndarray]:
+        """The batch's outputs in one ``PlanLoops.gather_rows`` call, into new arrays or all
+        at once from ``arena`` (``nogil``: in a worker thread)."""
         o = f.outputs
-        outs = arena.empty_many(o.shapes) if arena is not None else list(map(empty, o.shapes))
+        outs = arena.empty_many(o.shapes) if arena is not None else list(map(empty32, o.shapes))
         self.loops.gather_rows(outs, tuple(map(self.cache.slab_data, f.slabs)), f.idx, f.n, o.spec,
                            nogil)
         return dict(zip(o.names, outs))
