@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
@@ -87,9 +88,11 @@ def collate_in_worker(batch: StackedItems) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow  # two spawned workers: seconds of CPU importing torch
 def test_a_worker_sends_the_shared_column_it_decoded_into() -> None:
+    # spawned: a fork of this process, which other tests left with threads, may deadlock
     loader = DataLoader(Stacked(), batch_size=4, num_workers=2, collate_fn=collate_in_worker,
-                        multiprocessing_context="fork")
+                        multiprocessing_context="spawn", timeout=120)
     got = list(loader)
     assert [b["index"].tolist() for b in got] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     for batch in got:
