@@ -12,8 +12,12 @@ import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
+from torch.utils.data._utils.collate import collate as torch_collate
+from torch.utils.data._utils.collate import default_collate_fn_map
 
+from episerve_client.data import lerobot_dataset
 from episerve_client.data.collation import StackedItem, StackedItems
+from episerve_client.data.lerobot_dataset import LeRobotWindowDataset
 from episerve_client.data.shared import as_tensor, shared_empty
 
 
@@ -64,6 +68,41 @@ def test_reordered_sliced_or_mixed_items_are_stacked() -> None:
         got = default_collate(mixed)
         same(got, plain(mixed))
         assert got["cam"].data_ptr() != batch.columns["cam"].data_ptr()
+
+
+def test_a_custom_tensor_collate_sees_every_tensor() -> None:
+    """A ``collate_fn_map`` whose tensor function is not torch's: no column is handed over
+    behind its back."""
+    seen: list[int] = []
+
+    def mine(batch: Sequence[torch.Tensor], *, collate_fn_map: Any = None) -> torch.Tensor:
+        seen.append(len(batch))
+        return torch.stack(list(batch)) + 1
+
+    batch = items()
+    got = torch_collate(batch, collate_fn_map={**default_collate_fn_map, torch.Tensor: mine})
+    assert torch.equal(got["cam"], batch.columns["cam"] + 1) and seen == [4, 4]
+
+
+def test_a_tensor_subclass_in_place_of_a_row_is_stacked_as_torch_stacks_it() -> None:
+    class Sub(torch.Tensor):
+        pass
+
+    batch = items()
+    batch[0]["cam"] = batch.columns["cam"][0].as_subclass(Sub)  # the same memory
+    got = default_collate(batch)
+    assert type(got["cam"]) is Sub and torch.equal(got["cam"], batch.columns["cam"])
+
+
+def test_one_sample_in_a_worker_is_not_given_a_segment_of_its_own(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Per-item reads (a ConcatDataset's, a retry) would hold a descriptor per item."""
+    monkeypatch.setattr(lerobot_dataset, "get_worker_info", object)
+    frame_memory = LeRobotWindowDataset._frame_memory
+    assert frame_memory(None, 1) is np.empty  # type: ignore[arg-type]
+    assert frame_memory(None, 2) is shared_empty  # type: ignore[arg-type]
+    monkeypatch.setattr(lerobot_dataset, "get_worker_info", lambda: None)
+    assert frame_memory(None, 32) is np.empty  # type: ignore[arg-type]
 
 
 class Stacked(Dataset[StackedItem]):

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch.utils.data import default_collate
 from torch.utils.data._utils.collate import collate as torch_collate
-from torch.utils.data._utils.collate import default_collate_fn_map
+from torch.utils.data._utils.collate import collate_tensor_fn, default_collate_fn_map
 
 from episerve_client.data.batch import SampleBatch
 from episerve_client.errors import InvalidArgument, surfaced
@@ -70,12 +70,13 @@ class StackedItems(list[StackedItem]):
 
 def _rows_of(column: torch.Tensor, values: Sequence[Any]) -> bool:
     """Whether ``values`` are ``column``'s rows in order, each still the view it was made as
-    (same address, shape, strides and dtype): then ``column`` is their stack, exactly."""
-    if len(values) != column.shape[0]:
+    (same type, address, shape, strides and dtype), and ``column`` contiguous: then it is
+    their stack, exactly as ``torch.stack`` lays it out."""
+    if len(values) != column.shape[0] or not column.is_contiguous():
         return False
     base, step = column.data_ptr(), column.stride(0) * column.element_size()
-    shape, strides = column.shape[1:], column.stride()[1:]
-    return all(isinstance(v, torch.Tensor) and v.dtype == column.dtype and v.shape == shape
+    kind, shape, strides = type(column), column.shape[1:], column.stride()[1:]
+    return all(type(v) is kind and v.dtype == column.dtype and v.shape == shape
                and v.stride() == strides and v.data_ptr() == base + b * step
                for b, v in enumerate(values))
 
@@ -84,8 +85,10 @@ def collate_stacked(batch: Sequence[StackedItem], *,
                     collate_fn_map: dict[Any, Any] | None = None) -> dict[str, Any]:
     """torch's default collate of ``StackedItem``s: what it would build (a dict of each
     key's values collated), with a column of ``StackedItems`` given as it is when the items
-    still hold its rows; any other batch of them is collated key by key."""
-    columns = batch.columns if isinstance(batch, StackedItems) else {}
+    still hold its rows and tensors are collated by torch's own function; any other batch
+    of them is collated key by key."""
+    stock = (collate_fn_map or {}).get(torch.Tensor) is collate_tensor_fn
+    columns = batch.columns if stock and isinstance(batch, StackedItems) else {}
     out: dict[str, Any] = {}
     for key in batch[0]:
         values = [item[key] for item in batch]

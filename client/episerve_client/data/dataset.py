@@ -356,7 +356,8 @@ class WindowDataset(Dataset[dict[str, Any]]):
                 e: declared.get(e) for e in set(result.episodes)})
             try:
                 decoded, bad = decode_column(frames, index, check, self._frame_dtype,
-                                             self.max_decoded_bytes, self._frame_memory())
+                                             self.max_decoded_bytes,
+                                             self._frame_memory(len(result)))
             except FrameSizeMismatch as exc:
                 episode = result.episodes[exc.position]
                 raise InvalidArgument(
@@ -372,9 +373,10 @@ class WindowDataset(Dataset[dict[str, Any]]):
         return SampleBatch(arrays, objects, result.episodes, result.frame_index, result.fps,
                            self._embodiments(result), self._total_frames(result)), failed
 
-    def _frame_memory(self) -> Callable[[tuple[int, ...], type[np.generic]], np.ndarray]:
-        """How a batch's decoded frames are allocated (``LeRobotWindowDataset``: in torch
-        shared memory in a DataLoader worker)."""
+    def _frame_memory(self, samples: int
+                      ) -> Callable[[tuple[int, ...], type[np.generic]], np.ndarray]:
+        """How the decoded frames of a read of ``samples`` are allocated
+        (``LeRobotWindowDataset``: a batch's in torch shared memory in a DataLoader worker)."""
         return np.empty
 
     @property

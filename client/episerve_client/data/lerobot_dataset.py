@@ -90,7 +90,7 @@ class LeRobotWindowDataset(WindowDataset):
         super().__init__(target, keymap, episodes=names, masks="all",
                          frames="uint8" if return_uint8 else "float32", on_broken="error",
                          **options)
-        self._collate_checked = True  # plain dicts, made for torch's default collate
+        self._collate_checked = True  # dicts, made for torch's default collate
         self._first_index = {e.hash: _first_index(e.hash, e.attrs) for e in self.episodes}
         self._episode_index = {e.hash: _attr_int(e.hash, e.attrs, "lerobot_episode_index")
                                for e in self.episodes}
@@ -112,8 +112,11 @@ class LeRobotWindowDataset(WindowDataset):
                     else column
         return StackedItems([self._item(batch, b, frames) for b in range(len(batch))], frames)
 
-    def _frame_memory(self) -> Callable[[tuple[int, ...], type[np.generic]], np.ndarray]:
-        return shared_empty if get_worker_info() is not None else np.empty
+    def _frame_memory(self, samples: int
+                      ) -> Callable[[tuple[int, ...], type[np.generic]], np.ndarray]:
+        # Not for one sample (``ds[i]`` through a ConcatDataset, a retry): a segment per
+        # item would hold a descriptor each until the collate stacks them.
+        return shared_empty if samples > 1 and get_worker_info() is not None else np.empty
 
     def _item(self, batch: SampleBatch, b: int,
               frames: Mapping[str, torch.Tensor]) -> StackedItem:
