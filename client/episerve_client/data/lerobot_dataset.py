@@ -124,11 +124,11 @@ class LeRobotWindowDataset(WindowDataset):
         frame = int(batch.frame_index[b])
         item = StackedItem()
         for name, spec in self.features.items():
-            value = batch.arrays[name][b]
             window = self.delta_timestamps.get(name)
             if name in frames:
                 item[name] = frames[name][b]
             else:
+                value = batch.arrays[name][b]
                 shape = [int(n) for n in spec.get("shape", ())]
                 if shape == [1]:
                     value = value.reshape(len(window)) if window is not None else value.reshape(())
